@@ -1,0 +1,229 @@
+"""Multi-process test harness over real ``torch.distributed`` process groups.
+
+``run_world`` starts ``world_size`` OS processes, each with the default process group initialised
+(gloo on CPU by default), runs ``fn(rank, world_size, *args)`` in each and returns the per-rank results.
+Rendezvous goes through a ``TCPStore`` that the *caller* opens on an OS-assigned loopback port, so two
+worlds started back to back (or concurrently) never race for a port.
+
+Children are started with the ``forkserver`` method and ``torch`` pre-imported in the fork server: a
+fresh interpreter importing torch costs ~2.5 s of CPU, a fork of the server costs milliseconds. ``fn``
+must be picklable (a module-level function); test modules therefore need unique basenames.
+
+``fake_world`` initialises torch's ``fake`` backend in the current process for topology tests at
+64-1024 ranks: collectives return immediately without moving data.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import multiprocessing as mp
+import multiprocessing.connection
+import os
+import time
+import traceback
+from collections.abc import Callable, Iterator, Sequence
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["WorldError", "WorldTimeoutError", "fake_world", "run_world"]
+
+_PRELOAD = ["torch", "torch.distributed", "torch.nn"]
+
+
+class WorldError(RuntimeError):
+    """A rank of a :func:`run_world` world raised; the message names the rank and holds its traceback."""
+
+    def __init__(self, rank: int, message: str, remote_traceback: str) -> None:
+        super().__init__(
+            f"rank {rank} failed: {message}\n--- traceback of rank {rank} ---\n{remote_traceback}"
+        )
+        self.rank = rank
+        self.remote_traceback = remote_traceback
+
+
+class WorldTimeoutError(TimeoutError):
+    """Ranks of a :func:`run_world` world did not finish within ``timeout_s``; they were killed."""
+
+    def __init__(self, ranks: list[int], timeout_s: float) -> None:
+        names = ", ".join(f"rank {r}" for r in ranks)
+        super().__init__(f"{names} did not finish within {timeout_s:.1f} s and were killed")
+        self.ranks = ranks
+
+
+def _worker(
+    fn: Callable[..., Any],
+    rank: int,
+    world_size: int,
+    backend: str,
+    store_port: int,
+    timeout_s: float,
+    args: tuple[Any, ...],
+    conn: Any,
+) -> None:
+    try:
+        # Each rank must see only its own slice of the machine: keep intra-op threads at one so four
+        # ranks on two cores do not oversubscribe and slow every collective to a crawl.
+        torch.set_num_threads(1)
+        os.environ.setdefault("OMP_NUM_THREADS", "1")
+        os.environ["RANK"] = str(rank)
+        os.environ["WORLD_SIZE"] = str(world_size)
+        os.environ["LOCAL_RANK"] = str(rank)
+        os.environ["LOCAL_WORLD_SIZE"] = str(world_size)
+        os.environ["MASTER_ADDR"] = "127.0.0.1"
+        os.environ["MASTER_PORT"] = str(store_port)
+        store = dist.TCPStore(
+            "127.0.0.1", store_port, world_size, is_master=False, timeout=timedelta(seconds=timeout_s)
+        )
+        dist.init_process_group(
+            backend, store=store, rank=rank, world_size=world_size, timeout=timedelta(seconds=timeout_s)
+        )
+        try:
+            result = fn(rank, world_size, *args)
+        except BaseException as exc:
+            # Report before tearing the group down: the teardown makes peers fail too, and the
+            # caller must see the rank that failed first, not the ones that failed because of it.
+            conn.send(("error", time.time(), f"{type(exc).__name__}: {exc}", traceback.format_exc()))
+            with contextlib.suppress(Exception):
+                dist.destroy_process_group()
+            return
+        with contextlib.suppress(Exception):
+            dist.destroy_process_group()
+        conn.send(("ok", result))
+    except BaseException as exc:
+        conn.send(("error", time.time(), f"{type(exc).__name__}: {exc}", traceback.format_exc()))
+    finally:
+        conn.close()
+
+
+def run_world(
+    fn: Callable[..., Any],
+    world_size: int,
+    *,
+    backend: str = "gloo",
+    timeout_s: float = 120.0,
+    args: Sequence[Any] = (),
+) -> list[Any]:
+    """Run ``fn(rank, world_size, *args)`` on ``world_size`` processes with a process group each.
+
+    Args:
+        fn: module-level (picklable) function; its return value must be picklable.
+        world_size: number of ranks (processes), >= 1.
+        backend: ``torch.distributed`` backend, ``"gloo"`` on CPU.
+        timeout_s: wall-clock seconds for the whole world, also used as the process-group timeout.
+        args: extra positional arguments passed to every rank.
+
+    Returns:
+        ``[result_rank0, result_rank1, ...]``.
+
+    Raises:
+        ValueError: ``world_size < 1``.
+        WorldError: a rank raised; the first failing rank is named with its traceback, the rest are killed.
+        WorldTimeoutError: some ranks did not finish within ``timeout_s``; all are killed, stragglers named.
+    """
+    if world_size < 1:
+        raise ValueError(f"world_size must be >= 1, got {world_size}")
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(_PRELOAD)
+    # The caller hosts the rendezvous store on port 0 (the OS picks a free one): no port race.
+    store = dist.TCPStore(
+        "127.0.0.1",
+        0,
+        world_size,
+        is_master=True,
+        timeout=timedelta(seconds=timeout_s),
+        wait_for_workers=False,
+    )
+    procs: list[Any] = []
+    conns: list[Any] = []
+    try:
+        for rank in range(world_size):
+            parent_conn, child_conn = ctx.Pipe(duplex=False)
+            p = ctx.Process(
+                target=_worker,
+                args=(fn, rank, world_size, backend, store.port, timeout_s, tuple(args), child_conn),
+                name=f"omni-rank{rank}",
+                daemon=True,
+            )
+            p.start()
+            child_conn.close()
+            procs.append(p)
+            conns.append(parent_conn)
+
+        results: dict[int, Any] = {}
+        deadline = time.monotonic() + timeout_s
+        pending = set(range(world_size))
+        while pending:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise WorldTimeoutError(sorted(pending), timeout_s)
+            ready = multiprocessing.connection.wait([conns[r] for r in pending], timeout=min(remaining, 0.5))
+            for conn in ready:
+                rank = conns.index(conn)
+                try:
+                    msg = conn.recv()
+                except EOFError:
+                    procs[rank].join(timeout=1.0)
+                    raise WorldError(
+                        rank, f"process exited without a result (exit code {procs[rank].exitcode})", ""
+                    ) from None
+                if msg[0] == "error":
+                    raise _first_error(rank, msg, conns, pending)
+                results[rank] = msg[1]
+                pending.discard(rank)
+        return [results[r] for r in range(world_size)]
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+        for p in procs:
+            p.join(timeout=5.0)
+        for c in conns:
+            c.close()
+        del store
+
+
+def _first_error(rank: int, msg: tuple, conns: list[Any], pending: set[int]) -> WorldError:
+    """Pick the root failure: errors from the other ranks arriving within a short grace period are
+    compared by the time they were raised, since a failing rank makes its peers' collectives fail."""
+    errors = {rank: msg}
+    grace_end = time.monotonic() + 1.0
+    others = [r for r in pending if r != rank]
+    while others and time.monotonic() < grace_end:
+        ready = multiprocessing.connection.wait([conns[r] for r in others], timeout=0.1)
+        for conn in ready:
+            r = conns.index(conn)
+            others.remove(r)
+            try:
+                m = conn.recv()
+            except EOFError:
+                continue
+            if m[0] == "error":
+                errors[r] = m
+    first = min(errors, key=lambda r: (errors[r][1], r))
+    _, _, message, tb = errors[first]
+    return WorldError(first, message, tb)
+
+
+@contextlib.contextmanager
+def fake_world(world_size: int, rank: int = 0) -> Iterator[None]:
+    """Initialise torch's ``fake`` backend as ``rank`` of a ``world_size`` world in this process.
+
+    Collectives on the fake backend return at once without moving data, so device meshes and process
+    groups for 64-1024 ranks can be built and inspected in one process. The default group is destroyed
+    on exit.
+
+    Raises:
+        RuntimeError: a default process group is already initialised in this process.
+    """
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    if dist.is_initialized():
+        raise RuntimeError("fake_world: a default process group is already initialised in this process")
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()

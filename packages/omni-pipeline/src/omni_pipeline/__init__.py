@@ -1,0 +1,4 @@
+"""omni_pipeline."""
+
+__all__: list[str] = []
+__version__ = "0.1.0"
