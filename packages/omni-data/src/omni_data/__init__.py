@@ -1,4 +1,56 @@
-"""omni_data."""
+"""omni_data: WebDataset sources, mixture schedules, hybrid packing, grouped reordering, zero-redundancy loaders.
 
-__all__: list[str] = []
+Pipeline (two phases): sources -> :class:`MixtureStream` -> :class:`HybridPacker` -> :class:`PackedLoader`
+give every rank of a DP rank the same step *metadata*; :class:`ZeroRedundancyFilter` then reads and decodes
+only the payloads this pipeline rank encodes, and :class:`GroupedReorderer` balances them across a group.
+"""
+
+from omni_data.loader import PackedLoader, StepBatch, snapshot_async
+from omni_data.mixture import MixtureSchedule, MixtureStream, ScheduleUnit
+from omni_data.node import StatefulNode
+from omni_data.packing import HybridPacker, ModalitySpan, Overlong, OverlongSampleError, Pack, collate_packs
+from omni_data.payload import Payload, PayloadError, PayloadReader
+from omni_data.reorder import GroupedReorderer, PlanMismatchError, ReorderPlan, encoder_flops
+from omni_data.sample import MemberRef, Modality, SampleMeta
+from omni_data.source import EmptySourceError, LayoutMismatchError, WebDatasetSource
+from omni_data.tokens import AudioTokens, EncoderCost, ImageTokens, count_text_tokens
+from omni_data.workers import RoundRobinWorkers
+from omni_data.zero_redundancy import FilteredStep, ZeroRedundancyFilter, split_encoder_microbatches
+
+__all__ = [
+    "AudioTokens",
+    "EmptySourceError",
+    "EncoderCost",
+    "FilteredStep",
+    "GroupedReorderer",
+    "HybridPacker",
+    "ImageTokens",
+    "LayoutMismatchError",
+    "MemberRef",
+    "MixtureSchedule",
+    "MixtureStream",
+    "Modality",
+    "ModalitySpan",
+    "Overlong",
+    "OverlongSampleError",
+    "Pack",
+    "PackedLoader",
+    "Payload",
+    "PayloadError",
+    "PayloadReader",
+    "PlanMismatchError",
+    "ReorderPlan",
+    "RoundRobinWorkers",
+    "SampleMeta",
+    "ScheduleUnit",
+    "StatefulNode",
+    "StepBatch",
+    "WebDatasetSource",
+    "ZeroRedundancyFilter",
+    "collate_packs",
+    "count_text_tokens",
+    "encoder_flops",
+    "snapshot_async",
+    "split_encoder_microbatches",
+]
 __version__ = "0.1.0"

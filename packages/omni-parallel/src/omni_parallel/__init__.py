@@ -1,4 +1,59 @@
-"""omni_parallel."""
+"""omni_parallel: topology, process groups, sequence parallelism (Ulysses, CP), resharding, load balancing.
 
-__all__: list[str] = []
+Imports only torch. See the package README for the API table.
+"""
+
+from omni_parallel.balance import karmarkar_karp, lpt, partition_loads
+from omni_parallel.comm import all_gather_dim0, all_reduce_sum, all_to_all_dim0
+from omni_parallel.context_parallel import (
+    CPLayout,
+    context_parallel_attention,
+    cp_layout,
+    shard_for_cp,
+    unshard_from_cp,
+)
+from omni_parallel.hybrid_cp import HybridCPPlan, HybridCPSlot, hybrid_cp_load, plan_hybrid_cp
+from omni_parallel.long_short import LongShortPlan, Piece, plan_long_short
+from omni_parallel.reshard import ReshardMode, ReshardPlan, reshard_to_llm
+from omni_parallel.state import EncoderLayout, EncoderState, ParallelState
+from omni_parallel.topology import GROUP_NAMES, ParallelConfig, mesh_axes, rank_groups
+from omni_parallel.ulysses import padded_heads, ulysses_attention
+from omni_parallel.varlen import as_cu_seqlens, cu_seqlens_from_lengths, masked_attention, varlen_attention
+
+__all__ = [
+    "GROUP_NAMES",
+    "CPLayout",
+    "EncoderLayout",
+    "EncoderState",
+    "HybridCPPlan",
+    "HybridCPSlot",
+    "LongShortPlan",
+    "ParallelConfig",
+    "ParallelState",
+    "Piece",
+    "ReshardMode",
+    "ReshardPlan",
+    "all_gather_dim0",
+    "all_reduce_sum",
+    "all_to_all_dim0",
+    "as_cu_seqlens",
+    "context_parallel_attention",
+    "cp_layout",
+    "cu_seqlens_from_lengths",
+    "hybrid_cp_load",
+    "karmarkar_karp",
+    "lpt",
+    "masked_attention",
+    "mesh_axes",
+    "padded_heads",
+    "partition_loads",
+    "plan_hybrid_cp",
+    "plan_long_short",
+    "rank_groups",
+    "reshard_to_llm",
+    "shard_for_cp",
+    "ulysses_attention",
+    "unshard_from_cp",
+    "varlen_attention",
+]
 __version__ = "0.1.0"

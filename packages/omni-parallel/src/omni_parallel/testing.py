@@ -7,7 +7,9 @@ worlds started back to back (or concurrently) never race for a port.
 
 Children are started with the ``forkserver`` method and ``torch`` pre-imported in the fork server: a
 fresh interpreter importing torch costs ~2.5 s of CPU, a fork of the server costs milliseconds. ``fn``
-must be picklable (a module-level function); test modules therefore need unique basenames.
+must be picklable (a module-level function); test modules therefore need unique basenames. A script
+(not a test) that calls ``run_world`` needs the usual ``if __name__ == "__main__":`` guard, since the
+children re-import the caller's main module.
 
 ``fake_world`` initialises torch's ``fake`` backend in the current process for topology tests at
 64-1024 ranks: collectives return immediately without moving data.
@@ -19,6 +21,7 @@ import contextlib
 import multiprocessing as mp
 import multiprocessing.connection
 import os
+import pickle
 import time
 import traceback
 from collections.abc import Callable, Iterator, Sequence
@@ -30,7 +33,17 @@ import torch.distributed as dist
 
 __all__ = ["WorldError", "WorldTimeoutError", "fake_world", "run_world"]
 
-_PRELOAD = ["torch", "torch.distributed", "torch.nn"]
+# Pre-imported once in the fork server. DTensor, FSDP2 and DeviceMesh slicing pull in torch._dynamo,
+# which costs 10-15 s of CPU per fresh interpreter; forked ranks inherit it for free.
+_PRELOAD = [
+    "torch",
+    "torch.distributed",
+    "torch.nn",
+    "torch._dynamo",
+    "torch.distributed.tensor",
+    "torch.distributed.fsdp",
+    "torch.distributed.device_mesh",
+]
 
 
 class WorldError(RuntimeError):
@@ -85,15 +98,24 @@ def _worker(
         except BaseException as exc:
             # Report before tearing the group down: the teardown makes peers fail too, and the
             # caller must see the rank that failed first, not the ones that failed because of it.
-            conn.send(("error", time.time(), f"{type(exc).__name__}: {exc}", traceback.format_exc()))
+            conn.send_bytes(
+                pickle.dumps(("error", time.time(), f"{type(exc).__name__}: {exc}", traceback.format_exc()))
+            )
             with contextlib.suppress(Exception):
                 dist.destroy_process_group()
             return
+        # Plain pickle, not the connection's ForkingPickler: torch's reducers would share tensors by file
+        # descriptor, and those die with this process before the caller reads them.
+        conn.send_bytes(pickle.dumps(("ok", result)))
+        # Tear down only once every rank is done, so a fast rank closing its sockets cannot break a peer
+        # still in its last collective. The result is already sent: a hung peer leaves only itself unnamed.
         with contextlib.suppress(Exception):
+            dist.barrier()
             dist.destroy_process_group()
-        conn.send(("ok", result))
     except BaseException as exc:
-        conn.send(("error", time.time(), f"{type(exc).__name__}: {exc}", traceback.format_exc()))
+        conn.send_bytes(
+            pickle.dumps(("error", time.time(), f"{type(exc).__name__}: {exc}", traceback.format_exc()))
+        )
     finally:
         conn.close()
 
@@ -163,7 +185,7 @@ def run_world(
             for conn in ready:
                 rank = conns.index(conn)
                 try:
-                    msg = conn.recv()
+                    msg = pickle.loads(conn.recv_bytes())
                 except EOFError:
                     procs[rank].join(timeout=1.0)
                     raise WorldError(
@@ -197,7 +219,7 @@ def _first_error(rank: int, msg: tuple, conns: list[Any], pending: set[int]) -> 
             r = conns.index(conn)
             others.remove(r)
             try:
-                m = conn.recv()
+                m = pickle.loads(conn.recv_bytes())
             except EOFError:
                 continue
             if m[0] == "error":

@@ -1,0 +1,154 @@
+"""``omni-train``: ``run`` (train), ``prepare-data`` (rebuild the bundled shards), ``simulate`` (model a
+large cluster with the pipeline simulator).
+
+Configuration errors are reported before any process starts, naming the field, with exit status 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import sys
+import time
+from pathlib import Path
+
+from omni_train.config import ConfigError, Packing, Placement, RunConfig, load_config, validate
+
+__all__ = ["build_parser", "main", "resolve_run"]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="omni-train", description=__doc__.split("\n\n")[0])
+    sub = p.add_subparsers(dest="command", required=True)
+
+    run = sub.add_parser("run", help="train a tiny multimodal LLM (default: omni-tiny, 2 processes, CPU)")
+    run.add_argument("--config", default="omni-tiny", help="bundled config name or TOML path")
+    run.add_argument(
+        "--nproc", type=int, default=None, help="worker processes (default: the config's world size)"
+    )
+    run.add_argument(
+        "--max-steps", type=int, default=None, help="stop after this many steps (overrides train.steps)"
+    )
+    run.add_argument("--out", default=None, help="run directory (default: runs/<config>-<time>)")
+    run.add_argument("--resume", action="store_true", help="continue from the last committed checkpoint")
+    run.add_argument("--max-restarts", type=int, default=0, help="restart failed workers this many times")
+    run.add_argument("--placement", choices=[str(m) for m in Placement], default=None)
+    run.add_argument(
+        "--reorder", choices=["on", "off"], default=None, help="grouped reordering of encoder work"
+    )
+    run.add_argument("--packing", choices=[str(m) for m in Packing], default=None)
+
+    prep = sub.add_parser("prepare-data", help="rebuild the bundled WebDataset shards", add_help=False)
+    prep.add_argument("args", nargs=argparse.REMAINDER)
+
+    sim = sub.add_parser("simulate", help="simulate the config's pipeline on a modelled large cluster")
+    sim.add_argument("--config", default="omni-tiny")
+    sim.add_argument("--gpus", type=int, default=1024)
+    sim.add_argument("--pp", type=int, default=8)
+    sim.add_argument("--microbatches", type=int, default=64)
+    sim.add_argument(
+        "--scale", default="paper", help="model sizes to time: paper (LLaMA-12B, ViT-1B, USM-2B) or config"
+    )
+    sim.add_argument("--out", default="runs/simulate")
+    return p
+
+
+def resolve_run(args: argparse.Namespace) -> tuple[RunConfig, int, Path]:
+    """Apply the command-line overrides to the config and validate it.
+
+    Returns:
+        ``(config, nproc, out_dir)``.
+
+    Raises:
+        ConfigError: an invalid config or override (names the field), or ``--resume`` with nothing to resume.
+    """
+    cfg = load_config(args.config)
+    par = cfg.parallel
+    if args.placement is not None:
+        par = dataclasses.replace(par, placement=Placement(args.placement))
+    if args.reorder is not None:
+        par = dataclasses.replace(par, reorder=args.reorder == "on")
+    cfg = dataclasses.replace(cfg, parallel=par)
+    if args.packing is not None:
+        cfg = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, packing=Packing(args.packing)))
+    if args.max_steps is not None:
+        if args.max_steps < 1:
+            raise ConfigError(f"--max-steps: must be >= 1, got {args.max_steps}")
+        cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, steps=args.max_steps))
+    if args.max_restarts < 0:
+        raise ConfigError(f"--max-restarts: must be >= 0, got {args.max_restarts}")
+    nproc = args.nproc if args.nproc is not None else cfg.parallel.world_size
+    if nproc < 1:
+        raise ConfigError(f"--nproc: must be >= 1, got {nproc}")
+    validate(cfg, nproc)
+    if args.out is not None:
+        out = Path(args.out)
+    elif args.resume:
+        runs = sorted(Path("runs").glob(f"{cfg.name}-*"))
+        if not runs:
+            raise ConfigError(f"--resume: no run directory runs/{cfg.name}-* to resume; pass --out")
+        out = runs[-1]
+    else:
+        out = Path("runs") / f"{cfg.name}-{time.strftime('%Y%m%d-%H%M%S')}"
+    if args.resume and not (out / "checkpoints").is_dir():
+        raise ConfigError(f"--resume: {out} holds no checkpoints directory")
+    return cfg, nproc, out
+
+
+def _run(args: argparse.Namespace) -> int:
+    from omni_train.launch import ChildFailedError, launch, under_torchrun
+
+    cfg, nproc, out = resolve_run(args)
+    out.mkdir(parents=True, exist_ok=True)
+    if under_torchrun():
+        from omni_train.trainer import worker_main
+
+        worker_main(cfg, str(out), args.resume)
+        return 0
+    print(f"omni-train: {cfg.name} on {nproc} processes -> {out}", file=sys.stderr)
+    try:
+        launch(cfg, out, nproc=nproc, resume=args.resume, max_restarts=args.max_restarts)
+    except ChildFailedError as exc:
+        print(f"omni-train: training failed:\n{exc.format_msg()}", file=sys.stderr)
+        return 1
+    print(f"omni-train: done; outputs in {out}", file=sys.stderr)
+    return 0
+
+
+def _simulate(args: argparse.Namespace) -> int:
+    from omni_train.simulate import simulate_config
+
+    cfg = load_config(args.config)
+    table = simulate_config(
+        cfg,
+        gpus=args.gpus,
+        pp=args.pp,
+        microbatches=args.microbatches,
+        out_dir=Path(args.out),
+        scale=args.scale,
+    )
+    print(table)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of the ``omni-train`` console script; returns the exit status."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] == "prepare-data":
+        from omni_train.prepare import main as prepare_main
+
+        return int(prepare_main(argv[1:]) or 0)
+    args = build_parser().parse_args(argv)
+    try:
+        if args.command == "run":
+            return _run(args)
+        if args.command == "simulate":
+            return _simulate(args)
+    except ConfigError as exc:
+        print(f"omni-train: configuration error: {exc}", file=sys.stderr)
+        return 2
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,403 @@
+"""Run configuration: typed dataclasses loaded from TOML, validated before any process starts.
+
+A config names its TOML file (``omni-tiny`` -> ``omni_train/configs/omni-tiny.toml``) or a path. Every
+section maps onto a dataclass; an unknown key, a wrong type or an inconsistent size raises
+:class:`ConfigError` whose message starts with the dotted field name (``parallel.pp``, ``data.sources[1].urls``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import glob
+import os
+import tomllib
+import types
+import typing
+from dataclasses import dataclass, field
+from enum import StrEnum
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+from omni_train.models.audio import AudioConfig
+from omni_train.models.llm import LLMConfig
+from omni_train.models.vit import ViTConfig
+
+__all__ = [
+    "CheckpointConfig",
+    "ConfigError",
+    "DType",
+    "DataConfig",
+    "LLMSection",
+    "MixturePhase",
+    "ModelConfig",
+    "OptimConfig",
+    "Packing",
+    "ParallelConfigSection",
+    "Placement",
+    "RunConfig",
+    "SourceConfig",
+    "TrainSection",
+    "bundled_data_dir",
+    "config_path",
+    "expand_urls",
+    "load_config",
+    "validate",
+]
+
+
+class ConfigError(ValueError):
+    """A configuration value is wrong; the message starts with the dotted field name."""
+
+
+class Placement(StrEnum):
+    """Where encoder microbatches run in the LLM pipeline (omni-pipeline placement policies)."""
+
+    PREPEND_FIRST_STAGE = "prepend_first_stage"
+    ISOLATED = "isolated"
+    UNIFORM_ON_DEMAND = "uniform_on_demand"
+
+
+class Packing(StrEnum):
+    """``hybrid``: samples of all modalities share packs; ``per_modality``: a pack holds one modality."""
+
+    HYBRID = "hybrid"
+    PER_MODALITY = "per_modality"
+
+
+@dataclass
+class LLMSection:
+    """LLM shape (see :class:`omni_train.models.LLMConfig`); the vocabulary comes from the tokenizer."""
+
+    dim: int = 128
+    n_layers: int = 4
+    n_heads: int = 4
+    n_kv_heads: int = 2
+    ffn_dim: int = 384
+    rope_theta: float = 10000.0
+
+
+@dataclass
+class ModelConfig:
+    """Model shapes; ``vit``/``audio`` absent means the run has no such encoder."""
+
+    llm: LLMSection = field(default_factory=LLMSection)
+    vit: ViTConfig | None = None
+    audio: AudioConfig | None = None
+    seed: int = 0
+
+    def llm_config(self, vocab_size: int) -> LLMConfig:
+        return LLMConfig(vocab_size=vocab_size, **dataclasses.asdict(self.llm))
+
+
+@dataclass
+class SourceConfig:
+    """One WebDataset source. ``urls``: a glob or brace pattern, relative to the bundled data directory
+    (``omni_train/data``) unless absolute or an fsspec URL (``scheme://...``)."""
+
+    name: str
+    modality: str
+    urls: str
+
+
+@dataclass
+class MixturePhase:
+    """Source weights until ``until_step`` (exclusive; the last phase has none and runs to the end)."""
+
+    weights: dict[str, float]
+    until_step: int | None = None
+
+
+@dataclass
+class DataConfig:
+    """Sources, mixture phases and packing. ``max_seq_len`` in LLM tokens per pack (= per microbatch)."""
+
+    sources: list[SourceConfig]
+    mixture: list[MixturePhase]
+    max_seq_len: int = 512
+    microbatches: int = 4
+    buffer_size: int = 64
+    packing: Packing = Packing.HYBRID
+    tokenizer: str = "tokenizer.json"
+
+
+@dataclass
+class ParallelConfigSection:
+    """LLM parallel sizes (their product must equal the process count) and the encoder placement."""
+
+    pp: int = 2
+    dp: int = 1
+    tp: int = 1
+    cp: int = 1
+    ulysses: int = 1
+    placement: Placement = Placement.UNIFORM_ON_DEMAND
+    reorder: bool = True
+
+    @property
+    def world_size(self) -> int:
+        return self.pp * self.dp * self.tp * self.cp * self.ulysses
+
+
+@dataclass
+class OptimConfig:
+    """AdamW with linear warmup then cosine decay to ``min_lr``."""
+
+    lr: float = 3e-3
+    min_lr: float = 3e-4
+    warmup_steps: int = 10
+    weight_decay: float = 0.1
+    beta1: float = 0.9
+    beta2: float = 0.95
+    grad_clip: float = 1.0
+
+
+@dataclass
+class CheckpointConfig:
+    """Checkpoint every ``every`` steps (0: only at the end), keep the last ``keep_last``."""
+
+    every: int = 20
+    keep_last: int = 2
+    async_save: bool = True
+
+
+class DType(StrEnum):
+    """Parameter and activation dtype (float64 for exactness checks against references)."""
+
+    FLOAT32 = "float32"
+    FLOAT64 = "float64"
+
+
+@dataclass
+class TrainSection:
+    """Steps, the seed of every private generator, and the training dtype."""
+
+    steps: int = 200
+    seed: int = 1234
+    dtype: DType = DType.FLOAT32
+
+
+@dataclass
+class RunConfig:
+    """A whole run. ``name`` is the config's name; ``source`` the file it came from."""
+
+    name: str
+    model: ModelConfig
+    data: DataConfig
+    parallel: ParallelConfigSection = field(default_factory=ParallelConfigSection)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    train: TrainSection = field(default_factory=TrainSection)
+    source: str = ""
+
+    def to_dict(self) -> dict[str, Any]:
+        return _to_plain(self)
+
+
+def _to_plain(obj: Any) -> Any:
+    if dataclasses.is_dataclass(obj):
+        return {f.name: _to_plain(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
+    if isinstance(obj, list):
+        return [_to_plain(v) for v in obj]
+    if isinstance(obj, dict):
+        return {k: _to_plain(v) for k, v in obj.items()}
+    if isinstance(obj, StrEnum):
+        return str(obj)
+    return obj
+
+
+def bundled_data_dir() -> Path:
+    """The directory holding the bundled tokenizer and shards (``omni_train/data``)."""
+    return Path(str(resources.files("omni_train") / "data"))
+
+
+def config_path(name_or_path: str) -> Path:
+    """Resolve ``omni-tiny`` to the bundled TOML, or return an existing path.
+
+    Raises:
+        ConfigError: neither a bundled config name nor an existing file.
+    """
+    p = Path(name_or_path)
+    if p.suffix == ".toml" or os.sep in name_or_path:
+        if not p.is_file():
+            raise ConfigError(f"config: file {name_or_path} does not exist")
+        return p
+    bundled = Path(str(resources.files("omni_train") / "configs" / f"{name_or_path}.toml"))
+    if not bundled.is_file():
+        names = sorted(f.stem for f in bundled.parent.glob("*.toml"))
+        raise ConfigError(f"config: no bundled config named {name_or_path!r} (have {names})")
+    return bundled
+
+
+def _build(tp: Any, value: Any, where: str) -> Any:
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        args = [a for a in typing.get_args(tp) if a is not type(None)]
+        if value is None:
+            return None
+        return _build(args[0], value, where)
+    if dataclasses.is_dataclass(tp):
+        if not isinstance(value, dict):
+            raise ConfigError(f"{where}: expected a table, got {type(value).__name__}")
+        hints = typing.get_type_hints(tp)
+        names = {f.name for f in dataclasses.fields(tp) if f.init}
+        unknown = sorted(set(value) - names)
+        if unknown:
+            raise ConfigError(f"{where}.{unknown[0]}: unknown key (allowed: {sorted(names)})".lstrip("."))
+        kwargs = {k: _build(hints[k], v, f"{where}.{k}".lstrip(".")) for k, v in value.items()}
+        try:
+            return tp(**kwargs)
+        except TypeError as exc:
+            raise ConfigError(f"{where or 'config'}: {exc}") from None
+    if origin is list:
+        if not isinstance(value, list):
+            raise ConfigError(f"{where}: expected a list, got {type(value).__name__}")
+        (item,) = typing.get_args(tp)
+        return [_build(item, v, f"{where}[{i}]") for i, v in enumerate(value)]
+    if origin is dict:
+        if not isinstance(value, dict):
+            raise ConfigError(f"{where}: expected a table, got {type(value).__name__}")
+        _, vt = typing.get_args(tp)
+        return {str(k): _build(vt, v, f"{where}.{k}") for k, v in value.items()}
+    if isinstance(tp, type) and issubclass(tp, StrEnum):
+        try:
+            return tp(value)
+        except ValueError:
+            raise ConfigError(f"{where}: {value!r} is not one of {[str(m) for m in tp]}") from None
+    if tp is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if tp in (int, float, str, bool) and (
+        not isinstance(value, tp) or (tp is int and isinstance(value, bool))
+    ):
+        raise ConfigError(f"{where}: expected {tp.__name__}, got {value!r}")
+    return value
+
+
+def load_config(name_or_path: str = "omni-tiny") -> RunConfig:
+    """Read and type-check a TOML run config (sizes are checked by :func:`validate`).
+
+    Raises:
+        ConfigError: missing file, TOML syntax error, unknown key, wrong type (message names the field).
+    """
+    path = config_path(name_or_path)
+    try:
+        raw = tomllib.loads(path.read_text())
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"config: {path}: {exc}") from None
+    raw.setdefault("name", path.stem)
+    cfg = _build(RunConfig, raw, "")
+    cfg.source = str(path)
+    return cfg
+
+
+def expand_urls(pattern: str) -> list[str]:
+    """Concrete shard URLs for a source pattern (glob, relative to the bundled data dir if relative).
+
+    Brace patterns (``image-{000..003}.tar``) are passed through for omni-data to expand; local globs
+    and fsspec globs are listed here, sorted.
+    """
+    if "://" in pattern and not pattern.startswith("file://"):
+        import fsspec
+
+        fs, _, paths = fsspec.get_fs_token_paths(pattern)
+        return sorted(fs.unstrip_protocol(p) for p in paths)
+    local = pattern.removeprefix("file://")
+    if not os.path.isabs(local):
+        local = str(bundled_data_dir() / local)
+    if "{" in local:
+        return [local]
+    return sorted(glob.glob(local))
+
+
+def validate(cfg: RunConfig, nproc: int) -> None:
+    """Check everything that can be checked before processes start.
+
+    Raises:
+        ConfigError: naming the first field that is wrong: parallel sizes vs ``nproc``, head counts not
+        divisible (GQA, TP, Ulysses), fewer layers than stages, a source with no shards, mixture weights
+        naming unknown sources or phases out of order, non-positive sizes.
+    """
+    par, llm = cfg.parallel, cfg.model.llm
+    for name in ("pp", "dp", "tp", "cp", "ulysses"):
+        if getattr(par, name) < 1:
+            raise ConfigError(f"parallel.{name}: must be >= 1, got {getattr(par, name)}")
+    if par.world_size != nproc:
+        raise ConfigError(
+            f"parallel: pp*dp*tp*cp*ulysses = {par.pp}*{par.dp}*{par.tp}*{par.cp}*{par.ulysses} = "
+            f"{par.world_size} does not match the process count {nproc} (--nproc)"
+        )
+    if par.cp > 1 and par.ulysses > 1:
+        raise ConfigError("parallel.cp: choose one LLM sequence-parallel flavour (cp or ulysses), not both")
+    if llm.dim % llm.n_heads:
+        raise ConfigError(f"model.llm.dim: {llm.dim} is not divisible by model.llm.n_heads {llm.n_heads}")
+    if (llm.dim // llm.n_heads) % 2:
+        raise ConfigError(f"model.llm.dim: head_dim {llm.dim // llm.n_heads} must be even for RoPE")
+    if llm.n_heads % llm.n_kv_heads:
+        raise ConfigError(
+            f"model.llm.n_heads: {llm.n_heads} is not divisible by model.llm.n_kv_heads {llm.n_kv_heads} (GQA)"
+        )
+    if llm.n_kv_heads % par.tp:
+        raise ConfigError(f"model.llm.n_kv_heads: {llm.n_kv_heads} is not divisible by parallel.tp {par.tp}")
+    for name in ("tp", "cp", "ulysses"):
+        if getattr(par, name) > 1:
+            raise ConfigError(
+                f"parallel.{name}: {getattr(par, name)} is not supported by omni-train's LLM yet "
+                "(no tensor-parallel plan or sequence-parallel attention); use pp and dp"
+            )
+    if llm.n_layers < par.pp:
+        raise ConfigError(
+            f"model.llm.n_layers: {llm.n_layers} layers cannot fill parallel.pp = {par.pp} stages"
+        )
+    for enc in ("vit", "audio"):
+        ec = getattr(cfg.model, enc)
+        if ec is not None and ec.dim % ec.n_heads:
+            raise ConfigError(
+                f"model.{enc}.dim: {ec.dim} is not divisible by model.{enc}.n_heads {ec.n_heads}"
+            )
+        if ec is not None and (ec.dim // ec.n_heads) % 4:
+            raise ConfigError(
+                f"model.{enc}.dim: head_dim {ec.dim // ec.n_heads} must be a multiple of 4 (2-D RoPE)"
+            )
+    data = cfg.data
+    for name in ("max_seq_len", "microbatches", "buffer_size"):
+        if getattr(data, name) < 1:
+            raise ConfigError(f"data.{name}: must be >= 1, got {getattr(data, name)}")
+    if data.microbatches < par.pp:
+        raise ConfigError(
+            f"data.microbatches: {data.microbatches} microbatches cannot keep parallel.pp = {par.pp} stages busy"
+        )
+    if not data.sources:
+        raise ConfigError("data.sources: at least one source is needed")
+    names = [s.name for s in data.sources]
+    for i, src in enumerate(data.sources):
+        if src.modality not in ("image", "audio", "text"):
+            raise ConfigError(f"data.sources[{i}].modality: {src.modality!r} is not image, audio or text")
+        if src.modality == "image" and cfg.model.vit is None:
+            raise ConfigError(f"data.sources[{i}].modality: image source {src.name!r} but no [model.vit]")
+        if src.modality == "audio" and cfg.model.audio is None:
+            raise ConfigError(f"data.sources[{i}].modality: audio source {src.name!r} but no [model.audio]")
+        if not expand_urls(src.urls):
+            raise ConfigError(f"data.sources[{i}].urls: no shards match {src.urls!r} (source {src.name!r})")
+    if names.count(names[0]) != 1 or len(set(names)) != len(names):
+        raise ConfigError(f"data.sources: source names must be unique, got {names}")
+    if not data.mixture:
+        raise ConfigError("data.mixture: at least one phase is needed")
+    last = 0
+    for i, ph in enumerate(data.mixture):
+        bad = sorted(set(ph.weights) - set(names))
+        if bad:
+            raise ConfigError(f"data.mixture[{i}].weights: unknown source {bad[0]!r} (sources: {names})")
+        if any(w < 0 for w in ph.weights.values()) or sum(ph.weights.values()) <= 0:
+            raise ConfigError(f"data.mixture[{i}].weights: weights must be >= 0 with a positive sum")
+        if i < len(data.mixture) - 1:
+            if ph.until_step is None or ph.until_step <= last:
+                raise ConfigError(f"data.mixture[{i}].until_step: phases need increasing until_step values")
+            last = ph.until_step
+        elif ph.until_step is not None:
+            raise ConfigError(f"data.mixture[{i}].until_step: the last phase runs to the end; leave it out")
+    tok = data.tokenizer if os.path.isabs(data.tokenizer) else str(bundled_data_dir() / data.tokenizer)
+    if not os.path.isfile(tok):
+        raise ConfigError(f"data.tokenizer: {tok} does not exist")
+    if cfg.train.steps < 1:
+        raise ConfigError(f"train.steps: must be >= 1, got {cfg.train.steps}")
+    if cfg.checkpoint.every < 0 or cfg.checkpoint.keep_last < 1:
+        raise ConfigError("checkpoint.every: must be >= 0 and checkpoint.keep_last >= 1")

@@ -1,0 +1,191 @@
+"""The run's data pipeline, built from omni-data's parts (DESIGN.md, omni-data; paper §5).
+
+``WebDatasetSource`` per source -> ``MixtureStream`` (phases of the config's mixture, by step) ->
+``HybridPacker`` -> ``PackedLoader`` (``microbatches`` packs per step) -> ``ZeroRedundancyFilter`` (this
+pipeline rank decodes only the payloads of the encoder microbatches the data flow places on it).
+
+Every rank of a pipeline (same DP rank) builds the same packs from metadata alone. The encoder work of
+LLM microbatch ``k`` is split into ``pp`` encoder microbatches ``e = (k-1)*pp + j + 1``. With reordering
+on, the split balances encoder FLOPs with Karmarkar-Karp (omni-data's ``split_encoder_microbatches``:
+grouped reordering inside the pipeline group, which needs no payload movement because every rank of the
+group holds the same metadata); with reordering off, each LLM microbatch's media samples are cut in
+arrival order into ``pp`` contiguous runs of equal count (the unbalanced baseline).
+
+``--packing per_modality`` packs each source separately (a pack holds one modality) and the mixture then
+draws packs instead of samples.
+"""
+
+from __future__ import annotations
+
+from tokenizers import Tokenizer
+
+from omni_data import (
+    AudioTokens,
+    EncoderCost,
+    HybridPacker,
+    ImageTokens,
+    MixtureSchedule,
+    MixtureStream,
+    Modality,
+    Pack,
+    PackedLoader,
+    PayloadReader,
+    WebDatasetSource,
+    ZeroRedundancyFilter,
+    split_encoder_microbatches,
+)
+from omni_data.zero_redundancy import SampleIndex
+from omni_train.config import Packing, RunConfig, expand_urls
+
+__all__ = [
+    "StepFilter",
+    "build_step_stream",
+    "encoder_imbalance",
+    "encoder_load",
+    "mixture_schedule",
+    "split_in_order",
+]
+
+
+def mixture_schedule(cfg: RunConfig) -> MixtureSchedule:
+    """The config's phases as a step-indexed :class:`MixtureSchedule` (weights missing in a phase are 0)."""
+    names = [s.name for s in cfg.data.sources]
+    points, start = [], 0
+    for ph in cfg.data.mixture:
+        points.append((start, {n: float(ph.weights.get(n, 0.0)) for n in names}))
+        start = ph.until_step if ph.until_step is not None else start
+    return MixtureSchedule(points, unit="step")
+
+
+def split_in_order(packs: list[Pack], microbatches: int, slices: int) -> dict[int, list[SampleIndex]]:
+    """Encoder microbatches without balancing: each LLM microbatch's media samples, in pack order, cut
+    into ``slices`` contiguous runs whose sizes differ by at most one sample (same numbering as
+    :func:`omni_data.split_encoder_microbatches`)."""
+    if microbatches < 1 or slices < 1 or len(packs) % microbatches:
+        raise ValueError(f"{len(packs)} packs cannot form {microbatches} microbatches x {slices} slices")
+    per = len(packs) // microbatches
+    out: dict[int, list[SampleIndex]] = {}
+    for k in range(microbatches):
+        media = [
+            (p, i)
+            for p in range(k * per, (k + 1) * per)
+            for i, s in enumerate(packs[p].samples)
+            if s.modality is not Modality.TEXT
+        ]
+        base, extra = divmod(len(media), slices)
+        at = 0
+        for j in range(slices):
+            n = base + (1 if j < extra else 0)
+            out[k * slices + j + 1] = media[at : at + n]
+            at += n
+    return out
+
+
+def encoder_load(
+    packs: list[Pack], mbs: dict[int, list[SampleIndex]], owner: dict[int, int], num_ranks: int
+) -> dict[int, list[float]]:
+    """Encoder forward FLOPs per pipeline rank for each LLM microbatch ``k`` (from 1) of one step.
+
+    ``mbs``: encoder microbatch -> samples (``e = (k-1)*slices + j + 1``); ``owner``: encoder microbatch
+    -> pipeline rank. Returns ``{k: [FLOPs on rank 0, rank 1, ...]}``.
+    """
+    slices = max(1, len(mbs) // max(1, len(packs)))
+    out: dict[int, list[float]] = {}
+    for e, items in sorted(mbs.items()):
+        k = (e - 1) // slices + 1
+        load = out.setdefault(k, [0.0] * num_ranks)
+        load[owner[e]] += sum(packs[p].samples[i].encoder_flops for p, i in items)
+    return out
+
+
+def encoder_imbalance(load: dict[int, list[float]]) -> float:
+    """Mean over LLM microbatches with encoder work of ``max / mean`` encoder FLOPs over ranks (1.0 is
+    perfect balance): how long stage 0 waits for the slowest slice of each microbatch's encoder work."""
+    ratios = [max(v) * len(v) / sum(v) for v in load.values() if sum(v) > 0]
+    return sum(ratios) / len(ratios) if ratios else 1.0
+
+
+class StepFilter(ZeroRedundancyFilter):
+    """:class:`ZeroRedundancyFilter` whose encoder-microbatch split follows ``--reorder``."""
+
+    def __init__(self, *args, reorder: bool, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.reorder = reorder
+
+    def select(self, packs: list[Pack]) -> dict[int, list[SampleIndex]]:
+        if self.reorder:
+            return split_encoder_microbatches(packs, self.microbatches, self.slices)
+        return split_in_order(packs, self.microbatches, self.slices)
+
+
+def build_step_stream(
+    cfg: RunConfig,
+    tokenizer: Tokenizer,
+    *,
+    dp_rank: int,
+    dp_size: int,
+    dp_group,
+    consumes: set[int],
+    read_text: bool,
+    tp_group=None,
+) -> StepFilter:
+    """The per-step stream of this rank (see the module docstring); call ``reset()`` or
+    ``reset(state)`` before use.
+
+    Args:
+        consumes: encoder microbatch ids this pipeline rank runs (from the data flow).
+        read_text: this rank builds LLM inputs or labels (first or last stage): read every sample's text.
+    """
+    m = cfg.model
+    vit, aud = m.vit, m.audio
+    image_tokens = (
+        ImageTokens(patch=vit.patch, merge=vit.merge, min_pixels=vit.min_pixels, max_pixels=vit.max_pixels)
+        if vit
+        else None
+    )
+    audio_tokens = (
+        AudioTokens(frame_ms=1000.0 * aud.hop / aud.sample_rate, subsample=aud.subsample) if aud else None
+    )
+    sources = {}
+    for src in cfg.data.sources:
+        modality = Modality(src.modality)
+        cost = None
+        if modality is Modality.IMAGE and vit is not None:
+            cost = EncoderCost(hidden=vit.dim, layers=vit.n_layers)
+        elif modality is Modality.AUDIO and aud is not None:
+            cost = EncoderCost(hidden=aud.dim, layers=aud.n_layers)
+        sources[src.name] = WebDatasetSource(
+            expand_urls(src.urls),
+            modality=modality,
+            name=src.name,
+            tokenizer=tokenizer,
+            image_tokens=image_tokens,
+            audio_tokens=audio_tokens,
+            encoder_cost=cost,
+            rank=dp_rank,
+            world_size=dp_size,
+            shuffle_shards=True,
+            seed=cfg.train.seed,
+            epochs=None,
+        )
+    schedule = mixture_schedule(cfg)
+    d = cfg.data
+    if d.packing is Packing.HYBRID:
+        mixture = MixtureStream(sources, schedule)
+        packer = HybridPacker(mixture, d.max_seq_len, d.buffer_size)
+    else:
+        per_source = {n: HybridPacker(s, d.max_seq_len, d.buffer_size) for n, s in sources.items()}
+        # The mixture draws whole single-modality packs by the schedule's weights.
+        packer = mixture = MixtureStream(per_source, schedule)
+    loader = PackedLoader(packer, d.microbatches, mixture=mixture, dp_group=dp_group if dp_size > 1 else None)
+    return StepFilter(
+        loader,
+        consumes,
+        microbatches=d.microbatches,
+        slices=cfg.parallel.pp,
+        reader=PayloadReader(tokenizer),
+        tp_group=tp_group,
+        prefetch=1,
+        read_text=read_text,
+        reorder=cfg.parallel.reorder,
+    )

@@ -1,0 +1,64 @@
+"""Start the trainer's worker processes on one machine through torch's elastic launcher.
+
+``omni-train run`` outside ``torchrun`` calls :func:`launch`: a :class:`LaunchConfig` with ``nproc``
+workers, a c10d rendezvous on 127.0.0.1 at a free port and ``max_restarts``; failed workers are restarted
+by the elastic agent and resume from the last committed checkpoint. Under ``torchrun`` (``RANK``,
+``WORLD_SIZE``, ``MASTER_ADDR`` ... set) :func:`under_torchrun` is true and the CLI runs the worker inline.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import uuid
+from pathlib import Path
+
+from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+from omni_train.config import RunConfig
+
+__all__ = ["ChildFailedError", "free_port", "launch", "under_torchrun"]
+
+
+def under_torchrun() -> bool:
+    """True when this process is a worker started by ``torchrun`` / an elastic agent."""
+    return all(k in os.environ for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"))
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that the OS reports free right now."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def launch(
+    cfg: RunConfig, out_dir: Path, *, nproc: int, resume: bool, max_restarts: int
+) -> dict[int, object]:
+    """Run :func:`omni_train.trainer.worker_main` on ``nproc`` local processes; return rank -> result.
+
+    Raises:
+        ChildFailedError: a worker failed more than ``max_restarts`` times (names the rank and its error).
+    """
+    from omni_train.trainer import worker_main
+
+    # One OpenMP/MKL thread per worker (as torchrun does), set before the workers start: threads created
+    # later (the async checkpoint writer, the loader's prefetch) then cannot change how a kernel splits
+    # its work, which keeps float results bit-identical from run to run (exact --resume).
+    for var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):
+        os.environ.setdefault(var, "1")
+    config = LaunchConfig(
+        min_nodes=1,
+        max_nodes=1,
+        nproc_per_node=nproc,
+        run_id=f"omni-train-{uuid.uuid4().hex[:8]}",
+        rdzv_backend="c10d",
+        rdzv_endpoint=f"127.0.0.1:{free_port()}",
+        rdzv_configs={"timeout": 120},
+        max_restarts=max_restarts,
+        monitor_interval=0.2,
+        start_method="spawn",
+        local_addr="127.0.0.1",
+    )
+    return elastic_launch(config, worker_main)(cfg, str(out_dir), resume)

@@ -1,0 +1,197 @@
+"""A LLaMA-style decoder (RMSNorm, RoPE, SwiGLU, GQA) over packed sequences, split into pipeline stages.
+
+Touvron et al., "LLaMA" (2023): pre-norm blocks with RMSNorm, rotary position embeddings, a SwiGLU MLP and
+grouped-query attention. Sequences are packs of documents: ``position_ids`` restart at 0 in each document
+and attention stays inside each document (``cu_seqlens``), so a pack computes exactly what its documents
+would compute one by one.
+
+Pipeline split (DESIGN.md, *stage*): stage 0 holds the token embedding and the first layers, the last stage
+the last layers, the final norm and the LM head; every layer is initialised from a generator seeded by
+``(seed, layer index)``, so any split of the same config holds the same weights as the unsplit model.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from omni_train.models.attention import apply_rope, rope_angles, varlen_attention
+
+__all__ = ["LLMConfig", "LLMStage", "RMSNorm", "split_layers"]
+
+
+@dataclass(frozen=True)
+class LLMConfig:
+    """LLM shape. ``dim`` and ``ffn_dim`` in features; ``n_heads % n_kv_heads == 0`` (GQA)."""
+
+    vocab_size: int
+    dim: int = 128
+    n_layers: int = 4
+    n_heads: int = 4
+    n_kv_heads: int = 2
+    ffn_dim: int = 384
+    rope_theta: float = 10000.0
+    norm_eps: float = 1e-5
+
+    @property
+    def head_dim(self) -> int:
+        return self.dim // self.n_heads
+
+
+class RMSNorm(nn.Module):
+    """Root-mean-square layer norm (Zhang & Sennrich, 2019): ``x / rms(x) * weight`` over the last dim."""
+
+    def __init__(self, dim: int, eps: float = 1e-5) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight
+
+
+class Attention(nn.Module):
+    """Causal GQA self-attention with RoPE, per packed document."""
+
+    def __init__(self, cfg: LLMConfig) -> None:
+        super().__init__()
+        self.n_heads, self.n_kv_heads, self.head_dim = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+        self.wq = nn.Linear(cfg.dim, cfg.n_heads * cfg.head_dim, bias=False)
+        self.wk = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, bias=False)
+        self.wv = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, bias=False)
+        self.wo = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.dim, bias=False)
+
+    def forward(
+        self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], cu_seqlens: torch.Tensor
+    ) -> torch.Tensor:
+        t = x.shape[0]
+        q = apply_rope(self.wq(x).view(t, self.n_heads, self.head_dim), *rope)
+        k = apply_rope(self.wk(x).view(t, self.n_kv_heads, self.head_dim), *rope)
+        v = self.wv(x).view(t, self.n_kv_heads, self.head_dim)
+        return self.wo(varlen_attention(q, k, v, cu_seqlens, causal=True).reshape(t, -1))
+
+
+class SwiGLU(nn.Module):
+    """``w2(silu(w1 x) * w3 x)`` (Shazeer, "GLU Variants Improve Transformer", 2020)."""
+
+    def __init__(self, dim: int, hidden: int) -> None:
+        super().__init__()
+        self.w1 = nn.Linear(dim, hidden, bias=False)
+        self.w3 = nn.Linear(dim, hidden, bias=False)
+        self.w2 = nn.Linear(hidden, dim, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class Block(nn.Module):
+    """Pre-norm decoder block: ``x + attn(norm(x))`` then ``x + mlp(norm(x))``."""
+
+    def __init__(self, cfg: LLMConfig) -> None:
+        super().__init__()
+        self.attn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.attn = Attention(cfg)
+        self.mlp_norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.mlp = SwiGLU(cfg.dim, cfg.ffn_dim)
+
+    def forward(
+        self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], cu_seqlens: torch.Tensor
+    ) -> torch.Tensor:
+        x = x + self.attn(self.attn_norm(x), rope, cu_seqlens)
+        return x + self.mlp(self.mlp_norm(x))
+
+
+def split_layers(n_layers: int, pp: int) -> list[tuple[int, int]]:
+    """Contiguous ``[lo, hi)`` layer ranges per pipeline stage; earlier stages take the remainder last.
+
+    The first stage also runs the embedding and the encoder scatter and the last the LM head, so extra
+    layers go to the middle-to-late stages first (stage 0 gets ``n // pp`` layers).
+
+    Raises:
+        ValueError: ``n_layers < pp`` (a stage would be empty).
+    """
+    if pp < 1 or n_layers < pp:
+        raise ValueError(f"n_layers ({n_layers}) must be >= pp ({pp}) >= 1: every stage needs a layer")
+    base, extra = divmod(n_layers, pp)
+    sizes = [base + (1 if s >= pp - extra else 0) for s in range(pp)]
+    bounds, lo = [], 0
+    for n in sizes:
+        bounds.append((lo, lo + n))
+        lo += n
+    return bounds
+
+
+def _init_(module: nn.Module, gen: torch.Generator, std: float) -> None:
+    for name, p in module.named_parameters():
+        if name.endswith("weight") and p.dim() == 2:
+            with torch.no_grad():
+                p.copy_(torch.randn(p.shape, generator=gen, dtype=torch.float64).mul_(std).to(p.dtype))
+
+
+class LLMStage(nn.Module):
+    """Layers ``[lo, hi)`` of the LLM; the first stage embeds tokens, the last applies norm + LM head.
+
+    Forward:
+        x: first stage: token ids int64 ``[T]``; otherwise hidden states ``[T, dim]``.
+        position_ids: int64 ``[T]``, restarting at 0 in each packed document.
+        cu_seqlens: int64 ``[num_docs + 1]``.
+        media_embeds: first stage only, optional ``[M, dim]`` encoder embeddings (after their projector);
+            they replace the embeddings of the placeholder tokens at ``media_positions`` (int64 ``[M]``,
+            packed positions of ``<|image|>``/``<|audio|>`` tokens, in the order the embeddings come).
+
+    Returns:
+        last stage: logits ``[T, vocab_size]``; otherwise hidden states ``[T, dim]``.
+    """
+
+    def __init__(self, cfg: LLMConfig, stage: int = 0, num_stages: int = 1, *, seed: int = 0) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.is_first = stage == 0
+        self.is_last = stage == num_stages - 1
+        self.lo, self.hi = split_layers(cfg.n_layers, num_stages)[stage]
+        std = 0.02
+        if self.is_first:
+            self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.dim)
+            _init_(self.tok_embeddings, torch.Generator().manual_seed(seed * 1000 + 999), std)
+        self.layers = nn.ModuleDict()
+        for i in range(self.lo, self.hi):
+            block = Block(cfg)
+            _init_(block, torch.Generator().manual_seed(seed * 1000 + i), std)
+            # Scale residual-branch outputs down with depth (GPT-2 / torchtitan convention).
+            with torch.no_grad():
+                block.attn.wo.weight.mul_(1.0 / (2 * cfg.n_layers) ** 0.5)
+                block.mlp.w2.weight.mul_(1.0 / (2 * cfg.n_layers) ** 0.5)
+            self.layers[str(i)] = block
+        if self.is_last:
+            self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
+            self.output = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
+            _init_(self.output, torch.Generator().manual_seed(seed * 1000 + 998), std)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        position_ids: torch.Tensor,
+        cu_seqlens: torch.Tensor,
+        media_embeds: torch.Tensor | None = None,
+        media_positions: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        if self.is_first:
+            h = self.tok_embeddings(x)
+            if media_embeds is not None and media_positions is not None and media_positions.numel():
+                if media_embeds.shape != (media_positions.numel(), self.cfg.dim):
+                    raise ValueError(
+                        f"media_embeds {tuple(media_embeds.shape)} does not match "
+                        f"{media_positions.numel()} placeholder positions x dim {self.cfg.dim}"
+                    )
+                h = h.index_put((media_positions,), media_embeds.to(h.dtype))
+        else:
+            h = x
+        rope = rope_angles(position_ids, self.cfg.head_dim, self.cfg.rope_theta)
+        for block in self.layers.values():
+            h = block(h, rope, cu_seqlens)
+        if self.is_last:
+            h = self.output(self.norm(h))
+        return h

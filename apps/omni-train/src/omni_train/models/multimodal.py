@@ -1,0 +1,36 @@
+"""Encoder + projector per modality: what an encoder microbatch runs to produce LLM-width embeddings."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from omni_train.models.audio import AudioConfig, AudioEncoder
+from omni_train.models.projector import Projector
+from omni_train.models.vit import VisionTransformer, ViTConfig
+
+__all__ = ["AudioTower", "ImageTower"]
+
+
+class ImageTower(nn.Module):
+    """ViT then projector. Forward: ``(patches [N, 3*p*p], grids [n_img, 2]) -> [N / merge**2, llm_dim]``."""
+
+    def __init__(self, cfg: ViTConfig, llm_dim: int, *, seed: int = 0) -> None:
+        super().__init__()
+        self.encoder = VisionTransformer(cfg, seed=seed)
+        self.projector = Projector(cfg.out_dim, llm_dim, seed=seed + 1)
+
+    def forward(self, patches: torch.Tensor, grids: torch.Tensor) -> torch.Tensor:
+        return self.projector(self.encoder(patches, grids))
+
+
+class AudioTower(nn.Module):
+    """Audio encoder then projector. Forward: ``(mels [F, n_mels], mel_lengths [n_clips]) -> [F', llm_dim]``."""
+
+    def __init__(self, cfg: AudioConfig, llm_dim: int, *, seed: int = 0) -> None:
+        super().__init__()
+        self.encoder = AudioEncoder(cfg, seed=seed)
+        self.projector = Projector(cfg.dim, llm_dim, seed=seed + 1)
+
+    def forward(self, mels: torch.Tensor, mel_lengths: torch.Tensor) -> torch.Tensor:
+        return self.projector(self.encoder(mels, mel_lengths))

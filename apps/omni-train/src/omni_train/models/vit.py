@@ -1,0 +1,138 @@
+"""A tiny dynamic-resolution ViT: 14-px patches, 2-D RoPE, packed images, 2x2 patch merge.
+
+Follows Qwen2-VL's vision encoder (Wang et al., 2024) at toy scale: an image keeps its aspect ratio, is
+resized so both sides are multiples of ``patch * merge`` pixels, cut into ``patch x patch`` patches
+(ordered window by window, so the ``merge x merge`` patches that merge into one LLM token are contiguous),
+and all images of a microbatch are packed into one sequence with ``cu_seqlens``; attention stays inside
+each image. Positions are 2-D RoPE (half the rotary pairs rotate with the row, half with the column).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from omni_train.models.attention import rope_angles
+from omni_train.models.encoder_block import EncoderBlock, init_linear_
+
+__all__ = ["ViTConfig", "VisionTransformer", "patchify", "smart_resize"]
+
+
+@dataclass(frozen=True)
+class ViTConfig:
+    """ViT shape. ``min_pixels``/``max_pixels`` bound the resized image area (pixels)."""
+
+    dim: int = 64
+    n_layers: int = 2
+    n_heads: int = 4
+    patch: int = 14
+    merge: int = 2
+    min_pixels: int = 56 * 56
+    max_pixels: int = 112 * 112
+    rope_theta: float = 10000.0
+
+    @property
+    def out_dim(self) -> int:
+        """Features per merged token (``merge**2 * dim``), the projector's input width."""
+        return self.merge * self.merge * self.dim
+
+
+def smart_resize(height: int, width: int, factor: int, min_pixels: int, max_pixels: int) -> tuple[int, int]:
+    """Target ``(height, width)`` in pixels: multiples of ``factor``, area in ``[min_pixels, max_pixels]``,
+    aspect ratio kept as closely as rounding allows (Qwen2-VL's ``smart_resize``).
+
+    Raises:
+        ValueError: a non-positive side.
+    """
+    if height <= 0 or width <= 0:
+        raise ValueError(f"image size must be positive, got {height}x{width}")
+    h = max(factor, round(height / factor) * factor)
+    w = max(factor, round(width / factor) * factor)
+    if h * w > max_pixels:
+        beta = math.sqrt(height * width / max_pixels)
+        h = max(factor, math.floor(height / beta / factor) * factor)
+        w = max(factor, math.floor(width / beta / factor) * factor)
+    elif h * w < min_pixels:
+        beta = math.sqrt(min_pixels / (height * width))
+        h = math.ceil(height * beta / factor) * factor
+        w = math.ceil(width * beta / factor) * factor
+    return h, w
+
+
+def patchify(image: torch.Tensor, patch: int, merge: int) -> tuple[torch.Tensor, tuple[int, int]]:
+    """Cut an image into patches ordered merge-window by merge-window.
+
+    Args:
+        image: ``[3, H, W]`` float, H and W multiples of ``patch * merge``.
+
+    Returns:
+        ``(patches, (grid_h, grid_w))``: patches ``[grid_h * grid_w, 3 * patch * patch]``; the grid in
+        patches. Patches ``4j .. 4j+3`` (for merge 2) form merged token ``j``, windows in row-major order.
+
+    Raises:
+        ValueError: a side that is not a multiple of ``patch * merge``.
+    """
+    c, h, w = image.shape
+    f = patch * merge
+    if h % f or w % f:
+        raise ValueError(f"image {h}x{w} px: both sides must be multiples of patch*merge = {f}")
+    gh, gw = h // patch, w // patch
+    x = image.reshape(c, gh // merge, merge, patch, gw // merge, merge, patch)
+    # -> [win_row, win_col, in_row, in_col, c, patch, patch]
+    x = x.permute(1, 4, 2, 5, 0, 3, 6).reshape(gh * gw, c * patch * patch)
+    return x, (gh, gw)
+
+
+def _patch_positions(grids: torch.Tensor, merge: int) -> tuple[torch.Tensor, torch.Tensor]:
+    rows, cols = [], []
+    for gh, gw in grids.tolist():
+        r = torch.arange(gh).view(gh // merge, merge, 1, 1).expand(-1, -1, gw // merge, merge)
+        c = torch.arange(gw).view(1, 1, gw // merge, merge).expand(gh // merge, merge, -1, -1)
+        rows.append(r.permute(0, 2, 1, 3).reshape(-1))
+        cols.append(c.permute(0, 2, 1, 3).reshape(-1))
+    return torch.cat(rows), torch.cat(cols)
+
+
+class VisionTransformer(nn.Module):
+    """Patch embedding, bidirectional blocks with 2-D RoPE over packed images, final LayerNorm, 2x2 merge.
+
+    Forward:
+        patches: ``[N, 3 * patch * patch]`` patches of several images, each image's patches from
+            :func:`patchify`, images concatenated.
+        grids: int64 ``[num_images, 2]`` each image's ``(grid_h, grid_w)`` in patches.
+
+    Returns:
+        ``[N / merge**2, merge**2 * dim]`` merged tokens (one per LLM ``<|image|>`` placeholder), images
+        in order.
+
+    Raises:
+        ValueError: the patch count does not match the grids.
+    """
+
+    def __init__(self, cfg: ViTConfig, *, seed: int = 0) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.patch_embed = nn.Linear(3 * cfg.patch * cfg.patch, cfg.dim)
+        self.blocks = nn.ModuleList(EncoderBlock(cfg.dim, cfg.n_heads) for _ in range(cfg.n_layers))
+        self.norm = nn.LayerNorm(cfg.dim)
+        init_linear_(self, torch.Generator().manual_seed(seed))
+
+    def forward(self, patches: torch.Tensor, grids: torch.Tensor) -> torch.Tensor:
+        sizes = grids[:, 0] * grids[:, 1]
+        if int(sizes.sum()) != patches.shape[0]:
+            raise ValueError(f"{patches.shape[0]} patches but grids {grids.tolist()} need {int(sizes.sum())}")
+        cu = torch.zeros(sizes.numel() + 1, dtype=torch.int64)
+        cu[1:] = torch.cumsum(sizes, 0)
+        rows, cols = _patch_positions(grids, self.cfg.merge)
+        hd = self.cfg.dim // self.cfg.n_heads
+        cr, sr = rope_angles(rows, hd // 2, self.cfg.rope_theta)
+        cc, sc = rope_angles(cols, hd // 2, self.cfg.rope_theta)
+        rope = (torch.cat([cr, cc], -1), torch.cat([sr, sc], -1))
+        x = self.patch_embed(patches)
+        for blk in self.blocks:
+            x = blk(x, rope, cu)
+        x = self.norm(x)
+        return x.reshape(-1, self.cfg.out_dim)

@@ -1,0 +1,115 @@
+"""Config loading and validation: every error names its field, and fails before any process starts."""
+
+import dataclasses
+
+import pytest
+from train_fixtures import make_dataset, write_config
+
+from omni_train.cli import build_parser, main, resolve_run
+from omni_train.config import ConfigError, Placement, load_config, validate
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory):
+    return make_dataset(tmp_path_factory.mktemp("data"), n_image=4, n_audio=2, n_text=4)
+
+
+def test_bundled_configs_parse():
+    for name in ("omni-tiny", "vlm-tiny"):
+        cfg = load_config(name)
+        assert cfg.name == name
+        assert cfg.parallel.pp == 2 and cfg.parallel.placement is Placement.UNIFORM_ON_DEMAND
+        assert len(cfg.data.mixture) >= 2
+    assert load_config("omni-tiny").model.audio is not None
+    assert load_config("vlm-tiny").model.audio is None
+
+
+def test_tiny_config_validates(tmp_path, data):
+    cfg = load_config(str(write_config(tmp_path / "c.toml", data)))
+    validate(cfg, 2)
+
+
+def _bad(cfg, nproc=2, **changes):
+    for path, value in changes.items():
+        section, _, key = path.partition("__")
+        sub = getattr(cfg, section)
+        if "__" in key:
+            inner, _, key = key.partition("__")
+            sub2 = dataclasses.replace(getattr(sub, inner), **{key: value})
+            sub = dataclasses.replace(sub, **{inner: sub2})
+        else:
+            sub = dataclasses.replace(sub, **{key: value})
+        cfg = dataclasses.replace(cfg, **{section: sub})
+    with pytest.raises(ConfigError) as exc:
+        validate(cfg, nproc)
+    return str(exc.value)
+
+
+def test_each_validation_error_names_its_field(tmp_path, data):
+    cfg = load_config(str(write_config(tmp_path / "c.toml", data)))
+    assert "does not match the process count 3" in _bad(cfg, nproc=3)
+    assert _bad(cfg, parallel__pp=0).startswith("parallel.pp")
+    assert _bad(cfg, model__llm__n_kv_heads=3).startswith("model.llm.n_heads")
+    assert _bad(cfg, model__llm__n_heads=5).startswith("model.llm.dim")
+    assert _bad(cfg, model__llm__n_layers=1).startswith("model.llm.n_layers")
+    assert _bad(cfg, data__microbatches=1).startswith("data.microbatches")
+    assert _bad(cfg, nproc=4, parallel__tp=2, parallel__pp=2, model__llm__n_kv_heads=1).startswith(
+        "model.llm.n_kv_heads"
+    )
+    assert _bad(cfg, nproc=4, parallel__tp=2).startswith("parallel.tp: 2 is not supported")
+    srcs = [dataclasses.replace(s) for s in cfg.data.sources]
+    srcs[1] = dataclasses.replace(srcs[1], urls=str(tmp_path / "nothing-*.tar"))
+    msg = _bad(cfg, data__sources=srcs)
+    assert msg.startswith("data.sources[1].urls") and "nothing-*.tar" in msg
+    mix = [dataclasses.replace(m) for m in cfg.data.mixture]
+    mix[0] = dataclasses.replace(mix[0], weights={"imagez": 1.0})
+    assert _bad(cfg, data__mixture=mix).startswith("data.mixture[0].weights")
+    assert _bad(cfg, data__tokenizer=str(tmp_path / "none.json")).startswith("data.tokenizer")
+
+
+def test_toml_errors_name_the_key(tmp_path, data):
+    p = write_config(tmp_path / "c.toml", data, extra="bogus = 1")
+    with pytest.raises(ConfigError, match=r"^train\.bogus: unknown key"):
+        load_config(str(p))
+    p = write_config(tmp_path / "d.toml", data)
+    p.write_text(p.read_text().replace("pp = 2", 'pp = "two"'))
+    with pytest.raises(ConfigError, match=r"^parallel\.pp: expected int"):
+        load_config(str(p))
+    p.write_text(p.read_text().replace('pp = "two"', 'pp = 2\nplacement = "everywhere"'))
+    with pytest.raises(ConfigError, match=r"^parallel\.placement: 'everywhere' is not one of"):
+        load_config(str(p))
+    with pytest.raises(ConfigError, match="no bundled config named 'nope'"):
+        load_config("nope")
+
+
+def test_cli_overrides_and_exit_status(tmp_path, data, capsys):
+    p = write_config(tmp_path / "c.toml", data)
+    args = build_parser().parse_args(
+        [
+            "run",
+            "--config",
+            str(p),
+            "--placement",
+            "prepend_first_stage",
+            "--reorder",
+            "off",
+            "--max-steps",
+            "3",
+            "--out",
+            str(tmp_path / "run"),
+        ]
+    )
+    cfg, nproc, out = resolve_run(args)
+    assert (cfg.parallel.placement, cfg.parallel.reorder, cfg.train.steps, nproc) == (
+        Placement.PREPEND_FIRST_STAGE,
+        False,
+        3,
+        2,
+    )
+    assert out == tmp_path / "run"
+    # A bad process count fails before any process starts: exit status 2 and the field named.
+    assert main(["run", "--config", str(p), "--nproc", "3", "--out", str(tmp_path / "x")]) == 2
+    assert "does not match the process count 3" in capsys.readouterr().err
+    assert not (tmp_path / "x").exists()
+    assert main(["run", "--config", str(p), "--resume", "--out", str(tmp_path / "none")]) == 2
+    assert "holds no checkpoints" in capsys.readouterr().err

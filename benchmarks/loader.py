@@ -1,0 +1,134 @@
+"""Loader throughput: our metadata-first source + payload reader vs plain webdataset iteration, over the
+same local shards and the same samples (images PNG + caption + json, audio FLAC + transcript).
+
+Two levels, each as samples/s (best of a few passes, same process) and the ratio against webdataset:
+- raw (I/O only): every sample's payload bytes in hand. webdataset: ``wds.WebDataset(urls)`` yields dicts
+  of bytes; ours: ``WebDatasetSource`` metadata (header walk, json/txt inline, image header or FLAC
+  STREAMINFO, token accounting, no tokenizer) plus ``PayloadReader.read_bytes`` of the payload by byte range.
+- decoded (the same work on both sides): caption/transcript token ids and an RGB tensor resized to the
+  dynamic-resolution grid, or a mono waveform. webdataset: its bytes decoded by the same PIL/soundfile
+  steps; ours: ``WebDatasetSource(tokenizer=...)`` then ``PayloadReader.read``.
+
+Run: ``uv run python benchmarks/loader.py``; writes ``benchmarks/results/loader.json``.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import math
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import soundfile
+import torch
+import webdataset as wds
+from PIL import Image
+
+from omni_data import ImageTokens, PayloadReader, WebDatasetSource
+from omni_data.sample import Modality
+from omni_data.testing import audio_samples, image_samples, train_tiny_bpe, write_shards
+
+
+def best(fn, repeats: int = 5) -> tuple[float, int]:
+    t_best, n = math.inf, 0
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        n = fn()
+        t_best = min(t_best, time.perf_counter() - t0)
+    return t_best, n
+
+
+def main() -> None:
+    d = tempfile.mkdtemp(prefix="omni-loader-bench-")
+    n_img, n_aud = 1200, 1200
+    img = write_shards(f"{d}/img-%03d.tar", image_samples(n_img, sizes=(64, 320)), per_shard=200)
+    aud = write_shards(
+        f"{d}/aud-%03d.tar", audio_samples(n_aud, rate=16000, seconds=(0.5, 4.0)), per_shard=200
+    )
+    tok = train_tiny_bpe()
+    sets = {"image": img, "audio": aud}
+
+    it = ImageTokens()
+
+    def wds_raw(urls):
+        return lambda: sum(1 for s in wds.WebDataset(urls, shardshuffle=False) if s)
+
+    def ours_raw(urls, modality):
+        def run():
+            reader, n = PayloadReader(), 0
+            ext = "png" if modality == "image" else "flac"
+            for m in WebDatasetSource(urls, modality=modality):
+                reader.read_bytes(m.members[ext])
+                n += 1
+            return n
+
+        return run
+
+    def wds_decoded(urls, modality):
+        """The same decoding work as PayloadReader.read, on webdataset's bytes."""
+
+        def run():
+            n = 0
+            for s in wds.WebDataset(urls, shardshuffle=False):
+                ids = torch.tensor(tok.encode(s["txt"].decode()).ids, dtype=torch.int64)
+                if modality == "image":
+                    with Image.open(io.BytesIO(s["png"])) as im:
+                        h, w = it.resize(im.height, im.width)
+                        rgb = im.convert("RGB").resize((w, h), Image.Resampling.BICUBIC)
+                    chw = np.ascontiguousarray(np.asarray(rgb, dtype=np.uint8).transpose(2, 0, 1))
+                    x = torch.from_numpy(chw.astype(np.float32) * np.float32(1 / 255))
+                else:
+                    data, _ = soundfile.read(io.BytesIO(s["flac"]), dtype="float32", always_2d=True)
+                    x = torch.from_numpy(data.mean(axis=1))
+                assert x.numel() and ids.numel()
+                n += 1
+            return n
+
+        return run
+
+    def ours_decoded(urls, modality):
+        def run():
+            reader, n = PayloadReader(tok), 0
+            for m in WebDatasetSource(urls, modality=modality, tokenizer=tok):
+                p = reader.read(m)
+                assert (p.pixels if m.modality is Modality.IMAGE else p.waveform) is not None
+                n += 1
+            return n
+
+        return run
+
+    rows = []
+    for modality, urls in sets.items():
+        for level, base, mine in (
+            ("raw", wds_raw(urls), ours_raw(urls, modality)),
+            ("decoded", wds_decoded(urls, modality), ours_decoded(urls, modality)),
+        ):
+            tb, nb = best(base)
+            to, no = best(mine)
+            assert nb == no, (modality, level, nb, no)
+            rows.append(
+                {
+                    "modality": modality,
+                    "level": level,
+                    "samples": no,
+                    "webdataset_sps": nb / tb,
+                    "ours_sps": no / to,
+                    "ratio": (no / to) / (nb / tb),
+                }
+            )
+    print(f"{'modality':8s} {'level':8s} {'samples':>7s} {'webdataset/s':>13s} {'ours/s':>10s} {'ratio':>6s}")
+    for r in rows:
+        print(
+            f"{r['modality']:8s} {r['level']:8s} {r['samples']:7d} {r['webdataset_sps']:13.0f} {r['ours_sps']:10.0f} "
+            f"{r['ratio']:6.2f}"
+        )
+    out = Path(__file__).parent / "results" / "loader.json"
+    out.write_text(json.dumps({"rows": rows}, indent=2))
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()

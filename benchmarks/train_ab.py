@@ -1,0 +1,105 @@
+"""A/B of the trainer's switches on the bundled data: placement x reordering, in one run.
+
+Runs the real trainer (``omni-tiny`` recipe, 2 processes, pp=2, gloo on CPU) for a few steps per variant
+in one 2-rank world and prints, per variant, tokens/s and the per-rank idle seconds per step (wall time
+minus time inside pipeline actions), as ratios against the baseline measured in the same run:
+``prepend_first_stage`` with reordering off (encoders on stage 0, as Megatron-LM / torchtitan do).
+The first ``--warmup`` steps of each variant are not counted. Also checks that every variant saw the same
+losses (same data, same math). Writes ``benchmarks/results/train_ab.json``.
+
+    uv run python benchmarks/train_ab.py [--steps 12] [--warmup 3] [--config omni-tiny]
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import statistics
+import tempfile
+from pathlib import Path
+
+from omni_parallel.testing import run_world
+from omni_train.config import Placement, load_config
+
+VARIANTS = [
+    ("prepend_first_stage, reorder off", Placement.PREPEND_FIRST_STAGE, False),
+    ("prepend_first_stage, reorder on", Placement.PREPEND_FIRST_STAGE, True),
+    ("isolated, reorder on", Placement.ISOLATED, True),
+    ("uniform_on_demand, reorder off", Placement.UNIFORM_ON_DEMAND, False),
+    ("uniform_on_demand, reorder on", Placement.UNIFORM_ON_DEMAND, True),
+]
+
+
+def _run_variants(rank: int, world_size: int, cfg, root: str) -> list | None:
+    from omni_train.trainer import Trainer
+
+    out = []
+    for i, (_, placement, reorder) in enumerate(VARIANTS):
+        par = dataclasses.replace(cfg.parallel, placement=placement, reorder=reorder)
+        run = Path(root) / f"v{i}"
+        trainer = Trainer(dataclasses.replace(cfg, parallel=par), run, resume=False)
+        trainer.run()
+        if rank == 0:
+            out.append([json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()])
+    return out if rank == 0 else None
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--config", default="omni-tiny")
+    ap.add_argument("--steps", type=int, default=12)
+    ap.add_argument("--warmup", type=int, default=3)
+    args = ap.parse_args()
+    cfg = load_config(args.config)
+    cfg = dataclasses.replace(
+        cfg,
+        train=dataclasses.replace(cfg.train, steps=args.steps),
+        checkpoint=dataclasses.replace(cfg.checkpoint, every=0),
+    )
+    with tempfile.TemporaryDirectory() as root:
+        metrics = run_world(_run_variants, cfg.parallel.world_size, args=(cfg, root), timeout_s=3600)[0]
+    rows = []
+    for (name, _, reorder), ms in zip(VARIANTS, metrics):
+        counted = ms[args.warmup :]
+        rows.append(
+            {
+                "variant": name,
+                "tokens_per_s": statistics.mean(m["tokens_per_s"] for m in counted),
+                "step_time_s": statistics.mean(m["step_time_s"] for m in counted),
+                "idle_s_per_rank": [
+                    statistics.mean(m["idle_s_per_rank"][r] for m in counted)
+                    for r in range(len(counted[0]["idle_s_per_rank"]))
+                ],
+                "encoder_imbalance": statistics.mean(
+                    m["encoder_imbalance_after_reorder" if reorder else "encoder_imbalance_before_reorder"]
+                    for m in counted
+                ),
+                "losses": [m["loss"] for m in ms],
+            }
+        )
+    base = rows[0]
+    print(
+        f"trainer A/B: {cfg.name}, {cfg.parallel.world_size} processes, {args.steps} steps per variant "
+        f"({args.warmup} warm-up steps not counted); baseline = {base['variant']}"
+    )
+    print(
+        f"{'variant':<36}{'tokens/s':>10}{'vs base':>9}{'step s':>9}{'enc imbal':>10}  idle s/step per rank"
+    )
+    for r in rows:
+        idle = "  ".join(f"r{i} {x:.3f}" for i, x in enumerate(r["idle_s_per_rank"]))
+        print(
+            f"{r['variant']:<36}{r['tokens_per_s']:>10.0f}{r['tokens_per_s'] / base['tokens_per_s']:>8.2f}x"
+            f"{r['step_time_s']:>9.3f}{r['encoder_imbalance']:>10.2f}  {idle}"
+        )
+    worst = max(abs(a - b) / abs(b) for r in rows for a, b in zip(r["losses"], base["losses"]))
+    print(f"largest relative loss difference between variants over all steps: {worst:.2e}")
+    out = Path(__file__).resolve().parent / "results" / "train_ab.json"
+    out.parent.mkdir(exist_ok=True)
+    out.write_text(
+        json.dumps({"config": cfg.name, "steps": args.steps, "warmup": args.warmup, "rows": rows}, indent=2)
+    )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,177 @@
+"""On-disk layout: dtype names, the per-rank data file (safetensors layout) and the manifest schema.
+
+A checkpoint directory holds ``rank-XXXXX.safetensors`` data files (one per writing rank) and one
+``manifest.msgpack``. Each data file is a valid safetensors file: boxes of at least
+:data:`SMALL_BOX_BYTES` are tensors of their own (named ``name`` for a whole tensor, ``name@o0,o1,...``
+for a box at those offsets); smaller boxes are packed per dtype into 1-D ``__packed__.<dtype>`` tensors,
+so 20,000 tiny tensors do not cost 20,000 header entries; per-rank plain objects are the U8 tensor
+``__objects__`` (msgpack bytes) at the end. Entries are ordered by element size, largest first, so every
+box starts aligned to its element size.
+
+Manifest (msgpack map, no pickle)::
+
+    format: "omni-ckpt", version: 1, world_size: W, chunk_bytes: C,
+    checksum: "crc32 (zlib.crc32, IEEE 802.3 polynomial) per chunk of C bytes of each box",
+    files: [file name per rank], data_start: [byte offset of the data section per rank],
+    tensors: {name: [dtype, shape, [[offsets, sizes, file, offset, length, [crc32 per chunk]], ...]]},
+    objects: [[file, offset, length, crc32] per rank],
+    rank_fingerprints: [bytes per rank]   # the save-plan cache key
+
+``offset`` and ``length`` are absolute byte positions in ``files[file]``.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+
+import torch
+
+from omni_ckpt.box import Box
+
+__all__ = [
+    "CHUNK_BYTES",
+    "FORMAT",
+    "FORMAT_VERSION",
+    "MANIFEST",
+    "SMALL_BOX_BYTES",
+    "Write",
+    "dtype_from_name",
+    "dtype_name",
+    "itemsize",
+    "layout_rank",
+    "rank_file",
+    "safetensors_header",
+]
+
+FORMAT = "omni-ckpt"
+FORMAT_VERSION = 1
+MANIFEST = "manifest.msgpack"
+CHUNK_BYTES = 4 << 20
+SMALL_BOX_BYTES = 4096
+OBJECTS_ENTRY = "__objects__"
+
+_ST_DTYPES = {
+    torch.float64: "F64",
+    torch.float32: "F32",
+    torch.float16: "F16",
+    torch.bfloat16: "BF16",
+    torch.int64: "I64",
+    torch.int32: "I32",
+    torch.int16: "I16",
+    torch.int8: "I8",
+    torch.uint8: "U8",
+    torch.bool: "BOOL",
+    torch.float8_e4m3fn: "F8_E4M3",
+    torch.float8_e5m2: "F8_E5M2",
+    torch.uint16: "U16",
+    torch.uint32: "U32",
+    torch.uint64: "U64",
+}
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """``torch.float32`` -> ``"float32"``."""
+    return str(dtype).removeprefix("torch.")
+
+
+_ITEMSIZE: dict[str, int] = {}
+
+
+def itemsize(name: str) -> int:
+    """Bytes per element of the dtype called ``name``."""
+    size = _ITEMSIZE.get(name)
+    if size is None:
+        size = _ITEMSIZE.setdefault(name, dtype_from_name(name).itemsize)
+    return size
+
+
+def dtype_from_name(name: str) -> torch.dtype:
+    """``"float32"`` -> ``torch.float32``.
+
+    Raises:
+        ValueError: not a torch dtype name.
+    """
+    dtype = getattr(torch, name, None)
+    if not isinstance(dtype, torch.dtype):
+        raise ValueError(f"unknown dtype {name!r} in checkpoint")
+    return dtype
+
+
+def rank_file(rank: int) -> str:
+    return f"rank-{rank:05d}.safetensors"
+
+
+@dataclass(frozen=True, slots=True)
+class Write:
+    """One box a rank writes: ``length`` bytes at ``rel_offset`` from the start of its data section."""
+
+    name: str
+    box: Box
+    dtype: str
+    rel_offset: int
+    length: int
+
+
+def layout_rank(
+    items: list[tuple[str, Box, str]], shapes: dict[str, tuple[int, ...]]
+) -> tuple[list[Write], list[tuple[str, str, list[int], int, int]]]:
+    """Byte layout of one rank's data section from its boxes ``(name, box, dtype)``.
+
+    Deterministic and idempotent (laying out the result again, in offset order, gives the same
+    offsets), which lets the save-plan cache be rebuilt from a manifest.
+
+    Returns:
+        ``(writes in offset order, safetensors entries (name, st_dtype, shape, begin, end))``.
+    """
+    units: list[tuple[int, int, str, list[tuple[str, Box, str]]]] = []  # (-itemsize, kind, key, boxes)
+    packed: dict[str, list[tuple[str, Box, str]]] = {}
+    for it in items:
+        size = math.prod(it[1].sizes) * itemsize(it[2])
+        if size < SMALL_BOX_BYTES:
+            packed.setdefault(it[2], []).append(it)
+        else:
+            units.append((-itemsize(it[2]), 0, it[0], [it]))
+    for dt, boxes in packed.items():
+        units.append((-dtype_from_name(dt).itemsize, 1, dt, boxes))
+    units.sort(key=lambda u: (u[0], u[1]))  # stable: plan order within each class
+    writes: list[Write] = []
+    entries: list[tuple[str, str, list[int], int, int]] = []
+    pos = 0
+    for _, kind, key, boxes in units:
+        begin = pos
+        for name, box, dt in boxes:
+            length = math.prod(box.sizes) * itemsize(dt)
+            writes.append(Write(name, box, dt, pos, length))
+            pos += length
+        dtype = dtype_from_name(boxes[0][2])
+        st = _ST_DTYPES.get(dtype)
+        if kind == 0:
+            name, box, _ = boxes[0]
+            label = name if box.sizes == shapes[name] else f"{name}@{','.join(map(str, box.offsets))}"
+            entries.append((label, st or "U8", list(box.sizes) if st else [pos - begin], begin, pos))
+        else:
+            n = (pos - begin) // dtype.itemsize
+            entries.append((f"__packed__.{key}", st or "U8", [n] if st else [pos - begin], begin, pos))
+    return writes, entries
+
+
+def safetensors_header(
+    entries: list[tuple[str, str, list[int], int, int]], objects_len: int, rank: int
+) -> bytes:
+    """The 8-byte length plus JSON header of a rank's data file, padded so data starts 8-byte aligned."""
+    header: dict[str, object] = {"__metadata__": {"format": FORMAT, "rank": str(rank)}}
+    end = 0
+    for label, st, shape, begin, stop in entries:
+        header[label] = {"dtype": st, "shape": shape, "data_offsets": [begin, stop]}
+        end = stop
+    if objects_len:
+        header[OBJECTS_ENTRY] = {
+            "dtype": "U8",
+            "shape": [objects_len],
+            "data_offsets": [end, end + objects_len],
+        }
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-(8 + len(raw)) % 8)
+    return len(raw).to_bytes(8, "little") + raw

@@ -1,0 +1,202 @@
+"""``CheckpointManager``: numbered steps under one root, a ``latest`` pointer, pruning, async saves.
+
+Layout under ``root``::
+
+    step-00000100/rank-00000.safetensors ... manifest.msgpack   # committed when the manifest exists
+    latest                                                     # "step-00000100", replaced atomically
+
+Order of a save of step S: every rank writes its data file; rank 0 gathers every rank's outcome and,
+only if all succeeded, writes ``manifest.msgpack.tmp`` and renames it (S is now committed), then
+replaces ``latest`` (tmp + rename), then prunes. A crash at any point leaves ``latest`` on the previous
+committed step or on S, never on a partial one.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import re
+import warnings
+from collections.abc import MutableMapping
+from typing import Any
+
+import torch.distributed as dist
+
+from omni_ckpt.layout import MANIFEST
+from omni_ckpt.load import LoadResult, load, plan_from_manifest, read_manifest
+from omni_ckpt.plan import PlanCache
+from omni_ckpt.save import DEFAULT_HOST_BUDGET, AsyncSaveHandle, async_save, save
+from omni_ckpt.storage import CheckpointError, atomic_write, join, open_url
+
+__all__ = ["CheckpointManager"]
+
+_STEP = re.compile(r"^step-(\d+)$")
+LATEST = "latest"
+
+
+class CheckpointManager:
+    """Saves numbered checkpoints under ``root`` and finds the newest committed one.
+
+    Args:
+        root: fsspec URL of the directory holding the steps.
+        keep_last: committed steps to keep (>= 1); older ones, and uncommitted leftovers older than the
+            newest committed step, are deleted by rank 0 after each commit. None keeps everything.
+        async_save: ``save`` returns once staged and writes in the background.
+        process_group: ranks saving together. With ``torch.distributed`` initialised and None, the manager
+            creates its own gloo group (collectively, on every rank), so background commit collectives
+            never interleave with training collectives.
+        host_budget_bytes: staging budget of async saves (bytes).
+
+    Raises:
+        ValueError: ``keep_last < 1``.
+    """
+
+    def __init__(
+        self,
+        root: str,
+        *,
+        keep_last: int | None = 3,
+        async_save: bool = True,
+        process_group: dist.ProcessGroup | None = None,
+        host_budget_bytes: int = DEFAULT_HOST_BUDGET,
+    ) -> None:
+        if keep_last is not None and keep_last < 1:
+            raise ValueError(f"keep_last must be >= 1 or None, got {keep_last}")
+        self.root = root.rstrip("/")
+        self.keep_last = keep_last
+        self.async_save = async_save
+        self.host_budget_bytes = host_budget_bytes
+        self.fs, self.path = open_url(self.root)
+        if process_group is None and dist.is_available() and dist.is_initialized():
+            process_group = dist.new_group(backend="gloo")
+        self.process_group = process_group
+        self.rank = dist.get_rank(process_group) if process_group is not None else 0
+        self.plan_cache = PlanCache()
+        self._cache_checked = False
+        self._pending: tuple[int, AsyncSaveHandle] | None = None
+
+    def step_url(self, step: int) -> str:
+        """URL of step ``step``'s directory."""
+        return f"{self.root}/step-{step:08d}"
+
+    def _finish_pending(self) -> None:
+        if self._pending is None:
+            return
+        step, handle = self._pending
+        self._pending = None
+        try:
+            handle.wait()
+        except Exception as exc:
+            raise CheckpointError(f"background save of step {step} failed: {exc}") from exc
+
+    def wait(self) -> None:
+        """Block until the in-flight async save (if any) is committed. Raises: its error."""
+        self._finish_pending()
+
+    def _publish(self, step: int) -> None:
+        # Runs on rank 0 after step's manifest is in place: move the pointer, then prune.
+        atomic_write(self.fs, join(self.path, LATEST), f"step-{step:08d}".encode())
+        if self.keep_last is None:
+            return
+        committed = self.steps()
+        keep = set(committed[-self.keep_last :])
+        newest = committed[-1]
+        for s, name in self._step_dirs():
+            if s in keep or s >= newest:
+                continue
+            with contextlib.suppress(FileNotFoundError):
+                self.fs.rm(join(self.path, name), recursive=True)
+
+    def save(self, step: int, state: MutableMapping[Any, Any]) -> AsyncSaveHandle | None:
+        """Save ``state`` as step ``step`` (collective). Waits for the previous async save first.
+
+        Returns:
+            the async handle (``async_save=True``; ``handle.staged`` says when ``state`` may change), else
+            None once committed.
+
+        Raises:
+            CheckpointError: the previous background save failed, or this one failed (sync mode), or
+                ``step`` is already committed.
+        """
+        self._finish_pending()
+        if not self._cache_checked:
+            self._cache_checked = True
+            latest = self.latest()
+            if latest is not None:
+                self.plan_cache.plan = plan_from_manifest(read_manifest(self.step_url(latest)))
+        url = self.step_url(step)
+
+        def on_commit() -> None:
+            self._publish(step)
+
+        if not self.async_save:
+            save(
+                state, url, process_group=self.process_group, plan_cache=self.plan_cache, on_commit=on_commit
+            )
+            return None
+        handle = async_save(
+            state,
+            url,
+            process_group=self.process_group,
+            plan_cache=self.plan_cache,
+            on_commit=on_commit,
+            host_budget_bytes=self.host_budget_bytes,
+        )
+        self._pending = (step, handle)
+        return handle
+
+    def _step_dirs(self) -> list[tuple[int, str]]:
+        if not self.fs.exists(self.path):
+            return []
+        out = []
+        for info in self.fs.ls(self.path, detail=False):
+            name = info.rstrip("/").rsplit("/", 1)[-1]
+            m = _STEP.match(name)
+            if m:
+                out.append((int(m.group(1)), name))
+        return sorted(out)
+
+    def steps(self) -> list[int]:
+        """Committed steps (a manifest exists), oldest first."""
+        return [s for s, name in self._step_dirs() if self.fs.exists(join(join(self.path, name), MANIFEST))]
+
+    def latest(self) -> int | None:
+        """The newest committed step the ``latest`` pointer names (or, without a pointer, the newest
+        committed step on disk); None when there is none. Raises: a failed background save's error."""
+        if self._pending is not None and self._pending[1].done.done():
+            self._finish_pending()
+        pointer = join(self.path, LATEST)
+        if self.fs.exists(pointer):
+            with self.fs.open(pointer, "rb") as f:
+                name = f.read().decode().strip()
+            m = _STEP.match(name)
+            if m and self.fs.exists(join(join(self.path, name), MANIFEST)):
+                return int(m.group(1))
+            warnings.warn(
+                f"{pointer} names {name!r}, which is not committed; using the newest committed step",
+                stacklevel=2,
+            )
+        committed = self.steps()
+        return committed[-1] if committed else None
+
+    def load(self, step: int, state: MutableMapping[Any, Any]) -> LoadResult:
+        """Load step ``step`` into ``state`` in place (see :func:`omni_ckpt.load`); primes the plan cache."""
+        self._finish_pending()
+        url = self.step_url(step)
+        result = load(state, url, process_group=self.process_group)
+        if not self._cache_checked:
+            self._cache_checked = True
+            self.plan_cache.plan = plan_from_manifest(read_manifest(url))
+        return result
+
+    def load_latest(self, state: MutableMapping[Any, Any]) -> int | None:
+        """Load the latest committed step into ``state``; returns its number, or None if there is none."""
+        self._finish_pending()
+        step = self.latest()
+        if step is None:
+            return None
+        self.load(step, state)
+        return step
+
+    def close(self) -> None:
+        """Wait for the in-flight save. Raises: its error."""
+        self._finish_pending()

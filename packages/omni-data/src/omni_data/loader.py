@@ -1,0 +1,114 @@
+"""``PackedLoader``: packs grouped into training steps, with a DP-wide stop and async state snapshots."""
+
+from __future__ import annotations
+
+import copy
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+import msgpack
+import torch
+import torch.distributed as dist
+from torchdata.nodes import BaseNode
+
+from omni_data.mixture import MixtureStream
+from omni_data.node import StatefulNode
+from omni_data.packing import HybridPacker, Pack
+
+__all__ = ["PackedLoader", "StepBatch", "snapshot_async"]
+
+
+@dataclass(slots=True)
+class StepBatch:
+    """One optimizer step's packs for this DP rank: metadata only (phase one of the two-phase flow)."""
+
+    step: int
+    packs: list[Pack]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"step": self.step, "packs": [p.to_dict() for p in self.packs]}
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> StepBatch:
+        return cls(int(d["step"]), [Pack.from_dict(p) for p in d["packs"]])
+
+
+class PackedLoader(StatefulNode[StepBatch]):
+    """Groups ``packs_per_step`` packs into a :class:`StepBatch` and advances the mixture's step.
+
+    Args:
+        packer: the pack stream.
+        packs_per_step: packs per step on this DP rank (global batch / DP size), >= 1.
+        mixture: the :class:`MixtureStream` under ``packer`` whose step to advance (optional).
+        dp_group: if given, every step all-reduces a "have a full step" flag over the DP ranks, so when
+            any reader runs out all ranks stop at the same step (no rank waits in a collective alone);
+            the incomplete steps are counted in ``stats["dropped_packs"]``.
+    """
+
+    def __init__(
+        self,
+        packer: HybridPacker,
+        packs_per_step: int,
+        *,
+        mixture: MixtureStream | None = None,
+        dp_group: Any = None,
+    ) -> None:
+        super().__init__()
+        if packs_per_step < 1:
+            raise ValueError(f"PackedLoader: packs_per_step must be >= 1, got {packs_per_step}")
+        self.packer = packer
+        self.packs_per_step = packs_per_step
+        self.mixture = mixture
+        self.dp_group = dp_group
+        self.step = 0
+        self.stats = {"steps": 0, "dropped_packs": 0}
+
+    def reset(self, initial_state: dict[str, Any] | None = None) -> None:
+        super().reset(initial_state)
+        self.packer.reset(None if initial_state is None else initial_state["packer"])
+        self.step = 0 if initial_state is None else int(initial_state["step"])
+        self.stats = (
+            {"steps": 0, "dropped_packs": 0} if initial_state is None else dict(initial_state["stats"])
+        )
+
+    def get_state(self) -> dict[str, Any]:
+        return {"packer": self.packer.state_dict(), "step": self.step, "stats": dict(self.stats)}
+
+    def next(self) -> StepBatch:
+        if self.mixture is not None:
+            self.mixture.set_step(self.step)
+        packs: list[Pack] = []
+        for _ in range(self.packs_per_step):
+            try:
+                packs.append(next(self.packer))
+            except StopIteration:
+                break
+        full = len(packs) == self.packs_per_step
+        if self.dp_group is not None:
+            flag = torch.tensor([1 if full else 0], dtype=torch.int64)
+            dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=self.dp_group)
+            full = bool(flag.item())
+        if not full:
+            self.stats["dropped_packs"] += len(packs)
+            raise StopIteration
+        batch = StepBatch(self.step, packs)
+        self.step += 1
+        self.stats["steps"] += 1
+        return batch
+
+
+def snapshot_async(node: BaseNode[Any], executor: ThreadPoolExecutor | None = None) -> Future[bytes]:
+    """Take ``node.state_dict()`` now (a deep copy of small dicts: microseconds to milliseconds) and
+    msgpack-encode it on a background thread, so the training thread does not wait for serialisation
+    (paper §7.4: asynchronous loader state snapshots).
+
+    Returns:
+        A future of the msgpack bytes; ``msgpack.unpackb(b, strict_map_key=False)`` gives the state back.
+    """
+    state = copy.deepcopy(node.state_dict())
+    ex = executor or ThreadPoolExecutor(max_workers=1, thread_name_prefix="omni-data-snapshot")
+    fut = ex.submit(msgpack.packb, state, use_bin_type=True)
+    if executor is None:
+        ex.shutdown(wait=False)  # the submitted job still runs; the thread exits after it
+    return fut

@@ -1,0 +1,267 @@
+"""Decentralized grouped reordering (paper §5.1, Figure 11).
+
+Inside a reordering group (default: the ranks of one node) every rank all-gathers per-sample metadata
+(cost, payload shape, output rows), partitions all samples with ``omni_parallel.karmarkar_karp`` into
+one part per rank, checks that every rank computed the same plan (a hash all-gather: a mismatch raises
+on every rank instead of hanging in the data all-to-all), then moves payloads with one all-to-all.
+:meth:`ReorderPlan.restore` returns encoder outputs to their original rank and order; it is
+differentiable, so gradients take the reverse path (the paper's "post-reorder" of gradients).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import struct
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from omni_data._comm import exchange, gather_int_rows
+from omni_data.sample import SampleMeta
+from omni_parallel import karmarkar_karp
+
+__all__ = ["GroupedReorderer", "PlanMismatchError", "ReorderPlan", "encoder_flops"]
+
+_MAX_DIMS = 4
+
+
+class PlanMismatchError(RuntimeError):
+    """Ranks of a reordering group computed different plans; raised on every rank before data moves."""
+
+
+def encoder_flops(meta: SampleMeta) -> float:
+    """Default cost: the sample's encoder forward FLOPs."""
+    return meta.encoder_flops
+
+
+class _Join(torch.autograd.Function):
+    """Identity on ``out`` that also hands ``tie`` a zero gradient, so ``tie``'s backward (the dispatch
+    exchange) runs on every rank, even one that encoded nothing and whose loss does not depend on it."""
+
+    @staticmethod
+    def forward(ctx: Any, out: torch.Tensor, tie: torch.Tensor) -> torch.Tensor:
+        ctx.tie_shape, ctx.tie_dtype = tie.shape, tie.dtype
+        return out.view_as(out)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return grad, torch.zeros(ctx.tie_shape, dtype=ctx.tie_dtype, device=grad.device)
+
+
+@dataclass(slots=True)
+class ReorderPlan:
+    """Where every sample of the group goes; identical on every rank of the group.
+
+    Attributes:
+        rank: this rank's index in the group.
+        dest: ``dest[r][i]`` = group rank that encodes sample ``i`` of rank ``r``.
+        shapes: ``shapes[r][i]`` payload shape of sample ``i`` of rank ``r``.
+        rows: ``rows[r][i]`` encoder output rows (tokens) of that sample.
+        costs: ``costs[r][i]`` its cost (as given by ``cost_fn``).
+        received: ``[(src_rank, src_index)]`` samples this rank encodes, in received order.
+        digest: hex digest of the plan (checked equal across the group).
+    """
+
+    rank: int
+    group: Any
+    dest: list[list[int]]
+    shapes: list[list[tuple[int, ...]]]
+    rows: list[list[int]]
+    costs: list[list[float]]
+    received: list[tuple[int, int]]
+    digest: str
+    _dispatched: torch.Tensor | None = None
+
+    @property
+    def load(self) -> list[float]:
+        """Total cost per group rank after reordering."""
+        out = [0.0] * len(self.dest)
+        for r, ds in enumerate(self.dest):
+            for i, d in enumerate(ds):
+                out[d] += self.costs[r][i]
+        return out
+
+    def _send_order(self) -> list[int]:
+        mine = self.dest[self.rank]
+        return sorted(range(len(mine)), key=lambda i: (mine[i], i))
+
+    def dispatch(
+        self,
+        payloads: Sequence[torch.Tensor],
+        *,
+        dtype: torch.dtype = torch.float32,
+        differentiable: bool = False,
+    ) -> list[torch.Tensor]:
+        """Move this rank's payloads (one per local sample, shape ``shapes[rank][i]``) with one all-to-all.
+
+        Args:
+            payloads: this rank's payload tensors, in local sample order.
+            dtype: transport dtype (the same on every rank of the group).
+            differentiable: gradients of the returned payloads flow back to ``payloads``. Must be the
+                same on every rank: the backward is a collective, and :meth:`restore` then makes every
+                rank run it (also a rank with no samples), so collectives always match.
+
+        Returns:
+            The payloads this rank encodes, in :attr:`received` order.
+
+        Raises:
+            ValueError: wrong number of payloads or a payload whose shape differs from its metadata.
+        """
+        mine = self.shapes[self.rank]
+        if len(payloads) != len(mine):
+            raise ValueError(
+                f"dispatch: rank {self.rank} got {len(payloads)} payloads for {len(mine)} samples"
+            )
+        for i, (p, s) in enumerate(zip(payloads, mine)):
+            if tuple(p.shape) != s:
+                raise ValueError(
+                    f"dispatch: rank {self.rank} sample {i} has shape {tuple(p.shape)}, plan says {s}"
+                )
+        size = len(self.dest)
+        numel = [[_numel(s) for s in ss] for ss in self.shapes]
+        send = [0] * size
+        flat = [payloads[i].reshape(-1).to(dtype) for i in self._send_order()]
+        for i, d in enumerate(self.dest[self.rank]):
+            send[d] += numel[self.rank][i]
+        recv = [0] * size
+        for r, i in self.received:
+            recv[r] += numel[r][i]
+        x = torch.cat(flat) if flat else torch.zeros(0, dtype=dtype)
+        if differentiable and not x.requires_grad:
+            x = x.detach().requires_grad_(True)  # an empty rank still needs the backward exchange
+        y = exchange(x, send, recv, self.group)
+        self._dispatched = y if differentiable else None
+        out, at = [], 0
+        for r, i in self.received:
+            n = numel[r][i]
+            out.append(y[at : at + n].view(self.shapes[r][i]))
+            at += n
+        return out
+
+    def restore(self, outputs: torch.Tensor) -> torch.Tensor:
+        """Bring encoder outputs back to the samples' original rank and order.
+
+        Args:
+            outputs: ``[sum of rows of received samples, *feat]`` in :attr:`received` order.
+
+        Returns:
+            ``[sum of rows of this rank's samples, *feat]`` in this rank's original sample order.
+            Differentiable: the backward sends gradients along the reverse path.
+
+        Raises:
+            ValueError: ``outputs`` has the wrong number of rows.
+        """
+        size = len(self.dest)
+        want = sum(self.rows[r][i] for r, i in self.received)
+        if outputs.shape[0] != want:
+            raise ValueError(f"restore: rank {self.rank} got {outputs.shape[0]} rows, plan says {want}")
+        send = [0] * size
+        for r, i in self.received:
+            send[r] += self.rows[r][i]
+        mine = self.rows[self.rank]
+        recv = [0] * size
+        for i, d in enumerate(self.dest[self.rank]):
+            recv[d] += mine[i]
+        if self._dispatched is not None and torch.is_grad_enabled():
+            outputs = _Join.apply(outputs, self._dispatched)
+        back = exchange(outputs, send, recv, self.group)
+        # back holds rows in send order (by destination, then index); put them in original order
+        starts, at = [0] * len(mine), 0
+        for i in self._send_order():
+            starts[i] = at
+            at += mine[i]
+        index = [s + k for i, s in enumerate(starts) for k in range(mine[i])]
+        return back.index_select(0, torch.tensor(index, dtype=torch.int64))
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
+class GroupedReorderer:
+    """Plans and runs grouped reordering over ``group``.
+
+    Args:
+        group: the reordering group (a ``torch.distributed`` process group; ``None`` = default group).
+        cost_fn: per-sample cost for balancing (default :func:`encoder_flops`).
+        rows_fn: encoder output rows per sample (default ``meta.media_tokens``).
+    """
+
+    def __init__(
+        self,
+        group: Any = None,
+        cost_fn: Callable[[SampleMeta], float] = encoder_flops,
+        rows_fn: Callable[[SampleMeta], int] | None = None,
+    ) -> None:
+        self.group = group
+        self.cost_fn = cost_fn
+        self.rows_fn = rows_fn or (lambda m: m.media_tokens)
+
+    def plan(self, samples: Sequence[SampleMeta]) -> ReorderPlan:
+        """All-gather metadata, partition with Karmarkar-Karp, check the plan hash across the group.
+
+        Every rank of the group must call this (with its own samples, possibly none): it runs the same
+        three collectives (count all-gather, metadata all-gather, hash all-gather) whatever the counts.
+
+        Raises:
+            ValueError: a payload shape with more than 4 dims.
+            PlanMismatchError: ranks computed different plans (raised on every rank).
+        """
+        rank, size = dist.get_rank(self.group), dist.get_world_size(self.group)
+        table = torch.zeros((len(samples), 3 + _MAX_DIMS), dtype=torch.int64)
+        for i, m in enumerate(samples):
+            if len(m.shape) > _MAX_DIMS:
+                raise ValueError(f"sample {m.uid}: payload shape {m.shape} has more than {_MAX_DIMS} dims")
+            bits = struct.unpack("<q", struct.pack("<d", float(self.cost_fn(m))))[
+                0
+            ]  # exact float64 transport
+            table[i, :3] = torch.tensor([bits, int(self.rows_fn(m)), len(m.shape)])
+            table[i, 3 : 3 + len(m.shape)] = torch.tensor(m.shape, dtype=torch.int64)
+        gathered = gather_int_rows(table, self.group)
+        costs = [
+            [struct.unpack("<d", struct.pack("<q", int(b)))[0] for b in g[:, 0].tolist()] for g in gathered
+        ]
+        rows = [g[:, 1].tolist() for g in gathered]
+        shapes = [[tuple(row[3 : 3 + row[2]]) for row in g.tolist()] for g in gathered]
+        flat = [(r, i) for r in range(size) for i in range(len(costs[r]))]
+        parts = karmarkar_karp([costs[r][i] for r, i in flat], size)
+        owner = _match_parts(parts, flat, [costs[r][i] for r, i in flat], size)
+        dest = [[0] * len(c) for c in costs]
+        for part, d in zip(parts, owner):
+            for g in part:
+                r, i = flat[g]
+                dest[r][i] = d
+        received = [(r, i) for r in range(size) for i in range(len(dest[r])) if dest[r][i] == rank]
+        h = hashlib.sha256(repr((size, dest, rows, shapes, [[c.hex() for c in cs] for cs in costs])).encode())
+        digest = h.hexdigest()
+        mine = torch.tensor([int.from_bytes(h.digest()[:8], "little", signed=True)], dtype=torch.int64)
+        hashes = [torch.zeros(1, dtype=torch.int64) for _ in range(size)]
+        dist.all_gather(hashes, mine, group=self.group)
+        if len({int(x) for x in hashes}) != 1:
+            bad = [r for r, x in enumerate(hashes) if int(x) != int(mine)]
+            raise PlanMismatchError(
+                f"reordering plan differs between group ranks: rank {rank} disagrees with {bad}"
+            )
+        return ReorderPlan(rank, self.group, dest, shapes, rows, costs, received, digest)
+
+
+def _match_parts(
+    parts: list[list[int]], flat: list[tuple[int, int]], costs: list[float], size: int
+) -> list[int]:
+    """Give each part to the rank already holding most of its cost (fewest bytes moved); deterministic."""
+    free = set(range(size))
+    owner = []
+    for part in parts:
+        held = [0.0] * size
+        for g in part:
+            held[flat[g][0]] += costs[g]
+        best = max(sorted(free), key=lambda r: held[r])
+        owner.append(best)
+        free.discard(best)
+    return owner

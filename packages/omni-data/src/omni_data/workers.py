@@ -1,0 +1,59 @@
+"""``RoundRobinWorkers``: one rank's reader slots (workers) merged into one deterministic stream."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from omni_data.node import StatefulNode
+from omni_data.sample import SampleMeta
+
+__all__ = ["RoundRobinWorkers"]
+
+
+class RoundRobinWorkers(StatefulNode[SampleMeta]):
+    """Takes one sample from each worker's source in turn (worker 0, 1, ..., 0, ...), skipping workers that
+    have run out, until all have. The order depends only on the data, so it is exactly resumable.
+
+    Args:
+        workers: the rank's sources, one per worker slot (``WebDatasetSource(..., worker=w, num_workers=W)``).
+
+    Raises:
+        ValueError: no workers.
+    """
+
+    def __init__(self, workers: Sequence[StatefulNode[SampleMeta]]) -> None:
+        super().__init__()
+        if not workers:
+            raise ValueError("RoundRobinWorkers: need at least one worker source")
+        self.workers = list(workers)
+        self.cursor = 0
+        self.done = [False] * len(self.workers)
+
+    def reset(self, initial_state: dict[str, Any] | None = None) -> None:
+        super().reset(initial_state)
+        st = initial_state or {}
+        for i, w in enumerate(self.workers):
+            w.reset(st["workers"][i] if st else None)
+        self.cursor = int(st.get("cursor", 0))
+        self.done = [bool(x) for x in st.get("done", [False] * len(self.workers))]
+
+    def get_state(self) -> dict[str, Any]:
+        return {
+            "workers": [w.state_dict() for w in self.workers],
+            "cursor": self.cursor,
+            "done": list(self.done),
+        }
+
+    def next(self) -> SampleMeta:
+        n = len(self.workers)
+        for _ in range(n):
+            i = self.cursor
+            self.cursor = (self.cursor + 1) % n
+            if self.done[i]:
+                continue
+            try:
+                return next(self.workers[i])
+            except StopIteration:
+                self.done[i] = True
+        raise StopIteration

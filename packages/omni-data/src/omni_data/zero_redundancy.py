@@ -1,0 +1,280 @@
+"""Zero-redundancy loading (paper §5.2): each pipeline rank reads only the payloads it will encode.
+
+Every rank of a pipeline holds the same step metadata (the same :class:`PackedLoader` state for its DP
+rank). Encoder microbatches are a plain function of that metadata (:func:`split_encoder_microbatches`),
+``consumes`` says which of them this pipeline rank runs (from the pipeline's data flow, passed as plain
+data), and only those payloads are read and decoded, and only by TP rank 0, which broadcasts them to its
+TP group (sizes come from metadata, so receivers allocate exactly).
+
+Resumability: the filter prefetches ``prefetch`` steps ahead; those pre-filtered steps (metadata only)
+are the "DP0 buffer" of the paper and are saved in :meth:`ZeroRedundancyFilter.state_dict`. On load
+they are restored and re-filtered, so the resumed run reads exactly the same split.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Collection
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from omni_data.loader import PackedLoader, StepBatch
+from omni_data.node import StatefulNode
+from omni_data.packing import Pack
+from omni_data.payload import Payload, PayloadError, PayloadReader
+from omni_data.sample import Modality, SampleMeta
+from omni_parallel import karmarkar_karp
+
+__all__ = ["FilteredStep", "SampleIndex", "ZeroRedundancyFilter", "split_encoder_microbatches"]
+
+SampleIndex = tuple[int, int]
+"""``(pack index in the step, sample index in the pack)``."""
+
+
+def split_encoder_microbatches(
+    packs: list[Pack], microbatches: int, slices: int
+) -> dict[int, list[SampleIndex]]:
+    """Encoder microbatches of one step: the media samples of LLM microbatch ``k`` split into ``slices``.
+
+    LLM microbatch ``k`` (1-based, as in DESIGN.md) holds packs ``[(k-1)*B, k*B)`` with
+    ``B = len(packs) // microbatches``. Its media samples are split into ``slices`` parts of near-equal
+    encoder FLOPs (``omni_parallel.karmarkar_karp``); part ``j`` is encoder microbatch
+    ``e = (k-1)*slices + j + 1``. With ``slices`` = PP size this is the uniform split of the paper's
+    on-demand insertion (§4.2). Text-only samples have no encoder work and appear in none.
+
+    Returns:
+        ``{e: [(pack, sample)]}`` for every ``e`` in ``1 .. microbatches*slices`` (possibly empty lists).
+
+    Raises:
+        ValueError: ``len(packs)`` not divisible by ``microbatches``, or ``slices < 1``.
+    """
+    if microbatches < 1 or slices < 1 or len(packs) % microbatches:
+        raise ValueError(f"{len(packs)} packs cannot form {microbatches} microbatches x {slices} slices")
+    per = len(packs) // microbatches
+    out: dict[int, list[SampleIndex]] = {}
+    for k in range(microbatches):
+        media = [
+            (p, i)
+            for p in range(k * per, (k + 1) * per)
+            for i, s in enumerate(packs[p].samples)
+            if s.modality is not Modality.TEXT
+        ]
+        parts = karmarkar_karp([packs[p].samples[i].encoder_flops for p, i in media], slices)
+        for j, part in enumerate(parts):
+            out[k * slices + j + 1] = [media[g] for g in part]
+    return out
+
+
+@dataclass(slots=True)
+class FilteredStep:
+    """A step: every pack's metadata, plus decoded payloads of the encoder microbatches this rank runs.
+
+    Attributes:
+        step: the training step.
+        packs: all packs of the step (metadata of every sample, on every rank).
+        microbatches: ``{e: [(pack, sample)]}`` for all encoder microbatches of the step.
+        payloads: ``{e: [Payload]}`` only for ``e`` in ``consumes``, aligned with ``microbatches[e]``.
+        text_ids: with ``read_text``: ``text_ids[p][i]`` = ``[text_tokens]`` int64 ids of sample ``i`` of
+            pack ``p`` (``None`` without text); else empty.
+    """
+
+    step: int
+    packs: list[Pack]
+    microbatches: dict[int, list[SampleIndex]]
+    payloads: dict[int, list[Payload]]
+    text_ids: list[list[torch.Tensor | None]]
+
+
+class ZeroRedundancyFilter(StatefulNode[FilteredStep]):
+    """Reads only the payloads of the encoder microbatches in ``consumes``; TP rank 0 reads, then broadcasts.
+
+    Args:
+        loader: the step stream (same state on every pipeline and TP rank of a DP rank).
+        consumes: encoder microbatch ids this pipeline rank runs (plain data, e.g. from a data flow).
+        microbatches: LLM microbatches per step.
+        slices: encoder microbatches per LLM microbatch (usually the PP size).
+        reader: decodes payloads (needs a tokenizer for text ids).
+        tp_group: this rank's TP group; only its rank 0 reads. ``None``: no TP, this rank reads.
+        prefetch: steps of metadata pulled ahead; their payloads are read on a background thread.
+        read_text: this rank builds LLM inputs (the first stage): also read the token ids of every
+            sample of the step (``FilteredStep.text_ids``); only ``txt`` members are read for that.
+    """
+
+    def __init__(
+        self,
+        loader: PackedLoader,
+        consumes: Collection[int],
+        *,
+        microbatches: int,
+        slices: int,
+        reader: PayloadReader,
+        tp_group: Any = None,
+        prefetch: int = 1,
+        read_text: bool = False,
+    ) -> None:
+        super().__init__()
+        self.loader = loader
+        self.consumes = frozenset(int(e) for e in consumes)
+        self.microbatches, self.slices = microbatches, slices
+        self.reader = reader
+        self.tp_group = tp_group
+        self.prefetch = max(0, prefetch)
+        self.read_text = read_text
+        self._pending: deque[tuple[StepBatch, Future[_Read] | None]] = deque()
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="omni-data-read")
+        self.samples_read = 0
+
+    @property
+    def _reads(self) -> bool:
+        return self.tp_group is None or dist.get_rank(self.tp_group) == 0
+
+    def select(self, packs: list[Pack]) -> dict[int, list[SampleIndex]]:
+        """All encoder microbatches of a step (:func:`split_encoder_microbatches`)."""
+        return split_encoder_microbatches(packs, self.microbatches, self.slices)
+
+    def _mine(self, batch: StepBatch) -> list[SampleMeta]:
+        mbs = self.select(batch.packs)
+        return [batch.packs[p].samples[i] for e in sorted(self.consumes & set(mbs)) for p, i in mbs[e]]
+
+    def _enqueue(self, batch: StepBatch) -> None:
+        fut = None
+        if self._reads:
+            fut = self._pool.submit(self._read, batch)
+        self._pending.append((batch, fut))
+
+    def _read(self, batch: StepBatch) -> _Read:
+        payloads = [self.reader.read(m) for m in self._mine(batch)]
+        text = (
+            [[self.reader.read_text_ids(s) for s in p.samples] for p in batch.packs] if self.read_text else []
+        )
+        return payloads, text
+
+    def reset(self, initial_state: dict[str, Any] | None = None) -> None:
+        super().reset(initial_state)
+        for _, fut in self._pending:
+            if fut is not None:
+                fut.cancel()
+        self._pending.clear()
+        self.loader.reset(None if initial_state is None else initial_state["loader"])
+        if initial_state is not None:
+            for d in initial_state["pending"]:  # the pre-filtered buffer: re-filter exactly as before
+                self._enqueue(StepBatch.from_dict(d))
+
+    def get_state(self) -> dict[str, Any]:
+        return {"loader": self.loader.state_dict(), "pending": [b.to_dict() for b, _ in self._pending]}
+
+    def next(self) -> FilteredStep:
+        while len(self._pending) < self.prefetch + 1:
+            try:
+                self._enqueue(next(self.loader))
+            except StopIteration:
+                break
+        if not self._pending:
+            raise StopIteration
+        batch, fut = self._pending.popleft()
+        mbs = self.select(batch.packs)
+        metas = self._mine(batch)
+        payloads, text_ids = self._broadcast(batch, metas, fut)
+        self.samples_read += len(metas) if self._reads else 0
+        out: dict[int, list[Payload]] = {}
+        at = 0
+        for e in sorted(self.consumes & set(mbs)):
+            out[e] = payloads[at : at + len(mbs[e])]
+            at += len(mbs[e])
+        # refill the prefetch window now, so the next step's reads overlap the caller's compute
+        while len(self._pending) < self.prefetch:
+            try:
+                self._enqueue(next(self.loader))
+            except StopIteration:
+                break
+        return FilteredStep(batch.step, batch.packs, mbs, out, text_ids)
+
+    def _broadcast(
+        self, batch: StepBatch, metas: list[SampleMeta], fut: Future[_Read] | None
+    ) -> tuple[list[Payload], list[list[torch.Tensor | None]]]:
+        error = ""
+        payloads: list[Payload] = []
+        text: list[list[torch.Tensor | None]] = []
+        if fut is not None:
+            try:
+                payloads, text = fut.result()
+            except PayloadError as e:
+                error = str(e)
+        if self.tp_group is None:
+            if error:
+                raise PayloadError(error)
+            return payloads, text
+        src = dist.get_global_rank(self.tp_group, 0)
+        status = [error]
+        dist.broadcast_object_list(status, src=src, group=self.tp_group)
+        if status[0]:
+            raise PayloadError(f"TP rank 0 failed to read: {status[0]}")
+        all_samples = [s for p in batch.packs for s in p.samples] if self.read_text else []
+        # buffer sizes follow from metadata alone, so every TP rank allocates the same
+        nf = sum(_float_numel(m) for m in metas)
+        ni = sum(2 + m.text_tokens for m in metas) + sum(1 + s.text_tokens for s in all_samples)
+        fbuf = torch.zeros(nf, dtype=torch.float32)
+        ibuf = torch.zeros(ni, dtype=torch.int64)
+        if self._reads:
+            fa = ia = 0
+            for m, p in zip(metas, payloads):
+                x = p.pixels if p.pixels is not None else p.waveform
+                if x is not None:
+                    fbuf[fa : fa + x.numel()] = x.reshape(-1)
+                    fa += x.numel()
+                ibuf[ia] = p.sample_rate or 0
+                ia = _put_ids(ibuf, ia + 1, p.text_ids, m.text_tokens)
+            for s, ids in zip(all_samples, (t for row in text for t in row)):
+                ia = _put_ids(ibuf, ia, ids, s.text_tokens)
+        dist.broadcast(fbuf, src=src, group=self.tp_group)
+        dist.broadcast(ibuf, src=src, group=self.tp_group)
+        if self._reads:
+            return payloads, text
+        out, fa, ia = [], 0, 0
+        for m in metas:
+            p = Payload(m)
+            n = _float_numel(m)
+            if m.modality is Modality.IMAGE:
+                p.pixels = fbuf[fa : fa + n].view(m.shape)
+            elif m.modality is Modality.AUDIO:
+                p.waveform = fbuf[fa : fa + n].view(m.shape)
+            fa += n
+            p.sample_rate = int(ibuf[ia]) or None
+            p.text_ids, ia = _get_ids(ibuf, ia + 1, m.text_tokens)
+            out.append(p)
+        text = []
+        for pack in batch.packs if self.read_text else []:
+            row = []
+            for s in pack.samples:
+                ids, ia = _get_ids(ibuf, ia, s.text_tokens)
+                row.append(ids)
+            text.append(row)
+        return out, text
+
+
+_Read = tuple[list[Payload], list[list[torch.Tensor | None]]]
+
+
+def _put_ids(buf: torch.Tensor, at: int, ids: torch.Tensor | None, n: int) -> int:
+    buf[at] = 0 if ids is None else 1
+    if ids is not None:
+        buf[at + 1 : at + 1 + n] = ids
+    return at + 1 + n
+
+
+def _get_ids(buf: torch.Tensor, at: int, n: int) -> tuple[torch.Tensor | None, int]:
+    ids = buf[at + 1 : at + 1 + n].clone() if int(buf[at]) else None
+    return ids, at + 1 + n
+
+
+def _float_numel(m: SampleMeta) -> int:
+    if m.modality is Modality.TEXT:
+        return 0
+    n = 1
+    for d in m.shape:
+        n *= d
+    return n

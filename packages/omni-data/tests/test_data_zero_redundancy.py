@@ -1,0 +1,149 @@
+"""ZeroRedundancyFilter on gloo: PP=2 x TP=2 over one DP rank. Each pipeline rank decodes only its encoder
+microbatches, only TP rank 0 reads, TP rank 1 receives identical payloads, the union over pipeline ranks
+covers every media sample once, and resume re-filters the saved pre-filtered buffer into the same split.
+Also (same world): PackedLoader with a DP group of 4 stops every rank at the same step."""
+
+import msgpack
+import pytest
+import torch.distributed as dist
+
+from omni_data import (
+    HybridPacker,
+    MixtureSchedule,
+    MixtureStream,
+    Modality,
+    Pack,
+    PackedLoader,
+    PayloadReader,
+    WebDatasetSource,
+    ZeroRedundancyFilter,
+    split_encoder_microbatches,
+)
+from omni_data.testing import audio_samples, image_samples, text_samples, train_tiny_bpe, write_shards
+from omni_parallel.testing import run_world
+
+MICRO, SLICES = 2, 2
+
+
+@pytest.fixture(scope="module")
+def shards(tmp_path_factory):
+    d = tmp_path_factory.mktemp("zr")
+    write_shards(f"{d}/img-%03d.tar", image_samples(40, sizes=(16, 60)), per_shard=20)
+    write_shards(f"{d}/aud-%03d.tar", audio_samples(40, seconds=(0.05, 0.3)), per_shard=20)
+    write_shards(f"{d}/txt-%03d.tar", text_samples(40, words=(5, 60)), per_shard=20)
+    return str(d)
+
+
+def _loader(d, tok, rank=0, world_size=1, epochs=None, packs_per_step=4):
+    kw = dict(tokenizer=tok, epochs=epochs, rank=rank, world_size=world_size)
+    sources = {
+        "img": WebDatasetSource(f"{d}/img-{{000..001}}.tar", modality="image", name="img", **kw),
+        "aud": WebDatasetSource(f"{d}/aud-{{000..001}}.tar", modality="audio", name="aud", **kw),
+        "txt": WebDatasetSource(f"{d}/txt-{{000..001}}.tar", modality="text", name="txt", **kw),
+    }
+    mix = MixtureStream(sources, MixtureSchedule.constant({"img": 0.4, "aud": 0.4, "txt": 0.2}))
+    return PackedLoader(
+        HybridPacker(mix, max_seq_len=192, buffer_size=24, max_open_packs=2), packs_per_step, mixture=mix
+    )
+
+
+def _raw(x):
+    return tuple(x.shape), x.numpy().tobytes()
+
+
+def _summary(step):
+    out = {}
+    for e, payloads in step.payloads.items():
+        out[e] = [
+            (
+                p.meta.uid,
+                _raw(p.pixels if p.pixels is not None else p.waveform),
+                p.sample_rate,
+                None if p.text_ids is None else p.text_ids.tolist(),
+            )
+            for p in payloads
+        ]
+    text = [[None if t is None else t.tolist() for t in row] for row in step.text_ids]
+    return step.step, [p.to_dict() for p in step.packs], out, text
+
+
+def _zr_world(rank, world_size, d):
+    tok = train_tiny_bpe()
+    pp = rank // 2  # ranks (0, 1) = PP 0, TP 0/1; (2, 3) = PP 1
+    groups = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+    consumes = [e for e in range(1, MICRO * SLICES + 1) if (e - 1) % SLICES == pp]
+    reader = PayloadReader(tok)
+
+    def make():
+        return ZeroRedundancyFilter(
+            _loader(d, tok),
+            consumes,
+            microbatches=MICRO,
+            slices=SLICES,
+            reader=reader,
+            tp_group=groups[pp],
+            prefetch=1,
+            read_text=pp == 0,
+        )
+
+    zr = make()
+    steps = [_summary(next(zr)) for _ in range(2)]
+    state = msgpack.packb(zr.state_dict())
+    pending = len(zr.state_dict()["pending"])
+    steps += [_summary(next(zr)) for _ in range(2)]
+    resumed = make()
+    resumed.load_state_dict(msgpack.unpackb(state, strict_map_key=False))
+    after = [_summary(next(resumed)) for _ in range(2)]
+    # a DP group of 4 with finite sources: every rank stops at the same step (no rank left in a collective)
+    loader = _loader(d, tok, rank=rank, world_size=world_size, epochs=1, packs_per_step=1)
+    loader.dp_group = dist.group.WORLD
+    dp_steps = [b.step for b in loader]
+    return {
+        "steps": steps,
+        "after": after,
+        "bytes": reader.bytes_read,
+        "pending": pending,
+        "dp_steps": dp_steps,
+    }
+
+
+def test_zero_redundancy_pp2_tp2(shards):
+    res = run_world(_zr_world, 4, args=(shards,), timeout_s=180)
+    tok = train_tiny_bpe()
+    reader = PayloadReader(tok)
+    assert res[1]["bytes"] == 0 and res[3]["bytes"] == 0  # TP rank 1 never reads
+    assert res[0]["bytes"] > 0 and res[2]["bytes"] > 0
+    assert res[0]["pending"] == 1
+    for s in range(4):
+        _, packs_d, _, _ = res[0]["steps"][s]
+        assert all(res[r]["steps"][s][1] == packs_d for r in range(4))  # same metadata on every rank
+        packs = [Pack.from_dict(p) for p in packs_d]
+        mbs = split_encoder_microbatches(packs, MICRO, SLICES)
+        media = sorted(x.uid for p in packs for x in p.samples if x.modality is not Modality.TEXT)
+        decoded = sorted(
+            u for r in (0, 2) for e in res[r]["steps"][s][2] for u, *_ in res[r]["steps"][s][2][e]
+        )
+        assert decoded == media  # every media sample decoded by exactly one pipeline rank
+        for r in range(4):
+            got = res[r]["steps"][s][2]
+            assert set(got) == {e for e in mbs if (e - 1) % SLICES == r // 2}
+            for e, items in got.items():
+                for (p, i), (uid, x, rate, ids) in zip(mbs[e], items):
+                    ref = reader.read(packs[p].samples[i])
+                    assert uid == ref.meta.uid
+                    assert x == _raw(ref.pixels if ref.pixels is not None else ref.waveform)
+                    assert rate == ref.sample_rate and ids == ref.text_ids.tolist()
+        for r in (0, 1):  # the first stage also got every sample's token ids
+            text = res[r]["steps"][s][3]
+            assert text == [
+                [None if t is None else t.tolist() for t in (reader.read_text_ids(x) for x in p.samples)]
+                for p in packs
+            ]
+        assert res[2]["steps"][s][3] == []
+    for r in range(4):
+        assert res[r]["after"] == res[r]["steps"][2:]  # resume re-filters into exactly the same split
+    assert len({tuple(res[r]["dp_steps"]) for r in range(4)}) == 1 and res[0]["dp_steps"]
+    alone = [
+        len(list(_loader(shards, tok, rank=r, world_size=4, epochs=1, packs_per_step=1))) for r in range(4)
+    ]
+    assert len(res[0]["dp_steps"]) == min(alone) < max(alone)  # the shortest reader decides, for everyone

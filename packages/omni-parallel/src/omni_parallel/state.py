@@ -1,0 +1,312 @@
+"""Process groups for one rank: the LLM's layout and the encoders' decoupled layout over the same ranks.
+
+``ParallelState`` is built from the *existing* default process group, whoever created it: ``torchrun``
+(call ``ParallelState.build(config, init_from_env=True)`` or ``dist.init_process_group`` first),
+``omni_parallel.testing.run_world`` (already initialised inside each rank) or ``fake_world`` (topology at
+1,000+ ranks in one process). It is a plain object passed explicitly; nothing is stored globally.
+
+Groups come from ``torch.distributed.device_mesh.init_device_mesh`` with one named dimension per
+elementary axis of :func:`omni_parallel.topology.mesh_axes`; combined groups (``dp``, ``dp_cp``) are
+created by enumerating :func:`omni_parallel.topology.rank_groups`, whose member lists they all equal.
+
+Decoupled encoders (§ decoupled parallelism): encoder data parallelism spans every rank, pipeline ranks
+included; encoder SP groups are ``sp`` contiguous ranks; ZeRO over all ranks through FSDP2.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+from omni_parallel.topology import GROUP_NAMES, ParallelConfig, mesh_axes, rank_groups
+
+__all__ = ["EncoderLayout", "EncoderState", "ParallelState"]
+
+_COMBINED = ("dp", "dp_cp")
+
+
+def _device_type() -> str:
+    return "cuda" if dist.get_backend() == "nccl" else "cpu"
+
+
+@dataclass(frozen=True)
+class EncoderLayout:
+    """Parallel layout of the encoders, independent of the LLM's.
+
+    Attributes:
+        sp: encoder sequence-parallel size (long samples split over ``sp`` contiguous ranks, Ulysses
+            inside attention); must divide the world size.
+        long_threshold: samples with more than this many tokens are "long" and SP-split; the rest go
+            whole to single ranks (long-short SP, see :func:`omni_parallel.plan_long_short`).
+        fsdp: shard encoder parameters over all ranks with FSDP2 (``fully_shard``).
+        reshard_after_forward: True = ZeRO-3 (free gathered parameters after forward), False = ZeRO-2.
+
+    Raises:
+        ValueError: ``sp`` or ``long_threshold`` not a positive int, or a flag that is not a bool.
+    """
+
+    sp: int = 1
+    long_threshold: int = 8192
+    fsdp: bool = True
+    reshard_after_forward: bool = True
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.sp, int) or isinstance(self.sp, bool) or self.sp < 1:
+            raise ValueError(f"EncoderLayout.sp must be a positive int, got {self.sp!r}")
+        if not isinstance(self.long_threshold, int) or self.long_threshold < 1:
+            raise ValueError(
+                f"EncoderLayout.long_threshold must be a positive int, got {self.long_threshold!r}"
+            )
+        for name in ("fsdp", "reshard_after_forward"):
+            # A string such as "no" would be truthy and silently turn the option on.
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"EncoderLayout.{name} must be a bool, got {getattr(self, name)!r}")
+
+
+@dataclass(eq=False)
+class EncoderState:
+    """One rank's encoder groups. Ranks ``[s*sp, (s+1)*sp)`` form SP group ``s``.
+
+    Attributes:
+        layout: the layout it was built from.
+        mesh: 2-D mesh ``(edp, esp)`` over every rank; ``esp`` varies fastest.
+        sp_group: this rank's encoder SP group (``sp`` contiguous ranks).
+        dp_group: ranks with the same SP index: one per SP group (``world // sp`` ranks), the replicas
+            that split encoder samples between them.
+        world_group: all ranks: encoder gradients are reduced (and FSDP2-sharded) over it.
+        fsdp_mesh: 1-D mesh over every rank (the default group), the FSDP2 sharding mesh.
+        sp_rank: index of this rank in ``sp_group``. dp_rank: index of its SP group.
+    """
+
+    layout: EncoderLayout
+    mesh: DeviceMesh
+    sp_group: dist.ProcessGroup
+    dp_group: dist.ProcessGroup
+    world_group: dist.ProcessGroup
+    fsdp_mesh: DeviceMesh
+    sp_rank: int
+    dp_rank: int
+
+    @property
+    def sp_size(self) -> int:
+        return self.layout.sp
+
+    @property
+    def dp_size(self) -> int:
+        return self.mesh.size(0)
+
+    def shard(self, module: torch.nn.Module, blocks: list[torch.nn.Module] | None = None) -> torch.nn.Module:
+        """Apply FSDP2 ``fully_shard`` over all ranks (ZeRO-3, or ZeRO-2 without reshard after forward).
+
+        ``blocks`` (e.g. transformer layers) are sharded first, each its own all-gather unit, then the
+        root. Returns ``module`` itself (FSDP2 swaps its class in place). No-op when ``layout.fsdp`` is
+        False. Raises ``ValueError`` if a block is not a submodule of ``module``.
+        """
+        if not self.layout.fsdp:
+            return module
+        from torch.distributed.fsdp import fully_shard
+
+        mesh = self.fsdp_mesh
+        inside = {id(m) for m in module.modules()}
+        for i, block in enumerate(blocks or []):
+            if id(block) not in inside:
+                raise ValueError(f"blocks[{i}] ({type(block).__name__}) is not a submodule of the module")
+            fully_shard(block, mesh=mesh, reshard_after_forward=self.layout.reshard_after_forward)
+        fully_shard(module, mesh=mesh, reshard_after_forward=self.layout.reshard_after_forward)
+        return module
+
+
+@dataclass(eq=False)
+class ParallelState:
+    """One rank's view of the LLM layout: its groups, sizes, coordinates and pipeline neighbours.
+
+    Build with :meth:`build`; pass it explicitly to whatever needs groups.
+
+    Attributes:
+        config: the resolved :class:`ParallelConfig` (``dp`` set).
+        order: axis order, fastest first (Megatron-Core's convention).
+        rank, world_size: this rank and the world size of the default group.
+        mesh: the device mesh, one named dimension per elementary axis (``tp``, ``ulysses``, ``cp``,
+            ``ep``, ``dp_rest``, ``pp``), slowest first.
+        groups: ``{name: ProcessGroup}`` for every name in ``GROUP_NAMES`` plus ``"encoder_dp"`` (world).
+        members: ``{name: global ranks of this rank's group}``, equal to ``rank_groups``'s entry.
+    """
+
+    config: ParallelConfig
+    order: str
+    rank: int
+    world_size: int
+    mesh: DeviceMesh
+    groups: dict[str, dist.ProcessGroup] = field(default_factory=dict)
+    members: dict[str, list[int]] = field(default_factory=dict)
+
+    @classmethod
+    def build(
+        cls,
+        config: ParallelConfig,
+        *,
+        order: str = "tp-cp-ep-dp-pp",
+        init_from_env: bool = False,
+        backend: str | None = None,
+    ) -> ParallelState:
+        """Create every group from the default process group (collective: all ranks must call it).
+
+        Args:
+            config: axis sizes; ``dp=None`` is inferred from the world size.
+            order: axis order, fastest first.
+            init_from_env: if no default group exists, initialise one from ``torchrun``'s environment
+                (``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``) with ``backend``.
+            backend: for ``init_from_env``; default ``"nccl"`` if CUDA is available, else ``"gloo"``.
+
+        Raises:
+            RuntimeError: no default process group and ``init_from_env`` is False or the environment
+                lacks ``RANK``/``WORLD_SIZE``.
+            ValueError: the sizes do not multiply to the world size (see ``ParallelConfig.resolve``).
+        """
+        if not dist.is_initialized():
+            if not init_from_env:
+                raise RuntimeError(
+                    "ParallelState.build needs a default process group: run under torchrun and pass "
+                    "init_from_env=True, call dist.init_process_group first, or use run_world/fake_world"
+                )
+            missing = [v for v in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT") if v not in os.environ]
+            if missing:
+                raise RuntimeError(
+                    f"init_from_env: environment variables {missing} are not set (torchrun sets them)"
+                )
+            dist.init_process_group(backend or ("nccl" if torch.cuda.is_available() else "gloo"))
+        world_size = dist.get_world_size()
+        rank = dist.get_rank()
+        resolved = config.resolve(world_size)
+        axes = mesh_axes(resolved, order)
+        names = tuple(name for name, _ in reversed(axes))  # the mesh's last dimension varies fastest
+        mesh = init_device_mesh(
+            _device_type(), tuple(size for _, size in reversed(axes)), mesh_dim_names=names
+        )
+        table = rank_groups(world_size, resolved, order)
+        # Elementary axes come from the root mesh by name. The combined ones are created by enumeration:
+        # flattening would slice the mesh, which imports torch._dynamo (seconds per process).
+        groups = {name: mesh.get_group(name) for name in GROUP_NAMES if name not in _COMBINED}
+        for name in _COMBINED:
+            groups[name], _ = dist.new_subgroups_by_enumeration(table[name])
+        groups["encoder_dp"] = dist.group.WORLD
+        members = {name: next(g for g in table[name] if rank in g) for name in GROUP_NAMES}
+        members["encoder_dp"] = list(range(world_size))
+        return cls(resolved, order, rank, world_size, mesh, groups, members)
+
+    def device_mesh(self, name: str) -> DeviceMesh:
+        """1-D :class:`DeviceMesh` of group ``name`` (e.g. ``"tp"`` for ``parallelize_module``).
+
+        Slicing the root mesh imports ``torch._dynamo``, so it is done on demand, not in :meth:`build`.
+        """
+        if name in _COMBINED or name == "encoder_dp":
+            return DeviceMesh.from_group(self.group(name), self.mesh.device_type, mesh_dim_names=(name,))
+        self._members(name)
+        return self.mesh[name]
+
+    # Sizes and this rank's index in each group.
+    def size(self, name: str) -> int:
+        """Size of group ``name``. Raises ``KeyError`` naming the valid names."""
+        return len(self._members(name))
+
+    def local_rank(self, name: str) -> int:
+        """This rank's index in group ``name``."""
+        return self._members(name).index(self.rank)
+
+    def group(self, name: str) -> dist.ProcessGroup:
+        """Process group ``name`` (one of ``GROUP_NAMES`` or ``"encoder_dp"``)."""
+        self._members(name)
+        return self.groups[name]
+
+    def _members(self, name: str) -> list[int]:
+        if name not in self.members:
+            raise KeyError(f"unknown group {name!r}; known: {sorted(self.members)}")
+        return self.members[name]
+
+    @property
+    def tp_group(self) -> dist.ProcessGroup:
+        return self.groups["tp"]
+
+    @property
+    def cp_group(self) -> dist.ProcessGroup:
+        return self.groups["cp"]
+
+    @property
+    def ulysses_group(self) -> dist.ProcessGroup:
+        return self.groups["ulysses"]
+
+    @property
+    def ep_group(self) -> dist.ProcessGroup:
+        return self.groups["ep"]
+
+    @property
+    def dp_group(self) -> dist.ProcessGroup:
+        return self.groups["dp"]
+
+    @property
+    def pp_group(self) -> dist.ProcessGroup:
+        return self.groups["pp"]
+
+    @property
+    def dp_cp_group(self) -> dist.ProcessGroup:
+        return self.groups["dp_cp"]
+
+    @property
+    def encoder_dp_group(self) -> dist.ProcessGroup:
+        """Every rank: encoder data parallelism spans pipeline ranks too."""
+        return self.groups["encoder_dp"]
+
+    # Pipeline neighbours.
+    @property
+    def pp_rank(self) -> int:
+        """Stage index of this rank, 0 .. pp-1."""
+        return self.local_rank("pp")
+
+    @property
+    def is_first_stage(self) -> bool:
+        return self.pp_rank == 0
+
+    @property
+    def is_last_stage(self) -> bool:
+        return self.pp_rank == self.config.pp - 1
+
+    @property
+    def next_rank(self) -> int:
+        """Global rank of the next stage; wraps around from the last stage to the first (as Megatron's
+        ``get_pipeline_model_parallel_next_rank``, which interleaved schedules need)."""
+        ranks = self.members["pp"]
+        return ranks[(self.pp_rank + 1) % len(ranks)]
+
+    @property
+    def prev_rank(self) -> int:
+        """Global rank of the previous stage; wraps around from the first stage to the last."""
+        ranks = self.members["pp"]
+        return ranks[(self.pp_rank - 1) % len(ranks)]
+
+    def encoder_state(self, layout: EncoderLayout) -> EncoderState:
+        """Build the encoders' groups over the same ranks (collective: all ranks must call it).
+
+        Raises:
+            ValueError: ``layout.sp`` does not divide the world size.
+        """
+        if self.world_size % layout.sp:
+            raise ValueError(f"EncoderLayout.sp = {layout.sp} must divide the world size {self.world_size}")
+        mesh = init_device_mesh(
+            self.mesh.device_type, (self.world_size // layout.sp, layout.sp), mesh_dim_names=("edp", "esp")
+        )
+        return EncoderState(
+            layout=layout,
+            mesh=mesh,
+            sp_group=mesh.get_group("esp"),
+            dp_group=mesh.get_group("edp"),
+            world_group=dist.group.WORLD,
+            fsdp_mesh=DeviceMesh.from_group(
+                dist.group.WORLD, self.mesh.device_type, mesh_dim_names=("encoder",)
+            ),
+            sp_rank=self.rank % layout.sp,
+            dp_rank=self.rank // layout.sp,
+        )

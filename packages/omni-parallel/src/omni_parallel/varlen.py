@@ -1,0 +1,144 @@
+"""Packed variable-length attention, the reference kernel: one ``scaled_dot_product_attention`` per
+document (slices of a packed sequence delimited by ``cu_seqlens``), so no token attends across a
+document boundary. It is the local kernel of Ulysses and CP here and their single-process oracle.
+
+Conventions: packed tensors are ``[tokens, heads, head_dim]``; ``cu_seqlens`` is ``[docs + 1]`` int64
+cumulative lengths starting at 0 (FlashAttention's varlen convention). GQA: query head ``h`` uses
+key/value head ``h // (heads_q // heads_kv)``.
+"""
+
+from __future__ import annotations
+
+import itertools
+import operator
+from collections.abc import Sequence
+
+import torch
+import torch.nn.functional as F
+
+__all__ = ["as_cu_seqlens", "cu_seqlens_from_lengths", "masked_attention", "varlen_attention"]
+
+
+def cu_seqlens_from_lengths(lengths: Sequence[int]) -> torch.Tensor:
+    """``[docs]`` lengths (tokens) -> ``[docs + 1]`` int64 ``cu_seqlens``. Raises ``ValueError`` on a
+    negative or non-integer length."""
+    values = [_tokens(f"lengths[{i}]", n) for i, n in enumerate(lengths)]
+    for i, n in enumerate(values):
+        if n < 0:
+            raise ValueError(f"lengths[{i}] = {n} is negative")
+    out = torch.zeros(len(values) + 1, dtype=torch.int64)
+    out[1:] = torch.cumsum(torch.as_tensor(values, dtype=torch.int64), 0)
+    return out
+
+
+def _tokens(what: str, c: object) -> int:
+    # int(2.5) would silently move a document boundary: only integral values are accepted.
+    try:
+        return operator.index(c)  # type: ignore[arg-type]
+    except TypeError:
+        if isinstance(c, float) and c.is_integer():
+            return int(c)
+        raise ValueError(f"{what} = {c!r} is not an integer number of tokens") from None
+
+
+def as_cu_seqlens(cu_seqlens: torch.Tensor | Sequence[int], total: int | None = None) -> list[int]:
+    """Validate ``cu_seqlens`` and return it as a Python list.
+
+    Raises:
+        ValueError: not 1-D, not integers, not starting at 0, decreasing, or (if ``total`` is given)
+            not ending at ``total``.
+    """
+    if isinstance(cu_seqlens, torch.Tensor):
+        if cu_seqlens.dim() != 1:
+            raise ValueError(f"cu_seqlens must be 1-D [docs + 1], got shape {tuple(cu_seqlens.shape)}")
+        raw = cu_seqlens.tolist()
+    else:
+        raw = list(cu_seqlens)
+    cu = [_tokens(f"cu_seqlens[{i}]", c) for i, c in enumerate(raw)]
+    if not cu or cu[0] != 0:
+        raise ValueError(f"cu_seqlens must start at 0, got {cu[:3]}...")
+    for i in range(1, len(cu)):
+        if cu[i] < cu[i - 1]:
+            raise ValueError(f"cu_seqlens must be non-decreasing; cu_seqlens[{i}] = {cu[i]} < {cu[i - 1]}")
+    if total is not None and cu[-1] != total:
+        raise ValueError(f"cu_seqlens ends at {cu[-1]} but the packed sequence has {total} tokens")
+    return cu
+
+
+def _check_heads(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> int:
+    if q.dim() != 3 or k.dim() != 3 or v.shape != k.shape:
+        raise ValueError(
+            f"expected q [T, Hq, D] and k, v [T, Hkv, D]; got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}"
+        )
+    if q.shape[2] != k.shape[2]:
+        raise ValueError(f"q head_dim {q.shape[2]} != k/v head_dim {k.shape[2]}")
+    if k.shape[1] == 0 or q.shape[1] % k.shape[1]:
+        raise ValueError(f"heads_q = {q.shape[1]} is not a multiple of heads_kv = {k.shape[1]} (GQA)")
+    return q.shape[1] // k.shape[1]
+
+
+def masked_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    mask: torch.Tensor | None = None,
+    causal: bool = False,
+    scale: float | None = None,
+) -> torch.Tensor:
+    """Attention of one document's queries over its keys.
+
+    Args:
+        q: ``[tokens_q, heads_q, head_dim]``.
+        k, v: ``[tokens_k, heads_kv, head_dim]``; ``heads_q`` a multiple of ``heads_kv`` (GQA).
+        mask: optional ``[tokens_q, tokens_k]`` bool, True = may attend. Every row needs one True.
+        causal: top-left causal mask (needs ``mask is None``).
+        scale: softmax scale, default ``head_dim ** -0.5``.
+
+    Returns:
+        ``[tokens_q, heads_q, head_dim]``.
+    """
+    rep = _check_heads(q, k, v)
+    if rep > 1:
+        k = k.repeat_interleave(rep, dim=1)
+        v = v.repeat_interleave(rep, dim=1)
+    out = F.scaled_dot_product_attention(
+        q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), attn_mask=mask, is_causal=causal, scale=scale
+    )
+    return out.transpose(0, 1)
+
+
+def varlen_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens: torch.Tensor | Sequence[int],
+    *,
+    causal: bool = True,
+    scale: float | None = None,
+) -> torch.Tensor:
+    """Attention over a packed sequence, separately per document.
+
+    Args:
+        q: ``[tokens, heads_q, head_dim]``.
+        k, v: ``[tokens, heads_kv, head_dim]``.
+        cu_seqlens: ``[docs + 1]`` boundaries; must end at ``tokens``.
+        causal: causal mask inside each document.
+        scale: softmax scale, default ``head_dim ** -0.5``.
+
+    Returns:
+        ``[tokens, heads_q, head_dim]``.
+
+    Raises:
+        ValueError: bad shapes, heads_q not a multiple of heads_kv, or bad ``cu_seqlens``.
+    """
+    _check_heads(q, k, v)
+    if k.shape[0] != q.shape[0]:
+        raise ValueError(f"q has {q.shape[0]} tokens but k/v have {k.shape[0]}")
+    cu = as_cu_seqlens(cu_seqlens, q.shape[0])
+    outs = [
+        masked_attention(q[a:b], k[a:b], v[a:b], causal=causal, scale=scale)
+        for a, b in itertools.pairwise(cu)
+        if b > a
+    ]
+    return torch.cat(outs) if outs else q.new_zeros(q.shape)

@@ -1,0 +1,156 @@
+"""EncoderAnchor: attaches encoder work to points of an LLM stage's schedule (MegaScale-Omni, unified
+encoder representation, Fig. 9c).
+
+The anchor is built from the encoders colocated on this pipeline rank, their parallel layout and their
+data limits; ``register(stage, flow, schedule)`` binds it to a pipeline rank and a data flow. The LLM step
+loop calls ``anchor.at(next_llm_action)`` at each action boundary and gets back exactly the encoder actions
+the data flow places there; :meth:`forward` / :meth:`backward` run one encoder microbatch. The LLM stage
+code is not edited: the anchor only needs the boundary.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from omni_pipeline.actions import Action, ActionKind
+from omni_pipeline.dataflow import DataFlow
+from omni_pipeline.schedules import Schedule
+
+__all__ = ["EncoderAnchor", "EncoderDataConfig", "EncoderParallelConfig"]
+
+
+@dataclass(frozen=True)
+class EncoderParallelConfig:
+    """Encoder layout on the pipeline ranks.
+
+    Attributes:
+        zero_stage: 0-2: every rank holds full encoder parameters and the executor all-reduces their
+            gradients over the encoder DP group; 3: the encoders are FSDP2-sharded (``fully_shard``) and
+            reduce their own gradients, so the executor leaves them alone.
+        activation_offload: keep encoder activations saved for backward in host memory
+            (``torch.autograd.graph.save_on_cpu``) between an encoder forward and its backward.
+    """
+
+    zero_stage: int = 0
+    activation_offload: bool = False
+
+    def __post_init__(self) -> None:
+        if self.zero_stage not in (0, 1, 2, 3):
+            raise ValueError(f"EncoderParallelConfig.zero_stage must be 0..3, got {self.zero_stage}")
+
+
+@dataclass(frozen=True)
+class EncoderDataConfig:
+    """Encoder data limits: ``patch_size`` (pixels per patch side) and ``max_seq_len`` (encoder tokens per
+    encoder microbatch, checked on every forward)."""
+
+    patch_size: int = 14
+    max_seq_len: int = 16384
+
+    def __post_init__(self) -> None:
+        if self.patch_size < 1 or self.max_seq_len < 1:
+            raise ValueError(f"EncoderDataConfig: patch_size and max_seq_len must be >= 1, got {self}")
+
+
+class EncoderAnchor:
+    """Encoders anchored to one LLM pipeline rank.
+
+    Args:
+        encoders: ``{name: module}`` colocated on this rank (every rank holds them: encoder DP spans all).
+        parallel: encoder parallel layout.
+        data: encoder data limits.
+    """
+
+    def __init__(
+        self,
+        encoders: Mapping[str, nn.Module],
+        parallel: EncoderParallelConfig | None = None,
+        data: EncoderDataConfig | None = None,
+    ) -> None:
+        self.encoders = dict(encoders)
+        self.parallel = parallel or EncoderParallelConfig()
+        self.data = data or EncoderDataConfig()
+        self.stage: int | None = None
+        self._points: dict[Action | None, list[Action]] = {}
+        self._outputs: dict[int, torch.Tensor] = {}
+
+    def register(self, stage: int, flow: DataFlow, schedule: Schedule) -> None:
+        """Bind to pipeline rank ``stage`` and the encoder actions ``flow`` places there.
+
+        Raises:
+            DataFlowError: ``flow`` names positions that do not exist in ``schedule``.
+        """
+        program = flow.programs(schedule)[stage]
+        points: dict[Action | None, list[Action]] = {}
+        pending: list[Action] = []
+        for a in program:
+            if a.kind.is_encoder:
+                pending.append(a)
+            else:
+                if pending:
+                    points[a] = pending
+                pending = []
+        if pending:
+            points[None] = pending
+        self.stage = stage
+        self._points = points
+        self._outputs.clear()
+
+    def at(self, before: Action | None) -> list[Action]:
+        """Encoder actions to run right before LLM action ``before`` (``None``: after the last one)."""
+        if self.stage is None:
+            raise RuntimeError("EncoderAnchor.at: call register(stage, flow, schedule) first")
+        return list(self._points.get(before, ()))
+
+    def placed(self) -> list[Action]:
+        """Every encoder action registered on this rank, in run order."""
+        return [a for acts in self._points.values() for a in acts]
+
+    def parameters(self) -> Iterator[nn.Parameter]:
+        for m in self.encoders.values():
+            yield from m.parameters()
+
+    def _saved_tensors(self) -> contextlib.AbstractContextManager:
+        if self.parallel.activation_offload:
+            return torch.autograd.graph.save_on_cpu(pin_memory=torch.cuda.is_available())
+        return contextlib.nullcontext()
+
+    def forward(self, e: int, encoder_fn: Callable[[int, Any], torch.Tensor], inputs: Any) -> torch.Tensor:
+        """Run encoder microbatch ``e``: ``encoder_fn(e, inputs) -> Tensor[tokens_e, hidden]``; keep its
+        output for :meth:`backward`.
+
+        Raises:
+            ValueError: the output has more than ``data.max_seq_len`` tokens (dim 0).
+        """
+        with self._saved_tensors():
+            out = encoder_fn(e, inputs)
+        if not isinstance(out, torch.Tensor):
+            raise TypeError(
+                f"rank {self.stage}, EF{e}: encoder_fn must return a Tensor, got {type(out).__name__}"
+            )
+        if out.dim() >= 1 and out.shape[0] > self.data.max_seq_len:
+            raise ValueError(
+                f"rank {self.stage}, EF{e}: {out.shape[0]} encoder tokens exceed max_seq_len {self.data.max_seq_len}"
+            )
+        self._outputs[e] = out
+        return out
+
+    def backward(self, e: int, grad: torch.Tensor) -> None:
+        """Backpropagate ``grad`` (d loss / d output of encoder microbatch ``e``) and free its activations.
+
+        Raises:
+            KeyError: ``e``'s forward has not run on this rank.
+        """
+        if e not in self._outputs:
+            raise KeyError(
+                f"rank {self.stage}, {ActionKind.ENCODER_BACKWARD}{e}: its forward did not run here"
+            )
+        out = self._outputs.pop(e)
+        if out.requires_grad:
+            torch.autograd.backward(out, grad)

@@ -1,0 +1,199 @@
+"""Placement policies: each turns a schedule and ``encoder_inputs`` (``{k: [e, ...]}``) into a DataFlow.
+
+* ``prepend_first_stage`` - Megatron-LM / torchtitan baseline: every encoder microbatch runs on rank 0
+  (stage 0) right before the forward that needs it, its backward right after stage 0's backward.
+* ``isolated`` - encoder work spread over all ranks, every forward before the pipeline starts and every
+  backward after it ends (MegaScale-Omni, uniform insertion: no interference, high memory).
+* ``uniform_on_demand`` - MegaScale-Omni's policy: the encoder work of LLM microbatch k is split over all P
+  ranks (largest-first onto the least-loaded rank); each rank runs its slice at the latest point from which
+  it still finishes before stage 0 needs it, and its backward at the earliest point after the gradient has
+  returned. "When" is estimated from the LLM-only schedule timed with a cost model (unit costs F=1, B=2 by
+  default); a point after which the rank would wait on stage 0's forward itself is never chosen.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from enum import StrEnum
+
+from omni_pipeline.actions import Action, ActionKind
+from omni_pipeline.cost import CostModel
+from omni_pipeline.dataflow import DataFlow
+from omni_pipeline.graph import happens_before
+from omni_pipeline.schedules import Schedule
+from omni_pipeline.simulator import action_times
+
+__all__ = [
+    "PlacementPolicy",
+    "isolated",
+    "place",
+    "prepend_first_stage",
+    "split_over_ranks",
+    "uniform_on_demand",
+]
+
+F, B = ActionKind.FORWARD, ActionKind.BACKWARD
+
+
+class PlacementPolicy(StrEnum):
+    """Names of the placement policies (for configs and CLIs)."""
+
+    PREPEND_FIRST_STAGE = "prepend_first_stage"
+    ISOLATED = "isolated"
+    UNIFORM_ON_DEMAND = "uniform_on_demand"
+
+
+def _inputs(encoder_inputs: Mapping[int, Sequence[int]]) -> dict[int, list[int]]:
+    return {int(k): [int(e) for e in es] for k, es in sorted(encoder_inputs.items())}
+
+
+def split_over_ranks(
+    encoder_inputs: Mapping[int, Sequence[int]],
+    num_ranks: int,
+    encoder_costs: Mapping[int, float] | None = None,
+) -> dict[int, int]:
+    """Assign each encoder microbatch to a rank: per LLM microbatch, largest first onto the rank with the
+    least work so far (LPT greedy, Graham 1969), so the work of every microbatch spreads over all ranks.
+
+    Returns:
+        ``{e: rank}``.
+    """
+    load = [0.0] * num_ranks
+    out: dict[int, int] = {}
+    for _, es in sorted(encoder_inputs.items()):
+        cost = {e: float((encoder_costs or {}).get(e, 1.0)) for e in es}
+        taken: set[int] = set()
+        for e in sorted(es, key=lambda e: (-cost[e], e)):
+            free = [r for r in range(num_ranks) if r not in taken] or list(range(num_ranks))
+            r = min(free, key=lambda r: (load[r], r))
+            taken.add(r)
+            if len(taken) == num_ranks:
+                taken.clear()
+            out[e] = r
+            load[r] += cost[e]
+    return out
+
+
+def _build(schedule: Schedule, encoder_inputs, placed: list[tuple[int, int, int, int]]) -> DataFlow:
+    """``placed``: ``(rank, slot, order, signed e)``; slots are indices into the rank's LLM program."""
+    programs = schedule.program_view
+    entries: dict[int, tuple[int, tuple[int, int]]] = {}
+    for rank, slot, _, key in sorted(placed, key=lambda x: (x[0], x[1], x[2], abs(x[3]))):
+        entries[key] = (rank, DataFlow.slot_ref(schedule, programs[rank], rank, slot))
+    return DataFlow(entries, encoder_inputs)
+
+
+def _addressable(program: Sequence[Action], rank: int, slot: int) -> bool:
+    return slot == len(program) or program[slot].stage == rank
+
+
+def prepend_first_stage(schedule: Schedule, encoder_inputs: Mapping[int, Sequence[int]]) -> DataFlow:
+    """All encoder microbatches on rank 0, right before stage 0's forward that consumes them, their
+    backward right after stage 0's backward of that microbatch (Megatron-LM / torchtitan baseline)."""
+    enc = _inputs(encoder_inputs)
+    prog = schedule.program_view[0]
+    index = {a: i for i, a in enumerate(prog)}
+    placed = []
+    for k, es in enc.items():
+        fs = index[Action(F, k - 1, 0)]
+        bs = index[Action(B, k - 1, 0)] + 1
+        while not _addressable(prog, 0, bs):
+            bs += 1
+        for e in es:
+            placed += [(0, fs, 1, e), (0, bs, 0, -e)]
+    return _build(schedule, enc, placed)
+
+
+def isolated(
+    schedule: Schedule,
+    encoder_inputs: Mapping[int, Sequence[int]],
+    encoder_costs: Mapping[int, float] | None = None,
+) -> DataFlow:
+    """Encoder work split over all ranks; every forward before the rank's first LLM action, every
+    backward after its last one."""
+    enc = _inputs(encoder_inputs)
+    ranks = split_over_ranks(enc, schedule.num_ranks, encoder_costs)
+    programs = schedule.program_view
+    placed = []
+    for es in enc.values():
+        for e in es:
+            r = ranks[e]
+            placed += [(r, 0, 1, e), (r, len(programs[r]), 0, -e)]
+    return _build(schedule, enc, placed)
+
+
+def uniform_on_demand(
+    schedule: Schedule,
+    encoder_inputs: Mapping[int, Sequence[int]],
+    costs: CostModel | None = None,
+) -> DataFlow:
+    """MegaScale-Omni's uniform on-demand insertion (see the module docstring).
+
+    Args:
+        schedule: the LLM schedule.
+        encoder_inputs: ``{k: [e, ...]}``.
+        costs: cost model for the timing estimate and the split (``encoder_forward_s``); default unit LLM
+            costs (F=1 s, B=2 s) and equal encoder microbatches.
+    """
+    enc = _inputs(encoder_inputs)
+    costs = costs or CostModel()
+    ranks = split_over_ranks(enc, schedule.num_ranks, costs.encoder_forward_s or None)
+    programs = schedule.program_view
+    order, where, clock = schedule.analysis
+    llm_only = CostModel(
+        llm_forward_s=costs.llm_forward_s,
+        llm_backward_s=costs.llm_backward_s,
+        p2p_latency_s=costs.p2p_latency_s,
+        p2p_bandwidth_Bps=costs.p2p_bandwidth_Bps,
+        llm_activation_bytes=costs.llm_activation_bytes,
+    )
+    _, start, end, _ = action_times(programs, schedule.num_stages, {}, llm_only, order=order)
+    t_slot = {r: [0.0] + [end[a] for a in prog] for r, prog in programs.items()}  # when rank r reaches slot s
+    placed = []
+    for k, es in enc.items():
+        f0, b0 = Action(F, k - 1, 0), Action(B, k - 1, 0)
+        window: dict[int, tuple[list[int], list[int]]] = {}
+        for e in es:
+            r = ranks[e]
+            prog = programs[r]
+            n = len(prog)
+            if r not in window:
+                # forward: slots whose previous action does not wait on stage 0's forward f0
+                s_max = next((i for i in range(n) if happens_before(where, clock, f0, prog[i])), n)
+                # backward: slots from which no later action is needed by stage 0's backward b0
+                s_min = next(
+                    (i + 1 for i in range(n - 1, -1, -1) if happens_before(where, clock, prog[i], b0)), 0
+                )
+                window[r] = (
+                    [s for s in range(s_max + 1) if _addressable(prog, r, s)],
+                    [s for s in range(s_min, n + 1) if _addressable(prog, r, s)],
+                )
+            f_cands, b_cands = window[r]
+            comm = 0.0 if r == 0 else costs.transfer_s(costs.encoder_output_bytes.get(e, 0.0))
+            need = start[f0] - comm - costs.duration(Action(ActionKind.ENCODER_FORWARD, e))
+            fs = next((s for s in reversed(f_cands) if t_slot[r][s] <= need + 1e-12), None)
+            if fs is None:  # cannot finish in time anywhere: rank 0 runs it just before, others at once
+                fs = f_cands[-1] if r == 0 else f_cands[0]
+            back_at = end[b0] + comm
+            bs = next((s for s in b_cands if t_slot[r][s] >= back_at - 1e-12), b_cands[-1])
+            placed += [(r, fs, 1, e), (r, bs, 0, -e)]
+    return _build(schedule, enc, placed)
+
+
+def place(
+    policy: PlacementPolicy | str,
+    schedule: Schedule,
+    encoder_inputs: Mapping[int, Sequence[int]],
+    costs: CostModel | None = None,
+) -> DataFlow:
+    """Run the named placement policy.
+
+    Raises:
+        ValueError: unknown policy name.
+    """
+    policy = PlacementPolicy(policy)
+    if policy == PlacementPolicy.PREPEND_FIRST_STAGE:
+        return prepend_first_stage(schedule, encoder_inputs)
+    if policy == PlacementPolicy.ISOLATED:
+        return isolated(schedule, encoder_inputs, costs.encoder_forward_s if costs else None)
+    return uniform_on_demand(schedule, encoder_inputs, costs)

@@ -1,0 +1,267 @@
+"""Schedules and data flows against torch's pipelining checkers, our validator and broken plans."""
+
+from __future__ import annotations
+
+import random
+import time
+
+import pytest
+from torch.distributed.pipelining._schedule_visualizer import get_schedule_ops
+from torch.distributed.pipelining.schedules import (
+    _Action,
+    _add_send_recv,
+    _ComputationType,
+    _simulate_comms_compute,
+    _validate_schedule,
+)
+
+from omni_pipeline import (
+    Action,
+    ActionKind,
+    DataFlow,
+    DataFlowError,
+    Schedule1F1B,
+    ScheduleError,
+    ScheduleFromActions,
+    ScheduleGPipe,
+    ScheduleInterleaved1F1B,
+    flow_index,
+    isolated,
+    prepend_first_stage,
+    torch_index,
+    uniform_on_demand,
+    validate_comms,
+)
+from omni_pipeline.cost import CostModel
+
+
+@pytest.mark.parametrize("text", ["0F1", "1B0", "12F31", "3SEND_F2", "0RECV_B7", "EF3", "EB12"])
+def test_action_notation_round_trips_and_matches_torch(text):
+    a = Action.parse(text)
+    assert str(a) == text
+    if not a.kind.is_encoder:
+        assert a.to_torch() == _Action.from_str(text)
+        assert Action.from_torch(_Action.from_str(text)) == a
+
+
+def test_action_rejects_bad_text_and_numbering():
+    for bad in ("F1", "0X1", "EF0", "E1", "", "0F-1"):
+        with pytest.raises(ScheduleError):
+            Action.parse(bad)
+    assert flow_index(0) == 1 and torch_index(1) == 0
+    with pytest.raises(ValueError):
+        torch_index(0)
+
+
+@pytest.mark.parametrize(
+    "name,cls,virtual",
+    [
+        ("GPipe", ScheduleGPipe, 1),
+        ("Interleaved1F1B", ScheduleInterleaved1F1B, 2),
+        ("Interleaved1F1B", ScheduleInterleaved1F1B, 3),
+    ],
+)
+def test_compute_order_equals_torch_schedule(name, cls, virtual):
+    """Peer oracle: torch's own schedule classes produce the same compute order. (torch 2.15's 1F1B
+    ``pipeline_order`` skips microbatch 0 on the last rank, so 1F1B is checked by the checkers below.)"""
+    checked = 0
+    for p in (1, 2, 3, 4):
+        for m in (1, 2, 3, 4, 6, 8):
+            if cls is ScheduleInterleaved1F1B and m % max(1, m // p):
+                continue
+            ours = (cls(p, m) if virtual == 1 else cls(p, m, virtual)).to_torch()
+            ops = get_schedule_ops(name, p, m, num_stages_per_rank=virtual)
+            compute = (_ComputationType.FORWARD, _ComputationType.FULL_BACKWARD)
+            theirs = {
+                r: [a for a in ops[r] if a is not None and a.computation_type in compute] for r in range(p)
+            }
+            assert ours == theirs, (name, p, m, virtual)
+            checked += 1
+    assert checked >= 20
+
+
+def _random_config(rng: random.Random, cache: dict):
+    """A random schedule; the same (kind, pp, virtual, microbatches) returns the same (pure) schedule."""
+    # every size occurs, small (cheap) ones most often: the checkers' cost grows with pp * virtual * mbs
+    p = rng.choices(range(1, 9), weights=[p**-1.5 for p in range(1, 9)])[0]
+    v = rng.choices((1, 2, 3, 4), weights=(8, 4, 2, 1))[0]
+    m = min(32, int(2 ** (5.05 * rng.random() ** 2.2)))
+    kind = rng.randrange(3)
+    key = (kind, p, 1 if kind == 1 else v, m)
+    if key not in cache:
+        if kind == 0:
+            cache[key] = ScheduleGPipe(p, m, v)
+        elif kind == 1:
+            cache[key] = Schedule1F1B(p, m)
+        else:
+            cache[key] = ScheduleInterleaved1F1B(p, m, v)
+    return cache[key]
+
+
+def _check_llm_projection(s) -> None:
+    """Ours and torch's checkers on the LLM part of one schedule."""
+    s.validate()
+    _validate_schedule(s.to_torch(), s.num_ranks, s.num_stages, s.num_microbatches)
+    comms = _add_send_recv(s.to_torch(), s.stage_to_rank, s.num_stages)
+    _simulate_comms_compute(comms, s.stage_to_rank, s.num_stages)
+    validate_comms({r: [Action.from_torch(a) for a in acts] for r, acts in comms.items()}, s)
+
+
+def test_random_schedules_and_flows_pass_ours_and_torch_checkers():
+    """10,000 random configurations (pp 1-8, virtual 1-4, microbatches 1-32, random encoder loads).
+
+    A schedule is a pure function of (kind, pp, virtual, microbatches), so its LLM projection is checked
+    once per distinct tuple; the encoder load, policy and data flow are drawn afresh for every one."""
+    rng = random.Random(20260)
+    t0 = time.perf_counter()
+    accepted = rejected = flows = 0
+    checked: set[tuple] = set()
+    cache: dict = {}
+    for _ in range(10_000):
+        try:
+            s = _random_config(rng, cache)
+        except ScheduleError as exc:
+            assert "multiple" in str(exc)  # interleaved with microbatches not a multiple of the rounds
+            rejected += 1
+            continue
+        key = (type(s).__name__, s.num_ranks, s.virtual, s.num_microbatches)
+        if key not in checked:
+            _check_llm_projection(s)
+            checked.add(key)
+        accepted += 1
+        e, enc = 1, {}
+        for k in range(1, s.num_microbatches + 1):
+            n = rng.randint(0, s.num_ranks + 1)  # random encoder load per LLM microbatch
+            enc[k] = list(range(e, e + n))
+            e += n
+        costs = CostModel(encoder_forward_s={x: rng.uniform(0.1, 3.0) for x in range(1, e)})
+        policy = rng.randrange(3)
+        flow = (
+            prepend_first_stage(s, enc)
+            if policy == 0
+            else isolated(s, enc)
+            if policy == 1
+            else uniform_on_demand(s, enc, costs)
+        )
+        flow.validate(s)
+        flows += 1
+    elapsed = time.perf_counter() - t0
+    assert accepted + rejected == 10_000 and accepted > 8_000 and flows == accepted
+    assert {m for _, _, _, m in checked} == set(range(1, 33)) and {p for _, p, _, _ in checked} == set(
+        range(1, 9)
+    )
+    assert {v for _, _, v, _ in checked} == {1, 2, 3, 4}
+    assert elapsed < 60, f"10,000 configurations took {elapsed:.1f} s"
+
+
+def test_fewer_microbatches_than_stages_is_valid():
+    for s in (Schedule1F1B(8, 1), ScheduleGPipe(8, 3, 2), ScheduleInterleaved1F1B(8, 3, 4)):
+        s.validate()
+        _simulate_comms_compute(
+            _add_send_recv(s.to_torch(), s.stage_to_rank, s.num_stages), s.stage_to_rank, s.num_stages
+        )
+
+
+def test_broken_schedules_are_rejected_naming_the_action():
+    b_before_f = ScheduleFromActions(2, 1, {0: ["0B0", "0F0"], 1: ["1F0", "1B0"]})
+    with pytest.raises(
+        ScheduleError,
+        match=r"rank 0 position 0 action 0B0: backward of stage 0 microbatch 0 before its forward",
+    ):
+        b_before_f.validate()
+    wrong_rank = ScheduleFromActions(2, 1, {0: ["0F0", "1F0", "0B0"], 1: ["1B0"]})
+    with pytest.raises(ScheduleError, match="action 1F0: stage 1 belongs to rank 1"):
+        wrong_rank.validate()
+    # each rank waits for the other: rank 0 runs 0B0 before 0F1; rank 1 runs 1F1 before 1B0
+    deadlock = ScheduleFromActions(2, 2, {0: ["0F0", "0B0", "0F1", "0B1"], 1: ["1F1", "1F0", "1B0", "1B1"]})
+    with pytest.raises(ScheduleError, match="deadlock: rank 0: 0B0 waits for 1B0; rank 1: 1F1 waits for 0F1"):
+        deadlock.validate()
+
+
+def test_send_without_receive_is_rejected_naming_the_action():
+    s = Schedule1F1B(2, 2)
+    comms = s.with_comms()
+    validate_comms(comms, s)
+    comms[1] = [a for a in comms[1] if str(a) != "1RECV_F1"]
+    with pytest.raises(
+        ScheduleError, match=r"rank 0 position \d+ action 0SEND_F1: no matching receive 1RECV_F1 on rank 1"
+    ):
+        validate_comms(comms, s)
+    comms[0] = [a for a in comms[0] if str(a) != "0SEND_F1"] + [Action(ActionKind.SEND_F, 1, 0)]
+    comms[0].insert(0, Action(ActionKind.SEND_B, 0, 0))
+    with pytest.raises(ScheduleError) as info:
+        validate_comms(comms, s)
+    assert "0SEND_B0: no stage -1" in str(info.value)
+
+
+def _two_stage():
+    s = Schedule1F1B(2, 3)  # rank 0: 0F0 0F1 0B0 0F2 0B1 0B2; rank 1: 1F0 1B0 1F1 1B1 1F2 1B2
+    return s, {1: [1], 2: [2, 3], 3: [4]}
+
+
+def test_every_policy_flow_validates_and_round_trips_json():
+    s, enc = _two_stage()
+    for flow in (prepend_first_stage(s, enc), isolated(s, enc), uniform_on_demand(s, enc)):
+        flow.validate(s)
+        again = DataFlow.from_json(flow.to_json())
+        assert again == flow and list(again.entries) == list(flow.entries)
+    prepend = prepend_first_stage(s, enc)
+    assert prepend.entries[1] == (0, (0, 1)) and prepend.entries[-1] == (0, (-1, 3))
+    assert {pp for pp, _ in uniform_on_demand(s, enc).entries.values()} == {0, 1}
+
+
+def test_paper_style_bare_map_parses():
+    flow = DataFlow.from_json('{"+1": [1, [0, 1]], "-1": [1, [-1, 0]]}')
+    assert flow.entries == {1: (1, (0, 1)), -1: (1, (-1, 0))}
+    with pytest.raises(DataFlowError, match=r"encoder microbatch \+1 placed twice"):
+        DataFlow.from_json('{"+1": [1, [0, 1]], "+1": [0, [0, 1]], "-1": [1, [-1, 0]]}')
+
+
+def test_broken_flows_name_every_violated_rule():
+    s, enc = _two_stage()
+    flow = DataFlow(
+        {
+            1: (0, (1, 2)),  # encoder forward after its consumer 0F0 (+1) on stage 0's rank
+            -1: (0, (2, -1)),  # backward before stage 0's backward 0B0 (-1) that makes its gradient
+            2: (1, (-2, 3)),  # rank 1 gets here only after 1B1, which runs after 0F1 that needs this output
+            -2: (0, (-2, -3)),  # backward on another rank than its forward
+            3: (3, (0, 1)),  # rank 3 does not exist
+            4: (1, (0, 9)),  # LLM microbatch 9 does not exist
+            -4: (1, (1, 2)),  # left and right not adjacent on rank 1
+            7: (0, (0, 1)),  # no LLM microbatch consumes encoder microbatch 7
+        },
+        enc,
+    )
+    with pytest.raises(DataFlowError) as info:
+        flow.validate(s)
+    msg = str(info.value)
+    expected = [
+        "+1 at (0, [1, 2]): encoder forward cannot finish before stage 0's forward 0F0 of LLM microbatch 1 "
+        "that consumes it (placed after 0F0 itself)",
+        "-1 at (0, [2, -1]): encoder backward placed before stage 0's backward 0B0 of LLM microbatch 1 "
+        "that produces its gradient (placed before 0B0 itself)",
+        "+2 at (1, [-2, 3]): encoder forward cannot finish before stage 0's forward 0F1 of LLM microbatch 2 "
+        "that consumes it (rank 1 gets here only after 1B1, which runs after 0F1)",
+        "-2 runs on rank 0 but its forward +2 ran on rank 1",
+        "+3 at (3, [0, 1]): rank 3 does not exist",
+        "encoder microbatch 3: backward -3 missing",
+        "+4 at (1, [0, 9]): right +9 (1F8) is not an action of rank 1",
+        "-4 at (1, [1, 2]): left and right are not adjacent on rank 1",
+        "+7: no LLM microbatch consumes encoder microbatch 7",
+    ]
+    for line in expected:
+        assert line in msg, f"missing {line!r} in:\n{msg}"
+    assert len(info.value.errors) == len(expected)
+
+
+def test_interleaved_flow_positions_name_first_stage_actions():
+    s = ScheduleInterleaved1F1B(2, 4, 2)
+    enc = {k: [2 * k - 1, 2 * k] for k in range(1, 5)}
+    flow = uniform_on_demand(s, enc)
+    flow.validate(s)
+    for pp, (left, right) in flow.entries.values():
+        for ref in (left, right):
+            if ref:
+                assert Action(
+                    ActionKind.FORWARD if ref > 0 else ActionKind.BACKWARD, abs(ref) - 1, pp
+                ) in s.actions(pp)
