@@ -12,7 +12,21 @@ Megatron's 34 * hidden bytes per token per layer (LLaMA-12B: hidden 5120, 40 lay
 microbatch comes as pp encoder microbatches (the loader's split).
 
 Printed: per ratio and pp, each policy's throughput and stage-0 peak memory relative to
-prepend_first_stage, and its mean bubble fraction against LLM-only 1F1B (points). Then the shifting
+prepend_first_stage, and its bubble against LLM-only 1F1B. Bubble metrics (same definitions for every row
+and for the LLM-only baseline; ``SimulationResult.bubble_fraction``):
+
+* ``idle %``: a rank's idle time (neither LLM nor encoder compute running) / the step's makespan, mean over
+  ranks. LLM-only 1F1B has ``(p - 1) / (m + p - 1)`` here. ``Δ pts`` = policy minus LLM-only.
+* ``idle s x``: the policy's mean idle seconds per rank / LLM-only 1F1B's. A fraction falls when the step
+  simply gets longer (more work, same idle seconds); idle seconds do not, so this is the honest test of
+  "no extra bubbles": <= 1 means no more idle time than the LLM-only pipeline.
+* ``vs even``: makespan / that of the equal-work reference, LLM-only 1F1B with every stage's forward and
+  backward stretched by an even 1/(p m) share of the step's encoder forward and backward work (Fig. 10b's
+  ideal of encoder latency scaling every stage uniformly). Its idle fraction equals LLM-only's, so a
+  policy can sit *below* LLM-only 1F1B in ``idle %`` only by running encoder work inside 1F1B's warm-up
+  and drain bubbles; ``vs even`` < 1 says it does, > 1 that it adds waiting.
+
+Then the shifting
 triple-modality recipe (image:text 1:1, then audio rising to image:audio:text 13:74:13) replayed step by
 step, with each policy's step-time spread max / min over steps. Also writes a PNG timeline of one step
 per policy to packages/omni-pipeline/docs/.
@@ -22,6 +36,7 @@ Run: ``uv run python benchmarks/pipeline_sim.py``; writes ``benchmarks/results/p
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import random
@@ -95,6 +110,24 @@ def build(pp: int, packs: list[dict[str, int]]):
     return schedule, enc_inputs, costs
 
 
+def idle_s(result) -> float:
+    """Mean idle seconds per rank (makespan x bubble fraction)."""
+    return result.makespan_s * result.mean_bubble_fraction
+
+
+def even_reference(schedule, costs: CostModel):
+    """LLM-only 1F1B with every stage's F and B stretched by an even share of the encoder work."""
+    m, p = schedule.num_microbatches, schedule.num_ranks
+    enc_f = sum(costs.encoder_forward_s.values())
+    enc_b = 2 * enc_f if costs.encoder_backward_s is None else sum(costs.encoder_backward_s.values())
+    even = dataclasses.replace(
+        costs,
+        llm_forward_s=costs.llm_forward_s + enc_f / (p * m),
+        llm_backward_s=costs.llm_backward_s + enc_b / (p * m),
+    )
+    return simulate(schedule, None, even)
+
+
 def flows(schedule, enc_inputs, costs):
     return {
         "prepend_first_stage": prepend_first_stage(schedule, enc_inputs),
@@ -107,13 +140,14 @@ def ratio_table(rng: random.Random) -> list[dict]:
     rows = []
     print(
         f"{'img:txt':>8} {'pp':>3} {'policy':>20} {'tput/prepend':>13} {'st0 mem prepend/x':>18} "
-        f"{'bubble':>7} {'LLM-only':>9} {'Δ pts':>6}"
+        f"{'idle %':>7} {'LLM-only':>9} {'Δ pts':>6} {'idle s x':>9} {'vs even':>8}"
     )
     for img, txt in ((1, 9), (5, 5), (9, 1)):
         for pp in (4, 8):
             packs = draw_packs(rng, {"image": img, "text": txt}, 4 * pp)
             schedule, enc_inputs, costs = build(pp, packs)
             llm_only = simulate(schedule, None, costs)
+            even = even_reference(schedule, costs)
             results = {}
             for name, flow in flows(schedule, enc_inputs, costs).items():
                 flow.validate(schedule)
@@ -132,6 +166,11 @@ def ratio_table(rng: random.Random) -> list[dict]:
                     / r.peak_activation_bytes[0],
                     "bubble_fraction": r.mean_bubble_fraction,
                     "llm_only_bubble_fraction": llm_only.mean_bubble_fraction,
+                    "bubble_definition": "idle (no LLM or encoder compute) / makespan, mean over ranks",
+                    "idle_s_per_rank": idle_s(r),
+                    "idle_s_vs_llm_only": idle_s(r) / idle_s(llm_only),
+                    "even_reference_bubble_fraction": even.mean_bubble_fraction,
+                    "makespan_vs_even_reference": r.makespan_s / even.makespan_s,
                     "image_token_share": sum(p["image"] for p in packs) / (SEQ * len(packs)),
                 }
                 rows.append(row)
@@ -139,8 +178,14 @@ def ratio_table(rng: random.Random) -> list[dict]:
                     f"{img}:{txt:<6} {pp:>3} {name:>20} {row['throughput_vs_prepend']:>12.2f}x "
                     f"{row['stage0_memory_prepend_over_policy']:>17.2f}x {100 * r.mean_bubble_fraction:>6.1f}% "
                     f"{100 * llm_only.mean_bubble_fraction:>8.1f}% "
-                    f"{100 * (r.mean_bubble_fraction - llm_only.mean_bubble_fraction):>+6.1f}"
+                    f"{100 * (r.mean_bubble_fraction - llm_only.mean_bubble_fraction):>+6.1f} "
+                    f"{row['idle_s_vs_llm_only']:>8.2f}x {row['makespan_vs_even_reference']:>7.2f}x"
                 )
+    print(
+        "idle % = time with no LLM or encoder compute / makespan (mean over ranks), same for LLM-only 1F1B;\n"
+        "idle s x = idle seconds per rank / LLM-only 1F1B's; vs even = makespan / LLM-only 1F1B with the\n"
+        "encoder work spread evenly over every stage's F and B (whose idle % equals LLM-only's)"
+    )
     return rows
 
 
@@ -179,8 +224,10 @@ def timeline_pngs(rng: random.Random) -> list[str]:
         if name == "isolated":
             continue
         path = ROOT / f"packages/omni-pipeline/docs/timeline_{name}.png"
-        simulate(schedule, flow, costs).plot(
-            path, title=f"{name}: 1F1B, pp=4, 8 microbatches, image:text 5:5"
+        r = simulate(schedule, flow, costs)
+        r.plot(
+            path,
+            title=f"{name}: 1F1B, pp=4, 8 microbatches, image:text 5:5 (step {r.makespan_s:.1f} s)",
         )
         paths.append(str(path.relative_to(ROOT)))
     return paths

@@ -80,35 +80,58 @@ def _cli(*args: str, **kw) -> subprocess.Popen:
     return subprocess.Popen(exe, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, **kw)
 
 
-def test_cli_run_outputs_and_sigkill_resume_is_exact(tmp_path):
+def _workers(launcher_pid: int) -> list[int]:
+    out = subprocess.run(
+        ["ps", "-o", "pid=,cmd=", "--ppid", str(launcher_pid)], capture_output=True, text=True
+    )
+    return [int(line.split()[0]) for line in out.stdout.splitlines() if "spawn_main" in line]
+
+
+def _wait(p: subprocess.Popen, cond, what: str, timeout_s: float = 300) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if cond():
+            return
+        if p.poll() is not None:
+            pytest.fail(f"the run ended (exit {p.returncode}) before {what}")
+        time.sleep(0.02)
+    pytest.fail(f"timed out waiting for {what}")
+
+
+def test_cli_run_outputs_restart_and_sigkill_resume_are_exact(tmp_path):
     data = make_dataset(tmp_path / "data")
-    cfg = write_config(tmp_path / "c.toml", data, steps=10, every=2)
+    cfg = write_config(tmp_path / "c.toml", data, steps=16, every=2)
     a, b = tmp_path / "a", tmp_path / "b"
 
     p = _cli("run", "--config", str(cfg), "--out", str(a))
     out, _ = p.communicate(timeout=300)
     assert p.returncode == 0, out
-    assert len(_losses(a)) == 10
+    assert len(_losses(a)) == 16
     assert list((a / "tensorboard").glob("events.out.tfevents.*"))
     assert (a / "loss.png").stat().st_size > 0 and (a / "timeline.png").stat().st_size > 0
-    assert (a / "checkpoints" / "latest").read_text() == "step-00000010"
-    assert (a / "checkpoints" / "step-00000010" / "manifest.msgpack").is_file()
+    assert (a / "checkpoints" / "latest").read_text() == "step-00000016"
+    assert (a / "checkpoints" / "step-00000016" / "manifest.msgpack").is_file()
 
-    p = _cli("run", "--config", str(cfg), "--out", str(b), start_new_session=True)
-    deadline = time.monotonic() + 300
+    # 1) one worker dies: the elastic agent restarts both, they resume from the last committed step;
+    # 2) later the launcher and all workers are SIGKILLed; 3) `--resume` finishes the run.
+    p = _cli("run", "--config", str(cfg), "--out", str(b), "--max-restarts", "1", start_new_session=True)
     latest = b / "checkpoints" / "latest"
-    while time.monotonic() < deadline and p.poll() is None:
-        if latest.exists() and (b / "metrics.jsonl").exists() and len(_losses(b)) >= 3:
-            break
-        time.sleep(0.02)
-    os.killpg(p.pid, signal.SIGKILL)  # the launcher and both workers, mid-training
+    _wait(p, lambda: latest.exists() and (b / "metrics.jsonl").exists() and len(_losses(b)) >= 3, "step 3")
+    first = _workers(p.pid)
+    os.kill(first[0], signal.SIGKILL)
+    _wait(p, lambda: set(_workers(p.pid)).isdisjoint(first) and len(_workers(p.pid)) == 2, "the restart")
+    restarted_at = int(latest.read_text().removeprefix("step-"))
+    _wait(
+        p,
+        lambda: len(_losses(b)) >= restarted_at + 2 and latest.read_text() != f"step-{restarted_at:08d}",
+        "progress after the restart",
+    )
+    os.killpg(p.pid, signal.SIGKILL)
     p.communicate(timeout=60)
     done = len(_losses(b))
-    assert done < 10, f"the run finished ({done} steps) before it could be killed"
-    killed_at = latest.read_text()
+    assert done < 16, f"the run finished ({done} steps) before it could be killed"
 
     p = _cli("run", "--config", str(cfg), "--out", str(b), "--resume")
     out, _ = p.communicate(timeout=300)
     assert p.returncode == 0, out
-    assert int(killed_at.removeprefix("step-")) < 10
     assert _losses(b) == _losses(a)  # step for step, bit for bit

@@ -59,6 +59,8 @@ def test_packing_properties(raw, max_len, buffer, max_open):
 
 def test_overlong_policies():
     metas = [_meta(0, "image", 50, 0), _meta(1, "text", 0, 25), _meta(2, "image", 5, 3)]
+    with pytest.raises(ValueError, match="max_open_packs"):
+        HybridPacker(IterableWrapper(metas), 20, 4, max_open_packs=-1)
     with pytest.raises(OverlongSampleError, match="s/k0"):
         list(HybridPacker(IterableWrapper(metas), 20, 4, overlong="error"))
     p = HybridPacker(IterableWrapper(metas), 20, 4, overlong="drop")

@@ -95,8 +95,9 @@ def test_ledger_two_ranks_two_workers(tmp_path, bad_dir, num_shards):
     write_shards(f"{tmp_path}/l-%03d.tar", text_samples(num_shards * 9), per_shard=9)
     tok = train_tiny_bpe()
     urls = [f"{tmp_path}/l-{i:03d}.tar" for i in range(num_shards)]
-    for epoch_seed in (0, 1):
-        seen = []
+    everything = [f"txt{i:06d}" for i in range(num_shards * 9)]
+    for seed in (0, 1):
+        seen: dict[int, list[str]] = {0: [], 1: []}
         for rank in range(2):
             for worker in range(2):
                 src = WebDatasetSource(
@@ -108,12 +109,13 @@ def test_ledger_two_ranks_two_workers(tmp_path, bad_dir, num_shards):
                     worker=worker,
                     num_workers=2,
                     shuffle_shards=True,
-                    seed=epoch_seed,
+                    seed=seed,
+                    epochs=2,
                 )
-                seen += _drain(src)
-        assert sorted(seen) == [
-            f"txt{i:06d}" for i in range(num_shards * 9)
-        ]  # exactly once: no dups, no gaps
+                for m in src:
+                    seen[m.epoch].append(m.key)
+        for epoch in (0, 1):  # exactly once per epoch: no dups, no gaps (shard order reshuffled per epoch)
+            assert sorted(seen[epoch]) == everything, (seed, epoch)
     # with bad data in the mix, kept + skipped still cover every key once
     d, _ = bad_dir
     kept, skipped = [], []
@@ -129,6 +131,20 @@ def test_ledger_two_ranks_two_workers(tmp_path, bad_dir, num_shards):
         kept += _drain(s)
         skipped += [k for k, _ in s.skipped_keys if not k.startswith("shard:")]
     assert sorted(kept + skipped) == sorted({*kept, *skipped}) and len(kept) + len(skipped) == 30
+    # fewer shards (3, one empty) than readers (4): samples are split, the empty shard counted once
+    empties = 0
+    for r in range(4):
+        s = WebDatasetSource(
+            f"{d}/s-{{002..004}}.tar",
+            modality="image",
+            rank=r // 2,
+            world_size=2,
+            worker=r % 2,
+            num_workers=2,
+        )
+        _drain(s)
+        empties += s.skipped.get("empty shard", 0)
+    assert empties == 1
 
 
 def test_layout_mismatch(tmp_path, tok):
@@ -144,6 +160,15 @@ def test_layout_mismatch(tmp_path, tok):
     )
     b.load_state_dict(state)
     assert next(b).epoch == 1 and b.skipped == {"resplit: rest of epoch": 1}
+    # every new reader loads the same old state: epoch 1 under the new split covers every sample once
+    seen = []
+    for r in range(4):
+        c = WebDatasetSource(
+            url, modality="text", tokenizer=tok, rank=r, world_size=4, epochs=2, allow_resplit=True
+        )
+        c.load_state_dict(state)
+        seen += [m.key for m in c if m.epoch == 1]
+    assert sorted(seen) == [f"txt{i:06d}" for i in range(20)]
 
 
 def test_bad_json_and_missing_member(tmp_path):

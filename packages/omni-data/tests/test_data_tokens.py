@@ -35,6 +35,10 @@ def test_image_tokens_errors():
         ImageTokens().resize(0, 10)
     with pytest.raises(ValueError, match="min_pixels"):
         ImageTokens(min_pixels=10, max_pixels=5)
+    with pytest.raises(ValueError, match="hidden"):
+        EncoderCost(hidden=0)
+    with pytest.raises(ValueError, match="seq_len"):
+        EncoderCost().flops(-1)
 
 
 def test_audio_tokens():

@@ -1,6 +1,8 @@
 """ZeroRedundancyFilter on gloo: PP=2 x TP=2 over one DP rank. Each pipeline rank decodes only its encoder
 microbatches, only TP rank 0 reads, TP rank 1 receives identical payloads, the union over pipeline ranks
 covers every media sample once, and resume re-filters the saved pre-filtered buffer into the same split.
+An image and an audio clip whose headers are fine but whose bodies are damaged get zero placeholders with
+``Payload.error`` (on both TP ranks), are counted on the reading rank, and the run goes on.
 Also (same world): PackedLoader with a DP group of 4 stops every rank at the same step."""
 
 import msgpack
@@ -14,7 +16,10 @@ from omni_data import (
     Modality,
     Pack,
     PackedLoader,
+    Payload,
+    PayloadError,
     PayloadReader,
+    UndecodablePayloadError,
     WebDatasetSource,
     ZeroRedundancyFilter,
     split_encoder_microbatches,
@@ -28,10 +33,17 @@ MICRO, SLICES = 2, 2
 @pytest.fixture(scope="module")
 def shards(tmp_path_factory):
     d = tmp_path_factory.mktemp("zr")
-    write_shards(f"{d}/img-%03d.tar", image_samples(40, sizes=(16, 60)), per_shard=20)
-    write_shards(f"{d}/aud-%03d.tar", audio_samples(40, seconds=(0.05, 0.3)), per_shard=20)
+    imgs, auds = list(image_samples(40, sizes=(16, 60))), list(audio_samples(40, seconds=(0.05, 0.3)))
+    imgs[1]["png"], auds[2]["flac"] = _damage_body(imgs[1]["png"], 80), _damage_body(auds[2]["flac"], 200)
+    write_shards(f"{d}/img-%03d.tar", imgs, per_shard=20)
+    write_shards(f"{d}/aud-%03d.tar", auds, per_shard=20)
     write_shards(f"{d}/txt-%03d.tar", text_samples(40, words=(5, 60)), per_shard=20)
     return str(d)
+
+
+def _damage_body(data, keep):
+    """Flip the bits after the first ``keep`` bytes: the header (PNG IHDR, FLAC STREAMINFO) still parses."""
+    return data[:keep] + bytes(b ^ 0x5A for b in data[keep:])
 
 
 def _loader(d, tok, rank=0, world_size=1, epochs=None, packs_per_step=4):
@@ -60,6 +72,7 @@ def _summary(step):
                 _raw(p.pixels if p.pixels is not None else p.waveform),
                 p.sample_rate,
                 None if p.text_ids is None else p.text_ids.tolist(),
+                p.error is not None,
             )
             for p in payloads
         ]
@@ -104,6 +117,8 @@ def _zr_world(rank, world_size, d):
         "bytes": reader.bytes_read,
         "pending": pending,
         "dp_steps": dp_steps,
+        "skipped": zr.skipped,
+        "skipped_keys": zr.skipped_keys,
     }
 
 
@@ -114,6 +129,7 @@ def test_zero_redundancy_pp2_tp2(shards):
     assert res[1]["bytes"] == 0 and res[3]["bytes"] == 0  # TP rank 1 never reads
     assert res[0]["bytes"] > 0 and res[2]["bytes"] > 0
     assert res[0]["pending"] == 1
+    bad = set()
     for s in range(4):
         _, packs_d, _, _ = res[0]["steps"][s]
         assert all(res[r]["steps"][s][1] == packs_d for r in range(4))  # same metadata on every rank
@@ -128,9 +144,15 @@ def test_zero_redundancy_pp2_tp2(shards):
             got = res[r]["steps"][s][2]
             assert set(got) == {e for e in mbs if (e - 1) % SLICES == r // 2}
             for e, items in got.items():
-                for (p, i), (uid, x, rate, ids) in zip(mbs[e], items):
-                    ref = reader.read(packs[p].samples[i])
-                    assert uid == ref.meta.uid
+                for (p, i), (uid, x, rate, ids, placeholder) in zip(mbs[e], items):
+                    meta = packs[p].samples[i]
+                    try:
+                        ref = reader.read(meta)
+                    except UndecodablePayloadError as err:
+                        ref = Payload.placeholder(meta, str(err))
+                        ref.text_ids = reader.read_text_ids(meta)
+                        bad.add((r, s, uid))
+                    assert placeholder == (ref.error is not None) and uid == ref.meta.uid
                     assert x == _raw(ref.pixels if ref.pixels is not None else ref.waveform)
                     assert rate == ref.sample_rate and ids == ref.text_ids.tolist()
         for r in (0, 1):  # the first stage also got every sample's token ids
@@ -147,3 +169,29 @@ def test_zero_redundancy_pp2_tp2(shards):
         len(list(_loader(shards, tok, rank=r, world_size=4, epochs=1, packs_per_step=1))) for r in range(4)
     ]
     assert len(res[0]["dp_steps"]) == min(alone) < max(alone)  # the shortest reader decides, for everyone
+    # both damaged bodies came up, on both TP ranks, and only the reading rank counted them
+    assert {u for _, _, u in bad} == {"img/img000001", "aud/aud000002"}
+    for tp0 in (0, 2):
+        mine = sorted(u for r, _, u in bad if r == tp0)
+        assert sorted(k for k, _ in res[tp0]["skipped_keys"]) == mine
+        assert sum(res[tp0]["skipped"].values()) == len(mine)
+        assert sorted(u for r, _, u in bad if r == tp0 + 1) == mine  # TP rank 1 got the same placeholders
+    assert res[1]["skipped"] == {} and res[3]["skipped"] == {}
+
+
+def test_zero_redundancy_argument_errors(shards):
+    tok = train_tiny_bpe()
+    loader = _loader(shards, tok)
+    with pytest.raises(ValueError, match=r"consumes \[0, 5\] outside the encoder microbatches 1..4"):
+        ZeroRedundancyFilter(loader, [0, 1, 5], microbatches=2, slices=2, reader=PayloadReader(tok))
+    with pytest.raises(ValueError, match="microbatches"):
+        ZeroRedundancyFilter(loader, [], microbatches=0, slices=2, reader=PayloadReader(tok))
+    with pytest.raises(ValueError, match="tokenizer"):
+        ZeroRedundancyFilter(loader, [1], microbatches=1, slices=1, reader=PayloadReader(), read_text=True)
+    # a reader with another tokenizer than the metadata's: a setup error, raised, never a placeholder
+    other = train_tiny_bpe(["zz yy xx"] * 3, vocab_size=40)
+    zr = ZeroRedundancyFilter(
+        loader, [1, 2, 3, 4], microbatches=2, slices=2, reader=PayloadReader(other), read_text=True
+    )
+    with pytest.raises(PayloadError, match="metadata says"):
+        next(zr)

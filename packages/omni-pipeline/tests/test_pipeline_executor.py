@@ -233,6 +233,13 @@ def test_executor_pp1_in_one_process():
     assert lens == {0: 3 * 2 + 2 * 6}  # 3 F, 3 B, 6 encoder forwards and 6 backwards
 
 
+def test_stage_slices_split_layers_evenly_or_refuse():
+    assert [list(r) for r in stage_slices(5, 3)] == [[0, 1], [2, 3], [4]]
+    for layers, stages in ((4, 0), (2, 3)):
+        with pytest.raises(ValueError, match=f"{layers} layers cannot fill {stages} stages"):
+            stage_slices(layers, stages)
+
+
 def test_executor_rejects_output_of_unplanned_shape():
     model = Model()
     llm, enc, consumes = make_data(7, 2)
@@ -293,6 +300,23 @@ def test_anchor_runs_exactly_what_the_flow_places_at_each_boundary():
     at = {str(a): [str(x) for x in anchor.at(a)] for a in schedule.actions(1)}
     assert at == {"1F0": ["EF1"], "1B0": [], "1F1": ["EF2", "EB1"], "1B1": []}
     assert [str(x) for x in anchor.at(None)] == ["EB2"]
+    # the two-argument form: a placement policy's flow knows its schedule
+    placed = uniform_on_demand(schedule, {1: [1, 2], 2: [3, 4]})
+    two_arg = EncoderAnchor({})
+    two_arg.register(1, placed)
+    assert two_arg.placed() == [a for a in placed.programs(schedule)[1] if a.kind.is_encoder]
+    assert {str(a) for a in two_arg.placed()} == {"EF2", "EB2", "EF4", "EB4"}
+    with pytest.raises(ValueError, match="does not know its schedule"):
+        EncoderAnchor({}).register(1, DataFlow.from_json(placed.to_json()))
+    # a virtual stage index binds to the rank holding it (stage 3 of pp=2 x 2 lives on rank 1)
+    inter = ScheduleInterleaved1F1B(2, 4, 2)
+    inter_flow = uniform_on_demand(inter, {k: [k] for k in range(1, 5)})
+    by_stage, by_rank = EncoderAnchor({}), EncoderAnchor({})
+    by_stage.register(3, inter_flow)
+    by_rank.register(1, inter_flow, inter)
+    assert by_stage.stage == 1 and by_stage.placed() == by_rank.placed() != []
+    with pytest.raises(ValueError, match=r"stage 4 out of range \[0, 4\)"):
+        EncoderAnchor({}).register(4, inter_flow)
     lin = anchor.encoders["lin"]
     x = torch.randn(3, 2, dtype=torch.float64)
     out = anchor.forward(1, lambda e, inp: lin(inp), x)  # saved tensors offloaded (save_on_cpu)

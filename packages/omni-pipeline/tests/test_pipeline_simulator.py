@@ -106,14 +106,27 @@ def test_1024_ranks_pp8_64_microbatches_under_10_s(tmp_path):
         llm_stored_bytes=1e9,
         encoder_stored_bytes={e: 1e8 for e in range(1, 513)},
     )
-    t0 = time.perf_counter()
+    t0 = time.process_time()  # CPU seconds: independent of other jobs on shared CI cores
     flow = uniform_on_demand(s, enc, costs)
     r = simulate(s, flow, costs)
-    elapsed = time.perf_counter() - t0
+    elapsed = time.process_time() - t0
     assert elapsed < 10
     assert r.throughput_tokens_per_s == pytest.approx(16384 * 64 * 128 / r.makespan_s)
     base = simulate(s, prepend_first_stage(s, enc), costs)
     assert r.makespan_s < base.makespan_s and r.peak_activation_bytes[0] < base.peak_activation_bytes[0]
+
+
+def test_cost_model_rejects_bad_values_naming_them():
+    for kwargs, msg in (
+        ({"llm_forward_s": -1.0}, "llm_forward_s must be >= 0"),
+        ({"encoder_forward_s": {3: -0.5}}, r"encoder_forward_s must be >= 0, got \{3: -0.5\}"),
+        ({"p2p_bandwidth_Bps": 0.0}, "p2p_bandwidth_Bps must be > 0"),
+        ({"data_parallel": 0}, "data_parallel must be an int >= 1"),
+    ):
+        with pytest.raises(ValueError, match=msg):
+            CostModel(**kwargs)
+    with pytest.raises(ValueError, match="llm_forward_s has 2 per-stage values but stage 2 needs one"):
+        simulate(ScheduleGPipe(3, 2), None, CostModel(llm_forward_s=[1.0, 2.0]))
 
 
 def test_chrome_trace_and_png(tmp_path):

@@ -48,6 +48,10 @@ def launch(
     # its work, which keeps float results bit-identical from run to run (exact --resume).
     for var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):
         os.environ.setdefault(var, "1")
+    # Workers get their own store per attempt instead of sharing the rendezvous store: with the shared
+    # store, restarted workers read the previous attempt's gloo addresses and never connect
+    # (pytorch/pytorch#135712), which breaks --max-restarts.
+    os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
     config = LaunchConfig(
         min_nodes=1,
         max_nodes=1,

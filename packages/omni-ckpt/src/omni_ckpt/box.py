@@ -9,6 +9,7 @@ slice can be saved by the rank that holds it, with no point-to-point exchange (M
 from __future__ import annotations
 
 import math
+import operator
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -81,10 +82,12 @@ def flat_range_to_boxes(global_shape: Sequence[int], start: int, length: int) ->
         length: number of elements (>= 0).
 
     Raises:
+        TypeError: ``start`` or ``length`` is not an integer.
         ValueError: the range is negative or runs past the tensor's ``numel``.
     """
     shape = tuple(int(s) for s in global_shape)
     numel = math.prod(shape)
+    start, length = operator.index(start), operator.index(length)
     if start < 0 or length < 0 or start + length > numel:
         raise ValueError(
             f"flat range [{start}, {start + length}) outside a tensor of shape {shape} ({numel} elements)"

@@ -20,6 +20,8 @@ __all__ = ["ExportFormat", "ExportResult", "export", "import_dcp", "read_full"]
 
 
 class ExportFormat(StrEnum):
+    """``safetensors``: one flat safetensors file of full tensors; ``torch``: one ``torch.save`` file."""
+
     SAFETENSORS = "safetensors"
     TORCH = "torch"
 

@@ -25,6 +25,7 @@ from __future__ import annotations
 import json
 import math
 from dataclasses import dataclass
+from types import MappingProxyType
 
 import torch
 
@@ -76,15 +77,17 @@ def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-_ITEMSIZE: dict[str, int] = {}
+_ITEMSIZES = MappingProxyType({dtype_name(d): d.itemsize for d in _ST_DTYPES})
 
 
 def itemsize(name: str) -> int:
-    """Bytes per element of the dtype called ``name``."""
-    size = _ITEMSIZE.get(name)
-    if size is None:
-        size = _ITEMSIZE.setdefault(name, dtype_from_name(name).itemsize)
-    return size
+    """Bytes per element of the dtype called ``name``.
+
+    Raises:
+        ValueError: not a torch dtype name.
+    """
+    size = _ITEMSIZES.get(name)
+    return size if size is not None else dtype_from_name(name).itemsize
 
 
 def dtype_from_name(name: str) -> torch.dtype:

@@ -27,14 +27,19 @@ def read_manifest(url: str) -> dict[str, Any]:
     """The manifest of the committed checkpoint at ``url``.
 
     Raises:
-        CheckpointError: no committed manifest there, or it is not an omni-ckpt manifest of a known version.
+        CheckpointError: no committed manifest there, it does not decode, or it is not an omni-ckpt manifest
+            of a known version.
     """
     fs, path = open_url(url)
     mpath = join(path, MANIFEST)
     if not fs.exists(mpath):
         raise CheckpointError(f"{url}: no {MANIFEST}; not a committed checkpoint")
     with fs.open(mpath, "rb") as f:
-        manifest = msgpack.unpackb(f.read(), raw=False, strict_map_key=False)
+        raw = f.read()
+    try:
+        manifest = msgpack.unpackb(raw, raw=False, strict_map_key=False)
+    except (ValueError, TypeError, msgpack.UnpackException) as exc:
+        raise CheckpointError(f"{mpath}: corrupt manifest ({type(exc).__name__}: {exc})") from None
     if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
         raise CheckpointError(f"{mpath}: not an {FORMAT} manifest")
     if manifest.get("version") != FORMAT_VERSION:

@@ -7,15 +7,20 @@ Layout under ``root``::
 
 Order of a save of step S: every rank writes its data file; rank 0 gathers every rank's outcome and,
 only if all succeeded, writes ``manifest.msgpack.tmp`` and renames it (S is now committed), then
-replaces ``latest`` (tmp + rename), then prunes. A crash at any point leaves ``latest`` on the previous
-committed step or on S, never on a partial one.
+replaces ``latest`` (tmp + rename), then prunes (each pruned step loses its manifest first, so a crash
+mid-delete never leaves a step that looks committed but lacks data). A crash at any point leaves
+:meth:`CheckpointManager.latest` on the previous committed step or on S, never on a partial one.
+
+:meth:`CheckpointManager.latest` is the newest step whose manifest exists (a manifest is only renamed into
+place after every rank wrote its data durably), not blindly what the ``latest`` file says: a crash between
+S's manifest rename and the pointer move leaves the file one step behind, and a job resumed from there
+would later fail to save S again ("already committed"). The ``latest`` file is kept for tools and people.
 """
 
 from __future__ import annotations
 
 import contextlib
 import re
-import warnings
 from collections.abc import MutableMapping
 from typing import Any
 
@@ -75,7 +80,13 @@ class CheckpointManager:
         self._pending: tuple[int, AsyncSaveHandle] | None = None
 
     def step_url(self, step: int) -> str:
-        """URL of step ``step``'s directory."""
+        """URL of step ``step``'s directory.
+
+        Raises:
+            ValueError: ``step`` is not an int >= 0.
+        """
+        if not isinstance(step, int) or isinstance(step, bool) or step < 0:
+            raise ValueError(f"checkpoint step must be an int >= 0, got {step!r}")
         return f"{self.root}/step-{step:08d}"
 
     def _finish_pending(self) -> None:
@@ -104,6 +115,9 @@ class CheckpointManager:
             if s in keep or s >= newest:
                 continue
             with contextlib.suppress(FileNotFoundError):
+                manifest = join(join(self.path, name), MANIFEST)
+                if self.fs.exists(manifest):
+                    self.fs.rm(manifest)  # uncommit first: a crash mid-delete leaves no half step
                 self.fs.rm(join(self.path, name), recursive=True)
 
     def save(self, step: int, state: MutableMapping[Any, Any]) -> AsyncSaveHandle | None:
@@ -116,14 +130,15 @@ class CheckpointManager:
         Raises:
             CheckpointError: the previous background save failed, or this one failed (sync mode), or
                 ``step`` is already committed.
+            ValueError: ``step`` is not an int >= 0.
         """
+        url = self.step_url(step)
         self._finish_pending()
         if not self._cache_checked:
             self._cache_checked = True
             latest = self.latest()
             if latest is not None:
                 self.plan_cache.plan = plan_from_manifest(read_manifest(self.step_url(latest)))
-        url = self.step_url(step)
 
         def on_commit() -> None:
             self._publish(step)
@@ -160,21 +175,13 @@ class CheckpointManager:
         return [s for s, name in self._step_dirs() if self.fs.exists(join(join(self.path, name), MANIFEST))]
 
     def latest(self) -> int | None:
-        """The newest committed step the ``latest`` pointer names (or, without a pointer, the newest
-        committed step on disk); None when there is none. Raises: a failed background save's error."""
+        """The newest committed step (its manifest exists), or None when there is none.
+
+        This is the step the ``latest`` file names, or one newer when a crash came between that step's
+        commit and the pointer move (see the module docstring). Raises: a failed background save's error.
+        """
         if self._pending is not None and self._pending[1].done.done():
             self._finish_pending()
-        pointer = join(self.path, LATEST)
-        if self.fs.exists(pointer):
-            with self.fs.open(pointer, "rb") as f:
-                name = f.read().decode().strip()
-            m = _STEP.match(name)
-            if m and self.fs.exists(join(join(self.path, name), MANIFEST)):
-                return int(m.group(1))
-            warnings.warn(
-                f"{pointer} names {name!r}, which is not committed; using the newest committed step",
-                stacklevel=2,
-            )
         committed = self.steps()
         return committed[-1] if committed else None
 

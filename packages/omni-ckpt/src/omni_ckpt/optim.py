@@ -9,6 +9,14 @@ the ``i``-th parameter in ``param_groups`` order::
 
 The tensors in it are the optimizer's own (no copies), so :func:`omni_ckpt.load` fills them in place;
 :func:`load_optimizer_state_dict` then hands the result (hyperparameters included) back to the optimizer.
+
+An optimizer that has not stepped yet has no state tensors to load into. torch offers no public way to
+create them, so :func:`init_optimizer_state` runs one step with zero gradients and ``lr = 0`` (what
+``torch.distributed.checkpoint.state_dict`` does too); parameters stay bit-identical for every
+``torch.optim`` optimizer (AdamW's decay multiplies by ``1 - 0 * wd``, Adam's update is ``0 * m / (sqrt(v) + eps)``).
+:func:`optimizer_state_dict` then takes that state back out of the optimizer, so building a load target
+never changes how a fresh optimizer trains (``step`` counts and moments start from nothing if no checkpoint
+is loaded).
 """
 
 from __future__ import annotations
@@ -34,8 +42,10 @@ def _ordered_names(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> 
 def init_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
     """Create a fresh optimizer's state tensors without changing any parameter.
 
-    Runs one ``step()`` with zero gradients and every group's ``lr`` set to 0 (restored afterwards),
-    then clears the gradients. Does nothing if any state exists already.
+    Runs one ``step()`` with zero gradients and every group's ``lr`` set to 0, then restores each group's
+    ``lr`` and each parameter's gradient as they were. The optimizer keeps the state this creates (Adam's
+    ``step`` is then 1): call it only to load into; :func:`optimizer_state_dict` does so and takes the state
+    back out. Does nothing if any state exists already.
     """
     if any(optimizer.state.values()):
         return
@@ -58,17 +68,25 @@ def init_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
 
 
 def optimizer_state_dict(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
-    """The optimizer's state keyed by parameter name (see the module docstring); initialises the state
-    of a fresh optimizer first so that it can be loaded into.
+    """The optimizer's state keyed by parameter name (see the module docstring).
+
+    For an optimizer that has not stepped yet, the state tensors are created as load targets (by
+    :func:`init_optimizer_state`) and only returned: the optimizer itself is left without state, so it
+    trains exactly as if this was never called unless :func:`load_optimizer_state_dict` hands it a loaded
+    state. Those placeholder tensors (``step`` 1, zero moments) are not the state of an optimizer that has
+    not stepped: save an optimizer after its first step.
 
     Raises:
         ValueError: a parameter of the optimizer is not in ``model``.
     """
-    init_optimizer_state(optimizer)
     names = _ordered_names(model, optimizer)
+    fresh = not any(optimizer.state.values())
+    init_optimizer_state(optimizer)
     sd = optimizer.state_dict()
     state = {names[i]: dict(s) for i, s in sd["state"].items()}
     groups = [dict(g, params=[names[i] for i in g["params"]]) for g in sd["param_groups"]]
+    if fresh:
+        optimizer.state.clear()
     return {"state": state, "param_groups": groups}
 
 

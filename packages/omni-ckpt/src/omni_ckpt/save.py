@@ -249,16 +249,24 @@ def _commit(prep: _Prepared, result: dict[str, Any] | str, on_commit: Callable[[
         if failed:
             status[0] = "save failed, nothing committed: " + "; ".join(failed)
         else:
+            committed = False
             try:
                 assert prep.plan is not None
                 with gc_paused():
                     manifest = build_manifest(prep.plan, results)  # type: ignore[arg-type]
                     data = msgpack.packb(manifest, use_bin_type=True)
                 atomic_write(prep.fs, join(prep.path, MANIFEST), data)
+                committed = True
                 if on_commit is not None:
                     on_commit()
             except Exception as exc:
-                status[0] = f"rank 0 could not commit {prep.path}: {type(exc).__name__}: {exc}"
+                if committed:
+                    status[0] = (
+                        f"{prep.path} is committed, but the step after the commit (latest pointer, pruning) "
+                        f"failed on rank 0: {type(exc).__name__}: {exc}"
+                    )
+                else:
+                    status[0] = f"rank 0 could not commit {prep.path}: {type(exc).__name__}: {exc}"
     if prep.pg is not None:
         dist.broadcast_object_list(status, group=prep.pg, group_src=0)
     if status[0] is not None:
@@ -310,8 +318,10 @@ def save_ranks(states: list[MutableMapping[Any, Any]], url: str) -> None:
     checking layouts: the same planner, writers and commit run, the plan exchange is a list.
 
     Raises:
-        CheckpointError, ValueError: as :func:`save`, naming the rank.
+        CheckpointError, ValueError: as :func:`save`, naming the rank; ValueError: ``states`` is empty.
     """
+    if not states:
+        raise ValueError("save_ranks: no rank states given")
     fs, path = open_url(url)
     if fs.exists(join(path, MANIFEST)):
         raise CheckpointError(f"{url}: a committed checkpoint is already there; refusing to overwrite it")

@@ -109,8 +109,18 @@ def dtensor_box(
 
     Raises:
         ValueError: a ``Partial`` placement (reduce it before saving) or a strided shard, which is not
-            a box (FSDP2 + TP); the message names the placement.
+            a box (FSDP2 + TP); the message names the placement. ``mesh_shape``, ``coordinate`` and
+            ``placements`` differ in length, a coordinate is outside the mesh, or a ``Shard`` dim is not a
+            dim of the tensor.
     """
+    if not len(mesh_shape) == len(coordinate) == len(placements):
+        raise ValueError(
+            f"dtensor_box: mesh_shape {tuple(mesh_shape)}, coordinate {tuple(coordinate)} and placements "
+            f"{tuple(placements)} must have one entry per mesh dim"
+        )
+    for m, (c, n) in enumerate(zip(coordinate, mesh_shape)):
+        if not 0 <= int(c) < int(n):
+            raise ValueError(f"dtensor_box: coordinate {c} outside mesh dim {m} of size {n}")
     offsets = [0] * len(global_shape)
     sizes = [int(s) for s in global_shape]
     for m, p in enumerate(placements):
@@ -118,6 +128,8 @@ def dtensor_box(
             raise ValueError(f"dtensor_box: strided placement {p} is not a box; redistribute to Shard first")
         if isinstance(p, Shard):
             d = p.dim if p.dim >= 0 else p.dim + len(global_shape)
+            if not 0 <= d < len(global_shape):
+                raise ValueError(f"dtensor_box: {p} on a tensor of shape {tuple(global_shape)}")
             start, size = _chunk(sizes[d], int(mesh_shape[m]), int(coordinate[m]))
             offsets[d] += start
             sizes[d] = size

@@ -22,9 +22,14 @@ def flatten_state(
     object leaf stored with msgpack.
 
     Raises:
+        TypeError: ``state`` is not a mapping.
         ValueError: two paths give the same name (``{"a.b": x}`` next to ``{"a": {"b": y}}``), or a key is
             neither ``str`` nor ``int``.
     """
+    if not isinstance(state, MutableMapping):
+        raise TypeError(
+            f"state must be a dict (nested dicts of tensors and values), got {type(state).__name__}"
+        )
     seen: set[str] = set()
     stack: list[tuple[str, MutableMapping[Any, Any]]] = [("", state)]
     while stack:

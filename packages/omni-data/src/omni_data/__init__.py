@@ -9,7 +9,7 @@ from omni_data.loader import PackedLoader, StepBatch, snapshot_async
 from omni_data.mixture import MixtureSchedule, MixtureStream, ScheduleUnit
 from omni_data.node import StatefulNode
 from omni_data.packing import HybridPacker, ModalitySpan, Overlong, OverlongSampleError, Pack, collate_packs
-from omni_data.payload import Payload, PayloadError, PayloadReader
+from omni_data.payload import Payload, PayloadError, PayloadReader, UndecodablePayloadError
 from omni_data.reorder import GroupedReorderer, PlanMismatchError, ReorderPlan, encoder_flops
 from omni_data.sample import MemberRef, Modality, SampleMeta
 from omni_data.source import EmptySourceError, LayoutMismatchError, WebDatasetSource
@@ -45,6 +45,7 @@ __all__ = [
     "ScheduleUnit",
     "StatefulNode",
     "StepBatch",
+    "UndecodablePayloadError",
     "WebDatasetSource",
     "ZeroRedundancyFilter",
     "collate_packs",

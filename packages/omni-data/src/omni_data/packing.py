@@ -150,6 +150,7 @@ class HybridPacker(StatefulNode[Pack]):
     ``dropped_overlong`` (media, or any sample with ``overlong="drop"``).
 
     Raises:
+        ValueError: ``max_seq_len`` or ``buffer_size`` < 1, ``max_open_packs`` < 0, an unknown ``overlong``.
         OverlongSampleError: (from ``next``) with ``overlong="error"``, naming the sample.
     """
 
@@ -167,6 +168,8 @@ class HybridPacker(StatefulNode[Pack]):
             raise ValueError(
                 f"HybridPacker: max_seq_len ({max_seq_len}) and buffer_size ({buffer_size}) must be >= 1"
             )
+        if max_open_packs is not None and max_open_packs < 0:
+            raise ValueError(f"HybridPacker: max_open_packs must be >= 0, got {max_open_packs}")
         self.source = source
         self.max_seq_len = max_seq_len
         self.buffer_size = buffer_size

@@ -21,11 +21,17 @@ from omni_data.sample import MemberRef, Modality, SampleMeta
 from omni_data.source import AUDIO_EXTS, IMAGE_EXTS
 from omni_data.tokens import TextTokenizer
 
-__all__ = ["Payload", "PayloadError", "PayloadReader"]
+__all__ = ["Payload", "PayloadError", "PayloadReader", "UndecodablePayloadError"]
 
 
 class PayloadError(RuntimeError):
     """A payload could not be read or decoded; the message names the sample key and shard URL."""
+
+
+class UndecodablePayloadError(PayloadError):
+    """An image or audio member whose header passed the metadata pass but whose body does not decode
+    (or decodes to another size or rate than the metadata says): bad *data*, not a bad setup. The
+    :class:`~omni_data.zero_redundancy.ZeroRedundancyFilter` skips such a sample's payload and counts it."""
 
 
 @dataclass(slots=True)
@@ -39,6 +45,9 @@ class Payload:
         sample_rate: Hz (audio).
         text_ids: ``[meta.text_tokens]`` int64 token ids (text, or caption/transcript when a tokenizer
             is given), else ``None``.
+        error: ``None`` for a decoded payload; for a sample whose image/audio did not decode, why, and
+            ``pixels``/``waveform`` are zeros of the metadata's shape (a placeholder that keeps the pack
+            layout; mask the sample's loss). Set by :class:`~omni_data.zero_redundancy.ZeroRedundancyFilter`.
     """
 
     meta: SampleMeta
@@ -46,6 +55,18 @@ class Payload:
     waveform: torch.Tensor | None = None
     sample_rate: int | None = None
     text_ids: torch.Tensor | None = None
+    error: str | None = None
+
+    @classmethod
+    def placeholder(cls, meta: SampleMeta, error: str) -> Payload:
+        """Zeros of ``meta.shape`` in place of an undecodable image (``pixels``) or audio (``waveform``)."""
+        out = cls(meta, error=error)
+        if meta.modality is Modality.IMAGE:
+            out.pixels = torch.zeros(meta.shape, dtype=torch.float32)
+        elif meta.modality is Modality.AUDIO:
+            out.waveform = torch.zeros(meta.shape, dtype=torch.float32)
+            out.sample_rate = meta.sample_rate
+        return out
 
 
 class PayloadReader:
@@ -67,10 +88,17 @@ class PayloadReader:
             self._files.popitem()[1].close()
 
     def read_bytes(self, ref: MemberRef) -> bytes:
-        """Raw bytes of one tar member (``ref.size`` bytes)."""
+        """Raw bytes of one tar member (``ref.size`` bytes).
+
+        Raises:
+            PayloadError: the shard cannot be opened, or the member is cut short.
+        """
         f = self._files.pop(ref.url, None)
         if f is None:
-            f = fsspec.open(ref.url, "rb").open()
+            try:
+                f = fsspec.open(ref.url, "rb").open()
+            except (OSError, ValueError) as e:
+                raise PayloadError(f"{ref.url}: cannot open shard for member .{ref.ext}: {e}") from e
             if len(self._files) >= self.max_open_files:
                 self._files.popitem(last=False)[1].close()
         self._files[ref.url] = f
@@ -87,7 +115,10 @@ class PayloadReader:
         """Read and decode ``meta``'s payload.
 
         Raises:
-            PayloadError: a member is missing, cut short or undecodable, or a text sample has no tokenizer.
+            UndecodablePayloadError: the image/audio member does not decode, or decodes to another
+                size or sample rate than ``meta`` says.
+            PayloadError: a member is missing or cut short, the text does not match ``meta``, or a text
+                sample has no tokenizer.
         """
         try:
             return self._read(meta)
@@ -99,10 +130,10 @@ class PayloadReader:
 
     def read_text_ids(self, meta: SampleMeta) -> torch.Tensor | None:
         """``[meta.text_tokens]`` int64 ids of the sample's text (caption, transcript or text), or ``None``
-        when it has none or there is no tokenizer. Reads only the ``txt`` member.
+        when it has none (``meta.text_tokens == 0``) or there is no tokenizer. Reads only the ``txt`` member.
 
         Raises:
-            PayloadError: the member cannot be read or decoded.
+            PayloadError: the member cannot be read or decoded, or gives another token count than ``meta``.
         """
         try:
             return self._ids(meta)
@@ -112,11 +143,16 @@ class PayloadReader:
             raise PayloadError(f"sample {meta.source}/{meta.key}: text: {type(e).__name__}: {e}") from e
 
     def _ids(self, meta: SampleMeta) -> torch.Tensor | None:
-        if "txt" not in meta.members or self.tokenizer is None:
-            return None
+        if "txt" not in meta.members or self.tokenizer is None or meta.text_tokens == 0:
+            return None  # no text slots in the pack (e.g. the source counted captions without a tokenizer)
         ids = self.tokenizer.encode(self.read_bytes(meta.members["txt"]).decode("utf-8")).ids
         if meta.text_range is not None:
             ids = ids[meta.text_range[0] : meta.text_range[1]]
+        if len(ids) != meta.text_tokens:  # a pack's layout was planned with meta.text_tokens slots
+            raise PayloadError(
+                f"sample {meta.source}/{meta.key}: text gives {len(ids)} tokens, metadata says {meta.text_tokens} "
+                "(was the metadata built with another tokenizer?)"
+            )
         return torch.tensor(ids, dtype=torch.int64)
 
     def _read(self, meta: SampleMeta) -> Payload:
@@ -130,20 +166,34 @@ class PayloadReader:
             out.text_ids = self._ids(meta)
         if meta.modality is Modality.IMAGE:
             ext = next(e for e in IMAGE_EXTS if e in meta.members)
-            with Image.open(io.BytesIO(self.read_bytes(meta.members[ext]))) as im:
-                rgb = im.convert("RGB").resize((meta.shape[2], meta.shape[1]), Image.Resampling.BICUBIC)
+            data = self.read_bytes(meta.members[ext])
+            try:
+                with Image.open(io.BytesIO(data)) as im:
+                    rgb = im.convert("RGB").resize((meta.shape[2], meta.shape[1]), Image.Resampling.BICUBIC)
+            except Exception as e:  # PIL raises many types for a damaged body
+                raise UndecodablePayloadError(
+                    f"sample {meta.source}/{meta.key} in {meta.members[ext].url}: undecodable image: "
+                    f"{type(e).__name__}: {e}"
+                ) from e
             # HWC -> CHW in numpy on uint8: a torch permute-copy of float32 spins up intra-op threads
             chw = np.ascontiguousarray(np.asarray(rgb, dtype=np.uint8).transpose(2, 0, 1))
             out.pixels = torch.from_numpy(chw.astype(np.float32) * np.float32(1.0 / 255.0))
             return out
         ext = next(e for e in AUDIO_EXTS if e in meta.members)
-        data, rate = soundfile.read(
-            io.BytesIO(self.read_bytes(meta.members[ext])), dtype="float32", always_2d=True
-        )
+        raw = self.read_bytes(meta.members[ext])
+        where = f"sample {meta.source}/{meta.key} in {meta.members[ext].url}"
+        try:
+            data, rate = soundfile.read(io.BytesIO(raw), dtype="float32", always_2d=True)
+        except Exception as e:  # libsndfile errors on a damaged body
+            raise UndecodablePayloadError(f"{where}: undecodable audio: {type(e).__name__}: {e}") from e
         out.waveform = torch.from_numpy(data.mean(axis=1).astype(np.float32))
         out.sample_rate = int(rate)
         if out.waveform.shape[0] != meta.shape[0]:
-            raise PayloadError(
-                f"sample {meta.source}/{meta.key}: {out.waveform.shape[0]} audio samples, metadata says {meta.shape[0]}"
+            raise UndecodablePayloadError(
+                f"{where}: {out.waveform.shape[0]} audio samples, metadata says {meta.shape[0]}"
+            )
+        if meta.sample_rate is not None and out.sample_rate != meta.sample_rate:
+            raise UndecodablePayloadError(
+                f"{where}: {out.sample_rate} Hz, metadata says {meta.sample_rate} Hz"
             )
         return out

@@ -61,6 +61,8 @@ class SampleMeta:
         members: byte ranges of the sample's tar members, by extension.
         text_range: ``(start, end)`` token slice for split text, else ``None``.
         epoch: the source epoch the sample was read in.
+        sample_rate: audio sample rate in Hz (``None`` for images and text), so a reader can describe
+            the waveform without decoding it.
     """
 
     key: str
@@ -73,6 +75,7 @@ class SampleMeta:
     members: dict[str, MemberRef] = field(default_factory=dict)
     text_range: tuple[int, int] | None = None
     epoch: int = 0
+    sample_rate: int | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -98,6 +101,7 @@ class SampleMeta:
             "members": {k: m.to_list() for k, m in self.members.items()},
             "text_range": None if self.text_range is None else list(self.text_range),
             "epoch": self.epoch,
+            "sample_rate": self.sample_rate,
         }
 
     @classmethod
@@ -115,4 +119,5 @@ class SampleMeta:
             if d["text_range"] is None
             else (int(d["text_range"][0]), int(d["text_range"][1])),
             epoch=int(d.get("epoch", 0)),
+            sample_rate=None if d.get("sample_rate") is None else int(d["sample_rate"]),
         )

@@ -72,7 +72,11 @@ class WebDatasetSource(StatefulNode[SampleMeta]):
             subsampled frames).
         rank, world_size: this rank's DP position (readers split data over DP ranks only; TP/PP peers of
             a DP rank hold the same metadata stream).
-        worker, num_workers: this reader's worker slot within the rank.
+        worker, num_workers: this reader's worker slot within the rank. A slot is a partition of the data,
+            not a process: :class:`~omni_data.workers.RoundRobinWorkers` runs a rank's slots in the
+            calling thread (the metadata pass is cheap; payload decoding runs on the
+            :class:`~omni_data.zero_redundancy.ZeroRedundancyFilter`'s background thread). Slots let a
+            run change how it parallelises reading without changing which reader owns which sample.
         shuffle_shards: shuffle the shard order each epoch with a private RNG seeded by ``(seed, epoch)``.
         seed: shuffle seed.
         epochs: epochs to run; ``None`` cycles forever (the epoch counter is in the state).
@@ -80,6 +84,9 @@ class WebDatasetSource(StatefulNode[SampleMeta]):
         allow_resplit: accept a state saved under another reader layout (DP size or workers): the source
             then starts the epoch after the saved one under the new split, and the samples of the saved
             epoch it did not reach are counted in ``skipped["resplit: rest of epoch"]`` as one entry.
+            The re-split is exact only if every new reader loads a state of the same epoch (e.g. give
+            them all the state of the old reader that is furthest on): readers that start at different
+            epochs read different epochs' splits.
 
     Raises:
         ValueError: no URLs, an unknown modality, a text source without a tokenizer, or a bad split.
@@ -208,7 +215,9 @@ class WebDatasetSource(StatefulNode[SampleMeta]):
             whole_epoch = pos["shard"] == 0 and pos["offset"] == 0
             kept = 0
             while pos["shard"] < len(shards):
-                for meta in self._iterate_shard(shards[pos["shard"]], split_samples):
+                # with split samples every reader walks every shard: one of them counts shard-level damage
+                counts = not split_samples or pos["shard"] % self.num_readers == self.reader
+                for meta in self._iterate_shard(shards[pos["shard"]], split_samples, counts):
                     kept += 1
                     yield meta
                 pos.update(shard=pos["shard"] + 1, offset=0, sample_in_shard=0)
@@ -219,18 +228,19 @@ class WebDatasetSource(StatefulNode[SampleMeta]):
                 )
             pos.update(epoch=pos["epoch"] + 1, shard=0, offset=0, seq=0, sample_in_shard=0)
 
-    def _iterate_shard(self, url: str, split_samples: bool) -> Iterator[SampleMeta]:
+    def _iterate_shard(self, url: str, split_samples: bool, counts: bool = True) -> Iterator[SampleMeta]:
         pos = self._pos
+        skip_shard = self._skip if counts else lambda key, reason: None
         try:
             f = fsspec.open(url, "rb").open()
         except (OSError, ValueError) as e:
             if pos["offset"] == 0:
-                self._skip(f"shard:{url}", f"unreadable shard ({type(e).__name__})")
+                skip_shard(f"shard:{url}", f"unreadable shard ({type(e).__name__})")
             return
         with f:
             size = f.seek(0, io.SEEK_END)
             if size == 0:
-                self._skip(f"shard:{url}", "empty shard")
+                skip_shard(f"shard:{url}", "empty shard")
                 return
             start = pos["offset"]
             members: dict[str, TarMember] = {}
@@ -247,7 +257,7 @@ class WebDatasetSource(StatefulNode[SampleMeta]):
                         # a header right after a member cut by truncation is the same damage: that member
                         # is counted (as "truncated member") when its sample finishes
                         if not any(m.offset + m.size > size for m in members.values()):
-                            self._skip(f"shard:{url}@{e.offset}", "corrupt tar header")
+                            skip_shard(f"shard:{url}@{e.offset}", "corrupt tar header")
                     key, ext = (None, None) if info is None else base_plus_ext(info.name)
                     if info is not None and (key is None or key.startswith("__")):
                         continue
@@ -268,7 +278,7 @@ class WebDatasetSource(StatefulNode[SampleMeta]):
             finally:
                 side.close()
             if not any_sample:
-                self._skip(f"shard:{url}", "empty shard")
+                skip_shard(f"shard:{url}", "empty shard")
 
     def _finish(
         self, url: str, key: str, members: dict[str, TarMember], size: int, side: _SideFile, split: bool
@@ -340,7 +350,17 @@ class WebDatasetSource(StatefulNode[SampleMeta]):
         tokens = self.audio_tokens.tokens(num_samples, rate)
         flops = self.encoder_cost.flops(tokens)
         return SampleMeta(
-            key, self.name, m, tokens, text_tokens, flops, (num_samples,), refs, None, self._pos["epoch"]
+            key,
+            self.name,
+            m,
+            tokens,
+            text_tokens,
+            flops,
+            (num_samples,),
+            refs,
+            None,
+            self._pos["epoch"],
+            rate,
         )
 
     def _image_size(self, info: dict[str, Any], ref: MemberRef, f: Any) -> tuple[int, int]:

@@ -131,14 +131,30 @@ class EncoderCost:
         hidden: model width ``d``.
         layers: number of transformer layers.
         mlp_ratio: MLP hidden width over ``d``.
+
+    Raises:
+        ValueError: ``hidden`` or ``layers`` < 1, or ``mlp_ratio`` < 0.
     """
 
     hidden: int = 1024
     layers: int = 24
     mlp_ratio: float = 4.0
 
+    def __post_init__(self) -> None:
+        if self.hidden < 1 or self.layers < 1 or not self.mlp_ratio >= 0:
+            raise ValueError(
+                f"EncoderCost: hidden ({self.hidden}) and layers ({self.layers}) must be >= 1, "
+                f"mlp_ratio ({self.mlp_ratio}) >= 0"
+            )
+
     def flops(self, seq_len: int) -> float:
-        """Forward FLOPs for a sequence of ``seq_len`` tokens (0 for an empty one)."""
+        """Forward FLOPs for a sequence of ``seq_len`` tokens (0 for an empty one).
+
+        Raises:
+            ValueError: ``seq_len < 0``.
+        """
+        if seq_len < 0:
+            raise ValueError(f"EncoderCost.flops: seq_len must be >= 0 tokens, got {seq_len}")
         n, d = float(seq_len), float(self.hidden)
         linear = 2.0 * n * (4.0 + 2.0 * self.mlp_ratio) * d * d
         attention = 4.0 * n * n * d

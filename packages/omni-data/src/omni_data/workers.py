@@ -15,6 +15,9 @@ class RoundRobinWorkers(StatefulNode[SampleMeta]):
     """Takes one sample from each worker's source in turn (worker 0, 1, ..., 0, ...), skipping workers that
     have run out, until all have. The order depends only on the data, so it is exactly resumable.
 
+    The slots run one after another in the calling thread (no processes or threads): they partition the
+    data (see ``WebDatasetSource(worker=, num_workers=)``), they do not parallelise the metadata pass.
+
     Args:
         workers: the rank's sources, one per worker slot (``WebDatasetSource(..., worker=w, num_workers=W)``).
 

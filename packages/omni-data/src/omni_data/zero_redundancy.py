@@ -9,10 +9,18 @@ TP group (sizes come from metadata, so receivers allocate exactly).
 Resumability: the filter prefetches ``prefetch`` steps ahead; those pre-filtered steps (metadata only)
 are the "DP0 buffer" of the paper and are saved in :meth:`ZeroRedundancyFilter.state_dict`. On load
 they are restored and re-filtered, so the resumed run reads exactly the same split.
+
+Bad data: an image or audio whose header passed the metadata pass but whose body does not decode
+(:class:`~omni_data.payload.UndecodablePayloadError`) cannot leave its pack (every rank planned the pack
+from metadata), so its payload is replaced by zeros of the metadata's shape with ``Payload.error`` set,
+counted in :attr:`ZeroRedundancyFilter.skipped` with its key and logged once; the run goes on and resume
+stays exact (the same sample gets the same placeholder). Any other :class:`PayloadError` (a setup problem:
+another tokenizer, a shard changed under the run) is raised on every TP rank.
 """
 
 from __future__ import annotations
 
+import logging
 from collections import deque
 from collections.abc import Collection
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -25,11 +33,13 @@ import torch.distributed as dist
 from omni_data.loader import PackedLoader, StepBatch
 from omni_data.node import StatefulNode
 from omni_data.packing import Pack
-from omni_data.payload import Payload, PayloadError, PayloadReader
+from omni_data.payload import Payload, PayloadError, PayloadReader, UndecodablePayloadError
 from omni_data.sample import Modality, SampleMeta
 from omni_parallel import karmarkar_karp
 
 __all__ = ["FilteredStep", "SampleIndex", "ZeroRedundancyFilter", "split_encoder_microbatches"]
+
+logger = logging.getLogger(__name__)
 
 SampleIndex = tuple[int, int]
 """``(pack index in the step, sample index in the pack)``."""
@@ -102,6 +112,15 @@ class ZeroRedundancyFilter(StatefulNode[FilteredStep]):
         prefetch: steps of metadata pulled ahead; their payloads are read on a background thread.
         read_text: this rank builds LLM inputs (the first stage): also read the token ids of every
             sample of the step (``FilteredStep.text_ids``); only ``txt`` members are read for that.
+        max_skipped_keys: how many placeholder sample keys to keep by name (counts are always complete).
+
+    Counters: :attr:`skipped` (reason -> samples whose payload was replaced by a placeholder) and
+    :attr:`skipped_keys` (``(uid, reason)``), on the rank that read them (TP rank 0); part of the state.
+
+    Raises:
+        ValueError: ``microbatches`` or ``slices`` < 1, a ``consumes`` id outside
+            ``1 .. microbatches * slices``, or ``read_text`` with a reader that has no tokenizer.
+        PayloadError: (from ``next``) a payload failed for a reason other than undecodable media.
     """
 
     def __init__(
@@ -115,8 +134,21 @@ class ZeroRedundancyFilter(StatefulNode[FilteredStep]):
         tp_group: Any = None,
         prefetch: int = 1,
         read_text: bool = False,
+        max_skipped_keys: int = 1000,
     ) -> None:
         super().__init__()
+        if microbatches < 1 or slices < 1:
+            raise ValueError(
+                f"ZeroRedundancyFilter: microbatches ({microbatches}) and slices ({slices}) must be >= 1"
+            )
+        bad = sorted(int(e) for e in consumes if not 1 <= int(e) <= microbatches * slices)
+        if bad:
+            raise ValueError(
+                f"ZeroRedundancyFilter: consumes {bad} outside the encoder microbatches "
+                f"1..{microbatches * slices} ({microbatches} microbatches x {slices} slices, numbered from 1)"
+            )
+        if read_text and reader.tokenizer is None:
+            raise ValueError("ZeroRedundancyFilter: read_text=True needs a PayloadReader with a tokenizer")
         self.loader = loader
         self.consumes = frozenset(int(e) for e in consumes)
         self.microbatches, self.slices = microbatches, slices
@@ -127,6 +159,10 @@ class ZeroRedundancyFilter(StatefulNode[FilteredStep]):
         self._pending: deque[tuple[StepBatch, Future[_Read] | None]] = deque()
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="omni-data-read")
         self.samples_read = 0
+        self.max_skipped_keys = max_skipped_keys
+        self.skipped: dict[str, int] = {}
+        self.skipped_keys: list[tuple[str, str]] = []
+        self._logged: set[str] = set()
 
     @property
     def _reads(self) -> bool:
@@ -146,8 +182,25 @@ class ZeroRedundancyFilter(StatefulNode[FilteredStep]):
             fut = self._pool.submit(self._read, batch)
         self._pending.append((batch, fut))
 
+    def _read_one(self, meta: SampleMeta) -> Payload:
+        try:
+            return self.reader.read(meta)
+        except UndecodablePayloadError as e:
+            p = Payload.placeholder(meta, str(e))
+            p.text_ids = self.reader.read_text_ids(meta) if meta.text_tokens else None
+            return p
+
+    def _skip(self, p: Payload) -> None:
+        reason = f"undecodable {p.meta.modality} payload"
+        self.skipped[reason] = self.skipped.get(reason, 0) + 1
+        if len(self.skipped_keys) < self.max_skipped_keys:
+            self.skipped_keys.append((p.meta.uid, reason))
+        if reason not in self._logged:
+            self._logged.add(reason)
+            logger.warning("%s; zeros in its place, further ones counted in .skipped", p.error)
+
     def _read(self, batch: StepBatch) -> _Read:
-        payloads = [self.reader.read(m) for m in self._mine(batch)]
+        payloads = [self._read_one(m) for m in self._mine(batch)]
         text = (
             [[self.reader.read_text_ids(s) for s in p.samples] for p in batch.packs] if self.read_text else []
         )
@@ -160,12 +213,20 @@ class ZeroRedundancyFilter(StatefulNode[FilteredStep]):
                 fut.cancel()
         self._pending.clear()
         self.loader.reset(None if initial_state is None else initial_state["loader"])
+        st = initial_state or {}
+        self.skipped = dict(st.get("skipped", {}))
+        self.skipped_keys = [(k, r) for k, r in st.get("skipped_keys", [])]
         if initial_state is not None:
             for d in initial_state["pending"]:  # the pre-filtered buffer: re-filter exactly as before
                 self._enqueue(StepBatch.from_dict(d))
 
     def get_state(self) -> dict[str, Any]:
-        return {"loader": self.loader.state_dict(), "pending": [b.to_dict() for b, _ in self._pending]}
+        return {
+            "loader": self.loader.state_dict(),
+            "pending": [b.to_dict() for b, _ in self._pending],
+            "skipped": dict(self.skipped),
+            "skipped_keys": [list(x) for x in self.skipped_keys],
+        }
 
     def next(self) -> FilteredStep:
         while len(self._pending) < self.prefetch + 1:
@@ -179,7 +240,11 @@ class ZeroRedundancyFilter(StatefulNode[FilteredStep]):
         mbs = self.select(batch.packs)
         metas = self._mine(batch)
         payloads, text_ids = self._broadcast(batch, metas, fut)
-        self.samples_read += len(metas) if self._reads else 0
+        if self._reads:
+            self.samples_read += len(metas)
+            for p in payloads:
+                if p.error is not None:
+                    self._skip(p)
         out: dict[int, list[Payload]] = {}
         at = 0
         for e in sorted(self.consumes & set(mbs)):
@@ -209,10 +274,11 @@ class ZeroRedundancyFilter(StatefulNode[FilteredStep]):
                 raise PayloadError(error)
             return payloads, text
         src = dist.get_global_rank(self.tp_group, 0)
-        status = [error]
+        status: list[Any] = [error, {i: p.error for i, p in enumerate(payloads) if p.error is not None}]
         dist.broadcast_object_list(status, src=src, group=self.tp_group)
         if status[0]:
             raise PayloadError(f"TP rank 0 failed to read: {status[0]}")
+        errors: dict[int, str] = status[1]
         all_samples = [s for p in batch.packs for s in p.samples] if self.read_text else []
         # buffer sizes follow from metadata alone, so every TP rank allocates the same
         nf = sum(_float_numel(m) for m in metas)
@@ -235,8 +301,8 @@ class ZeroRedundancyFilter(StatefulNode[FilteredStep]):
         if self._reads:
             return payloads, text
         out, fa, ia = [], 0, 0
-        for m in metas:
-            p = Payload(m)
+        for j, m in enumerate(metas):
+            p = Payload(m, error=errors.get(j))
             n = _float_numel(m)
             if m.modality is Modality.IMAGE:
                 p.pixels = fbuf[fa : fa + n].view(m.shape)

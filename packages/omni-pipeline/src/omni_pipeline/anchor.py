@@ -2,7 +2,8 @@
 encoder representation, Fig. 9c).
 
 The anchor is built from the encoders colocated on this pipeline rank, their parallel layout and their
-data limits; ``register(stage, flow, schedule)`` binds it to a pipeline rank and a data flow. The LLM step
+data limits; ``register(stage, flow)`` binds it to the pipeline rank holding LLM stage ``stage`` and to a data
+flow (the flow's own schedule, as placement policies record it, or an explicit third argument). The LLM step
 loop calls ``anchor.at(next_llm_action)`` at each action boundary and gets back exactly the encoder actions
 the data flow places there; :meth:`forward` / :meth:`backward` run one encoder microbatch. The LLM stage
 code is not edited: the anchor only needs the boundary.
@@ -80,13 +81,33 @@ class EncoderAnchor:
         self._points: dict[Action | None, list[Action]] = {}
         self._outputs: dict[int, torch.Tensor] = {}
 
-    def register(self, stage: int, flow: DataFlow, schedule: Schedule) -> None:
-        """Bind to pipeline rank ``stage`` and the encoder actions ``flow`` places there.
+    def register(self, stage: int, flow: DataFlow, schedule: Schedule | None = None) -> None:
+        """Bind to the pipeline rank holding LLM stage ``stage`` and the encoder actions ``flow`` places there.
+
+        Args:
+            stage: an LLM stage index (``0 <= stage < schedule.num_stages``); the anchor binds to its rank
+                ``schedule.stage_to_rank(stage)`` (data flows place encoder work per rank). A pipeline rank
+                is the same number as its first stage, so passing the rank works too.
+            flow: the data flow.
+            schedule: the LLM schedule the flow was planned for; default ``flow.schedule`` (set by the
+                placement policies; a flow from :meth:`DataFlow.from_json` needs it given).
 
         Raises:
+            ValueError: no schedule given and ``flow`` does not know its own, or ``stage`` out of range.
             DataFlowError: ``flow`` names positions that do not exist in ``schedule``.
         """
-        program = flow.programs(schedule)[stage]
+        schedule = schedule if schedule is not None else flow.schedule
+        if schedule is None:
+            raise ValueError(
+                "EncoderAnchor.register: this data flow does not know its schedule (built by hand or "
+                "from_json); call register(stage, flow, schedule)"
+            )
+        if not 0 <= stage < schedule.num_stages:
+            raise ValueError(
+                f"EncoderAnchor.register: stage {stage} out of range [0, {schedule.num_stages}) of {schedule!r}"
+            )
+        rank = schedule.stage_to_rank(stage)
+        program = flow.programs(schedule)[rank]
         points: dict[Action | None, list[Action]] = {}
         pending: list[Action] = []
         for a in program:
@@ -98,14 +119,14 @@ class EncoderAnchor:
                 pending = []
         if pending:
             points[None] = pending
-        self.stage = stage
+        self.stage = rank
         self._points = points
         self._outputs.clear()
 
     def at(self, before: Action | None) -> list[Action]:
         """Encoder actions to run right before LLM action ``before`` (``None``: after the last one)."""
         if self.stage is None:
-            raise RuntimeError("EncoderAnchor.at: call register(stage, flow, schedule) first")
+            raise RuntimeError("EncoderAnchor.at: call register(stage, flow) first")
         return list(self._points.get(before, ()))
 
     def placed(self) -> list[Action]:

@@ -46,9 +46,11 @@ class DataFlow:
     Args:
         entries: ``{+e or -e: (pp, (left, right))}``; iteration order is run order within one point.
         encoder_inputs: ``{k: [e, ...]}``, the encoder microbatches LLM microbatch ``k`` consumes.
+        schedule: the LLM schedule the flow was planned for (placement policies set it); lets
+            ``EncoderAnchor.register(stage, flow)`` and ``validate()`` omit it. Not part of equality or JSON.
 
     Raises:
-        DataFlowError: a key is 0 or a value is not ``(pp, (left, right))``.
+        DataFlowError: a key is 0 or not an integer, or a value is not ``(pp, (left, right))``.
     """
 
     def __init__(
@@ -56,23 +58,36 @@ class DataFlow:
         entries: Mapping[int, tuple[int, Sequence[int]]],
         encoder_inputs: Mapping[int, Sequence[int]] | None = None,
         *,
+        schedule: Schedule | None = None,
         _duplicates: Sequence[str] = (),
     ) -> None:
         errors = [f"encoder microbatch {d} placed twice" for d in _duplicates]
         self.entries: dict[int, Position] = {}
         for key, value in entries.items():
             try:
-                pp, (left, right) = value
-                self.entries[int(key)] = (int(pp), (int(left), int(right)))
+                signed = int(key)
             except (TypeError, ValueError):
-                errors.append(f"entry {_key(int(key))}: value {value!r} is not (pp, [left, right])")
-            if int(key) == 0:
+                errors.append(f"entry {key!r}: key is not a signed encoder microbatch like +3 or -3")
+                continue
+            if signed == 0:
                 errors.append("entry 0: encoder microbatches are numbered from 1 (+e forward, -e backward)")
+                continue
+            try:
+                pp, (left, right) = value
+                self.entries[signed] = (int(pp), (int(left), int(right)))
+            except (TypeError, ValueError):
+                errors.append(f"entry {_key(signed)}: value {value!r} is not (pp, [left, right])")
         if errors:
             raise DataFlowError(errors)
-        self.encoder_inputs: dict[int, list[int]] = {
-            int(k): [int(e) for e in es] for k, es in (encoder_inputs or {}).items()
-        }
+        try:
+            self.encoder_inputs: dict[int, list[int]] = {
+                int(k): [int(e) for e in es] for k, es in (encoder_inputs or {}).items()
+            }
+        except (TypeError, ValueError) as exc:
+            raise DataFlowError(
+                [f"encoder_inputs must map LLM microbatch k to a list of encoder microbatches: {exc}"]
+            ) from None
+        self.schedule = schedule
 
     def __eq__(self, other: object) -> bool:
         return (
@@ -233,11 +248,13 @@ class DataFlow:
         return out
 
     # -- validation ------------------------------------------------------------------------------------
-    def validate(self, schedule: Schedule, encoder_inputs: Mapping[int, Sequence[int]] | None = None) -> None:
+    def validate(
+        self, schedule: Schedule | None = None, encoder_inputs: Mapping[int, Sequence[int]] | None = None
+    ) -> None:
         """Check the data flow against a schedule.
 
         Args:
-            schedule: a valid LLM schedule.
+            schedule: a valid LLM schedule; defaults to the flow's own ``schedule``.
             encoder_inputs: ``{k: [e, ...]}``; defaults to the flow's own ``encoder_inputs``.
 
         Raises:
@@ -246,7 +263,12 @@ class DataFlow:
                 backward on another rank than its forward; a forward that cannot finish before stage 0's
                 forward of the LLM microbatch consuming it; a backward placed before stage 0's backward that
                 produces its gradient; any remaining cyclic wait (deadlock).
+            ValueError: no schedule given and the flow does not know its own.
         """
+        if schedule is None:
+            schedule = self.schedule
+        if schedule is None:
+            raise ValueError("DataFlow.validate: this flow does not know its schedule; pass it")
         enc = {
             int(k): list(v)
             for k, v in (encoder_inputs if encoder_inputs is not None else self.encoder_inputs).items()

@@ -469,7 +469,15 @@ class PipelineExecutor:
 
 
 def stage_slices(num_layers: int, num_stages: int) -> Sequence[range]:
-    """Layer ranges per stage, as even as possible (first stages get the remainder)."""
+    """Layer ranges per stage, as even as possible (first stages get the remainder).
+
+    Raises:
+        ValueError: ``num_stages < 1``, or fewer layers than stages (a stage would hold no layer).
+    """
+    if num_stages < 1 or num_layers < num_stages:
+        raise ValueError(
+            f"stage_slices: {num_layers} layers cannot fill {num_stages} stages (need 1 <= stages <= layers)"
+        )
     base, extra = divmod(num_layers, num_stages)
     out, start = [], 0
     for s in range(num_stages):

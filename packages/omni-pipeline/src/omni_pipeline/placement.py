@@ -18,7 +18,7 @@ from enum import StrEnum
 
 from omni_pipeline.actions import Action, ActionKind
 from omni_pipeline.cost import CostModel
-from omni_pipeline.dataflow import DataFlow
+from omni_pipeline.dataflow import DataFlow, DataFlowError
 from omni_pipeline.graph import happens_before
 from omni_pipeline.schedules import Schedule
 from omni_pipeline.simulator import action_times
@@ -43,8 +43,36 @@ class PlacementPolicy(StrEnum):
     UNIFORM_ON_DEMAND = "uniform_on_demand"
 
 
-def _inputs(encoder_inputs: Mapping[int, Sequence[int]]) -> dict[int, list[int]]:
-    return {int(k): [int(e) for e in es] for k, es in sorted(encoder_inputs.items())}
+def _inputs(schedule: Schedule, encoder_inputs: Mapping[int, Sequence[int]]) -> dict[int, list[int]]:
+    """``encoder_inputs`` as ``{k: [e, ...]}`` sorted by ``k``, checked against ``schedule``.
+
+    Raises:
+        DataFlowError: an LLM microbatch outside ``1..num_microbatches``, an encoder microbatch ``< 1``, or
+            one feeding two LLM microbatches (each named).
+    """
+    try:
+        enc = {int(k): [int(e) for e in es] for k, es in sorted(encoder_inputs.items())}
+    except (TypeError, ValueError) as exc:
+        raise DataFlowError(
+            [f"encoder_inputs must map LLM microbatch k to a list of encoder microbatches: {exc}"]
+        ) from None
+    errors: list[str] = []
+    consumer: dict[int, int] = {}
+    for k, es in enc.items():
+        if not 1 <= k <= schedule.num_microbatches:
+            errors.append(
+                f"encoder_inputs: LLM microbatch {k} does not exist in {schedule!r} "
+                f"(numbered 1..{schedule.num_microbatches})"
+            )
+        for e in es:
+            if e < 1:
+                errors.append(f"encoder_inputs[{k}]: encoder microbatch {e} (numbered from 1)")
+            elif e in consumer:
+                errors.append(f"encoder microbatch {e} feeds LLM microbatches {consumer[e]} and {k}")
+            consumer[e] = k
+    if errors:
+        raise DataFlowError(errors)
+    return enc
 
 
 def split_over_ranks(
@@ -57,7 +85,12 @@ def split_over_ranks(
 
     Returns:
         ``{e: rank}``.
+
+    Raises:
+        ValueError: ``num_ranks < 1``.
     """
+    if num_ranks < 1:
+        raise ValueError(f"split_over_ranks: num_ranks must be >= 1, got {num_ranks}")
     load = [0.0] * num_ranks
     out: dict[int, int] = {}
     for _, es in sorted(encoder_inputs.items()):
@@ -80,7 +113,7 @@ def _build(schedule: Schedule, encoder_inputs, placed: list[tuple[int, int, int,
     entries: dict[int, tuple[int, tuple[int, int]]] = {}
     for rank, slot, _, key in sorted(placed, key=lambda x: (x[0], x[1], x[2], abs(x[3]))):
         entries[key] = (rank, DataFlow.slot_ref(schedule, programs[rank], rank, slot))
-    return DataFlow(entries, encoder_inputs)
+    return DataFlow(entries, encoder_inputs, schedule=schedule)
 
 
 def _addressable(program: Sequence[Action], rank: int, slot: int) -> bool:
@@ -89,8 +122,13 @@ def _addressable(program: Sequence[Action], rank: int, slot: int) -> bool:
 
 def prepend_first_stage(schedule: Schedule, encoder_inputs: Mapping[int, Sequence[int]]) -> DataFlow:
     """All encoder microbatches on rank 0, right before stage 0's forward that consumes them, their
-    backward right after stage 0's backward of that microbatch (Megatron-LM / torchtitan baseline)."""
-    enc = _inputs(encoder_inputs)
+    backward right after stage 0's backward of that microbatch (Megatron-LM / torchtitan baseline).
+
+    Raises:
+        DataFlowError: ``encoder_inputs`` names an LLM microbatch the schedule lacks, an encoder
+            microbatch < 1, or one encoder microbatch twice (same for every policy).
+    """
+    enc = _inputs(schedule, encoder_inputs)
     prog = schedule.program_view[0]
     index = {a: i for i, a in enumerate(prog)}
     placed = []
@@ -111,7 +149,7 @@ def isolated(
 ) -> DataFlow:
     """Encoder work split over all ranks; every forward before the rank's first LLM action, every
     backward after its last one."""
-    enc = _inputs(encoder_inputs)
+    enc = _inputs(schedule, encoder_inputs)
     ranks = split_over_ranks(enc, schedule.num_ranks, encoder_costs)
     programs = schedule.program_view
     placed = []
@@ -135,7 +173,7 @@ def uniform_on_demand(
         costs: cost model for the timing estimate and the split (``encoder_forward_s``); default unit LLM
             costs (F=1 s, B=2 s) and equal encoder microbatches.
     """
-    enc = _inputs(encoder_inputs)
+    enc = _inputs(schedule, encoder_inputs)
     costs = costs or CostModel()
     ranks = split_over_ranks(enc, schedule.num_ranks, costs.encoder_forward_s or None)
     programs = schedule.program_view

@@ -36,11 +36,32 @@ class Schedule(ABC):
     """Base: a schedule over ``num_ranks`` pipeline ranks, ``num_microbatches`` LLM microbatches and
     ``virtual`` stages per rank (``num_stages = num_ranks * virtual``).
 
+    ``num_stages=`` (keyword) may be given instead of ``num_ranks``, as in the issue's
+    ``ScheduleGPipe(num_stages, num_microbatches)``: it is the total number of LLM stages, so
+    ``num_ranks = num_stages // virtual`` (the same number for one stage per rank).
+
     Raises:
-        ScheduleError: non-positive sizes.
+        ScheduleError: missing, non-int or non-positive sizes; ``num_stages`` not a multiple of
+            ``virtual``, or disagreeing with ``num_ranks * virtual`` when both are given.
     """
 
-    def __init__(self, num_ranks: int, num_microbatches: int, virtual: int = 1) -> None:
+    def __init__(
+        self,
+        num_ranks: int | None = None,
+        num_microbatches: int | None = None,
+        virtual: int = 1,
+        *,
+        num_stages: int | None = None,
+    ) -> None:
+        num_ranks = _ranks_from(type(self).__name__, num_ranks, num_stages, virtual)
+        sizes = {"num_ranks": num_ranks, "num_microbatches": num_microbatches, "virtual": virtual}
+        for name, value in sizes.items():
+            if value is None:
+                raise ScheduleError(f"{type(self).__name__}: {name} is required")
+            if not isinstance(value, int) or isinstance(value, bool):
+                raise ScheduleError(
+                    f"{type(self).__name__}: {name} must be an int, got {type(value).__name__} {value!r}"
+                )
         if num_ranks < 1 or num_microbatches < 1 or virtual < 1:
             raise ScheduleError(
                 f"{type(self).__name__}: num_ranks, num_microbatches and virtual must be >= 1, got "
@@ -176,6 +197,22 @@ class Schedule(ABC):
             raise ScheduleError(f"{self!r} is invalid:\n  " + "\n  ".join(errors))
 
 
+def _ranks_from(name: str, num_ranks: int | None, num_stages: int | None, virtual: int) -> int | None:
+    """``num_ranks`` from the ``num_stages=`` keyword (total LLM stages = ranks * virtual)."""
+    if num_stages is None:
+        return num_ranks
+    if not isinstance(num_stages, int) or isinstance(num_stages, bool) or num_stages < 1:
+        raise ScheduleError(f"{name}: num_stages must be an int >= 1, got {num_stages!r}")
+    if isinstance(virtual, int) and virtual >= 1 and num_stages % virtual:
+        raise ScheduleError(f"{name}: num_stages {num_stages} is not a multiple of virtual {virtual}")
+    ranks = num_stages // virtual if isinstance(virtual, int) and virtual >= 1 else num_stages
+    if num_ranks is not None and num_ranks != ranks:
+        raise ScheduleError(
+            f"{name}: num_ranks {num_ranks} disagrees with num_stages {num_stages} / virtual {virtual}"
+        )
+    return ranks
+
+
 class ScheduleGPipe(Schedule):
     """GPipe: every rank runs all forwards (stage order), then all backwards (Huang et al. 2019)."""
 
@@ -191,12 +228,19 @@ class Schedule1F1B(Schedule):
     """1F1B (PipeDream-flush): rank r runs ``min(P-1-r, M)`` warmup forwards, then alternates one
     forward and one backward, then drains the backwards. Works for any ``M >= 1`` (also ``M < P``)."""
 
-    def __init__(self, num_ranks: int, num_microbatches: int, virtual: int = 1) -> None:
+    def __init__(
+        self,
+        num_ranks: int | None = None,
+        num_microbatches: int | None = None,
+        virtual: int = 1,
+        *,
+        num_stages: int | None = None,
+    ) -> None:
         if virtual != 1:
             raise ScheduleError(
                 f"Schedule1F1B has one stage per rank; use ScheduleInterleaved1F1B for virtual={virtual}"
             )
-        super().__init__(num_ranks, num_microbatches, 1)
+        super().__init__(num_ranks, num_microbatches, 1, num_stages=num_stages)
 
     def _build(self, rank: int) -> list[Action]:
         m = self.num_microbatches
@@ -215,12 +259,23 @@ class ScheduleInterleaved1F1B(Schedule):
     Microbatches run in rounds of ``M // max(1, M // P)``; rank r warms up with
     ``min((v-1) * round + 2 * (P-1-r), M * v)`` forwards (as torch's ``ScheduleInterleaved1F1B``).
 
+    ``num_stages=`` counts every virtual stage: ``ScheduleInterleaved1F1B(num_stages=8, num_microbatches=8,
+    virtual=2)`` runs on 4 ranks.
+
     Raises:
         ScheduleError: ``M`` is not a multiple of the number of rounds ``max(1, M // P)``.
     """
 
-    def __init__(self, num_ranks: int, num_microbatches: int, virtual: int = 2) -> None:
-        super().__init__(num_ranks, num_microbatches, virtual)
+    def __init__(
+        self,
+        num_ranks: int | None = None,
+        num_microbatches: int | None = None,
+        virtual: int = 2,
+        *,
+        num_stages: int | None = None,
+    ) -> None:
+        super().__init__(num_ranks, num_microbatches, virtual, num_stages=num_stages)
+        num_ranks, num_microbatches = self.num_ranks, self.num_microbatches
         self.rounds = max(1, num_microbatches // num_ranks)
         if num_microbatches % self.rounds:
             raise ScheduleError(

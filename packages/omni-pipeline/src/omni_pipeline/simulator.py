@@ -35,7 +35,8 @@ class SimulationResult:
     Attributes:
         timelines: ``{rank: [TimelineEvent, ...]}`` in execution order (seconds).
         makespan_s: seconds from the first action's start to the last action's end.
-        bubble_fraction: ``{rank: idle seconds / makespan}``.
+        bubble_fraction: ``{rank: idle seconds / makespan}``; idle = neither LLM nor encoder compute runs
+            on the rank (so encoder work placed in a pipeline bubble fills it).
         peak_activation_bytes: ``{rank: peak bytes of stored activations}``.
         throughput_tokens_per_s: ``tokens_per_microbatch * microbatches * data_parallel / makespan``.
         encoder_busy_s: ``{rank: seconds of encoder work}``.
@@ -50,6 +51,7 @@ class SimulationResult:
 
     @property
     def mean_bubble_fraction(self) -> float:
+        """Mean of :attr:`bubble_fraction` over ranks."""
         return sum(self.bubble_fraction.values()) / len(self.bubble_fraction)
 
     def to_chrome_trace(self, path: str | Path) -> Path:

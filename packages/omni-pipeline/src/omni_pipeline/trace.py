@@ -27,6 +27,7 @@ class TimelineEvent:
 
 
 _COLORS = {"F": "#4C72B0", "B": "#8FB0DE", "EF": "#DD5A3A", "EB": "#F2A68F"}
+_LEGEND = {"F": "LLM forward", "B": "LLM backward", "EF": "encoder forward", "EB": "encoder backward"}
 
 
 def write_chrome_trace(timelines: Mapping[int, Sequence[TimelineEvent]], path: str | Path) -> Path:
@@ -101,8 +102,13 @@ def plot_timeline(
     ax.invert_yaxis()
     ax.set_xlabel("seconds")
     ax.set_xlim(0, end)
+    # outside the axes, right of the rows: inside it would hide the last actions of rank 0
     ax.legend(
-        handles=[Patch(color=c, label=k) for k, c in _COLORS.items()], loc="upper right", ncols=4, fontsize=7
+        handles=[Patch(color=c, label=f"{_LEGEND[k]} ({k})") for k, c in _COLORS.items()],
+        loc="upper left",
+        bbox_to_anchor=(1.005, 1.0),
+        fontsize=7,
+        frameon=False,
     )
     if title:
         ax.set_title(title)
