@@ -3,11 +3,12 @@ plus the blocking time of an async save vs a plain host copy of the same bytes.
 
 Cases (one process, local disk, same run): ``large`` = 1 GiB in 16 MiB float32 tensors (64 x [2048, 2048]);
 ``tiny`` = 20,000 tensors of [4, 4] float32 (64 B each, 1.28 MB of data). Time is the best of ``--repeat``
-runs (each into a fresh directory, fsync'd by omni-ckpt only as part of its commit), load fills preallocated
-tensors in place. Async: ``async_save`` until ``handle.staged`` resolves vs ``t.clone()`` of every tensor
-(the least any snapshot can cost); the write finishes in the background. Ratios are against DCP.
+runs, the systems taking turns within each repeat (each save into a fresh directory; omni-ckpt and DCP
+fsync their files, torch.save does not), load fills preallocated tensors in place. Async:
+``async_save`` until ``handle.staged`` resolves vs ``t.clone()`` of every tensor (the least any snapshot
+can cost); the write finishes in the background. Ratios are against DCP.
 
-Run: ``uv run python benchmarks/ckpt.py [--gib 1.0] [--tiny 20000] [--repeat 2]``; writes
+Run: ``uv run python benchmarks/ckpt.py [--gib 1.0] [--tiny 20000] [--repeat 3]``; writes
 ``benchmarks/results/ckpt.json``. Temporary directories are removed.
 """
 
@@ -37,16 +38,6 @@ def disk_bytes(path: Path) -> int:
     return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
 
 
-def best(fn: Callable[[], None], repeat: int, setup: Callable[[], None] = lambda: None) -> float:
-    times = []
-    for _ in range(repeat):
-        setup()
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return min(times)
-
-
 def make_state(kind: str, gib: float, tiny: int) -> dict[str, torch.Tensor]:
     g = torch.Generator().manual_seed(0)
     if kind == "large":
@@ -56,44 +47,54 @@ def make_state(kind: str, gib: float, tiny: int) -> dict[str, torch.Tensor]:
 
 
 def run_case(kind: str, state: dict[str, torch.Tensor], work: Path, repeat: int) -> list[dict]:
+    """Save and load times (best of ``repeat``) of each system. The systems take turns within each
+    repeat, so none is always the first to hit a cold page cache or a busy disk."""
     target = {k: torch.empty_like(v) for k, v in state.items()}
-    rows = []
-
-    def fresh(p: Path) -> Callable[[], None]:
-        def setup() -> None:
-            if p.exists():
-                shutil.rmtree(p) if p.is_dir() else p.unlink()
-
-        return setup
-
-    ours = work / "omni"
-    save_s = best(lambda: omni_ckpt.save(state, str(ours)), repeat, fresh(ours))
-    load_s = best(lambda: omni_ckpt.load(target, str(ours)), repeat)
-    assert all(torch.equal(target[k], v) for k, v in state.items())
-    rows.append(
-        {"case": kind, "system": "omni-ckpt", "save_s": save_s, "load_s": load_s, "bytes": disk_bytes(ours)}
-    )
-    shutil.rmtree(ours)
-
-    d = work / "dcp"
-    save_s = best(lambda: dcp.save(state, checkpoint_id=str(d), no_dist=True), repeat, fresh(d))
-    load_s = best(lambda: dcp.load(target, checkpoint_id=str(d), no_dist=True), repeat)
-    rows.append({"case": kind, "system": "DCP", "save_s": save_s, "load_s": load_s, "bytes": disk_bytes(d)})
-    shutil.rmtree(d)
-
-    f = work / "state.pt"
-    save_s = best(lambda: torch.save(state, f), repeat, fresh(f))
-    load_s = best(lambda: target.update(torch.load(f, weights_only=True)), repeat)
-    rows.append(
-        {"case": kind, "system": "torch.save", "save_s": save_s, "load_s": load_s, "bytes": disk_bytes(f)}
-    )
-    f.unlink()
-    return rows
+    systems: dict[str, tuple[Path, Callable[[Path], None], Callable[[Path], None]]] = {
+        "omni-ckpt": (
+            work / "omni",
+            lambda p: omni_ckpt.save(state, str(p)),
+            lambda p: omni_ckpt.load(target, str(p)),
+        ),
+        "DCP": (
+            work / "dcp",
+            lambda p: dcp.save(state, checkpoint_id=str(p), no_dist=True),
+            lambda p: dcp.load(target, checkpoint_id=str(p), no_dist=True),
+        ),
+        "torch.save": (
+            work / "state.pt",
+            lambda p: torch.save(state, p),
+            lambda p: target.update(torch.load(p, weights_only=True)),
+        ),
+    }
+    times = {name: ([], [], 0) for name in systems}
+    for _ in range(repeat):
+        for name, (path, save, load) in systems.items():
+            t0 = time.perf_counter()
+            save(path)
+            t1 = time.perf_counter()
+            load(path)
+            t2 = time.perf_counter()
+            assert all(torch.equal(target[k], v) for k, v in state.items()), name
+            saves, loads, _ = times[name]
+            times[name] = ([*saves, t1 - t0], [*loads, t2 - t1], disk_bytes(path))
+            shutil.rmtree(path) if path.is_dir() else path.unlink()
+            for t in target.values():
+                t.zero_()
+    return [
+        {"case": kind, "system": name, "save_s": min(sv), "load_s": min(ld), "bytes": nbytes}
+        for name, (sv, ld, nbytes) in times.items()
+    ]
 
 
 def run_async(state: dict[str, torch.Tensor], work: Path, repeat: int) -> dict:
     nbytes = sum(t.numel() * t.element_size() for t in state.values())
-    copy_s = best(lambda: [t.clone() for t in state.values()], repeat)
+    copies = []
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        [t.clone() for t in state.values()]
+        copies.append(time.perf_counter() - t0)
+    copy_s = min(copies)
     blocking, total = [], []
     for i in range(repeat):
         url = str(work / f"async{i}")
@@ -116,7 +117,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--gib", type=float, default=1.0, help="size of the large case (GiB)")
     ap.add_argument("--tiny", type=int, default=20000, help="tensors in the tiny case")
-    ap.add_argument("--repeat", type=int, default=2)
+    ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "ckpt.json"))
     args = ap.parse_args()
     torch.set_num_threads(min(4, os.cpu_count() or 1))

@@ -4,10 +4,12 @@ Runs the real trainer (``omni-tiny`` recipe, 2 processes, pp=2, gloo on CPU) for
 in one 2-rank world and prints, per variant, tokens/s and the per-rank idle seconds per step (wall time
 minus time inside pipeline actions), as ratios against the baseline measured in the same run:
 ``prepend_first_stage`` with reordering off (encoders on stage 0, as Megatron-LM / torchtitan do).
-The first ``--warmup`` steps of each variant are not counted. Also checks that every variant saw the same
+The first ``--warmup`` steps of each variant are not counted. By default the recipe's last (encoder-heavy)
+mixture phase is used from step 0 (``--mixture all`` keeps every phase), so that encoder work is present
+in the measured steps. Also checks that every variant saw the same
 losses (same data, same math). Writes ``benchmarks/results/train_ab.json``.
 
-    uv run python benchmarks/train_ab.py [--steps 12] [--warmup 3] [--config omni-tiny]
+    uv run python benchmarks/train_ab.py [--steps 16] [--warmup 4] [--config omni-tiny] [--mixture last|all]
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ import tempfile
 from pathlib import Path
 
 from omni_parallel.testing import run_world
-from omni_train.config import Placement, load_config
+from omni_train.config import MixturePhase, Placement, load_config
 
 VARIANTS = [
     ("prepend_first_stage, reorder off", Placement.PREPEND_FIRST_STAGE, False),
@@ -48,12 +50,17 @@ def _run_variants(rank: int, world_size: int, cfg, root: str) -> list | None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--config", default="omni-tiny")
-    ap.add_argument("--steps", type=int, default=12)
-    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--steps", type=int, default=16)
+    ap.add_argument("--warmup", type=int, default=4)
+    ap.add_argument("--mixture", choices=["last", "all"], default="last")
     args = ap.parse_args()
     cfg = load_config(args.config)
+    mixture = (
+        cfg.data.mixture if args.mixture == "all" else [MixturePhase(dict(cfg.data.mixture[-1].weights))]
+    )
     cfg = dataclasses.replace(
         cfg,
+        data=dataclasses.replace(cfg.data, mixture=mixture),
         train=dataclasses.replace(cfg.train, steps=args.steps),
         checkpoint=dataclasses.replace(cfg.checkpoint, every=0),
     )
@@ -80,7 +87,7 @@ def main() -> None:
         )
     base = rows[0]
     print(
-        f"trainer A/B: {cfg.name}, {cfg.parallel.world_size} processes, {args.steps} steps per variant "
+        f"trainer A/B: {cfg.name} (mixture: {args.mixture}), {cfg.parallel.world_size} processes, {args.steps} steps per variant "
         f"({args.warmup} warm-up steps not counted); baseline = {base['variant']}"
     )
     print(

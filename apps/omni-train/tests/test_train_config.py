@@ -113,3 +113,10 @@ def test_cli_overrides_and_exit_status(tmp_path, data, capsys):
     assert not (tmp_path / "x").exists()
     assert main(["run", "--config", str(p), "--resume", "--out", str(tmp_path / "none")]) == 2
     assert "holds no checkpoints" in capsys.readouterr().err
+
+
+def test_cli_dispatches_prepare_data(tmp_path, capsys):
+    # an invalid --limit is refused by omni_train.prepare.main before anything is built
+    assert main(["prepare-data", "--limit", "0", "--out", str(tmp_path / "o")]) == 2
+    assert "--limit" in capsys.readouterr().err
+    assert not (tmp_path / "o").exists()

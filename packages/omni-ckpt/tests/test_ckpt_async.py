@@ -1,11 +1,12 @@
 """Async saves: staged vs done, the host-memory budget, background errors at the next call, no races."""
 
 import os
+import time
 
 import pytest
 import torch
 
-from omni_ckpt import CheckpointError, CheckpointManager, async_save, load
+from omni_ckpt import CheckpointError, CheckpointManager, PlanCache, async_save, load
 
 
 def test_async_save_stages_within_budget_then_commits(tmp_path):
@@ -30,6 +31,14 @@ def test_async_save_stages_within_budget_then_commits(tmp_path):
     assert target["meta"] == {"epoch": 2}
     with pytest.raises(ValueError, match="host_budget_bytes"):
         async_save(state, str(tmp_path / "d"), host_budget_bytes=0)
+    # Saves sharing a plan cache never overlap: the second plans only once the first is durable.
+    cache = PlanCache()
+    slow = lambda: time.sleep(0.3)  # noqa: E731 - the first commit is still running when the second starts
+    first = async_save(state, str(tmp_path / "e1"), plan_cache=cache, on_commit=slow)
+    second = async_save(state, str(tmp_path / "e2"), plan_cache=cache, host_budget_bytes=1024)
+    assert first.done.done() and cache.in_flight is second.done
+    second.wait(timeout=60)
+    assert cache.hits == 1 and cache.misses == 1
 
 
 def test_manager_background_error_surfaces_and_saves_serialise(tmp_path):

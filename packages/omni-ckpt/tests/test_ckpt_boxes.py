@@ -88,9 +88,17 @@ def test_dtensor_box_matches_torch_chunk(shape, mesh_shape, data):
         assert torch.equal(full[box.slices()], ref)
 
 
-def test_dtensor_box_refuses_partial():
+def test_dtensor_box_refuses_partial_and_bad_meshes():
     with pytest.raises(ValueError, match="Partial"):
         dtensor_box((4,), (2,), (0,), [Partial()])
+    with pytest.raises(ValueError, match="one entry per mesh dim"):
+        dtensor_box((4,), (2, 2), (0,), [Shard(0)])
+    with pytest.raises(ValueError, match="coordinate 2 outside mesh dim 0 of size 2"):
+        dtensor_box((4,), (2,), (2,), [Shard(0)])
+    with pytest.raises(ValueError, match=r"S\(1\) on a tensor of shape \(4,\)"):
+        dtensor_box((4,), (2,), (0,), [Shard(1)])
+    with pytest.raises(TypeError):
+        flat_range_to_boxes((4,), 0.5, 2)
 
 
 def test_check_boxes_names_tensor_and_missing_region():

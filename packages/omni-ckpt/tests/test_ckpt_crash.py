@@ -1,5 +1,10 @@
 """Crash injection and corruption: a save killed (SIGKILL) before each file open, write, rename or delete
-leaves load_latest on the previous or the new complete step; a flipped byte in any data file is caught."""
+leaves load_latest on the previous or the new complete step, and the resumed job can save again; a flipped
+byte in any data file is caught.
+
+Single process: with W ranks the protocol only adds that rank 0 renames the manifest after a gather of
+every rank's outcome (a rank that dies or fails before it means no commit: test_ckpt_world covers a rank
+that fails), so every write/rename point of the commit path is exercised here."""
 
 import multiprocessing as mp
 import os
@@ -76,13 +81,19 @@ def test_kill_at_every_write_and_rename_point(tmp_path):
         p.join(120)
         assert p.exitcode in (0, -signal.SIGKILL), p.exitcode
         target = blank()
-        step = CheckpointManager(str(root)).load_latest(target)
+        mgr = CheckpointManager(str(root), keep_last=1, async_save=False)
+        step = mgr.load_latest(target)
         assert step in (1, 2), step
         want = make_state(step)
         assert torch.equal(target["model"]["w"], want["model"]["w"])
         assert torch.equal(target["model"]["b"], want["model"]["b"])
         assert torch.equal(target["model"]["big"], want["model"]["big"])
         assert target["loader"] == want["loader"]
+        # The job resumed from `step` must be able to save its next step: a crash between step 2's
+        # manifest rename and the pointer move must not leave a committed step 2 that a job resumed from
+        # step 1 then fails to overwrite ("already committed") on every restart.
+        mgr.save(step + 1, make_state(step + 1))
+        assert mgr.latest() == step + 1
         seen.add(step)
         shutil.rmtree(root)
         if p.exitcode == 0:

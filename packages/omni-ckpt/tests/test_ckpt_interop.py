@@ -4,10 +4,13 @@ are valid safetensors, optimizer state round-trips into a fresh optimizer, and t
 import re
 from pathlib import Path
 
+import pytest
 import torch
 from safetensors import safe_open
 
 from omni_ckpt import (
+    CheckpointError,
+    CheckpointManager,
     FlatShard,
     export,
     load,
@@ -19,6 +22,10 @@ from omni_ckpt import (
 from omni_ckpt.cli import main
 
 README = Path(__file__).resolve().parents[1] / "README.md"
+
+
+def _bits(t):
+    return t.detach().contiguous().reshape(-1).view(torch.uint8)
 
 
 def test_readme_example_runs():
@@ -69,33 +76,91 @@ def test_exports_and_rank_files_load_with_safetensors_and_torch(tmp_path, capsys
     assert obj["objects"] == {"meta.name": "run", "meta.rank@rank0": 0, "meta.rank@rank1": 1}
 
 
-def test_optimizer_state_round_trips_into_a_fresh_optimizer(tmp_path):
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Linear(3, 2))
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, betas=(0.8, 0.95), weight_decay=0.1)
+OPTIMIZERS = {
+    "adamw_decay": lambda params, **kw: torch.optim.AdamW(params, **{"weight_decay": 0.1, **kw}),
+    "adam_amsgrad_l2": lambda params, **kw: torch.optim.Adam(
+        params, **{"amsgrad": True, "weight_decay": 0.01, **kw}
+    ),
+}
+
+
+def _mlp(seed):
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Linear(3, 2))
+
+
+def _train(model, opt, x):
+    model(x).square().sum().backward()
+    opt.step()
+    opt.zero_grad()
+
+
+@pytest.mark.parametrize("kind", sorted(OPTIMIZERS))
+def test_optimizer_state_round_trips_into_a_fresh_optimizer(tmp_path, kind):
+    make = OPTIMIZERS[kind]
+    model = _mlp(0)
+    opt = make(model.parameters(), lr=1e-2, betas=(0.8, 0.95))
     for _ in range(3):
-        model(torch.randn(5, 4)).square().sum().backward()
-        opt.step()
-        opt.zero_grad()
+        _train(model, opt, torch.randn(5, 4))
     save({"model": model.state_dict(), "optim": optimizer_state_dict(model, opt)}, str(tmp_path / "c"))
 
-    fresh = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Linear(3, 2))
-    fresh_opt = torch.optim.AdamW(fresh.parameters(), lr=0.5)
+    fresh = _mlp(1)
+    fresh_opt = make(fresh.parameters(), lr=0.5)
     before = [p.detach().clone() for p in fresh.parameters()]
     target = {"model": fresh.state_dict(), "optim": optimizer_state_dict(fresh, fresh_opt)}
-    assert all(torch.equal(a, b) for a, b in zip(before, fresh.parameters()))  # init changed no parameter
+    # Building the load target changes no parameter bit (-0.0 included) and leaves the optimizer fresh.
+    assert all(torch.equal(_bits(a), _bits(b)) for a, b in zip(before, fresh.parameters()))
+    assert len(fresh_opt.state) == 0
     load(target, str(tmp_path / "c"))
     load_optimizer_state_dict(fresh, fresh_opt, target["optim"])
-    assert fresh_opt.param_groups[0]["lr"] == 1e-2 and tuple(fresh_opt.param_groups[0]["betas"]) == (
-        0.8,
-        0.95,
-    )
+    group = fresh_opt.param_groups[0]
+    assert group["lr"] == 1e-2 and tuple(group["betas"]) == (0.8, 0.95) and group["weight_decay"] > 0
     ref, got = opt.state_dict(), fresh_opt.state_dict()
+    assert set(got["state"]) == set(ref["state"])
     for i, s in ref["state"].items():
+        assert set(got["state"][i]) == set(s)
         for k, v in s.items():
-            assert torch.equal(got["state"][i][k], v), (i, k)
+            assert torch.equal(got["state"][i][k], v), (i, k)  # moments and step (3) alike
     x = torch.randn(5, 4)
     for m, o in ((model, opt), (fresh, fresh_opt)):
-        m(x).square().sum().backward()
-        o.step()
+        _train(m, o, x)
     assert all(torch.equal(a, b) for a, b in zip(model.parameters(), fresh.parameters()))
+
+
+def test_building_a_load_target_does_not_change_how_a_fresh_optimizer_trains():
+    # No checkpoint to resume from: an optimizer whose state dict was taken must train exactly like an
+    # untouched one (Adam's step count starts at 0, moments at nothing), for every kind above.
+    for make in OPTIMIZERS.values():
+        runs = []
+        for take_state_dict in (False, True):
+            model = _mlp(0)
+            with torch.no_grad():
+                model[0].weight[0, 0] = -0.0
+            opt = make(model.parameters(), lr=1e-2)
+            if take_state_dict:
+                optimizer_state_dict(model, opt)
+            torch.manual_seed(2)
+            for _ in range(2):
+                _train(model, opt, torch.randn(5, 4))
+            runs.append(([p.detach().clone() for p in model.parameters()], opt.state_dict()["state"]))
+        (p0, s0), (p1, s1) = runs
+        assert all(torch.equal(_bits(a), _bits(b)) for a, b in zip(p0, p1))
+        assert all(torch.equal(s0[i]["step"], s1[i]["step"]) for i in s0) and s1[0]["step"].item() == 2
+
+
+def test_bad_inputs_name_what_is_wrong(tmp_path):
+    url = str(tmp_path / "c")
+    save({"w": torch.arange(6.0).reshape(2, 3), "meta": {"epoch": 1}}, url)
+    with pytest.raises(TypeError, match=r"state must be a dict.*got list"):
+        load([torch.zeros(2, 3)], url)
+    with pytest.raises(ValueError, match=r"tensor 'w': checkpoint shape \(2, 3\), state dict shape \(3, 2\)"):
+        load({"w": torch.zeros(3, 2)}, url)
+    with pytest.raises(CheckpointError, match=r"object 'meta\.step' is not in the checkpoint"):
+        load({"meta": {"step": 0}}, url)
+    with pytest.raises(ValueError, match="no rank states"):
+        save_ranks([], str(tmp_path / "none"))
+    with pytest.raises(ValueError, match="step must be an int >= 0, got -1"):
+        CheckpointManager(str(tmp_path / "m"), async_save=False).save(-1, {"w": torch.zeros(1)})
+    (tmp_path / "c" / "manifest.msgpack").write_bytes(b"\xc1")
+    with pytest.raises(CheckpointError, match=r"manifest.msgpack: corrupt manifest"):
+        load({"w": torch.zeros(2, 3)}, url)

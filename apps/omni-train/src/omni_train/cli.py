@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 import sys
 import time
 from pathlib import Path
@@ -77,7 +78,12 @@ def resolve_run(args: argparse.Namespace) -> tuple[RunConfig, int, Path]:
         cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, steps=args.max_steps))
     if args.max_restarts < 0:
         raise ConfigError(f"--max-restarts: must be >= 0, got {args.max_restarts}")
-    nproc = args.nproc if args.nproc is not None else cfg.parallel.world_size
+    if args.nproc is not None:
+        nproc = args.nproc
+    elif "WORLD_SIZE" in os.environ and "RANK" in os.environ:
+        nproc = int(os.environ["WORLD_SIZE"])  # under torchrun the world is already decided
+    else:
+        nproc = cfg.parallel.world_size
     if nproc < 1:
         raise ConfigError(f"--nproc: must be >= 1, got {nproc}")
     validate(cfg, nproc)
@@ -88,6 +94,9 @@ def resolve_run(args: argparse.Namespace) -> tuple[RunConfig, int, Path]:
         if not runs:
             raise ConfigError(f"--resume: no run directory runs/{cfg.name}-* to resume; pass --out")
         out = runs[-1]
+    elif "TORCHELASTIC_RUN_ID" in os.environ and "RANK" in os.environ:
+        # under torchrun every rank resolves this on its own: the name must not depend on the clock
+        out = Path("runs") / f"{cfg.name}-{os.environ['TORCHELASTIC_RUN_ID']}"
     else:
         out = Path("runs") / f"{cfg.name}-{time.strftime('%Y%m%d-%H%M%S')}"
     if args.resume and not (out / "checkpoints").is_dir():

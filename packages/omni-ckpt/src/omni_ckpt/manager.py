@@ -20,6 +20,7 @@ would later fail to save S again ("already committed"). The ``latest`` file is k
 from __future__ import annotations
 
 import contextlib
+import operator
 import re
 from collections.abc import MutableMapping
 from typing import Any
@@ -85,9 +86,13 @@ class CheckpointManager:
         Raises:
             ValueError: ``step`` is not an int >= 0.
         """
-        if not isinstance(step, int) or isinstance(step, bool) or step < 0:
+        try:
+            index = operator.index(step)
+        except TypeError:
+            index = -1
+        if isinstance(step, bool) or index < 0:
             raise ValueError(f"checkpoint step must be an int >= 0, got {step!r}")
-        return f"{self.root}/step-{step:08d}"
+        return f"{self.root}/step-{index:08d}"
 
     def _finish_pending(self) -> None:
         if self._pending is None:

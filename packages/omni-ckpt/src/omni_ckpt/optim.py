@@ -12,8 +12,10 @@ The tensors in it are the optimizer's own (no copies), so :func:`omni_ckpt.load`
 
 An optimizer that has not stepped yet has no state tensors to load into. torch offers no public way to
 create them, so :func:`init_optimizer_state` runs one step with zero gradients and ``lr = 0`` (what
-``torch.distributed.checkpoint.state_dict`` does too); parameters stay bit-identical for every
-``torch.optim`` optimizer (AdamW's decay multiplies by ``1 - 0 * wd``, Adam's update is ``0 * m / (sqrt(v) + eps)``).
+``torch.distributed.checkpoint.state_dict`` does too); parameters stay bit-identical (checked for Adam with
+amsgrad and L2 decay, AdamW with decoupled decay, SGD with momentum, NAdam, RAdam, Adagrad: AdamW's decay
+multiplies by ``1 - 0 * wd``, Adam's update is ``0 * m / (sqrt(v) + eps)``). LBFGS, whose ``step`` needs a
+closure, is not supported.
 :func:`optimizer_state_dict` then takes that state back out of the optimizer, so building a load target
 never changes how a fresh optimizer trains (``step`` counts and moments start from nothing if no checkpoint
 is loaded).

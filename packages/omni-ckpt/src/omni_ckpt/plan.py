@@ -17,6 +17,7 @@ from __future__ import annotations
 import hashlib
 import math
 from collections.abc import Sequence
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 
 import msgpack
@@ -134,12 +135,16 @@ def build_save_plan(plans: Sequence[LocalPlan]) -> SavePlan:
 class PlanCache:
     """The last save plan, persisted in each checkpoint's manifest and reloaded after a restart.
 
-    ``hits`` and ``misses`` count how saves were planned (for logs and tests).
+    ``hits`` and ``misses`` count how saves were planned (for logs and tests). ``in_flight`` is the
+    ``done`` future of the last :func:`~omni_ckpt.async_save` planned with this cache: the next save with the
+    same cache waits for it before its first collective, so two saves never interleave collectives on one
+    process group (its error stays with its own handle).
     """
 
     plan: SavePlan | None = None
     hits: int = 0
     misses: int = 0
+    in_flight: Future[None] | None = None
 
 
 def agree_on_cache(

@@ -18,6 +18,7 @@ import queue
 import threading
 import zlib
 from collections.abc import Callable, Iterator, MutableMapping
+from concurrent import futures
 from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
@@ -118,9 +119,18 @@ class _Prepared:
     error: str | None
 
 
+def _after_previous(cache: PlanCache | None) -> None:
+    # The previous async save's commit collectives run on the same group in its thread; starting this
+    # save's planning collectives before they end could interleave the two differently on each rank.
+    if cache is not None and cache.in_flight is not None:
+        futures.wait([cache.in_flight])
+        cache.in_flight = None
+
+
 def _prepare(
     state: MutableMapping[Any, Any], url: str, pg: dist.ProcessGroup | None, cache: PlanCache | None
 ) -> _Prepared:
+    _after_previous(cache)
     pg, rank, world = _group_info(pg)
     fs, path = open_url(url)
     collected, error = None, None
@@ -451,8 +461,9 @@ def async_save(
     exist at a time (a single larger box is staged alone), so ``handle.staged`` may resolve only after
     part of the data is written. Do not change the saved tensors before ``handle.staged`` resolves.
     Use a ``process_group`` that nothing else runs collectives on while the save is in flight (the
-    :class:`~omni_ckpt.CheckpointManager` makes its own), and do not start another save on it before
-    ``handle.done`` resolves.
+    :class:`~omni_ckpt.CheckpointManager` makes its own). A later save given the same ``plan_cache`` waits
+    for this one's ``handle.done`` before its first collective; without a shared cache, do not start
+    another save on the group before ``handle.done`` resolves.
 
     Raises:
         ValueError: ``host_budget_bytes <= 0``; planning errors as in :func:`save` (raised here).
@@ -465,4 +476,6 @@ def async_save(
         target=_background, args=(prep, handle, host_budget_bytes, on_commit), name="omni-ckpt-save"
     )
     handle._thread.start()
+    if plan_cache is not None:
+        plan_cache.in_flight = handle.done
     return handle
