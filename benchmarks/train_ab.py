@@ -69,6 +69,7 @@ def main() -> None:
     rows = []
     for (name, _, reorder), ms in zip(VARIANTS, metrics):
         counted = ms[args.warmup :]
+        imbalance_key = "encoder_imbalance_after_reorder" if reorder else "encoder_imbalance_before_reorder"
         rows.append(
             {
                 "variant": name,
@@ -78,9 +79,9 @@ def main() -> None:
                     statistics.mean(m["idle_s_per_rank"][r] for m in counted)
                     for r in range(len(counted[0]["idle_s_per_rank"]))
                 ],
+                # steps without encoder work (text only) have no imbalance (null)
                 "encoder_imbalance": statistics.mean(
-                    m["encoder_imbalance_after_reorder" if reorder else "encoder_imbalance_before_reorder"]
-                    for m in counted
+                    [x for m in counted if (x := m[imbalance_key]) is not None] or [float("nan")]
                 ),
                 "losses": [m["loss"] for m in ms],
             }

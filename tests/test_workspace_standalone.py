@@ -1,10 +1,14 @@
 """Each package stands alone: its wheel builds and imports in a fresh venv with only its declared deps.
 
 Slow: builds four wheels and makes four virtual environments (uv's cache makes the installs quick).
+The fresh environments use the interpreter running this test (no Python download) and the workspace
+lock's versions as constraints: a constraint pins a version without adding a package, so each package
+still gets only what it declares, and nothing newer than the lock is downloaded.
 """
 
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -34,6 +38,26 @@ def wheels(tmp_path_factory):
             capture_output=True,
             timeout=300,
         )
+    subprocess.run(
+        [
+            uv,
+            "export",
+            "--frozen",
+            "--no-hashes",
+            "--no-emit-workspace",
+            "--all-packages",
+            "--all-groups",
+            "--format",
+            "requirements-txt",
+            "-q",
+            "-o",
+            str(out / "constraints.txt"),
+        ],
+        cwd=ROOT,
+        check=True,
+        capture_output=True,
+        timeout=120,
+    )
     return uv, out
 
 
@@ -42,11 +66,14 @@ def test_wheel_installs_and_imports_alone(name, wheels, tmp_path):
     uv, out = wheels
     module, needs = PACKAGES[name]
     venv = tmp_path / "venv"
-    subprocess.run([uv, "venv", "-q", "--python", "3.11", str(venv)], check=True, timeout=120)
+    subprocess.run([uv, "venv", "-q", "--python", sys.executable, str(venv)], check=True, timeout=120)
     py = venv / "bin" / "python"
     files = [str(next(out.glob(f"{n.replace('-', '_')}-*.whl"))) for n in [name, *needs]]
     r = subprocess.run(
-        [uv, "pip", "install", "-q", "--python", str(py), *files], capture_output=True, text=True, timeout=600
+        [uv, "pip", "install", "-q", "--python", str(py), "-c", str(out / "constraints.txt"), *files],
+        capture_output=True,
+        text=True,
+        timeout=600,
     )
     assert r.returncode == 0, r.stderr
     r = subprocess.run(

@@ -1,13 +1,12 @@
-"""Packs to tensors: labels and targets against a brute-force reading of the token layout; the in-order
-split; the loss normalisation."""
+"""Packs to tensors: labels and targets against a brute-force reading of the token layout; masking of
+samples whose payload did not decode; the in-order split's imbalance; the loss normalisation."""
 
 import torch
 
-from omni_data import Modality, Pack, SampleMeta
-from omni_train.batch import IGNORE, MODALITIES, build_llm_microbatch
-from omni_train.data_pipeline import encoder_imbalance, encoder_load, mixture_schedule, split_in_order
+from omni_data import Modality, Pack, SampleMeta, split_encoder_microbatches
+from omni_train.batch import IGNORE, MODALITIES, build_llm_microbatch, step_targets
+from omni_train.data_pipeline import encoder_imbalance, encoder_load, mixture_schedule
 from omni_train.loss import microbatch_loss
-from omni_train.trainer import step_targets
 
 IMG, AUD = 900, 901
 
@@ -56,6 +55,26 @@ def test_labels_match_brute_force():
     assert mb.label_modality.tolist()[:5] == [MODALITIES.index(Modality.IMAGE)] * 5
 
 
+def test_masked_sample_has_no_targets_and_leaves_the_rest_alone():
+    pack = _pack()
+    text = {
+        "image/a": torch.tensor([11, 12]),
+        "text/b": torch.tensor([21, 22, 23, 24]),
+        "audio/c": torch.tensor([31, 32, 33]),
+        "text/d": torch.tensor([41]),
+    }
+    ph = {Modality.IMAGE: IMG, Modality.AUDIO: AUD}
+    full = build_llm_microbatch(pack, text, ph)
+    for j in range(4):  # mask each sample in turn: its positions lose their labels, nothing else changes
+        mb = build_llm_microbatch(pack, text, ph, masked={j})
+        lo, hi = full.cu_seqlens[j].item(), full.cu_seqlens[j + 1].item()
+        want = full.labels.clone()
+        want[lo:hi] = IGNORE
+        assert mb.labels.tolist() == want.tolist() and mb.input_ids.tolist() == full.input_ids.tolist()
+        assert mb.num_targets == step_targets([pack, pack], masked={(1, j)}) - step_targets([pack])
+    assert step_targets([pack, pack], masked={(0, 0), (1, 2)}) == 2 * 8 - 2 - 3
+
+
 def test_loss_is_mean_over_step_targets_and_splits_by_modality():
     pack = _pack()
     text = {
@@ -75,14 +94,15 @@ def test_loss_is_mean_over_step_targets_and_splits_by_modality():
     assert abs(stats[:, 0].sum().item() - sum(ce)) < 1e-12
 
 
-def test_split_in_order_and_imbalance():
+def test_in_order_split_and_imbalance():
     packs = [_pack(), _pack()]
-    mbs = split_in_order(packs, 2, 2)
+    mbs = split_encoder_microbatches(packs, 2, 2, balance=False)
     assert mbs == {1: [(0, 0)], 2: [(0, 2)], 3: [(1, 0)], 4: [(1, 2)]}
     load = encoder_load(packs, mbs, {1: 0, 2: 1, 3: 0, 4: 1}, 2)
     assert load == {1: [5.0, 1.0], 2: [5.0, 1.0]}
     assert abs(encoder_imbalance(load) - 5.0 / 3.0) < 1e-12
-    assert encoder_imbalance({1: [0.0, 0.0]}) == 1.0
+    assert encoder_imbalance({1: [0.0, 0.0]}) is None
+    assert encoder_imbalance({1: [0.0, 0.0], 2: [0.0, 4.0]}) == 2.0
 
 
 def test_mixture_phases_become_schedule_points(tmp_path):

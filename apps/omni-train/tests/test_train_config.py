@@ -113,6 +113,13 @@ def test_cli_overrides_and_exit_status(tmp_path, data, capsys):
     assert not (tmp_path / "x").exists()
     assert main(["run", "--config", str(p), "--resume", "--out", str(tmp_path / "none")]) == 2
     assert "holds no checkpoints" in capsys.readouterr().err
+    # a run directory with checkpoints is not trained into again from step 0 (its first save would collide)
+    (tmp_path / "old" / "checkpoints" / "step-00000002").mkdir(parents=True)
+    assert main(["run", "--config", str(p), "--out", str(tmp_path / "old")]) == 2
+    assert "--out: " in capsys.readouterr().err
+    resolve_run(
+        build_parser().parse_args(["run", "--config", str(p), "--out", str(tmp_path / "old"), "--resume"])
+    )
 
 
 def test_cli_dispatches_prepare_data(tmp_path, capsys):

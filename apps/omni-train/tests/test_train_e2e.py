@@ -83,16 +83,18 @@ def _cli(*args: str, **kw) -> subprocess.Popen:
 
 def _workers(launcher_pid: int) -> list[int]:
     """PIDs of the worker processes the launcher spawned (not its resource tracker)."""
-    out = subprocess.run(["pgrep", "-P", str(launcher_pid)], capture_output=True, text=True).stdout.split()
     pids = []
-    for pid in out:
+    # /proc rather than pgrep: slim images lack procps. Field 4 of /proc/PID/stat is the parent PID;
+    # the command name (field 2) may hold spaces, so split after its closing parenthesis.
+    for stat in Path("/proc").glob("[0-9]*/stat"):
         try:
-            cmd = Path(f"/proc/{pid}/cmdline").read_bytes()
-        except OSError:
+            ppid = int(stat.read_text().rsplit(")", 1)[1].split()[1])
+            cmd = (stat.parent / "cmdline").read_bytes()
+        except (OSError, IndexError, ValueError):
             continue
-        if b"spawn_main" in cmd:
-            pids.append(int(pid))
-    return pids
+        if ppid == launcher_pid and b"spawn_main" in cmd:
+            pids.append(int(stat.parent.name))
+    return sorted(pids)
 
 
 def _wait(p: subprocess.Popen, cond, what: str, timeout_s: float = 300) -> None:

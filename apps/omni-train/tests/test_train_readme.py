@@ -4,9 +4,11 @@ import json
 import re
 from pathlib import Path
 
+from tokenizers import Tokenizer
 from train_fixtures import make_dataset, write_config
 
 from omni_train.cli import main
+from omni_train.config import bundled_data_dir, load_config
 
 README = Path(__file__).resolve().parents[1] / "README.md"
 
@@ -24,7 +26,13 @@ def test_readme_example_runs(tmp_path, monkeypatch, capsys):
 def test_readme_quickstart_is_the_default_command():
     text = README.read_text()
     assert "uv run omni-train run " in text
+    # the stated vocabulary is the bundled tokenizer's, and the default model is built over it
     assert "vocabulary size 4096" in text
+    cfg = load_config("omni-tiny")
+    tok = Tokenizer.from_file(str(bundled_data_dir() / cfg.data.tokenizer))
+    assert tok.get_vocab_size() == 4096 == cfg.model.llm_config(tok.get_vocab_size()).vocab_size
+    for special in ("<|pad|>", "<|bos|>", "<|eos|>", "<|image|>", "<|audio|>"):
+        assert tok.token_to_id(special) is not None and special in text
 
 
 def test_cli_simulate(tmp_path, capsys):

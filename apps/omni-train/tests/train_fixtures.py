@@ -40,9 +40,19 @@ def _sentence(rng: np.random.Generator, n: int) -> str:
 
 
 def make_dataset(
-    root: Path, *, n_image: int = 24, n_audio: int = 12, n_text: int = 40, seed: int = 0
+    root: Path,
+    *,
+    n_image: int = 24,
+    n_audio: int = 12,
+    n_text: int = 40,
+    seed: int = 0,
+    damage_images: bool = False,
 ) -> dict:
-    """Write shards and a tokenizer under ``root``; return their paths and patterns."""
+    """Write shards and a tokenizer under ``root``; return their paths and patterns.
+
+    ``damage_images``: every PNG's body is bit-flipped after its first 80 bytes (the IHDR header still
+    parses, so metadata and packs are the same as without; decoding the pixels fails).
+    """
     rng = np.random.default_rng(seed)
     root.mkdir(parents=True, exist_ok=True)
     texts = []
@@ -53,12 +63,15 @@ def make_dataset(
             arr = np.clip(colour + rng.normal(0, 20, size=(h, wd, 3)), 0, 255).astype(np.uint8)
             buf = io.BytesIO()
             Image.fromarray(arr).save(buf, format="PNG")
+            png = buf.getvalue()
+            if damage_images:
+                png = png[:80] + bytes(b ^ 0x5A for b in png[80:])
             cap = f"a {WORDS[int(colour[0]) % 3]} picture of " + _sentence(rng, 3)
             texts.append(cap)
             w.write(
                 {
                     "__key__": f"img{i:04d}",
-                    "png": buf.getvalue(),
+                    "png": png,
                     "txt": cap,
                     "json": json.dumps({"width": wd, "height": h}).encode(),
                 }

@@ -3,11 +3,17 @@ microbatches, only TP rank 0 reads, TP rank 1 receives identical payloads, the u
 covers every media sample once, and resume re-filters the saved pre-filtered buffer into the same split.
 An image and an audio clip whose headers are fine but whose bodies are damaged get zero placeholders with
 ``Payload.error`` (on both TP ranks), are counted on the reading rank, and the run goes on.
-Also (same world): PackedLoader with a DP group of 4 stops every rank at the same step."""
+Also (same world): PackedLoader with a DP group of 4 stops every rank at the same step.
+``balance=False``: the in-order split against a brute force over all contiguous cuts, and the filter on
+real shards reads exactly that split."""
+
+import itertools
 
 import msgpack
 import pytest
 import torch.distributed as dist
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from omni_data import (
     HybridPacker,
@@ -19,6 +25,7 @@ from omni_data import (
     Payload,
     PayloadError,
     PayloadReader,
+    SampleMeta,
     UndecodablePayloadError,
     WebDatasetSource,
     ZeroRedundancyFilter,
@@ -195,3 +202,74 @@ def test_zero_redundancy_argument_errors(shards):
     )
     with pytest.raises(PayloadError, match="metadata says"):
         next(zr)
+
+
+def _in_order_brute_force(packs, microbatches, slices):
+    """Over every way to cut each LLM microbatch's media (pack order) into ``slices`` contiguous runs,
+    the one whose run sizes differ by at most one and do not increase (the longer runs first)."""
+    per = len(packs) // microbatches
+    out = {}
+    for k in range(microbatches):
+        media = [
+            (p, i)
+            for p in range(k * per, (k + 1) * per)
+            for i, s in enumerate(packs[p].samples)
+            if s.modality is not Modality.TEXT
+        ]
+        n = len(media)
+        fits = []
+        for cuts in itertools.combinations_with_replacement(range(n + 1), slices - 1):
+            bounds = [0, *cuts, n]
+            sizes = [b - a for a, b in itertools.pairwise(bounds)]
+            if max(sizes) - min(sizes) <= 1 and sizes == sorted(sizes, reverse=True):
+                fits.append([media[a:b] for a, b in itertools.pairwise(bounds)])
+        assert len(fits) == 1
+        for j, run in enumerate(fits[0]):
+            out[k * slices + j + 1] = run
+    return out
+
+
+_pack_st = st.lists(st.sampled_from(["image", "audio", "text"]), max_size=5)
+
+
+@settings(max_examples=80, deadline=None)
+@given(st.integers(1, 3), st.integers(1, 4), st.integers(1, 2), st.data())
+def test_split_in_order_brute_force(microbatches, slices, per, data):
+    raw = data.draw(st.lists(_pack_st, min_size=microbatches * per, max_size=microbatches * per))
+    flops = iter(data.draw(st.lists(st.floats(1.0, 1e6), min_size=25, max_size=25)))
+    packs = [
+        Pack([SampleMeta(f"p{p}s{i}", "s", Modality(m), 4, 2, next(flops), (6,)) for i, m in enumerate(ms)])
+        for p, ms in enumerate(raw)
+    ]
+    got = split_encoder_microbatches(packs, microbatches, slices, balance=False)
+    assert got == _in_order_brute_force(packs, microbatches, slices)
+    assert sorted(got) == list(range(1, microbatches * slices + 1))
+    # the balanced split covers the same samples (only the grouping differs)
+    kk = split_encoder_microbatches(packs, microbatches, slices)
+    for k in range(microbatches):
+        es = range(k * slices + 1, (k + 1) * slices + 1)
+        assert sorted(x for e in es for x in kk[e]) == [x for e in es for x in got[e]]
+    with pytest.raises(ValueError, match="cannot form"):
+        split_encoder_microbatches(packs, microbatches, 0, balance=False)
+
+
+def test_zero_redundancy_in_order_filter(shards):
+    tok = train_tiny_bpe()
+    reader = PayloadReader(tok)
+    everything = range(1, MICRO * SLICES + 1)
+
+    def run(**kw):
+        zr = ZeroRedundancyFilter(
+            _loader(shards, tok), everything, microbatches=MICRO, slices=SLICES, reader=reader, **kw
+        )
+        return [next(zr) for _ in range(3)]
+
+    differs = False
+    for step, kk in zip(run(balance=False), run()):
+        assert [p.to_dict() for p in step.packs] == [p.to_dict() for p in kk.packs]
+        assert step.microbatches == _in_order_brute_force(step.packs, MICRO, SLICES)
+        assert kk.microbatches == split_encoder_microbatches(kk.packs, MICRO, SLICES)
+        differs |= step.microbatches != kk.microbatches
+        for e, items in step.microbatches.items():  # the payloads read are those of the in-order split
+            assert [p.meta.uid for p in step.payloads[e]] == [step.packs[p].samples[i].uid for p, i in items]
+    assert differs  # the flag reached the split: on these shards the two splits are not the same

@@ -1,7 +1,10 @@
-"""Tests of the multi-process harness itself: results, rank errors, hangs, back-to-back worlds."""
+"""Tests of the multi-process harness itself: results, rank errors, crashes, hangs, back-to-back worlds."""
 
 import os
+import signal
+import threading
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -23,10 +26,26 @@ def _fail_on_rank1(rank: int, world_size: int) -> int:
     return rank
 
 
-def _sleep_on_rank2(rank: int, world_size: int) -> int:
-    if rank == 2:
+def _sleep_on_ranks(rank: int, world_size: int, sleepers: list[int], pid_dir: str) -> int:
+    (Path(pid_dir) / f"{rank}.pid").write_text(str(os.getpid()))
+    if rank in sleepers:
         time.sleep(3600)
     return rank
+
+
+def _die_on_rank1(rank: int, world_size: int, how: str) -> int:
+    if rank == 1:
+        time.sleep(0.2)  # let the peers enter the all-reduce: they fail too once rank 1 is gone
+        if how == "exit":
+            os._exit(3)
+        os.kill(os.getpid(), signal.SIGSEGV)
+    t = torch.ones(1)
+    dist.all_reduce(t)
+    return rank
+
+
+def _return_lock(rank: int, world_size: int) -> object:
+    return threading.Lock() if rank == 1 else rank
 
 
 def test_results_come_back_per_rank():
@@ -46,17 +65,53 @@ def test_exception_on_rank1_names_rank_and_message():
     assert "ValueError" in info.value.remote_traceback
 
 
-def test_hanging_rank_is_killed_and_named_within_timeout():
-    run_world(
-        _sum_ranks, 1, args=(1,), timeout_s=120
-    )  # warm the fork server: its first start is not the rank's time
+def test_hanging_ranks_are_killed_and_named_within_timeout(tmp_path):
+    # The timeout must let the finishing rank start and report even on a loaded machine, yet stay short:
+    # scale it from a warm world of the same size measured now (the first call may start the fork server).
+    run_world(_sum_ranks, 3, args=(1,), timeout_s=120)
+    t0 = time.monotonic()
+    run_world(_sum_ranks, 3, args=(1,), timeout_s=120)
+    timeout_s = max(3.0, 5 * (time.monotonic() - t0))
     t0 = time.monotonic()
     with pytest.raises(WorldTimeoutError) as info:
-        run_world(_sleep_on_rank2, 3, timeout_s=20)
+        run_world(_sleep_on_ranks, 3, args=([0, 2], str(tmp_path)), timeout_s=timeout_s)
     elapsed = time.monotonic() - t0
-    assert info.value.ranks == [2]
-    assert "rank 2" in str(info.value)
-    assert elapsed < 20 + 10, f"took {elapsed:.1f} s"
+    assert info.value.ranks == [0, 2]  # exactly the unfinished ranks; rank 1 returned
+    assert "rank 0, rank 2 did not finish" in str(info.value)
+    assert timeout_s <= elapsed < timeout_s + 5, f"took {elapsed:.1f} s with timeout {timeout_s:.1f} s"
+    for rank in (0, 2):  # killed, not left sleeping
+        pid = int((tmp_path / f"{rank}.pid").read_text())
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)
+
+
+@pytest.mark.parametrize(("how", "said"), [("exit", "exit code 3"), ("segv", "signal SIGSEGV")])
+def test_rank_dying_without_result_is_named(how, said):
+    with pytest.raises(WorldError) as info:
+        run_world(_die_on_rank1, 3, args=(how,), timeout_s=60)
+    assert info.value.rank == 1  # not a peer whose all-reduce failed because rank 1 was gone
+    assert "rank 1 failed: process exited without a result" in str(info.value)
+    assert said in str(info.value)
+
+
+def test_unpicklable_return_value_names_the_rank():
+    with pytest.raises(WorldError) as info:
+        run_world(_return_lock, 2, timeout_s=60)
+    assert info.value.rank == 1
+    assert "return value of fn (lock) cannot be pickled" in str(info.value)
+
+
+def test_unpicklable_fn_or_args_fail_in_the_caller():
+    t0 = time.monotonic()
+    with pytest.raises(TypeError, match=r"fn .*lambda.* cannot be pickled .* module-level function"):
+        run_world(lambda rank, world_size: rank, 2, timeout_s=60)
+    with pytest.raises(TypeError, match=r"args\[1\] \(lock\) cannot be pickled"):
+        run_world(_sum_ranks, 2, args=(1, threading.Lock()), timeout_s=60)
+    assert time.monotonic() - t0 < 1.0  # before any process starts
+
+
+def test_single_rank_world():
+    assert [o["sum"] for o in run_world(_sum_ranks, 1, args=(7,), timeout_s=60)] == [0.0]
 
 
 def test_two_worlds_back_to_back_do_not_clash():
@@ -66,9 +121,13 @@ def test_two_worlds_back_to_back_do_not_clash():
     assert [o["sum"] for o in b] == [2.0, 2.0]
 
 
-def test_world_size_must_be_positive():
-    with pytest.raises(ValueError, match="world_size"):
+def test_bad_world_size_and_timeout_are_rejected():
+    with pytest.raises(ValueError, match="world_size must be >= 1, got 0"):
         run_world(_sum_ranks, 0)
+    with pytest.raises(TypeError, match="world_size must be an int, got float"):
+        run_world(_sum_ranks, 2.0)
+    with pytest.raises(ValueError, match="timeout_s must be > 0"):
+        run_world(_sum_ranks, 2, timeout_s=0)
 
 
 def test_fake_world_builds_large_mesh():

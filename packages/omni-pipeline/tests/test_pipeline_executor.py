@@ -152,7 +152,17 @@ def run_layout(pp_rank: int, pp: int, virtual: int, seed: int, num_mb: int, grou
         s: Stage(model, slices[s], s == 0, s == schedule.num_stages - 1)
         for s in schedule.rank_stages(pp_rank)
     }
-    anchor = EncoderAnchor(dict(model.encoders), data=EncoderDataConfig(patch_size=14, max_seq_len=64))
+    # parameters no microbatch reaches: must end the step with zero .grad in every layout; frozen: None
+    unused = {}
+    for s, stage in stages.items():
+        stage.unused = nn.Linear(2, 2).double()
+        stage.frozen = nn.Parameter(torch.ones(2, dtype=torch.float64), requires_grad=False)
+        unused.update({f"stage{s}.unused.{n}": p for n, p in stage.unused.named_parameters()})
+    idle = nn.Linear(3, H).double()  # an encoder no encoder microbatch uses
+    unused.update({f"idle.{n}": p for n, p in idle.named_parameters()})
+    anchor = EncoderAnchor(
+        {**model.encoders, "idle": idle}, data=EncoderDataConfig(patch_size=14, max_seq_len=64)
+    )
     executor = PipelineExecutor(
         stages, anchor, step_functions(model, llm, {e: v["pos"] for e, v in enc.items()}, num_mb), groups
     )
@@ -169,10 +179,24 @@ def run_layout(pp_rank: int, pp: int, virtual: int, seed: int, num_mb: int, grou
         id(p) for p in model.encoders.parameters()
     }
     # numpy arrays pickle by value (tensors would go through shared-memory handles the child outlives)
+    missing = [n for n, p in model.named_parameters() if id(p) in held and p.grad is None]
+    missing += [n for n, p in unused.items() if p.grad is None]
     grads = {
         n: p.grad.numpy().copy() for n, p in model.named_parameters() if id(p) in held and p.grad is not None
     }
-    return result.losses, grads, {r: len(t) for r, t in result.timelines.items()}, result.metrics
+    no_grad = {
+        "missing": missing,  # trainable parameters left without .grad (must be none)
+        "unused_max": max(float(p.grad.abs().max()) for p in unused.values() if p.grad is not None),
+        "frozen_grads": [s for s, m in stages.items() if m.frozen.grad is not None],
+    }
+    return result.losses, grads, {r: len(t) for r, t in result.timelines.items()}, result.metrics, no_grad
+
+
+def _check_no_grad(no_grad) -> None:
+    """Every trainable parameter has a .grad; unreached ones hold exact zeros; frozen ones stay None."""
+    assert no_grad["missing"] == [], f"trainable parameters without .grad: {no_grad['missing']}"
+    assert no_grad["unused_max"] == 0.0, f"unreached parameters got gradient {no_grad['unused_max']}"
+    assert no_grad["frozen_grads"] == [], f"frozen parameters got .grad on stages {no_grad['frozen_grads']}"
 
 
 def _world(rank: int, world_size: int):
@@ -210,7 +234,8 @@ def test_executor_matches_single_process_on_gloo():
     # pp=4
     ref_losses, ref_grads = reference([1], 6)
     for r in range(4):
-        losses, _, lens, metrics = results[r]["pp4"]
+        losses, _, lens, metrics, no_grad = results[r]["pp4"]
+        _check_no_grad(no_grad)  # pp=4 has no llm_dp group: stage grads are filled without a reduction
         assert losses.keys() == ref_losses[0].keys()
         assert all(abs(losses[k] - ref_losses[0][k]) <= 1e-10 for k in losses)
         assert set(lens) == {0, 1, 2, 3}
@@ -221,15 +246,17 @@ def test_executor_matches_single_process_on_gloo():
     for name in ("pp2", "pp2v2"):
         for r in range(4):
             losses = results[r][name][0]
+            _check_no_grad(results[r][name][4])
             assert all(abs(losses[k] - ref_losses[r // 2][k]) <= 1e-10 for k in losses), (name, r)
         _check([results[r][name][1] for r in range(4)], ref_grads)
 
 
 def test_executor_pp1_in_one_process():
     model_ref_losses, ref_grads = reference([5], 3)
-    losses, grads, lens, _ = run_layout(0, 1, 1, 5, 3, PipelineGroups())
+    losses, grads, lens, _, no_grad = run_layout(0, 1, 1, 5, 3, PipelineGroups())
     assert all(abs(losses[k] - model_ref_losses[0][k]) <= 1e-10 for k in losses)
     _check([grads], ref_grads)
+    _check_no_grad(no_grad)  # pp=1, no groups at all: same rule as with groups
     assert lens == {0: 3 * 2 + 2 * 6}  # 3 F, 3 B, 6 encoder forwards and 6 backwards
 
 

@@ -27,6 +27,7 @@ from omni_pipeline import (
     ScheduleInterleaved1F1B,
     flow_index,
     isolated,
+    place,
     prepend_first_stage,
     torch_index,
     uniform_on_demand,
@@ -249,6 +250,39 @@ def test_every_policy_flow_validates_and_round_trips_json():
     prepend = prepend_first_stage(s, enc)
     assert prepend.entries[1] == (0, (0, 1)) and prepend.entries[-1] == (0, (-1, 3))
     assert {pp for pp, _ in uniform_on_demand(s, enc).entries.values()} == {0, 1}
+
+
+def test_fixed_ranks_pins_encoder_microbatch_e_to_rank_j_whatever_the_costs():
+    """``fixed_ranks=True``: e = (k-1)*P + j + 1 runs on rank j for random per-step costs (brute force over
+    the rule), on 1F1B and interleaved; the default split does move with costs; equal costs agree."""
+    rng = random.Random(7)
+    moved = 0
+    for trial in range(40):
+        P, M = rng.randint(1, 4), rng.randint(1, 6)
+        s = Schedule1F1B(P, M) if trial % 2 else ScheduleInterleaved1F1B(P, 2 * P, 2)
+        M = s.num_microbatches
+        enc = {k: [(k - 1) * P + j + 1 for j in range(P)] for k in range(1, M + 1)}
+        want = {(k - 1) * P + j + 1: j for k in range(1, M + 1) for j in range(P)}
+        costs = CostModel(encoder_forward_s={e: rng.uniform(0.01, 5.0) for e in want})
+        for flow in (
+            uniform_on_demand(s, enc, costs, fixed_ranks=True),
+            place("uniform_on_demand", s, enc, costs, fixed_ranks=True),
+            place("isolated", s, enc, costs, fixed_ranks=True),
+        ):
+            flow.validate(s)
+            assert {e: flow.encoder_rank(e) for e in want} == want, (trial, P, M)
+            assert all(sorted(flow.encoders_on(r)) == [e for e in want if want[e] == r] for r in range(P))
+        cost_split = uniform_on_demand(s, enc, costs)
+        moved += any(cost_split.encoder_rank(e) != j for e, j in want.items())
+        equal = CostModel(encoder_forward_s=dict.fromkeys(want, 0.3))
+        assert {e: uniform_on_demand(s, enc, equal).encoder_rank(e) for e in want} == want
+    assert moved > 0  # the default really depends on costs, which is why the keyword exists
+    # uneven lists: position j within encoder_inputs[k] picks rank j % P
+    s = Schedule1F1B(2, 2)
+    flow = uniform_on_demand(
+        s, {1: [5, 9, 2], 2: [7]}, CostModel(encoder_forward_s={2: 9.0}), fixed_ranks=True
+    )
+    assert {e: flow.encoder_rank(e) for e in (5, 9, 2, 7)} == {5: 0, 9: 1, 2: 0, 7: 0}
 
 
 def test_paper_style_bare_map_parses():

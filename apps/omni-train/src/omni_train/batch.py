@@ -9,6 +9,7 @@ are targets (the first caption token is predicted from the image embeddings: the
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from dataclasses import dataclass, field
 
 import torch
@@ -27,6 +28,7 @@ __all__ = [
     "LLMMicrobatch",
     "build_llm_microbatch",
     "encoder_inputs",
+    "step_targets",
 ]
 
 IGNORE = -100
@@ -65,7 +67,10 @@ class LLMMicrobatch:
 
 
 def build_llm_microbatch(
-    pack: Pack, text_ids: dict[str, torch.Tensor], placeholder_ids: dict[Modality, int]
+    pack: Pack,
+    text_ids: dict[str, torch.Tensor],
+    placeholder_ids: dict[Modality, int],
+    masked: Collection[int] = (),
 ) -> LLMMicrobatch:
     """Tensors for one pack.
 
@@ -73,19 +78,21 @@ def build_llm_microbatch(
         pack: the pack (metadata only).
         text_ids: ``uid -> int64 [text_tokens]`` for every sample of the pack that has text.
         placeholder_ids: token id of ``<|image|>`` and ``<|audio|>``.
+        masked: indices (in the pack) of samples with no targets: those whose image/audio did not decode
+            (``Payload.error``); their tokens stay in the pack, every label is ``IGNORE``.
 
     Raises:
         ValueError: a sample's text ids are missing or their count differs from its metadata (names it).
     """
     ids, labels, mods = [], [], []
-    for s in pack.samples:
+    for j, s in enumerate(pack.samples):
         t = text_ids.get(s.uid, torch.zeros(0, dtype=torch.int64))
         if t.numel() != s.text_tokens:
             raise ValueError(f"sample {s.uid}: {t.numel()} text token ids, metadata says {s.text_tokens}")
         media = torch.full((s.media_tokens,), placeholder_ids.get(s.modality, 0), dtype=torch.int64)
         seq = torch.cat([media, t.to(torch.int64)])
         lab = torch.full_like(seq, IGNORE)
-        if seq.numel() > 1:
+        if seq.numel() > 1 and j not in masked:
             # position p predicts token p + 1 when that token is text (not a media slot)
             is_text = torch.arange(1, seq.numel()) >= s.media_tokens
             lab[:-1] = torch.where(is_text, seq[1:], IGNORE)
@@ -103,6 +110,18 @@ def build_llm_microbatch(
         spans=pack.spans,
         samples=list(pack.samples),
     )
+
+
+def step_targets(packs: list[Pack], masked: Collection[tuple[int, int]] = ()) -> int:
+    """Target tokens of a step from metadata alone (the labels :func:`build_llm_microbatch` sets): every
+    text token of a sample with media (the first is predicted from the media embeddings), every text
+    token but the first of a text-only sample; none for a ``masked`` ``(pack, sample)``."""
+    n = 0
+    for p, pack in enumerate(packs):
+        for i, s in enumerate(pack.samples):
+            if (p, i) not in masked:
+                n += s.text_tokens if s.media_tokens else max(s.text_tokens - 1, 0)
+    return n
 
 
 @dataclass

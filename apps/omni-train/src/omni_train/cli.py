@@ -61,7 +61,8 @@ def resolve_run(args: argparse.Namespace) -> tuple[RunConfig, int, Path]:
         ``(config, nproc, out_dir)``.
 
     Raises:
-        ConfigError: an invalid config or override (names the field), or ``--resume`` with nothing to resume.
+        ConfigError: an invalid config or override (names the field), ``--resume`` with nothing to resume,
+            or a run directory that already holds checkpoints without ``--resume``.
     """
     cfg = load_config(args.config)
     par = cfg.parallel
@@ -101,6 +102,15 @@ def resolve_run(args: argparse.Namespace) -> tuple[RunConfig, int, Path]:
         out = Path("runs") / f"{cfg.name}-{time.strftime('%Y%m%d-%H%M%S')}"
     if args.resume and not (out / "checkpoints").is_dir():
         raise ConfigError(f"--resume: {out} holds no checkpoints directory")
+    # A worker that torchrun restarted resumes (see trainer.worker_main); anything else must not train
+    # into a run directory whose checkpoints it would collide with at its first save.
+    restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0
+    old = sorted(p.name for p in (out / "checkpoints").glob("step-*"))
+    if old and not (args.resume or restarted):
+        raise ConfigError(
+            f"--out: {out} already holds checkpoints ({old[-1]}); pass --resume to continue that run, "
+            "or another --out"
+        )
     return cfg, nproc, out
 
 

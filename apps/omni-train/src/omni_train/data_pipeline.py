@@ -9,7 +9,7 @@ LLM microbatch ``k`` is split into ``pp`` encoder microbatches ``e = (k-1)*pp + 
 on, the split balances encoder FLOPs with Karmarkar-Karp (omni-data's ``split_encoder_microbatches``:
 grouped reordering inside the pipeline group, which needs no payload movement because every rank of the
 group holds the same metadata); with reordering off, each LLM microbatch's media samples are cut in
-arrival order into ``pp`` contiguous runs of equal count (the unbalanced baseline).
+arrival order into ``pp`` contiguous runs of equal count (the unbalanced baseline; ``balance=False``).
 
 ``--packing per_modality`` packs each source separately (a pack holds one modality) and the mixture then
 draws packs instead of samples.
@@ -32,18 +32,16 @@ from omni_data import (
     PayloadReader,
     WebDatasetSource,
     ZeroRedundancyFilter,
-    split_encoder_microbatches,
 )
-from omni_data.zero_redundancy import SampleIndex
+from omni_data.zero_redundancy import FilteredStep, SampleIndex
 from omni_train.config import Packing, RunConfig, expand_urls
 
 __all__ = [
-    "StepFilter",
     "build_step_stream",
     "encoder_imbalance",
     "encoder_load",
     "mixture_schedule",
-    "split_in_order",
+    "undecodable_samples",
 ]
 
 
@@ -57,28 +55,20 @@ def mixture_schedule(cfg: RunConfig) -> MixtureSchedule:
     return MixtureSchedule(points, unit="step")
 
 
-def split_in_order(packs: list[Pack], microbatches: int, slices: int) -> dict[int, list[SampleIndex]]:
-    """Encoder microbatches without balancing: each LLM microbatch's media samples, in pack order, cut
-    into ``slices`` contiguous runs whose sizes differ by at most one sample (same numbering as
-    :func:`omni_data.split_encoder_microbatches`)."""
-    if microbatches < 1 or slices < 1 or len(packs) % microbatches:
-        raise ValueError(f"{len(packs)} packs cannot form {microbatches} microbatches x {slices} slices")
-    per = len(packs) // microbatches
-    out: dict[int, list[SampleIndex]] = {}
-    for k in range(microbatches):
-        media = [
-            (p, i)
-            for p in range(k * per, (k + 1) * per)
-            for i, s in enumerate(packs[p].samples)
-            if s.modality is not Modality.TEXT
-        ]
-        base, extra = divmod(len(media), slices)
-        at = 0
-        for j in range(slices):
-            n = base + (1 if j < extra else 0)
-            out[k * slices + j + 1] = media[at : at + n]
-            at += n
-    return out
+def undecodable_samples(fs: FilteredStep) -> list[SampleIndex]:
+    """``(pack, sample)`` of every payload this rank read whose image/audio body did not decode.
+
+    omni-data's :class:`ZeroRedundancyFilter` keeps such a sample in its pack (every rank planned the pack
+    from metadata) with zeros of the metadata's shape and ``Payload.error`` set; the trainer must not
+    train on it (its caption/transcript targets are masked). Only the rank that ran the sample's encoder
+    microbatch knows; the trainer shares the result over the pipeline group.
+    """
+    return sorted(
+        idx
+        for e, payloads in fs.payloads.items()
+        for idx, p in zip(fs.microbatches[e], payloads)
+        if p.error is not None
+    )
 
 
 def encoder_load(
@@ -98,24 +88,13 @@ def encoder_load(
     return out
 
 
-def encoder_imbalance(load: dict[int, list[float]]) -> float:
+def encoder_imbalance(load: dict[int, list[float]]) -> float | None:
     """Mean over LLM microbatches with encoder work of ``max / mean`` encoder FLOPs over ranks (1.0 is
-    perfect balance): how long stage 0 waits for the slowest slice of each microbatch's encoder work."""
+    perfect balance, ``num_ranks`` all on one rank): how long stage 0 waits for the slowest slice of each
+    microbatch's encoder work. ``None`` when no microbatch has encoder work (a text-only step), so that
+    such steps do not pass for balanced ones in averages."""
     ratios = [max(v) * len(v) / sum(v) for v in load.values() if sum(v) > 0]
-    return sum(ratios) / len(ratios) if ratios else 1.0
-
-
-class StepFilter(ZeroRedundancyFilter):
-    """:class:`ZeroRedundancyFilter` whose encoder-microbatch split follows ``--reorder``."""
-
-    def __init__(self, *args, reorder: bool, **kwargs) -> None:
-        super().__init__(*args, **kwargs)
-        self.reorder = reorder
-
-    def select(self, packs: list[Pack]) -> dict[int, list[SampleIndex]]:
-        if self.reorder:
-            return split_encoder_microbatches(packs, self.microbatches, self.slices)
-        return split_in_order(packs, self.microbatches, self.slices)
+    return sum(ratios) / len(ratios) if ratios else None
 
 
 def build_step_stream(
@@ -128,7 +107,7 @@ def build_step_stream(
     consumes: set[int],
     read_text: bool,
     tp_group=None,
-) -> StepFilter:
+) -> ZeroRedundancyFilter:
     """The per-step stream of this rank (see the module docstring); call ``reset()`` or
     ``reset(state)`` before use.
 
@@ -178,7 +157,7 @@ def build_step_stream(
         # The mixture draws whole single-modality packs by the schedule's weights.
         packer = mixture = MixtureStream(per_source, schedule)
     loader = PackedLoader(packer, d.microbatches, mixture=mixture, dp_group=dp_group if dp_size > 1 else None)
-    return StepFilter(
+    return ZeroRedundancyFilter(
         loader,
         consumes,
         microbatches=d.microbatches,
@@ -187,5 +166,5 @@ def build_step_stream(
         tp_group=tp_group,
         prefetch=1,
         read_text=read_text,
-        reorder=cfg.parallel.reorder,
+        balance=cfg.parallel.reorder,
     )

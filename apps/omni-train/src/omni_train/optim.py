@@ -56,7 +56,8 @@ def clip_grad_norm_(
         replicated: parameters every rank of ``group`` holds with identical gradients (encoders).
         group: the pipeline group the owned norms are summed over (``None``: no reduction).
     """
-    sq = torch.zeros((), dtype=torch.float64)
+    first = next(iter((*owned, *replicated)), None)
+    sq = torch.zeros((), dtype=torch.float64, device=first.device if first is not None else None)
     for p in owned:
         if p.grad is not None:
             sq += p.grad.detach().to(torch.float64).pow(2).sum()

@@ -10,6 +10,9 @@ Per rank (DESIGN.md, apps/omni-train; MegaScale-Omni §3-§5):
 * omni-pipeline: a 1F1B schedule, a data flow from the placement policy (``uniform_on_demand`` by default),
   an :class:`EncoderAnchor` holding the encoders, and the :class:`PipelineExecutor` running each step over
   real point-to-point transfers.
+* Bad data: a sample whose image/audio body did not decode (omni-data's zero placeholder,
+  ``Payload.error``) keeps its place in its pack; its targets are masked and it is counted per step
+  (``skipped_payloads``). The decoding rank shares which samples over the pipeline group.
 * AdamW (:mod:`omni_train.optim`), and omni-ckpt's :class:`CheckpointManager` with async saves holding the
   model, the optimizer (by parameter name), the loader state and the step.
 
@@ -41,9 +44,9 @@ from omni_pipeline.executor import PipelineExecutor, PipelineGroups, StepFunctio
 from omni_pipeline.placement import place
 from omni_pipeline.schedules import Schedule1F1B
 from omni_pipeline.trace import plot_timeline, write_chrome_trace
-from omni_train.batch import MODALITIES, LLMMicrobatch, build_llm_microbatch
+from omni_train.batch import MODALITIES, LLMMicrobatch, build_llm_microbatch, step_targets
 from omni_train.config import RunConfig, bundled_data_dir
-from omni_train.data_pipeline import build_step_stream, encoder_imbalance, encoder_load, split_in_order
+from omni_train.data_pipeline import build_step_stream, encoder_imbalance, encoder_load, undecodable_samples
 from omni_train.encoders import Encoders
 from omni_train.flops import attention_flops, matmul_params, measure_peak_flops, model_flops
 from omni_train.loss import microbatch_loss
@@ -51,17 +54,7 @@ from omni_train.metrics import MetricsLogger, plot_loss, read_metrics
 from omni_train.models.llm import LLMStage
 from omni_train.optim import build_optimizer, clip_grad_norm_, lr_at
 
-__all__ = ["Trainer", "step_targets", "worker_main"]
-
-
-def step_targets(packs: list[Pack]) -> int:
-    """Target tokens of a step from metadata alone: every text token of a sample with media (the first
-    is predicted from the media embeddings), every text token but the first of a text-only sample."""
-    n = 0
-    for p in packs:
-        for s in p.samples:
-            n += s.text_tokens if s.media_tokens else max(s.text_tokens - 1, 0)
-    return n
+__all__ = ["Trainer", "worker_main"]
 
 
 class Trainer:
@@ -85,7 +78,7 @@ class Trainer:
         self.pp_rank, self.pp = self.ps.local_rank("pp"), self.ps.size("pp")
         self.dp_rank, self.dp = self.ps.local_rank("dp"), self.ps.size("dp")
         self.is_first, self.is_last = self.pp_rank == 0, self.pp_rank == self.pp - 1
-        cuda = dist.get_backend() == "nccl"
+        cuda = torch.cuda.is_available() and "nccl" in str(dist.get_backend())
         self.device = (
             torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if cuda else torch.device("cpu")
         )
@@ -141,6 +134,7 @@ class Trainer:
         )
         self._mbs: dict[int, LLMMicrobatch] = {}
         self._packs: list[Pack] = []
+        self._masked: set[tuple[int, int]] = set()
         self._targets = 1
         self._loss_scale = 1.0
         functions = StepFunctions(
@@ -212,14 +206,36 @@ class Trainer:
         return self.encoders(payloads).to(self.dtype)
 
     # -- one step -------------------------------------------------------------------------------------------
+    def _undecodable(self, fs) -> set[tuple[int, int]]:
+        """``(pack, sample)`` whose payload failed to decode on any rank of this pipeline: only the rank
+        that ran the sample's encoder microbatch knows, the last stage needs it (labels), every stage
+        needs the count (the step's targets)."""
+        offsets = [0]
+        for p in fs.packs:
+            offsets.append(offsets[-1] + len(p.samples))
+        flags = torch.zeros(offsets[-1], dtype=torch.int32)
+        for p, i in undecodable_samples(fs):
+            flags[offsets[p] + i] = 1
+        if self.pp > 1:
+            dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.ps.group("pp"))
+        return {
+            (p, i)
+            for p in range(len(fs.packs))
+            for i in range(len(fs.packs[p].samples))
+            if flags[offsets[p] + i]
+        }
+
     def _prepare(self, fs) -> StepPlan:
         packs = fs.packs
         self._packs = packs
+        masked = self._undecodable(fs)
+        self._masked = masked
         if self.is_first or self.is_last:
             self._mbs = {}
             for k, (pack, row) in enumerate(zip(packs, fs.text_ids), start=1):
                 ids = {s.uid: t for s, t in zip(pack.samples, row) if t is not None}
-                self._mbs[k] = build_llm_microbatch(pack, ids, self.placeholders)
+                drop = {i for p, i in masked if p == k - 1}
+                self._mbs[k] = build_llm_microbatch(pack, ids, self.placeholders, drop)
         self._enc_positions = {}
         enc_shapes = {}
         for e, items in fs.microbatches.items():
@@ -232,7 +248,7 @@ class Trainer:
             self._enc_positions[e] = torch.cat(pos) if pos else torch.zeros(0, dtype=torch.int64)
             enc_shapes[e] = (int(self._enc_positions[e].numel()), self.llm_cfg.dim)
         llm_shapes = {k: (p.num_tokens, self.llm_cfg.dim) for k, p in enumerate(packs, start=1)}
-        targets = torch.tensor([step_targets(packs)], dtype=torch.int64)
+        targets = torch.tensor([step_targets(packs, masked)], dtype=torch.int64)
         if self.dp > 1:
             dist.all_reduce(targets, group=self.ps.group("dp"))
         self._targets = max(1, int(targets))
@@ -289,13 +305,9 @@ class Trainer:
                 g["lr"] = lr
             self.optimizer.zero_grad(set_to_none=True)
             want_timeline = step == total - 1
+            # The executor leaves a zero .grad on every parameter that got none (an encoder whose
+            # modality is absent), so AdamW advances the same way whatever the layout.
             result = self.executor.step(plan, fs.payloads, gather_timelines=want_timeline)
-            # A parameter unused this step (an encoder whose modality is absent) gets a zero gradient,
-            # not None, so AdamW's moments advance the same way whatever the layout (the executor's
-            # gradient reduction fills zeros too when it reduces).
-            for p in self.model.parameters():
-                if p.grad is None:
-                    p.grad = torch.zeros_like(p)
             grad_norm = clip_grad_norm_(
                 list(self.stage.parameters()),
                 list(self.encoders.parameters()),
@@ -326,7 +338,7 @@ class Trainer:
         """One all-reduce over the world: per-rank wall/busy seconds, and (from pipeline rank 0 of each
         DP replica, which holds the broadcast losses) loss and per-modality sums, tokens, samples."""
         n = self.world
-        vec = torch.zeros(2 * n + 1 + 2 * len(MODALITIES) + 2, dtype=torch.float64)
+        vec = torch.zeros(2 * n + 1 + 2 * len(MODALITIES) + 3, dtype=torch.float64)
         vec[self.rank] = wall
         vec[n + self.rank] = busy
         if self.pp_rank == 0:
@@ -334,8 +346,9 @@ class Trainer:
             for i, mod in enumerate(MODALITIES):
                 vec[2 * n + 1 + i] = sum(m[f"ce_{mod}"] for m in result.metrics.values())
                 vec[2 * n + 1 + len(MODALITIES) + i] = sum(m[f"n_{mod}"] for m in result.metrics.values())
-            vec[-2] = sum(p.num_tokens for p in packs)
-            vec[-1] = sum(len(p.samples) for p in packs)
+            vec[-3] = sum(p.num_tokens for p in packs)
+            vec[-2] = sum(len(p.samples) for p in packs)
+            vec[-1] = len(self._masked)
         dist.all_reduce(vec)
         v = vec.tolist()
         return {
@@ -344,14 +357,15 @@ class Trainer:
             "loss": v[2 * n],
             "ce": v[2 * n + 1 : 2 * n + 1 + len(MODALITIES)],
             "count": v[2 * n + 1 + len(MODALITIES) : 2 * n + 1 + 2 * len(MODALITIES)],
-            "tokens": v[-2],
-            "samples": v[-1],
+            "tokens": v[-3],
+            "samples": v[-2],
+            "skipped_payloads": int(v[-1]),
         }
 
     def _metrics_row(self, packs, row, wall, lr, grad_norm, llm_matmul_all) -> dict[str, Any]:
         step_s = max(row["wall"])
         mbs_kk = split_encoder_microbatches(packs, self.M, self.pp)
-        mbs_in_order = split_in_order(packs, self.M, self.pp)
+        mbs_in_order = split_encoder_microbatches(packs, self.M, self.pp, balance=False)
         before = encoder_imbalance(encoder_load(packs, mbs_in_order, self.owner, self.pp))
         after = encoder_imbalance(encoder_load(packs, mbs_kk, self.owner, self.pp))
         flops = self._step_flops(packs) + model_flops(llm_matmul_all, sum(p.num_tokens for p in packs), 0.0)
@@ -367,6 +381,7 @@ class Trainer:
             "tokens": row["tokens"],
             "tokens_per_s": row["tokens"] / step_s,
             "samples_per_s": row["samples"] / step_s,
+            "skipped_payloads": row["skipped_payloads"],
             "packing_fill": sum(p.num_tokens for p in packs) / (len(packs) * self.cfg.data.max_seq_len),
             "encoder_imbalance_before_reorder": before,
             "encoder_imbalance_after_reorder": after,
@@ -435,6 +450,7 @@ class Trainer:
             "last_mean_loss": sum(losses[-n:]) / n if losses else None,
             "window": n,
             "mean_tokens_per_s": sum(m["tokens_per_s"] for m in metrics) / len(metrics) if metrics else None,
+            "skipped_payloads": sum(m.get("skipped_payloads", 0) for m in metrics),
             "checkpoints": self.ckpt.steps(),
         }
         (self.out / "summary.json").write_text(json.dumps(summary, indent=2))
@@ -464,7 +480,13 @@ def worker_main(cfg: RunConfig, out_dir: str, resume: bool) -> dict[str, Any]:
     torch.set_num_threads(1)
     restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0
     if not dist.is_initialized():
-        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+        if torch.cuda.is_available():
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+            # NCCL for the CUDA tensors (activations, gradients); the trainer's and loaders' bookkeeping
+            # collectives (metrics, target counts, loader state) are on CPU tensors and need gloo.
+            dist.init_process_group("cpu:gloo,cuda:nccl")
+        else:
+            dist.init_process_group("gloo")
     try:
         return Trainer(cfg, Path(out_dir), resume=resume or restarted).run()
     finally:

@@ -46,21 +46,31 @@ SampleIndex = tuple[int, int]
 
 
 def split_encoder_microbatches(
-    packs: list[Pack], microbatches: int, slices: int
+    packs: list[Pack], microbatches: int, slices: int, *, balance: bool = True
 ) -> dict[int, list[SampleIndex]]:
     """Encoder microbatches of one step: the media samples of LLM microbatch ``k`` split into ``slices``.
 
     LLM microbatch ``k`` (1-based, as in DESIGN.md) holds packs ``[(k-1)*B, k*B)`` with
-    ``B = len(packs) // microbatches``. Its media samples are split into ``slices`` parts of near-equal
-    encoder FLOPs (``omni_parallel.karmarkar_karp``); part ``j`` is encoder microbatch
-    ``e = (k-1)*slices + j + 1``. With ``slices`` = PP size this is the uniform split of the paper's
-    on-demand insertion (§4.2). Text-only samples have no encoder work and appear in none.
+    ``B = len(packs) // microbatches``. Its media samples (image and audio, in pack order) are split into
+    ``slices`` parts; part ``j`` is encoder microbatch ``e = (k-1)*slices + j + 1``. With ``slices`` = PP
+    size this is the uniform split of the paper's on-demand insertion (§4.2). Text-only samples have no
+    encoder work and appear in none.
+
+    Args:
+        packs: the step's packs (metadata only).
+        microbatches: LLM microbatches per step.
+        slices: encoder microbatches per LLM microbatch (usually the PP size).
+        balance: ``True``: parts of near-equal encoder FLOPs (Karmarkar-Karp largest differencing,
+            ``omni_parallel.karmarkar_karp``; the grouped reordering of §5.3 inside the pipeline group).
+            ``False``: the unbalanced baseline (``--reorder off``): the media samples, in pack order,
+            are cut into ``slices`` contiguous runs whose sizes (in samples) differ by at most one, the
+            longer runs first; part ``j`` keeps the pack order.
 
     Returns:
         ``{e: [(pack, sample)]}`` for every ``e`` in ``1 .. microbatches*slices`` (possibly empty lists).
 
     Raises:
-        ValueError: ``len(packs)`` not divisible by ``microbatches``, or ``slices < 1``.
+        ValueError: ``len(packs)`` not divisible by ``microbatches``, or ``microbatches`` or ``slices`` < 1.
     """
     if microbatches < 1 or slices < 1 or len(packs) % microbatches:
         raise ValueError(f"{len(packs)} packs cannot form {microbatches} microbatches x {slices} slices")
@@ -73,9 +83,17 @@ def split_encoder_microbatches(
             for i, s in enumerate(packs[p].samples)
             if s.modality is not Modality.TEXT
         ]
-        parts = karmarkar_karp([packs[p].samples[i].encoder_flops for p, i in media], slices)
-        for j, part in enumerate(parts):
-            out[k * slices + j + 1] = [media[g] for g in part]
+        if balance:
+            parts = karmarkar_karp([packs[p].samples[i].encoder_flops for p, i in media], slices)
+            for j, part in enumerate(parts):
+                out[k * slices + j + 1] = [media[g] for g in part]
+        else:
+            base, extra = divmod(len(media), slices)
+            at = 0
+            for j in range(slices):
+                n = base + (1 if j < extra else 0)
+                out[k * slices + j + 1] = media[at : at + n]
+                at += n
     return out
 
 
@@ -107,6 +125,10 @@ class ZeroRedundancyFilter(StatefulNode[FilteredStep]):
         consumes: encoder microbatch ids this pipeline rank runs (plain data, e.g. from a data flow).
         microbatches: LLM microbatches per step.
         slices: encoder microbatches per LLM microbatch (usually the PP size).
+        balance: passed to :func:`split_encoder_microbatches`: ``True`` (default) balances each LLM
+            microbatch's encoder FLOPs over its slices; ``False`` cuts its media samples in pack order
+            into contiguous runs of near-equal count (the ``--reorder off`` baseline). A resumed run
+            must use the same value as the saved one to read the same split.
         reader: decodes payloads (needs a tokenizer for text ids).
         tp_group: this rank's TP group; only its rank 0 reads. ``None``: no TP, this rank reads.
         prefetch: steps of metadata pulled ahead; their payloads are read on a background thread.
@@ -135,6 +157,7 @@ class ZeroRedundancyFilter(StatefulNode[FilteredStep]):
         prefetch: int = 1,
         read_text: bool = False,
         max_skipped_keys: int = 1000,
+        balance: bool = True,
     ) -> None:
         super().__init__()
         if microbatches < 1 or slices < 1:
@@ -152,6 +175,7 @@ class ZeroRedundancyFilter(StatefulNode[FilteredStep]):
         self.loader = loader
         self.consumes = frozenset(int(e) for e in consumes)
         self.microbatches, self.slices = microbatches, slices
+        self.balance = balance
         self.reader = reader
         self.tp_group = tp_group
         self.prefetch = max(0, prefetch)
@@ -169,8 +193,8 @@ class ZeroRedundancyFilter(StatefulNode[FilteredStep]):
         return self.tp_group is None or dist.get_rank(self.tp_group) == 0
 
     def select(self, packs: list[Pack]) -> dict[int, list[SampleIndex]]:
-        """All encoder microbatches of a step (:func:`split_encoder_microbatches`)."""
-        return split_encoder_microbatches(packs, self.microbatches, self.slices)
+        """All encoder microbatches of a step (:func:`split_encoder_microbatches` with ``balance``)."""
+        return split_encoder_microbatches(packs, self.microbatches, self.slices, balance=self.balance)
 
     def _mine(self, batch: StepBatch) -> list[SampleMeta]:
         mbs = self.select(batch.packs)

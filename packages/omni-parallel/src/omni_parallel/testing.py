@@ -7,7 +7,9 @@ worlds started back to back (or concurrently) never race for a port.
 
 Children are started with the ``forkserver`` method and ``torch`` pre-imported in the fork server: a
 fresh interpreter importing torch costs ~2.5 s of CPU, a fork of the server costs milliseconds. ``fn``
-must be picklable (a module-level function); test modules therefore need unique basenames. A script
+and ``args`` must be picklable (a module-level function; checked in the caller before any process
+starts); test modules therefore need unique basenames. A rank that raises, dies without a result
+(segfault, ``os._exit``) or returns something unpicklable is named in a :class:`WorldError`. A script
 (not a test) that calls ``run_world`` needs the usual ``if __name__ == "__main__":`` guard, since the
 children re-import the caller's main module.
 
@@ -20,8 +22,10 @@ from __future__ import annotations
 import contextlib
 import multiprocessing as mp
 import multiprocessing.connection
+import multiprocessing.reduction
 import os
 import pickle
+import signal
 import time
 import traceback
 from collections.abc import Callable, Iterator, Sequence
@@ -106,7 +110,13 @@ def _worker(
             return
         # Plain pickle, not the connection's ForkingPickler: torch's reducers would share tensors by file
         # descriptor, and those die with this process before the caller reads them.
-        conn.send_bytes(pickle.dumps(("ok", result)))
+        try:
+            payload = pickle.dumps(("ok", result))
+        except Exception as exc:
+            raise TypeError(
+                f"the return value of fn ({type(result).__name__}) cannot be pickled back to the caller: {exc}"
+            ) from exc
+        conn.send_bytes(payload)
         # Tear down only once every rank is done, so a fast rank closing its sockets cannot break a peer
         # still in its last collective. The result is already sent: a hung peer leaves only itself unnamed.
         with contextlib.suppress(Exception):
@@ -141,12 +151,24 @@ def run_world(
         ``[result_rank0, result_rank1, ...]``.
 
     Raises:
-        ValueError: ``world_size < 1``.
-        WorldError: a rank raised; the first failing rank is named with its traceback, the rest are killed.
-        WorldTimeoutError: some ranks did not finish within ``timeout_s``; all are killed, stragglers named.
+        TypeError: ``world_size`` is not an int, or ``fn`` or an element of ``args`` cannot be pickled
+            (e.g. a lambda or a nested function); raised in the caller before any process starts.
+        ValueError: ``world_size < 1`` or ``timeout_s <= 0``.
+        WorldError: a rank raised, its return value could not be pickled, or its process exited without a
+            result (crash, ``os._exit``); the root rank is named with its traceback, the rest are killed.
+            A rank that died without a result counts as the root over ranks that raised, since a dead
+            peer makes the others' collectives fail.
+        WorldTimeoutError: some ranks did not finish within ``timeout_s``; all are killed, exactly the
+            unfinished ranks are named.
     """
+    if not isinstance(world_size, int) or isinstance(world_size, bool):
+        raise TypeError(f"world_size must be an int, got {type(world_size).__name__} {world_size!r}")
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
+    if not timeout_s > 0:
+        raise ValueError(f"timeout_s must be > 0 seconds, got {timeout_s}")
+    args = tuple(args)
+    _check_picklable(fn, args)
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(_PRELOAD)
     # The caller hosts the rendezvous store on port 0 (the OS picks a free one): no port race.
@@ -165,7 +187,7 @@ def run_world(
             parent_conn, child_conn = ctx.Pipe(duplex=False)
             p = ctx.Process(
                 target=_worker,
-                args=(fn, rank, world_size, backend, store.port, timeout_s, tuple(args), child_conn),
+                args=(fn, rank, world_size, backend, store.port, timeout_s, args, child_conn),
                 name=f"omni-rank{rank}",
                 daemon=True,
             )
@@ -179,22 +201,20 @@ def run_world(
         pending = set(range(world_size))
         while pending:
             remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                raise WorldTimeoutError(sorted(pending), timeout_s)
-            ready = multiprocessing.connection.wait([conns[r] for r in pending], timeout=min(remaining, 0.5))
+            # One last non-blocking look after the deadline, so a rank whose result is already in its
+            # pipe is not named as unfinished.
+            ready = multiprocessing.connection.wait(
+                [conns[r] for r in sorted(pending)], timeout=min(max(remaining, 0.0), 0.5)
+            )
             for conn in ready:
                 rank = conns.index(conn)
-                try:
-                    msg = pickle.loads(conn.recv_bytes())
-                except EOFError:
-                    procs[rank].join(timeout=1.0)
-                    raise WorldError(
-                        rank, f"process exited without a result (exit code {procs[rank].exitcode})", ""
-                    ) from None
+                msg = _receive(conn, procs[rank])
                 if msg[0] == "error":
-                    raise _first_error(rank, msg, conns, pending)
+                    raise _first_error(rank, msg, conns, procs, pending)
                 results[rank] = msg[1]
                 pending.discard(rank)
+            if pending and remaining <= 0:
+                raise WorldTimeoutError(sorted(pending), timeout_s)
         return [results[r] for r in range(world_size)]
     finally:
         for p in procs:
@@ -207,21 +227,61 @@ def run_world(
         del store
 
 
-def _first_error(rank: int, msg: tuple, conns: list[Any], pending: set[int]) -> WorldError:
+def _check_picklable(fn: Callable[..., Any], args: tuple[Any, ...]) -> None:
+    """Fail in the caller, naming the culprit, if ``fn`` or an argument cannot reach the rank processes.
+
+    Raises:
+        TypeError: ``fn`` or ``args[i]`` cannot be pickled by multiprocessing's pickler.
+    """
+    dumps = multiprocessing.reduction.ForkingPickler.dumps
+    try:
+        dumps(fn)
+    except Exception as exc:
+        raise TypeError(
+            f"run_world: fn {fn!r} cannot be pickled into the rank processes ({type(exc).__name__}: {exc}); "
+            "pass a module-level function, not a lambda, nested function or bound method of a local object"
+        ) from exc
+    for i, arg in enumerate(args):
+        try:
+            dumps(arg)
+        except Exception as exc:
+            raise TypeError(
+                f"run_world: args[{i}] ({type(arg).__name__}) cannot be pickled into the rank processes "
+                f"({type(exc).__name__}: {exc})"
+            ) from exc
+
+
+def _receive(conn: Any, proc: Any) -> tuple:
+    """Read one rank's message: ``("ok", result)`` or ``("error", time_raised, message, traceback)``.
+
+    A process that closed its pipe without a message (segfault, ``os._exit``, killed) becomes an error
+    with time ``-inf``: it is the root cause when its peers then fail in their collectives.
+    """
+    try:
+        return pickle.loads(conn.recv_bytes())
+    except EOFError:
+        proc.join(timeout=1.0)
+        code = proc.exitcode
+        how = f"exit code {code}"
+        if code is not None and code < 0:
+            with contextlib.suppress(ValueError):
+                how = f"killed by signal {signal.Signals(-code).name}"
+        message = f"process exited without a result ({how}); its own stderr output may say why"
+        return ("error", float("-inf"), message, "")
+
+
+def _first_error(rank: int, msg: tuple, conns: list[Any], procs: list[Any], pending: set[int]) -> WorldError:
     """Pick the root failure: errors from the other ranks arriving within a short grace period are
     compared by the time they were raised, since a failing rank makes its peers' collectives fail."""
     errors = {rank: msg}
     grace_end = time.monotonic() + 1.0
-    others = [r for r in pending if r != rank]
+    others = [r for r in sorted(pending) if r != rank]
     while others and time.monotonic() < grace_end:
         ready = multiprocessing.connection.wait([conns[r] for r in others], timeout=0.1)
         for conn in ready:
             r = conns.index(conn)
             others.remove(r)
-            try:
-                m = pickle.loads(conn.recv_bytes())
-            except EOFError:
-                continue
+            m = _receive(conn, procs[r])
             if m[0] == "error":
                 errors[r] = m
     first = min(errors, key=lambda r: (errors[r][1], r))

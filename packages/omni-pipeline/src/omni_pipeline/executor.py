@@ -17,6 +17,13 @@ Numerics: the step's objective is the sum of the per-microbatch losses ``loss_fn
 ``loss_fn``, e.g. by 1 / microbatches). After the step LLM gradients are averaged over ``llm_dp``; encoder
 gradients are summed over ``encoder_dp`` (every rank of every replica computes a slice of the encoder work)
 and divided by the number of DP replicas (``size(encoder_dp) / pp``), unless the encoders use ZeRO-3.
+
+Missing gradients, the same in every layout: after a step every parameter of this rank's stage modules and
+encoders with ``requires_grad`` has a ``.grad`` tensor. One that received none this step (a layer no
+microbatch reached, an encoder whose modality this rank never ran) gets zeros of its shape before any
+reduction, with or without process groups (pp=1 included), so an optimizer such as AdamW treats it the
+same way (zero gradient: moments decay, weight decay applies) whatever the layout. Parameters with
+``requires_grad=False`` are left alone.
 """
 
 from __future__ import annotations
@@ -191,8 +198,9 @@ class PipelineExecutor:
         return base + 2 * e + int(grad)
 
     def parameters(self) -> list[nn.Parameter]:
-        """LLM stage parameters on this rank (the anchor holds the encoders')."""
-        return [p for m in self.stages.values() for p in m.parameters()]
+        """LLM stage parameters on this rank, each once (a module shared by two stages counts once; the
+        anchor holds the encoders')."""
+        return list({id(p): p for m in self.stages.values() for p in m.parameters()}.values())
 
     def step(
         self,
@@ -203,7 +211,9 @@ class PipelineExecutor:
     ) -> StepResult:
         """Run forward and backward of every microbatch of ``plan`` and reduce gradients.
 
-        Gradients accumulate into ``.grad`` (zero them before the step, step the optimizer after).
+        Gradients accumulate into ``.grad`` (zero them before the step, step the optimizer after). On
+        return every parameter of this rank's stage modules and encoders that requires grad has a
+        ``.grad`` tensor: zeros where it received no gradient, in every layout (see the module docstring).
 
         Args:
             plan: the step plan (identical on all pipeline ranks).
@@ -441,20 +451,29 @@ class PipelineExecutor:
             timelines = dict(enumerate(gathered))
         return StepResult(losses=losses, metrics=metrics, timeline=timeline, timelines=timelines)
 
+    def _fill_missing_gradients(self) -> None:
+        """Zeros for every trainable parameter without ``.grad`` (stage modules and encoders), so the
+        optimizer sees the same parameters in every layout, with or without groups to reduce over."""
+        params = {id(p): p for p in [*self.parameters(), *self.anchor.parameters()]}
+        for p in params.values():
+            if p.requires_grad and p.grad is None:
+                p.grad = torch.zeros_like(p)
+
     def _reduce_gradients(self) -> None:
         """LLM: average over ``llm_dp``. Encoders: sum over ``encoder_dp``, divide by the DP replicas."""
+        self._fill_missing_gradients()
         llm_dp = _size(self.groups.llm_dp)
         if llm_dp > 1:
             for p in self.parameters():
-                if p.grad is None:
-                    p.grad = torch.zeros_like(p)
+                if p.grad is None:  # requires_grad=False: nothing to average
+                    continue
                 dist.all_reduce(p.grad, op=dist.ReduceOp.SUM, group=self.groups.llm_dp)
                 p.grad.div_(llm_dp)
         if self.groups.encoder_dp is not None and self.anchor.parallel.zero_stage < 3:
             replicas = max(1, _size(self.groups.encoder_dp) // self.pp_size)
-            for p in self.anchor.parameters():
-                if p.grad is None:
-                    p.grad = torch.zeros_like(p)
+            for p in {id(p): p for p in self.anchor.parameters()}.values():
+                if p.grad is None:  # requires_grad=False
+                    continue
                 dist.all_reduce(p.grad, op=dist.ReduceOp.SUM, group=self.groups.encoder_dp)
                 if replicas > 1:
                     p.grad.div_(replicas)

@@ -5,9 +5,9 @@
 * ``isolated`` - encoder work spread over all ranks, every forward before the pipeline starts and every
   backward after it ends (MegaScale-Omni, uniform insertion: no interference, high memory).
 * ``uniform_on_demand`` - MegaScale-Omni's policy: the encoder work of LLM microbatch k is split over all P
-  ranks (largest-first onto the least-loaded rank); each rank runs its slice at the latest point from which
-  it still finishes before stage 0 needs it, and its backward at the earliest point after the gradient has
-  returned. "When" is estimated from the LLM-only schedule timed with a cost model (unit costs F=1, B=2 by
+  ranks (largest-first onto the least-loaded rank; with ``fixed_ranks=True`` the j-th onto rank j % P);
+  each rank runs its slice at the latest point from which it still finishes before stage 0 needs it, and
+  its backward at the earliest point after the gradient has returned. "When" is estimated from the LLM-only schedule timed with a cost model (unit costs F=1, B=2 by
   default); a point after which the rank would wait on stage 0's forward itself is never chosen.
 """
 
@@ -79,9 +79,25 @@ def split_over_ranks(
     encoder_inputs: Mapping[int, Sequence[int]],
     num_ranks: int,
     encoder_costs: Mapping[int, float] | None = None,
+    *,
+    fixed_ranks: bool = False,
 ) -> dict[int, int]:
     """Assign each encoder microbatch to a rank: per LLM microbatch, largest first onto the rank with the
     least work so far (LPT greedy, Graham 1969), so the work of every microbatch spreads over all ranks.
+
+    The greedy choice depends on ``encoder_costs`` (and on the load carried over from earlier LLM
+    microbatches), so with unequal costs the rank of an encoder microbatch can change from step to step.
+    With equal costs (or none) and ``encoder_inputs[k]`` listing ``P = num_ranks`` microbatches each, it
+    coincides with the fixed rule below.
+
+    Args:
+        encoder_inputs: ``{k: [e, ...]}``.
+        num_ranks: pipeline ranks ``P``.
+        encoder_costs: ``{e: seconds}`` (missing: 1.0); ignored when ``fixed_ranks``.
+        fixed_ranks: ignore costs: the ``j``-th encoder microbatch listed for LLM microbatch ``k``
+            (``encoder_inputs[k][j]``, ``j`` from 0) runs on rank ``j % P``; with the conventional numbering
+            ``e = (k-1)*P + j + 1`` that is rank ``j``. A pure function of ``encoder_inputs``, so a data
+            loader can know each rank's encoder microbatches before any cost or payload is read.
 
     Returns:
         ``{e: rank}``.
@@ -91,6 +107,8 @@ def split_over_ranks(
     """
     if num_ranks < 1:
         raise ValueError(f"split_over_ranks: num_ranks must be >= 1, got {num_ranks}")
+    if fixed_ranks:
+        return {e: j % num_ranks for _, es in sorted(encoder_inputs.items()) for j, e in enumerate(es)}
     load = [0.0] * num_ranks
     out: dict[int, int] = {}
     for _, es in sorted(encoder_inputs.items()):
@@ -146,11 +164,13 @@ def isolated(
     schedule: Schedule,
     encoder_inputs: Mapping[int, Sequence[int]],
     encoder_costs: Mapping[int, float] | None = None,
+    *,
+    fixed_ranks: bool = False,
 ) -> DataFlow:
-    """Encoder work split over all ranks; every forward before the rank's first LLM action, every
-    backward after its last one."""
+    """Encoder work split over all ranks (:func:`split_over_ranks`, ``fixed_ranks`` as there); every
+    forward before the rank's first LLM action, every backward after its last one."""
     enc = _inputs(schedule, encoder_inputs)
-    ranks = split_over_ranks(enc, schedule.num_ranks, encoder_costs)
+    ranks = split_over_ranks(enc, schedule.num_ranks, encoder_costs, fixed_ranks=fixed_ranks)
     programs = schedule.program_view
     placed = []
     for es in enc.values():
@@ -164,18 +184,41 @@ def uniform_on_demand(
     schedule: Schedule,
     encoder_inputs: Mapping[int, Sequence[int]],
     costs: CostModel | None = None,
+    *,
+    fixed_ranks: bool = False,
 ) -> DataFlow:
-    """MegaScale-Omni's uniform on-demand insertion (see the module docstring).
+    """MegaScale-Omni's uniform on-demand insertion (MegaScale-Omni §4.2; see the module docstring).
+
+    Which rank runs which encoder microbatch (``flow.encoder_rank(e)``, ``flow.encoders_on(rank)``):
+
+    * default (``fixed_ranks=False``): the cost-balanced split of :func:`split_over_ranks` over
+      ``costs.encoder_forward_s``. It **depends on the costs**: unequal per-step costs can move an encoder
+      microbatch to another rank. With equal costs (or ``costs`` without ``encoder_forward_s``) and ``P``
+      encoder microbatches listed per LLM microbatch it equals the fixed rule.
+    * ``fixed_ranks=True``: guaranteed, whatever ``costs`` say: ``encoder_inputs[k][j]`` runs on pipeline
+      rank ``j % P`` (``P = schedule.num_ranks``, ``j`` from 0), i.e. with the conventional numbering
+      ``e = (k-1)*P + j + 1`` encoder microbatch ``e`` runs on rank ``j = (e-1) % P``. A pure function of
+      ``encoder_inputs`` and ``P``: a data loader's zero-redundancy filter can be given each rank's
+      encoder microbatches before payloads (or costs) are read. Costs still choose *where in the rank's
+      program* each encoder action goes.
 
     Args:
         schedule: the LLM schedule.
-        encoder_inputs: ``{k: [e, ...]}``.
-        costs: cost model for the timing estimate and the split (``encoder_forward_s``); default unit LLM
-            costs (F=1 s, B=2 s) and equal encoder microbatches.
+        encoder_inputs: ``{k: [e, ...]}`` (LLM microbatch ``k`` from 1, encoder microbatches from 1).
+        costs: cost model for the timing estimate and (unless ``fixed_ranks``) the split
+            (``encoder_forward_s``, seconds); default unit LLM costs (F=1 s, B=2 s) and equal encoder
+            microbatches.
+        fixed_ranks: use the fixed rank rule above instead of the cost-balanced split.
+
+    Raises:
+        DataFlowError: ``encoder_inputs`` names an LLM microbatch the schedule lacks, an encoder
+            microbatch < 1, or one encoder microbatch twice.
     """
     enc = _inputs(schedule, encoder_inputs)
     costs = costs or CostModel()
-    ranks = split_over_ranks(enc, schedule.num_ranks, costs.encoder_forward_s or None)
+    ranks = split_over_ranks(
+        enc, schedule.num_ranks, costs.encoder_forward_s or None, fixed_ranks=fixed_ranks
+    )
     programs = schedule.program_view
     order, where, clock = schedule.analysis
     llm_only = CostModel(
@@ -223,8 +266,11 @@ def place(
     schedule: Schedule,
     encoder_inputs: Mapping[int, Sequence[int]],
     costs: CostModel | None = None,
+    *,
+    fixed_ranks: bool = False,
 ) -> DataFlow:
-    """Run the named placement policy.
+    """Run the named placement policy; ``fixed_ranks`` goes to ``isolated`` / ``uniform_on_demand``
+    (``prepend_first_stage`` always runs every encoder microbatch on rank 0).
 
     Raises:
         ValueError: unknown policy name.
@@ -233,5 +279,7 @@ def place(
     if policy == PlacementPolicy.PREPEND_FIRST_STAGE:
         return prepend_first_stage(schedule, encoder_inputs)
     if policy == PlacementPolicy.ISOLATED:
-        return isolated(schedule, encoder_inputs, costs.encoder_forward_s if costs else None)
-    return uniform_on_demand(schedule, encoder_inputs, costs)
+        return isolated(
+            schedule, encoder_inputs, costs.encoder_forward_s if costs else None, fixed_ranks=fixed_ranks
+        )
+    return uniform_on_demand(schedule, encoder_inputs, costs, fixed_ranks=fixed_ranks)

@@ -70,8 +70,14 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.source is PrepareSource.BUNDLED:
             from omni_train.data import DATA_DIR
-            from omni_train.prepare.bundled import build_bundled
+            from omni_train.prepare.bundled import build_bundled, missing_bundled_inputs
 
+            # Name every missing input at once, on stderr, so one install round fixes them all.
+            missing = missing_bundled_inputs()
+            if missing:
+                for exc in missing:
+                    print(f"prepare-data: {exc}", file=sys.stderr)
+                return 2
             build_bundled(args.out if args.out is not None else DATA_DIR, limit=args.limit)
         else:
             from omni_train.prepare.tuxpaint import build_tuxpaint
