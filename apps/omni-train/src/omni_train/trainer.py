@@ -105,15 +105,17 @@ class Trainer:
         self.encoder_inputs = {
             k: [(k - 1) * self.pp + j + 1 for j in range(self.pp)] for k in range(1, self.M + 1)
         }
-        # Equal estimated costs per encoder microbatch: the split already balances them (Karmarkar-Karp),
-        # and equal costs keep the rank of each encoder microbatch fixed for the whole run, which the
-        # zero-redundancy loader needs to prefetch. The ratio sets how early encoder forwards are placed.
+        # Equal estimated costs per encoder microbatch: the loader's split already balances them
+        # (Karmarkar-Karp). fixed_ranks pins encoder microbatch (k-1)*pp + j + 1 to pipeline rank j for
+        # the whole run, which the zero-redundancy loader needs before any payload is read. The ratio
+        # sets how early encoder forwards are placed.
         enc_share = 0.3
         self.flow = place(
             par.placement,
             self.schedule,
             self.encoder_inputs,
             CostModel(encoder_forward_s={e: enc_share for es in self.encoder_inputs.values() for e in es}),
+            fixed_ranks=True,
         )
         self.owner = {e: self.flow.encoder_rank(e) for es in self.encoder_inputs.values() for e in es}
         consumes = set(self.flow.encoders_on(self.pp_rank))
