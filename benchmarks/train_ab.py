@@ -9,7 +9,8 @@ mixture phase is used from step 0 (``--mixture all`` keeps every phase), so that
 in the measured steps. Also checks that every variant saw the same
 losses (same data, same math). Writes ``benchmarks/results/train_ab.json``.
 
-    uv run python benchmarks/train_ab.py [--steps 16] [--warmup 4] [--config omni-tiny] [--mixture last|all]
+    uv run python benchmarks/train_ab.py [--steps 16] [--warmup 4] [--repeats 3] [--config omni-tiny]
+        [--mixture last|all]
 """
 
 from __future__ import annotations
@@ -33,17 +34,21 @@ VARIANTS = [
 ]
 
 
-def _run_variants(rank: int, world_size: int, cfg, root: str) -> list | None:
+def _run_variants(rank: int, world_size: int, cfg, root: str, repeats: int) -> list | None:
     from omni_train.trainer import Trainer
 
-    out = []
-    for i, (_, placement, reorder) in enumerate(VARIANTS):
-        par = dataclasses.replace(cfg.parallel, placement=placement, reorder=reorder)
-        run = Path(root) / f"v{i}"
-        trainer = Trainer(dataclasses.replace(cfg, parallel=par), run, resume=False)
-        trainer.run()
-        if rank == 0:
-            out.append([json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()])
+    # out[variant][repeat] = that run's metrics rows. Each repeat starts at a different variant, so slow
+    # drift of a shared machine (other load, caches, clocks) does not always favour the same variant.
+    out: list[list[list[dict]]] = [[] for _ in VARIANTS]
+    for rep in range(repeats):
+        for j in range(len(VARIANTS)):
+            i = (rep + j) % len(VARIANTS)
+            _, placement, reorder = VARIANTS[i]
+            par = dataclasses.replace(cfg.parallel, placement=placement, reorder=reorder)
+            run = Path(root) / f"r{rep}v{i}"
+            Trainer(dataclasses.replace(cfg, parallel=par), run, resume=False).run()
+            if rank == 0:
+                out[i].append([json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()])
     return out if rank == 0 else None
 
 
@@ -53,6 +58,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=16)
     ap.add_argument("--warmup", type=int, default=4)
     ap.add_argument("--mixture", choices=["last", "all"], default="last")
+    ap.add_argument("--repeats", type=int, default=3, help="runs per variant, in rotated order")
     args = ap.parse_args()
     cfg = load_config(args.config)
     mixture = (
@@ -65,15 +71,20 @@ def main() -> None:
         checkpoint=dataclasses.replace(cfg.checkpoint, every=0),
     )
     with tempfile.TemporaryDirectory() as root:
-        metrics = run_world(_run_variants, cfg.parallel.world_size, args=(cfg, root), timeout_s=3600)[0]
+        metrics = run_world(
+            _run_variants, cfg.parallel.world_size, args=(cfg, root, args.repeats), timeout_s=3600
+        )[0]
     rows = []
-    for (name, _, reorder), ms in zip(VARIANTS, metrics):
-        counted = ms[args.warmup :]
+    for (name, _, reorder), runs in zip(VARIANTS, metrics):
+        ms = runs[0]
+        counted = [m for run in runs for m in run[args.warmup :]]
+        per_run = [statistics.mean(m["tokens_per_s"] for m in run[args.warmup :]) for run in runs]
         imbalance_key = "encoder_imbalance_after_reorder" if reorder else "encoder_imbalance_before_reorder"
         rows.append(
             {
                 "variant": name,
                 "tokens_per_s": statistics.mean(m["tokens_per_s"] for m in counted),
+                "tokens_per_s_per_run": per_run,
                 "step_time_s": statistics.mean(m["step_time_s"] for m in counted),
                 "idle_s_per_rank": [
                     statistics.mean(m["idle_s_per_rank"][r] for m in counted)
@@ -88,16 +99,19 @@ def main() -> None:
         )
     base = rows[0]
     print(
-        f"trainer A/B: {cfg.name} (mixture: {args.mixture}), {cfg.parallel.world_size} processes, {args.steps} steps per variant "
+        f"trainer A/B: {cfg.name} (mixture: {args.mixture}), {cfg.parallel.world_size} processes, {args.repeats} runs x "
+        f"{args.steps} steps per variant in rotated order "
         f"({args.warmup} warm-up steps not counted); baseline = {base['variant']}"
     )
     print(
-        f"{'variant':<36}{'tokens/s':>10}{'vs base':>9}{'step s':>9}{'enc imbal':>10}  idle s/step per rank"
+        f"{'variant':<36}{'tokens/s':>10}{'vs base':>9}{'runs min-max':>14}{'step s':>9}{'enc imbal':>10}"
+        "  idle s/step per rank"
     )
     for r in rows:
         idle = "  ".join(f"r{i} {x:.3f}" for i, x in enumerate(r["idle_s_per_rank"]))
         print(
             f"{r['variant']:<36}{r['tokens_per_s']:>10.0f}{r['tokens_per_s'] / base['tokens_per_s']:>8.2f}x"
+            f"{min(r['tokens_per_s_per_run']):>8.0f}-{max(r['tokens_per_s_per_run']):<5.0f}"
             f"{r['step_time_s']:>9.3f}{r['encoder_imbalance']:>10.2f}  {idle}"
         )
     worst = max(abs(a - b) / abs(b) for r in rows for a, b in zip(r["losses"], base["losses"]))
@@ -105,7 +119,16 @@ def main() -> None:
     out = Path(__file__).resolve().parent / "results" / "train_ab.json"
     out.parent.mkdir(exist_ok=True)
     out.write_text(
-        json.dumps({"config": cfg.name, "steps": args.steps, "warmup": args.warmup, "rows": rows}, indent=2)
+        json.dumps(
+            {
+                "config": cfg.name,
+                "steps": args.steps,
+                "warmup": args.warmup,
+                "repeats": args.repeats,
+                "rows": rows,
+            },
+            indent=2,
+        )
     )
 
 
