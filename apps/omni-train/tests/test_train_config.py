@@ -56,7 +56,10 @@ def test_each_validation_error_names_its_field(tmp_path, data):
     assert _bad(cfg, nproc=4, parallel__tp=2, parallel__pp=2, model__llm__n_kv_heads=1).startswith(
         "model.llm.n_kv_heads"
     )
-    assert _bad(cfg, nproc=4, parallel__tp=2).startswith("parallel.tp: 2 is not supported")
+    assert _bad(
+        cfg, nproc=2, parallel__tp=2, parallel__pp=1, model__llm__n_heads=1, model__llm__n_kv_heads=1
+    ).startswith("model.llm.n_heads")
+    assert _bad(cfg, nproc=4, parallel__cp=2).startswith("parallel.cp: 2 is not supported")
     srcs = [dataclasses.replace(s) for s in cfg.data.sources]
     srcs[1] = dataclasses.replace(srcs[1], urls=str(tmp_path / "nothing-*.tar"))
     msg = _bad(cfg, data__sources=srcs)

@@ -335,13 +335,17 @@ def validate(cfg: RunConfig, nproc: int) -> None:
         raise ConfigError(
             f"model.llm.n_heads: {llm.n_heads} is not divisible by model.llm.n_kv_heads {llm.n_kv_heads} (GQA)"
         )
-    if llm.n_kv_heads % par.tp:
-        raise ConfigError(f"model.llm.n_kv_heads: {llm.n_kv_heads} is not divisible by parallel.tp {par.tp}")
-    for name in ("tp", "cp", "ulysses"):
+    # Column-parallel Q/K/V and SwiGLU gate/up shard whole heads and equal slices of ffn_dim per TP rank.
+    for name in ("n_heads", "n_kv_heads", "ffn_dim"):
+        if getattr(llm, name) % par.tp:
+            raise ConfigError(
+                f"model.llm.{name}: {getattr(llm, name)} is not divisible by parallel.tp {par.tp}"
+            )
+    for name in ("cp", "ulysses"):
         if getattr(par, name) > 1:
             raise ConfigError(
                 f"parallel.{name}: {getattr(par, name)} is not supported by omni-train's LLM yet "
-                "(no tensor-parallel plan or sequence-parallel attention); use pp and dp"
+                "(no sequence-parallel attention); use pp, dp and tp"
             )
     if llm.n_layers < par.pp:
         raise ConfigError(

@@ -13,6 +13,7 @@ import math
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from omni_train.config import OptimConfig
 
@@ -48,6 +49,8 @@ def clip_grad_norm_(
     replicated: list[nn.Parameter],
     max_norm: float,
     group: dist.ProcessGroup | None,
+    *,
+    tp_group: dist.ProcessGroup | None = None,
 ) -> float:
     """Scale all gradients so the global L2 norm is at most ``max_norm``; return the norm before clipping.
 
@@ -55,12 +58,27 @@ def clip_grad_norm_(
         owned: parameters only this pipeline rank holds (its LLM stage).
         replicated: parameters every rank of ``group`` holds with identical gradients (encoders).
         group: the pipeline group the owned norms are summed over (``None``: no reduction).
+        tp_group: the tensor-parallel group: owned DTensor gradients sharded over it add their local
+            squared norms over it; replicated ones (norm weights) are counted once.
     """
     first = next(iter((*owned, *replicated)), None)
     sq = torch.zeros((), dtype=torch.float64, device=first.device if first is not None else None)
+    sharded = torch.zeros_like(sq)
     for p in owned:
-        if p.grad is not None:
-            sq += p.grad.detach().to(torch.float64).pow(2).sum()
+        if p.grad is None:
+            continue
+        g = p.grad.detach()
+        if isinstance(g, DTensor):
+            part = g.to_local().to(torch.float64).pow(2).sum()
+            if any(pl.is_shard() for pl in g.placements):
+                sharded += part
+            else:
+                sq += part
+        else:
+            sq += g.to(torch.float64).pow(2).sum()
+    if tp_group is not None and dist.get_world_size(tp_group) > 1:
+        dist.all_reduce(sharded, group=tp_group)
+    sq += sharded
     if group is not None and dist.get_world_size(group) > 1:
         dist.all_reduce(sq, group=group)
     for p in replicated:

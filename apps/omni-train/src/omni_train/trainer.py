@@ -2,7 +2,11 @@
 
 Per rank (DESIGN.md, apps/omni-train; MegaScale-Omni §3-§5):
 
-* ``ParallelState`` (omni-parallel) gives the pipeline and data-parallel groups.
+* ``ParallelState`` (omni-parallel) gives the pipeline, data- and tensor-parallel groups. With ``tp > 1``
+  each LLM block's attention and SwiGLU are sharded Megatron-style over the TP group
+  (``omni_parallel.tensor_parallel``: DTensor parameters, replicated block inputs/outputs); the encoders
+  run replicated on every TP rank, both TP ranks of a stage get the same data (the loader reads on TP
+  rank 0 and broadcasts), and stage ``s`` TP rank ``t`` talks to stage ``s + 1`` TP rank ``t``.
 * The LLM stage of this pipeline rank (:class:`~omni_train.models.LLMStage`) and a full copy of the encoders
   (encoder data parallelism spans every rank).
 * The data pipeline (:mod:`omni_train.data_pipeline`): every rank of a pipeline builds the same packs from
@@ -34,10 +38,12 @@ import torch
 import torch.distributed as dist
 from tokenizers import Tokenizer
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from omni_ckpt import CheckpointManager, load_optimizer_state_dict, optimizer_state_dict
 from omni_data import Modality, Pack, snapshot_async, split_encoder_microbatches
 from omni_parallel import ParallelConfig, ParallelState
+from omni_parallel.tensor_parallel import apply_tensor_parallel, llama_tp_plan
 from omni_pipeline.anchor import EncoderAnchor, EncoderDataConfig, EncoderParallelConfig
 from omni_pipeline.cost import CostModel
 from omni_pipeline.executor import PipelineExecutor, PipelineGroups, StepFunctions, StepPlan
@@ -77,6 +83,7 @@ class Trainer:
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         self.pp_rank, self.pp = self.ps.local_rank("pp"), self.ps.size("pp")
         self.dp_rank, self.dp = self.ps.local_rank("dp"), self.ps.size("dp")
+        self.tp_rank, self.tp = self.ps.local_rank("tp"), self.ps.size("tp")
         self.is_first, self.is_last = self.pp_rank == 0, self.pp_rank == self.pp - 1
         cuda = torch.cuda.is_available() and "nccl" in str(dist.get_backend())
         self.device = (
@@ -96,6 +103,15 @@ class Trainer:
         self.llm_cfg = m.llm_config(self.tokenizer.get_vocab_size())
         self.dtype = getattr(torch, str(cfg.train.dtype))
         self.stage = LLMStage(self.llm_cfg, self.pp_rank, self.pp, seed=m.seed).to(self.device, self.dtype)
+        self.llm_matmul = matmul_params(self.stage)  # before TP: global parameter counts
+        if self.tp > 1:
+            # Megatron layout per block (column-parallel Q/K/V, gate/up; row-parallel wo, w2): block
+            # inputs and outputs stay replicated over TP, so the pipeline sends plain tensors, stage s
+            # TP rank t to stage s+1 TP rank t (the pp group of this TP rank).
+            tp_mesh = self.ps.device_mesh("tp")
+            plan = llama_tp_plan(attention="attn", mlp="mlp")
+            for block in self.stage.layers.values():
+                apply_tensor_parallel(block, tp_mesh, plan)
         self.encoders = Encoders(m.vit, m.audio, self.llm_cfg.dim, seed=m.seed).to(self.device, self.dtype)
         self.model = nn.ModuleDict({"llm": self.stage, "encoders": self.encoders})
         self.optimizer = build_optimizer([self.stage, self.encoders], cfg.optim)
@@ -127,6 +143,7 @@ class Trainer:
             dp_group=self.ps.group("dp") if self.dp > 1 else None,
             consumes=consumes,
             read_text=self.is_first or self.is_last,
+            tp_group=self.ps.group("tp") if self.tp > 1 else None,
         )
         vit = m.vit
         anchor = EncoderAnchor(
@@ -152,7 +169,8 @@ class Trainer:
             PipelineGroups(
                 pp=self.ps.group("pp") if self.pp > 1 else None,
                 encoder_dp=dist.group.WORLD if self.world > 1 else None,
-                llm_dp=self.ps.group("dp") if self.dp > 1 else None,
+                # With TP the LLM gradients are DTensors: the trainer averages their local shards.
+                llm_dp=self.ps.group("dp") if self.dp > 1 and self.tp == 1 else None,
             ),
             device=self.device,
         )
@@ -161,7 +179,6 @@ class Trainer:
             keep_last=cfg.checkpoint.keep_last,
             async_save=cfg.checkpoint.async_save,
         )
-        self.llm_matmul = matmul_params(self.stage)
         self.enc_matmul = {k: matmul_params(t) for k, t in self.encoders.towers.items()}
         self.peak_flops = measure_peak_flops(self.device)
 
@@ -310,11 +327,14 @@ class Trainer:
             # The executor leaves a zero .grad on every parameter that got none (an encoder whose
             # modality is absent), so AdamW advances the same way whatever the layout.
             result = self.executor.step(plan, fs.payloads, gather_timelines=want_timeline)
+            if self.tp > 1 and self.dp > 1:
+                self._average_llm_gradients_over_dp()
             grad_norm = clip_grad_norm_(
                 list(self.stage.parameters()),
                 list(self.encoders.parameters()),
                 cfg.optim.grad_clip,
                 self.ps.group("pp") if self.pp > 1 else None,
+                tp_group=self.ps.group("tp") if self.tp > 1 else None,
             )
             self.optimizer.step()
             wall = time.perf_counter() - t0
@@ -336,6 +356,16 @@ class Trainer:
         dist.barrier()
         return summary
 
+    def _average_llm_gradients_over_dp(self) -> None:
+        """Average this stage's gradients over DP on their local TP shards (same shard on every DP rank)."""
+        group = self.ps.group("dp")
+        for p in self.stage.parameters():
+            if p.grad is None:
+                continue
+            g = p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
+            dist.all_reduce(g, op=dist.ReduceOp.SUM, group=group)
+            g.div_(self.dp)
+
     def _reduce_step(self, packs: list[Pack], result, wall: float, busy: float) -> dict[str, Any]:
         """One all-reduce over the world: per-rank wall/busy seconds, and (from pipeline rank 0 of each
         DP replica, which holds the broadcast losses) loss and per-modality sums, tokens, samples."""
@@ -343,7 +373,7 @@ class Trainer:
         vec = torch.zeros(2 * n + 1 + 2 * len(MODALITIES) + 3, dtype=torch.float64)
         vec[self.rank] = wall
         vec[n + self.rank] = busy
-        if self.pp_rank == 0:
+        if self.pp_rank == 0 and self.tp_rank == 0:  # TP ranks hold the same losses: count one
             vec[2 * n] = result.loss / self.dp
             for i, mod in enumerate(MODALITIES):
                 vec[2 * n + 1 + i] = sum(m[f"ce_{mod}"] for m in result.metrics.values())

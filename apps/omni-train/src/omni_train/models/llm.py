@@ -68,9 +68,11 @@ class Attention(nn.Module):
         self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], cu_seqlens: torch.Tensor
     ) -> torch.Tensor:
         t = x.shape[0]
-        q = apply_rope(self.wq(x).view(t, self.n_heads, self.head_dim), *rope)
-        k = apply_rope(self.wk(x).view(t, self.n_kv_heads, self.head_dim), *rope)
-        v = self.wv(x).view(t, self.n_kv_heads, self.head_dim)
+        # Head counts come from the projections' outputs, not the config: under tensor parallelism each
+        # rank holds a column slice of wq/wk/wv, i.e. its local heads (omni_parallel.tensor_parallel).
+        q = apply_rope(self.wq(x).view(t, -1, self.head_dim), *rope)
+        k = apply_rope(self.wk(x).view(t, -1, self.head_dim), *rope)
+        v = self.wv(x).view(t, -1, self.head_dim)
         return self.wo(varlen_attention(q, k, v, cu_seqlens, causal=True).reshape(t, -1))
 
 
