@@ -29,6 +29,8 @@ __all__ = [
     "build_llm_microbatch",
     "encoder_inputs",
     "step_targets",
+    "ulysses_chunk",
+    "ulysses_layout",
 ]
 
 IGNORE = -100
@@ -122,6 +124,54 @@ def step_targets(packs: list[Pack], masked: Collection[tuple[int, int]] = ()) ->
             if (p, i) not in masked:
                 n += s.text_tokens if s.media_tokens else max(s.text_tokens - 1, 0)
     return n
+
+
+def ulysses_layout(
+    position_ids: torch.Tensor, cu_seqlens: torch.Tensor, sp: int, sp_rank: int
+) -> tuple[torch.Tensor, torch.Tensor, int, int]:
+    """This Ulysses rank's share of a pack (DeepSpeed-Ulysses: contiguous ``1/sp`` token chunks).
+
+    The pack of ``T`` tokens is padded to ``T_pad = ceil(T / sp) * sp`` with a padding document of its
+    own (so padding never attends to real tokens, nor they to it) and rank ``r`` holds tokens
+    ``[r * T_pad / sp, (r + 1) * T_pad / sp)``.
+
+    Args:
+        position_ids: int64 ``[T]``; cu_seqlens: int64 ``[docs + 1]`` ending at ``T``.
+        sp: Ulysses group size; sp_rank: this rank's index in it.
+
+    Returns:
+        ``(position_ids [T_pad / sp] of the chunk (global positions, padding counts 0, 1, ...),
+        cu_seqlens [docs + 1 or docs + 2] of the padded pack, lo, hi)``: the chunk is ``[lo, hi)``.
+    """
+    t = int(position_ids.numel())
+    pad = -t % sp
+    if pad:
+        position_ids = torch.cat([position_ids, torch.arange(pad, dtype=position_ids.dtype)])
+        cu_seqlens = torch.cat([cu_seqlens, cu_seqlens.new_tensor([t + pad])])
+    local = (t + pad) // sp
+    lo, hi = sp_rank * local, (sp_rank + 1) * local
+    return position_ids[lo:hi], cu_seqlens, lo, hi
+
+
+def ulysses_chunk(mb: LLMMicrobatch, sp: int, sp_rank: int) -> LLMMicrobatch:
+    """This Ulysses rank's chunk of ``mb`` (:func:`ulysses_layout`): padding tokens are id 0 with
+    ``IGNORE`` labels (no targets); labels were set on the whole pack, so a chunk's last position still
+    predicts the next chunk's first token. ``cu_seqlens`` stay those of the whole (padded) pack."""
+    pos, cu, lo, hi = ulysses_layout(mb.position_ids, mb.cu_seqlens, sp, sp_rank)
+    pad = int(cu[-1]) - mb.num_tokens
+
+    def padded(x: torch.Tensor, fill: int) -> torch.Tensor:
+        return torch.cat([x, x.new_full((pad,), fill)])[lo:hi]
+
+    return LLMMicrobatch(
+        input_ids=padded(mb.input_ids, 0),
+        position_ids=pos,
+        cu_seqlens=cu,
+        labels=padded(mb.labels, IGNORE),
+        label_modality=padded(mb.label_modality, MODALITIES.index(Modality.TEXT)),
+        spans=mb.spans,
+        samples=mb.samples,
+    )
 
 
 @dataclass

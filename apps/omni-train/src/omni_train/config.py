@@ -341,12 +341,17 @@ def validate(cfg: RunConfig, nproc: int) -> None:
             raise ConfigError(
                 f"model.llm.{name}: {getattr(llm, name)} is not divisible by parallel.tp {par.tp}"
             )
-    for name in ("cp", "ulysses"):
-        if getattr(par, name) > 1:
-            raise ConfigError(
-                f"parallel.{name}: {getattr(par, name)} is not supported by omni-train's LLM yet "
-                "(no sequence-parallel attention); use pp, dp and tp"
-            )
+    if par.cp > 1:
+        raise ConfigError(
+            f"parallel.cp: {par.cp} is not supported by omni-train's LLM (no context-parallel attention "
+            "wired); use parallel.ulysses for sequence parallelism"
+        )
+    # Ulysses pads heads that sp does not divide (omni_parallel.ulysses), so no head-count check here.
+    if par.ulysses > 1 and par.tp > 1:
+        raise ConfigError(
+            f"parallel.ulysses: {par.ulysses} together with parallel.tp {par.tp} is not supported "
+            "(the loader shares one pack over either the TP or the Ulysses group)"
+        )
     if llm.n_layers < par.pp:
         raise ConfigError(
             f"model.llm.n_layers: {llm.n_layers} layers cannot fill parallel.pp = {par.pp} stages"

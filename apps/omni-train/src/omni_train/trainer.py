@@ -7,6 +7,14 @@ Per rank (DESIGN.md, apps/omni-train; MegaScale-Omni §3-§5):
   (``omni_parallel.tensor_parallel``: DTensor parameters, replicated block inputs/outputs); the encoders
   run replicated on every TP rank, both TP ranks of a stage get the same data (the loader reads on TP
   rank 0 and broadcasts), and stage ``s`` TP rank ``t`` talks to stage ``s + 1`` TP rank ``t``.
+* Ulysses sequence parallelism (``parallel.ulysses = sp > 1``): each SP rank of a stage holds a
+  contiguous ``1/sp`` chunk of every pack (padded to a multiple of ``sp`` with a padding document that has
+  no targets), its global RoPE positions and the whole pack's ``cu_seqlens``; attention is
+  :func:`omni_parallel.ulysses.ulysses_attention`. The SP ranks read the same packs (the loader reads on
+  SP rank 0 and broadcasts, as for TP), every SP rank of stage 0 runs the encoders on the same data and
+  scatters exactly the media embeddings that fall into its chunk. Each SP rank's loss is its local CE sum
+  over the step's global target count; LLM gradients are summed over the SP group (each rank saw part of
+  the sequence), encoder gradients too. Stage ``s`` SP rank ``u`` talks to stage ``s + 1`` SP rank ``u``.
 * The LLM stage of this pipeline rank (:class:`~omni_train.models.LLMStage`) and a full copy of the encoders
   (encoder data parallelism spans every rank).
 * The data pipeline (:mod:`omni_train.data_pipeline`): every rank of a pipeline builds the same packs from
@@ -50,7 +58,14 @@ from omni_pipeline.executor import PipelineExecutor, PipelineGroups, StepFunctio
 from omni_pipeline.placement import place
 from omni_pipeline.schedules import Schedule1F1B
 from omni_pipeline.trace import plot_timeline, write_chrome_trace
-from omni_train.batch import MODALITIES, LLMMicrobatch, build_llm_microbatch, step_targets
+from omni_train.batch import (
+    MODALITIES,
+    LLMMicrobatch,
+    build_llm_microbatch,
+    step_targets,
+    ulysses_chunk,
+    ulysses_layout,
+)
 from omni_train.config import RunConfig, bundled_data_dir
 from omni_train.data_pipeline import build_step_stream, encoder_imbalance, encoder_load, undecodable_samples
 from omni_train.encoders import Encoders
@@ -84,6 +99,8 @@ class Trainer:
         self.pp_rank, self.pp = self.ps.local_rank("pp"), self.ps.size("pp")
         self.dp_rank, self.dp = self.ps.local_rank("dp"), self.ps.size("dp")
         self.tp_rank, self.tp = self.ps.local_rank("tp"), self.ps.size("tp")
+        self.sp_rank, self.sp = self.ps.local_rank("ulysses"), self.ps.size("ulysses")
+        self.sp_group = self.ps.group("ulysses") if self.sp > 1 else None
         self.is_first, self.is_last = self.pp_rank == 0, self.pp_rank == self.pp - 1
         cuda = torch.cuda.is_available() and "nccl" in str(dist.get_backend())
         self.device = (
@@ -102,7 +119,9 @@ class Trainer:
         m = cfg.model
         self.llm_cfg = m.llm_config(self.tokenizer.get_vocab_size())
         self.dtype = getattr(torch, str(cfg.train.dtype))
-        self.stage = LLMStage(self.llm_cfg, self.pp_rank, self.pp, seed=m.seed).to(self.device, self.dtype)
+        self.stage = LLMStage(self.llm_cfg, self.pp_rank, self.pp, seed=m.seed, sp_group=self.sp_group).to(
+            self.device, self.dtype
+        )
         self.llm_matmul = matmul_params(self.stage)  # before TP: global parameter counts
         if self.tp > 1:
             # Megatron layout per block (column-parallel Q/K/V, gate/up; row-parallel wo, w2): block
@@ -143,7 +162,9 @@ class Trainer:
             dp_group=self.ps.group("dp") if self.dp > 1 else None,
             consumes=consumes,
             read_text=self.is_first or self.is_last,
-            tp_group=self.ps.group("tp") if self.tp > 1 else None,
+            # TP and Ulysses peers need identical packs: their rank 0 reads, the others get a broadcast
+            # (validation refuses tp > 1 with ulysses > 1).
+            tp_group=self.ps.group("tp") if self.tp > 1 else self.sp_group,
         )
         vit = m.vit
         anchor = EncoderAnchor(
@@ -196,6 +217,11 @@ class Trainer:
         positions = [self._enc_positions[e] for e in es if e in outs]
         media = torch.cat(embeds) if embeds else None
         pos = torch.cat(positions).to(self.device) if positions else None
+        if self.sp > 1 and pos is not None:
+            # Every SP rank computed all of this pack's media embeddings: keep those in its chunk.
+            lo = self.sp_rank * mb.num_tokens
+            mine = (pos >= lo) & (pos < lo + mb.num_tokens)
+            media, pos = media[mine], pos[mine] - lo
         return (
             mb.input_ids.to(self.device),
             mb.position_ids.to(self.device),
@@ -210,7 +236,10 @@ class Trainer:
         pack = self._packs[k - 1]
         cu = torch.zeros(len(pack.samples) + 1, dtype=torch.int64)
         cu[1:] = torch.cumsum(torch.tensor(pack.seqlens, dtype=torch.int64), 0)
-        return {"position_ids": pack.position_ids.to(self.device), "cu_seqlens": cu.to(self.device)}
+        pos = pack.position_ids
+        if self.sp > 1:
+            pos, cu, _, _ = ulysses_layout(pos, cu, self.sp, self.sp_rank)
+        return {"position_ids": pos.to(self.device), "cu_seqlens": cu.to(self.device)}
 
     def _loss(self, k: int, logits: torch.Tensor):
         mb = self._mbs[k]
@@ -255,6 +284,8 @@ class Trainer:
                 ids = {s.uid: t for s, t in zip(pack.samples, row) if t is not None}
                 drop = {i for p, i in masked if p == k - 1}
                 self._mbs[k] = build_llm_microbatch(pack, ids, self.placeholders, drop)
+                if self.sp > 1:
+                    self._mbs[k] = ulysses_chunk(self._mbs[k], self.sp, self.sp_rank)
         self._enc_positions = {}
         enc_shapes = {}
         for e, items in fs.microbatches.items():
@@ -266,7 +297,9 @@ class Trainer:
             ]
             self._enc_positions[e] = torch.cat(pos) if pos else torch.zeros(0, dtype=torch.int64)
             enc_shapes[e] = (int(self._enc_positions[e].numel()), self.llm_cfg.dim)
-        llm_shapes = {k: (p.num_tokens, self.llm_cfg.dim) for k, p in enumerate(packs, start=1)}
+        llm_shapes = {
+            k: (-(-p.num_tokens // self.sp), self.llm_cfg.dim) for k, p in enumerate(packs, start=1)
+        }
         targets = torch.tensor([step_targets(packs, masked)], dtype=torch.int64)
         if self.dp > 1:
             dist.all_reduce(targets, group=self.ps.group("dp"))
@@ -329,6 +362,8 @@ class Trainer:
             result = self.executor.step(plan, fs.payloads, gather_timelines=want_timeline)
             if self.tp > 1 and self.dp > 1:
                 self._average_llm_gradients_over_dp()
+            if self.sp > 1:
+                self._sum_gradients_over_sp()
             grad_norm = clip_grad_norm_(
                 list(self.stage.parameters()),
                 list(self.encoders.parameters()),
@@ -366,6 +401,17 @@ class Trainer:
             dist.all_reduce(g, op=dist.ReduceOp.SUM, group=group)
             g.div_(self.dp)
 
+    def _sum_gradients_over_sp(self) -> None:
+        """Each SP rank's gradients come from its chunk of every pack: the LLM's are summed over the SP
+        group. The executor summed encoder gradients over the world and divided by ``world / pp``
+        (``dp * sp`` here), which counts the SP partial sums as replicas: multiply by ``sp``."""
+        for p in self.stage.parameters():
+            if p.grad is not None:
+                dist.all_reduce(p.grad, op=dist.ReduceOp.SUM, group=self.sp_group)
+        for p in self.encoders.parameters():
+            if p.grad is not None:
+                p.grad.mul_(self.sp)
+
     def _reduce_step(self, packs: list[Pack], result, wall: float, busy: float) -> dict[str, Any]:
         """One all-reduce over the world: per-rank wall/busy seconds, and (from pipeline rank 0 of each
         DP replica, which holds the broadcast losses) loss and per-modality sums, tokens, samples."""
@@ -373,11 +419,13 @@ class Trainer:
         vec = torch.zeros(2 * n + 1 + 2 * len(MODALITIES) + 3, dtype=torch.float64)
         vec[self.rank] = wall
         vec[n + self.rank] = busy
-        if self.pp_rank == 0 and self.tp_rank == 0:  # TP ranks hold the same losses: count one
+        # TP ranks hold the same losses: count one. SP ranks hold the sums over their chunks: add them.
+        if self.pp_rank == 0 and self.tp_rank == 0:
             vec[2 * n] = result.loss / self.dp
             for i, mod in enumerate(MODALITIES):
                 vec[2 * n + 1 + i] = sum(m[f"ce_{mod}"] for m in result.metrics.values())
                 vec[2 * n + 1 + len(MODALITIES) + i] = sum(m[f"n_{mod}"] for m in result.metrics.values())
+        if self.pp_rank == 0 and self.tp_rank == 0 and self.sp_rank == 0:
             vec[-3] = sum(p.num_tokens for p in packs)
             vec[-2] = sum(len(p.samples) for p in packs)
             vec[-1] = len(self._masked)

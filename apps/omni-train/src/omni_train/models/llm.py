@@ -15,9 +15,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from omni_parallel.ulysses import ulysses_attention
 from omni_train.models.attention import apply_rope, rope_angles, varlen_attention
 
 __all__ = ["LLMConfig", "LLMStage", "RMSNorm", "split_layers"]
@@ -54,10 +56,16 @@ class RMSNorm(nn.Module):
 
 
 class Attention(nn.Module):
-    """Causal GQA self-attention with RoPE, per packed document."""
+    """Causal GQA self-attention with RoPE, per packed document.
 
-    def __init__(self, cfg: LLMConfig) -> None:
+    With ``sp_group`` (Ulysses sequence parallelism, size ``sp``) ``x`` is this rank's contiguous
+    ``1/sp`` chunk of the packed sequence and ``cu_seqlens`` are the whole sequence's; attention runs
+    through :func:`omni_parallel.ulysses.ulysses_attention` (all-to-all tokens <-> heads).
+    """
+
+    def __init__(self, cfg: LLMConfig, sp_group: dist.ProcessGroup | None = None) -> None:
         super().__init__()
+        self.sp_group = sp_group
         self.n_heads, self.n_kv_heads, self.head_dim = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
         self.wq = nn.Linear(cfg.dim, cfg.n_heads * cfg.head_dim, bias=False)
         self.wk = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, bias=False)
@@ -73,7 +81,11 @@ class Attention(nn.Module):
         q = apply_rope(self.wq(x).view(t, -1, self.head_dim), *rope)
         k = apply_rope(self.wk(x).view(t, -1, self.head_dim), *rope)
         v = self.wv(x).view(t, -1, self.head_dim)
-        return self.wo(varlen_attention(q, k, v, cu_seqlens, causal=True).reshape(t, -1))
+        if self.sp_group is not None:
+            out = ulysses_attention(q, k, v, self.sp_group, cu_seqlens=cu_seqlens, causal=True)
+        else:
+            out = varlen_attention(q, k, v, cu_seqlens, causal=True)
+        return self.wo(out.reshape(t, -1))
 
 
 class SwiGLU(nn.Module):
@@ -92,10 +104,10 @@ class SwiGLU(nn.Module):
 class Block(nn.Module):
     """Pre-norm decoder block: ``x + attn(norm(x))`` then ``x + mlp(norm(x))``."""
 
-    def __init__(self, cfg: LLMConfig) -> None:
+    def __init__(self, cfg: LLMConfig, sp_group: dist.ProcessGroup | None = None) -> None:
         super().__init__()
         self.attn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
-        self.attn = Attention(cfg)
+        self.attn = Attention(cfg, sp_group)
         self.mlp_norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.mlp = SwiGLU(cfg.dim, cfg.ffn_dim)
 
@@ -146,9 +158,21 @@ class LLMStage(nn.Module):
 
     Returns:
         last stage: logits ``[T, vocab_size]``; otherwise hidden states ``[T, dim]``.
+
+    Ulysses (``sp_group`` of size ``sp``): ``T`` is this rank's chunk (``T_packed / sp`` tokens),
+    ``position_ids`` its global positions, ``cu_seqlens`` the whole packed sequence's, and media
+    positions local to the chunk.
     """
 
-    def __init__(self, cfg: LLMConfig, stage: int = 0, num_stages: int = 1, *, seed: int = 0) -> None:
+    def __init__(
+        self,
+        cfg: LLMConfig,
+        stage: int = 0,
+        num_stages: int = 1,
+        *,
+        seed: int = 0,
+        sp_group: dist.ProcessGroup | None = None,
+    ) -> None:
         super().__init__()
         self.cfg = cfg
         self.is_first = stage == 0
@@ -160,7 +184,7 @@ class LLMStage(nn.Module):
             _init_(self.tok_embeddings, torch.Generator().manual_seed(seed * 1000 + 999), std)
         self.layers = nn.ModuleDict()
         for i in range(self.lo, self.hi):
-            block = Block(cfg)
+            block = Block(cfg, sp_group)
             _init_(block, torch.Generator().manual_seed(seed * 1000 + i), std)
             # Scale residual-branch outputs down with depth (GPT-2 / torchtitan convention).
             with torch.no_grad():
