@@ -16,6 +16,16 @@ def _meta(key, modality, media, text, flops=0.0):
     return SampleMeta(key, str(modality), modality, media, text, flops, shape)
 
 
+def _text_ids() -> dict[str, torch.Tensor]:
+    """Token ids of each sample of :func:`_pack` (caption, passage, transcript, passage)."""
+    return {
+        "image/a": torch.tensor([11, 12]),
+        "text/b": torch.tensor([21, 22, 23, 24]),
+        "audio/c": torch.tensor([31, 32, 33]),
+        "text/d": torch.tensor([41]),
+    }
+
+
 def _pack():
     return Pack(
         [
@@ -30,12 +40,7 @@ def _pack():
 
 def test_labels_match_brute_force():
     pack = _pack()
-    text = {
-        "image/a": torch.tensor([11, 12]),
-        "text/b": torch.tensor([21, 22, 23, 24]),
-        "audio/c": torch.tensor([31, 32, 33]),
-        "text/d": torch.tensor([41]),
-    }
+    text = _text_ids()
     mb = build_llm_microbatch(pack, text, {Modality.IMAGE: IMG, Modality.AUDIO: AUD})
     want_ids = [IMG] * 3 + [11, 12] + [21, 22, 23, 24] + [AUD] * 2 + [31, 32, 33] + [41]
     assert mb.input_ids.tolist() == want_ids
@@ -57,12 +62,7 @@ def test_labels_match_brute_force():
 
 def test_masked_sample_has_no_targets_and_leaves_the_rest_alone():
     pack = _pack()
-    text = {
-        "image/a": torch.tensor([11, 12]),
-        "text/b": torch.tensor([21, 22, 23, 24]),
-        "audio/c": torch.tensor([31, 32, 33]),
-        "text/d": torch.tensor([41]),
-    }
+    text = _text_ids()
     ph = {Modality.IMAGE: IMG, Modality.AUDIO: AUD}
     full = build_llm_microbatch(pack, text, ph)
     for j in range(4):  # mask each sample in turn: its positions lose their labels, nothing else changes
