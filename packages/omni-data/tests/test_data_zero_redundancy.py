@@ -259,10 +259,10 @@ def test_zero_redundancy_in_order_filter(shards):
     everything = range(1, MICRO * SLICES + 1)
 
     def run(**kw):
-        zr = ZeroRedundancyFilter(
+        with ZeroRedundancyFilter(
             _loader(shards, tok), everything, microbatches=MICRO, slices=SLICES, reader=reader, **kw
-        )
-        return [next(zr) for _ in range(3)]
+        ) as zr:
+            return [next(zr) for _ in range(3)]
 
     differs = False
     for step, kk in zip(run(balance=False), run()):

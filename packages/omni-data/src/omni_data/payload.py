@@ -7,6 +7,7 @@ Phase two of the two-phase flow: metadata is everywhere, payloads are read only 
 from __future__ import annotations
 
 import io
+import threading
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
@@ -72,20 +73,38 @@ class Payload:
 class PayloadReader:
     """Reads payload members by byte range through fsspec and decodes them.
 
+    Safe to share between threads (several filters' prefetch threads, or a prefetch thread and the main
+    thread): each thread keeps its own LRU of open shard handles, because a seek followed by a read on a
+    shared file object is not atomic, and two threads interleaving them read each other's bytes.
+
     Args:
         tokenizer: turns ``txt`` members into ids; required to read text samples.
-        max_open_files: open shard handles kept (LRU).
+        max_open_files: open shard handles kept per thread (LRU).
     """
 
     def __init__(self, tokenizer: TextTokenizer | None = None, *, max_open_files: int = 8) -> None:
         self.tokenizer = tokenizer
         self.max_open_files = max_open_files
-        self._files: OrderedDict[str, Any] = OrderedDict()
+        self._local = threading.local()
+        self._lock = threading.Lock()  # guards _caches and bytes_read
+        self._caches: list[OrderedDict[str, Any]] = []
         self.bytes_read = 0
 
+    def _files(self) -> OrderedDict[str, Any]:
+        files = getattr(self._local, "files", None)
+        if files is None:
+            files = self._local.files = OrderedDict()
+            with self._lock:
+                self._caches.append(files)
+        return files
+
     def close(self) -> None:
-        while self._files:
-            self._files.popitem()[1].close()
+        """Close every thread's open shard handles (a thread that reads again reopens what it needs)."""
+        with self._lock:
+            caches = list(self._caches)
+        for files in caches:
+            while files:
+                files.popitem()[1].close()
 
     def read_bytes(self, ref: MemberRef) -> bytes:
         """Raw bytes of one tar member (``ref.size`` bytes).
@@ -93,18 +112,20 @@ class PayloadReader:
         Raises:
             PayloadError: the shard cannot be opened, or the member is cut short.
         """
-        f = self._files.pop(ref.url, None)
+        files = self._files()
+        f = files.pop(ref.url, None)
         if f is None:
             try:
                 f = fsspec.open(ref.url, "rb").open()
             except (OSError, ValueError) as e:
                 raise PayloadError(f"{ref.url}: cannot open shard for member .{ref.ext}: {e}") from e
-            if len(self._files) >= self.max_open_files:
-                self._files.popitem(last=False)[1].close()
-        self._files[ref.url] = f
+            if len(files) >= self.max_open_files:
+                files.popitem(last=False)[1].close()
+        files[ref.url] = f
         f.seek(ref.offset)
         data = f.read(ref.size)
-        self.bytes_read += len(data)
+        with self._lock:
+            self.bytes_read += len(data)
         if len(data) != ref.size:
             raise PayloadError(
                 f"{ref.url}: member .{ref.ext} at byte {ref.offset} cut short ({len(data)}/{ref.size})"

@@ -188,6 +188,21 @@ class ZeroRedundancyFilter(StatefulNode[FilteredStep]):
         self.skipped_keys: list[tuple[str, str]] = []
         self._logged: set[str] = set()
 
+    def close(self) -> None:
+        """Stop the prefetch thread: pending reads are cancelled, a running one is waited for. The filter
+        cannot be iterated afterwards. Also called on leaving a ``with`` block."""
+        for _, fut in self._pending:
+            if fut is not None:
+                fut.cancel()
+        self._pending.clear()
+        self._pool.shutdown(wait=True, cancel_futures=True)
+
+    def __enter__(self) -> ZeroRedundancyFilter:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
     @property
     def _reads(self) -> bool:
         return self.tp_group is None or dist.get_rank(self.tp_group) == 0
@@ -235,6 +250,9 @@ class ZeroRedundancyFilter(StatefulNode[FilteredStep]):
         for _, fut in self._pending:
             if fut is not None:
                 fut.cancel()
+        for _, fut in self._pending:  # a read already running finishes before the new state reads
+            if fut is not None and not fut.cancelled():
+                fut.exception()
         self._pending.clear()
         self.loader.reset(None if initial_state is None else initial_state["loader"])
         st = initial_state or {}
