@@ -15,7 +15,13 @@ from omni_data.sample import MemberRef, Modality, SampleMeta
 from omni_data.source import EmptySourceError, LayoutMismatchError, WebDatasetSource
 from omni_data.tokens import AudioTokens, EncoderCost, ImageTokens, count_text_tokens
 from omni_data.workers import RoundRobinWorkers
-from omni_data.zero_redundancy import FilteredStep, ZeroRedundancyFilter, split_encoder_microbatches
+from omni_data.zero_redundancy import (
+    FilteredStep,
+    ZeroRedundancyFilter,
+    encoder_microbatch_id,
+    encoder_microbatch_ids,
+    split_encoder_microbatches,
+)
 
 __all__ = [
     "AudioTokens",
@@ -51,6 +57,8 @@ __all__ = [
     "collate_packs",
     "count_text_tokens",
     "encoder_flops",
+    "encoder_microbatch_id",
+    "encoder_microbatch_ids",
     "snapshot_async",
     "split_encoder_microbatches",
 ]

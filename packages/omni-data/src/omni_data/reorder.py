@@ -19,9 +19,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from omni_data._comm import exchange, gather_int_rows
 from omni_data.sample import SampleMeta
 from omni_parallel import karmarkar_karp
+from omni_parallel.comm import all_to_all_dim0
 
 __all__ = ["GroupedReorderer", "PlanMismatchError", "ReorderPlan", "encoder_flops"]
 
@@ -39,7 +39,7 @@ def encoder_flops(meta: SampleMeta) -> float:
 
 class _Join(torch.autograd.Function):
     """Identity on ``out`` that also hands ``tie`` a zero gradient, so ``tie``'s backward (the dispatch
-    exchange) runs on every rank, even one that encoded nothing and whose loss does not depend on it."""
+    all-to-all) runs on every rank, even one that encoded nothing and whose loss does not depend on it."""
 
     @staticmethod
     def forward(ctx: Any, out: torch.Tensor, tie: torch.Tensor) -> torch.Tensor:
@@ -132,7 +132,7 @@ class ReorderPlan:
         x = torch.cat(flat) if flat else torch.zeros(0, dtype=dtype)
         if differentiable and not x.requires_grad:
             x = x.detach().requires_grad_(True)  # an empty rank still needs the backward exchange
-        y = exchange(x, send, recv, self.group)
+        y = all_to_all_dim0(x, self.group, in_splits=send, out_splits=recv)
         self._dispatched = y if differentiable else None
         out, at = [], 0
         for r, i in self.received:
@@ -167,7 +167,7 @@ class ReorderPlan:
             recv[d] += mine[i]
         if self._dispatched is not None and torch.is_grad_enabled():
             outputs = _Join.apply(outputs, self._dispatched)
-        back = exchange(outputs, send, recv, self.group)
+        back = all_to_all_dim0(outputs, self.group, in_splits=send, out_splits=recv)
         # back holds rows in send order (by destination, then index); put them in original order
         starts, at = [0] * len(mine), 0
         for i in self._send_order():
@@ -223,7 +223,7 @@ class GroupedReorderer:
             ]  # exact float64 transport
             table[i, :3] = torch.tensor([bits, int(self.rows_fn(m)), len(m.shape)])
             table[i, 3 : 3 + len(m.shape)] = torch.tensor(m.shape, dtype=torch.int64)
-        gathered = gather_int_rows(table, self.group)
+        gathered = _all_gather_rows(table, self.group)
         costs = [
             [struct.unpack("<d", struct.pack("<q", int(b)))[0] for b in g[:, 0].tolist()] for g in gathered
         ]
@@ -265,3 +265,17 @@ def _match_parts(
         owner.append(best)
         free.discard(best)
     return owner
+
+
+def _all_gather_rows(rows: torch.Tensor, group: Any) -> list[torch.Tensor]:
+    """All-gather ``[n_r, W]`` int64 tables of differing ``n_r``: one count all-gather, one padded all-gather."""
+    size = dist.get_world_size(group)
+    n = torch.tensor([rows.shape[0]], dtype=torch.int64)
+    counts = [torch.zeros(1, dtype=torch.int64) for _ in range(size)]
+    dist.all_gather(counts, n, group=group)
+    m = max(int(c) for c in counts)
+    pad = torch.zeros((m, rows.shape[1]), dtype=torch.int64)
+    pad[: rows.shape[0]] = rows
+    out = [torch.zeros((m, rows.shape[1]), dtype=torch.int64) for _ in range(size)]
+    dist.all_gather(out, pad, group=group)
+    return [o[: int(c)] for o, c in zip(out, counts)]

@@ -37,12 +37,44 @@ from omni_data.payload import Payload, PayloadError, PayloadReader, UndecodableP
 from omni_data.sample import Modality, SampleMeta
 from omni_parallel import karmarkar_karp
 
-__all__ = ["FilteredStep", "SampleIndex", "ZeroRedundancyFilter", "split_encoder_microbatches"]
+__all__ = [
+    "FilteredStep",
+    "SampleIndex",
+    "ZeroRedundancyFilter",
+    "encoder_microbatch_id",
+    "encoder_microbatch_ids",
+    "split_encoder_microbatches",
+]
 
 logger = logging.getLogger(__name__)
 
 SampleIndex = tuple[int, int]
 """``(pack index in the step, sample index in the pack)``."""
+
+
+def encoder_microbatch_id(k: int, j: int, slices: int) -> int:
+    """The id of slice ``j`` (0-based) of LLM microbatch ``k`` (1-based): ``e = (k-1)*slices + j + 1``.
+
+    The one numbering of encoder microbatches (DESIGN.md glossary) that the loader's split, the data
+    flow's ``encoder_inputs`` and the trainer share; with ``slices`` = PP size, slice ``j`` is the one the
+    paper's uniform on-demand insertion puts on pipeline rank ``j`` (§4.2).
+
+    Raises:
+        ValueError: ``k < 1``, ``slices < 1`` or ``j`` outside ``0 .. slices-1``.
+    """
+    if k < 1 or slices < 1 or not 0 <= j < slices:
+        raise ValueError(
+            f"encoder_microbatch_id: need k >= 1 and 0 <= j < slices, got k={k} j={j} slices={slices}"
+        )
+    return (k - 1) * slices + j + 1
+
+
+def encoder_microbatch_ids(microbatches: int, slices: int) -> dict[int, list[int]]:
+    """``{k: [e, ...]}`` for LLM microbatches ``k = 1..microbatches``: the encoder microbatches each
+    consumes (:func:`encoder_microbatch_id` for ``j = 0..slices-1``), the data flow's ``encoder_inputs``."""
+    return {
+        k: [encoder_microbatch_id(k, j, slices) for j in range(slices)] for k in range(1, microbatches + 1)
+    }
 
 
 def split_encoder_microbatches(
@@ -86,13 +118,13 @@ def split_encoder_microbatches(
         if balance:
             parts = karmarkar_karp([packs[p].samples[i].encoder_flops for p, i in media], slices)
             for j, part in enumerate(parts):
-                out[k * slices + j + 1] = [media[g] for g in part]
+                out[encoder_microbatch_id(k + 1, j, slices)] = [media[g] for g in part]
         else:
             base, extra = divmod(len(media), slices)
             at = 0
             for j in range(slices):
                 n = base + (1 if j < extra else 0)
-                out[k * slices + j + 1] = media[at : at + n]
+                out[encoder_microbatch_id(k + 1, j, slices)] = media[at : at + n]
                 at += n
     return out
 
