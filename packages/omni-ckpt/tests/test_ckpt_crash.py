@@ -12,11 +12,10 @@ import shutil
 import signal
 
 import fsspec.implementations.local as local
-import msgpack
 import pytest
 import torch
 
-from omni_ckpt import CheckpointError, CheckpointManager, load
+from omni_ckpt import CheckpointError, CheckpointManager, load, read_manifest
 
 POINTS = ("open", "write", "mv", "rm")
 
@@ -107,7 +106,7 @@ def test_flipped_byte_in_any_data_file_is_detected(tmp_path):
     mgr = CheckpointManager(str(tmp_path), async_save=False)
     mgr.save(1, make_state(1))
     step_dir = tmp_path / "step-00000001"
-    manifest = msgpack.unpackb((step_dir / "manifest.msgpack").read_bytes(), strict_map_key=False)
+    manifest = read_manifest(str(step_dir))
     spots = [(name, boxes[0][3] + boxes[0][4] // 2) for name, (_, _, boxes) in manifest["tensors"].items()]
     spots.append(("objects", manifest["objects"][0][1] + 1))
     for name, pos in spots:

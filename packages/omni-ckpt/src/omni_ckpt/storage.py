@@ -1,16 +1,35 @@
-"""fsspec helpers: open a checkpoint URL, write durably, rename atomically, read byte ranges."""
+"""fsspec helpers: open a checkpoint URL, write durably (errors reported, never swallowed), rename
+atomically, read byte ranges (``pread`` on local disks, ``cat_ranges`` on remote stores).
+
+Durability on a local disk is ``fsync`` of each file before it is closed and of its directory after an
+entry appears in it; an ``fsync`` or ``close`` error (EIO, ENOSPC...) raises, so a save fails and commits
+nothing instead of committing a manifest over data the kernel could not write back (PostgreSQL's
+"fsyncgate", 2018). Object stores have no ``fsync``: an object is durable once its ``close`` (the upload)
+returned without error, and that error raises too.
+"""
 
 from __future__ import annotations
 
-import contextlib
-import io
 import os
 from typing import Any
 
 import fsspec
 from fsspec import AbstractFileSystem
+from fsspec.implementations.local import LocalFileSystem
 
-__all__ = ["CheckpointError", "atomic_write", "fsync_file", "join", "open_url", "read_ranges"]
+__all__ = [
+    "CheckpointError",
+    "atomic_write",
+    "coalesce",
+    "fsync_dir",
+    "is_local",
+    "join",
+    "local_path",
+    "open_url",
+    "pread_into",
+    "read_ranges",
+    "read_spans",
+]
 
 
 class CheckpointError(RuntimeError):
@@ -27,36 +46,67 @@ def join(path: str, name: str) -> str:
     return f"{path}/{name}"
 
 
-def fsync_file(f: Any) -> None:
-    """Flush ``f`` to stable storage where the filesystem has a file descriptor (local disks)."""
-    f.flush()
-    with contextlib.suppress(AttributeError, OSError, io.UnsupportedOperation, ValueError):
-        os.fsync(f.fileno())
+def is_local(fs: AbstractFileSystem) -> bool:
+    """Whether ``fs`` is the local disk (file descriptors, ``pwrite``/``pread``, ``fsync``)."""
+    return isinstance(fs, LocalFileSystem)
 
 
-def _fsync_dir(fs: AbstractFileSystem, path: str) -> None:
-    if "file" not in fs.protocol and "local" not in fs.protocol:
-        return
-    with contextlib.suppress(OSError):
-        fd = os.open(os.path.dirname(path) or ".", os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+def local_path(fs: AbstractFileSystem, path: str) -> str:
+    return fs._strip_protocol(path)
+
+
+def fsync_dir(path: str) -> None:
+    """``fsync`` the local directory ``path``, so the entries created or renamed in it are durable.
+
+    Raises:
+        OSError: the directory cannot be opened or synced.
+    """
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def atomic_write(fs: AbstractFileSystem, path: str, data: bytes) -> None:
-    """Write ``data`` to ``path.tmp``, make it durable, then rename it to ``path``.
+    """Write ``data`` to ``path.tmp``, make it durable, then rename it to ``path`` (and, on a local disk,
+    ``fsync`` the directory so the rename is durable too).
 
     On object stores the rename is a copy of one object, which appears whole or not at all.
+
+    Raises:
+        OSError: a write, ``fsync``, ``close`` or rename failed; ``path`` is then not replaced.
     """
     tmp = path + ".tmp"
-    fs.makedirs(path.rsplit("/", 1)[0], exist_ok=True)
+    parent = path.rsplit("/", 1)[0]
+    fs.makedirs(parent, exist_ok=True)
     with fs.open(tmp, "wb") as f:
         f.write(data)
-        fsync_file(f)
+        if is_local(fs):
+            f.flush()
+            os.fsync(f.fileno())
     fs.mv(tmp, path)
-    _fsync_dir(fs, path)
+    if is_local(fs):
+        fsync_dir(local_path(fs, parent))
+
+
+def _check_full(path: str, lo: int, hi: int, got: int) -> None:
+    if got != hi - lo:
+        raise CheckpointError(f"{path}: truncated, wanted bytes [{lo}, {hi}) but the file ends at {lo + got}")
+
+
+def pread_into(fd: int, buf: memoryview, offset: int, path: str) -> None:
+    """Fill ``buf`` from byte ``offset`` of the open file ``fd`` (``os.preadv`` loops over short reads).
+
+    Raises:
+        CheckpointError: the file ends first (truncated), naming ``path``.
+    """
+    done, n = 0, len(buf)
+    while done < n:
+        got = os.preadv(fd, [buf[done:]], offset + done)
+        if got == 0:
+            _check_full(path, offset, offset + n, done)
+        done += got
 
 
 def read_ranges(
@@ -74,30 +124,58 @@ def read_ranges(
     Raises:
         CheckpointError: the file is shorter than a range (truncated data file).
     """
-    order = sorted(range(len(ranges)), key=lambda i: ranges[i])
+    groups = coalesce(ranges, gap, max_read)
     out: list[memoryview | None] = [None] * len(ranges)
-    with fs.open(path, "rb") as f:
-        i = 0
-        while i < len(order):
-            lo, hi = ranges[order[i]]
-            j = i + 1
-            while j < len(order) and ranges[order[j]][0] <= hi + gap and ranges[order[j]][1] - lo <= max_read:
-                hi = max(hi, ranges[order[j]][1])
-                j += 1
-            f.seek(lo)
-            buf = bytearray(hi - lo)
-            got = f.readinto(buf) if hasattr(f, "readinto") else None
-            if got is None:
-                data = f.read(hi - lo)
-                got = len(data)
-                buf[:got] = data
-            if got != hi - lo:
-                raise CheckpointError(
-                    f"{path}: truncated, wanted bytes [{lo}, {hi}) but the file ends at {lo + got}"
-                )
-            view = memoryview(buf)
-            for k in order[i:j]:
-                a, b = ranges[k]
-                out[k] = view[a - lo : b - lo]
-            i = j
+    spans = [(lo, hi) for lo, hi, _ in groups]
+    for (lo, hi, members), view in zip(groups, read_spans(fs, path, spans)):
+        for k in members:
+            a, b = ranges[k]
+            out[k] = view[a - lo : b - lo]
     return out  # type: ignore[return-value]
+
+
+def coalesce(ranges: list[tuple[int, int]], gap: int, max_read: int) -> list[tuple[int, int, list[int]]]:
+    """Group byte ranges into reads ``(lo, hi, indices of the ranges inside)``: ranges closer than ``gap``
+    bytes share a read of at most ``max_read`` bytes (a longer single range is read alone)."""
+    order = sorted(range(len(ranges)), key=lambda i: ranges[i])
+    groups: list[tuple[int, int, list[int]]] = []
+    i = 0
+    while i < len(order):
+        lo, hi = ranges[order[i]]
+        j = i + 1
+        while j < len(order) and ranges[order[j]][0] <= hi + gap and ranges[order[j]][1] - lo <= max_read:
+            hi = max(hi, ranges[order[j]][1])
+            j += 1
+        groups.append((lo, hi, order[i:j]))
+        i = j
+    return groups
+
+
+def read_spans(fs: AbstractFileSystem, path: str, spans: list[tuple[int, int]]) -> list[memoryview]:
+    """The bytes of each ``[lo, hi)`` of one file: ``pread`` on a local disk, one ``cat_ranges`` call
+    (concurrent requests on async stores such as s3 or gcs) elsewhere.
+
+    Raises:
+        CheckpointError: the file is shorter than a span.
+    """
+    if not spans:
+        return []
+    if is_local(fs):
+        fd = os.open(local_path(fs, path), os.O_RDONLY)
+        try:
+            out = []
+            for lo, hi in spans:
+                buf = memoryview(bytearray(hi - lo))
+                pread_into(fd, buf, lo, path)
+                out.append(buf)
+            return out
+        finally:
+            os.close(fd)
+    blobs: list[Any] = fs.cat_ranges([path] * len(spans), [a for a, _ in spans], [b for _, b in spans])
+    out = []
+    for (lo, hi), blob in zip(spans, blobs):
+        if isinstance(blob, BaseException):
+            raise CheckpointError(f"{path}: reading bytes [{lo}, {hi}) failed: {blob}")
+        _check_full(path, lo, hi, len(blob))
+        out.append(memoryview(blob if isinstance(blob, bytearray) else bytearray(blob)))  # writable for torch
+    return out

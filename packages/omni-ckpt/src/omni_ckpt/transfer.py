@@ -1,0 +1,340 @@
+"""Moving a rank's boxes to its data file: segments, a reusable host buffer pool, parallel positional writes.
+
+A rank's data section is cut into *segments* of at most ``piece_bytes``: runs of consecutive small boxes
+(coalesced, so 20,000 tiny tensors cost a few writes and thread hand-offs, not 20,000) and pieces of big
+boxes (a box larger than the budget is staged and written piece by piece). Pieces start at multiples of
+``piece_bytes``, itself a multiple of the checksum chunk when the budget allows, so every chunk's CRC is
+computed whole by the thread that writes it; with a budget under one chunk one thread does everything in
+file order and the CRCs continue across pieces.
+
+Host staging memory is a :class:`BufferPool` of equal buffers allocated once per save (anonymous ``mmap``
+on CPU, so the pages go back to the OS when the save ends and the heap is not fragmented; pinned for CUDA
+sources) and reused for every segment: at most ``budget`` bytes of staging exist at a time.
+
+Writes go through a thread pool: ``os.pwritev`` at each segment's offset on a local disk (the GIL is
+released for the copy into the page cache and for the CRC), one in-order stream elsewhere (an object store
+upload is sequential).
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import threading
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+from fsspec import AbstractFileSystem
+
+from omni_ckpt.checksum import chunk_count, crc_into
+from omni_ckpt.layout import CHUNK_BYTES, Write
+from omni_ckpt.storage import fsync_dir, is_local, local_path
+
+__all__ = [
+    "BufferPool",
+    "FileSink",
+    "Part",
+    "Segment",
+    "Source",
+    "plan_segments",
+    "pool_shape",
+    "write_segments",
+]
+
+MAX_PIECE_BYTES = 32 << 20
+_SMALL_COPY = 64 << 10
+_IOV_MAX = 1024
+
+
+def pool_shape(budget: int) -> tuple[int, int]:
+    """``(piece_bytes, buffers)`` for a host budget of ``budget`` bytes: pieces of up to 32 MiB, a
+    multiple of the checksum chunk, at least two buffers where the budget holds two chunks (so staging
+    and writing overlap); one buffer of the whole budget below one chunk."""
+    if budget < CHUNK_BYTES:
+        return budget, 1
+    piece = min(MAX_PIECE_BYTES, max(CHUNK_BYTES, budget // 4 // CHUNK_BYTES * CHUNK_BYTES))
+    return piece, budget // piece
+
+
+@dataclass(frozen=True, slots=True)
+class Part:
+    """Bytes ``[lo, hi)`` of write ``w`` (an index into the rank's writes)."""
+
+    w: int
+    lo: int
+    hi: int
+
+
+@dataclass(frozen=True, slots=True)
+class Segment:
+    """``length`` contiguous bytes at ``offset`` from the start of the data section: ``parts`` in order."""
+
+    offset: int
+    length: int
+    parts: tuple[Part, ...]
+
+
+def plan_segments(writes: Sequence[Write], piece_bytes: int) -> list[Segment]:
+    """Cut the data section into segments of at most ``piece_bytes`` (see the module docstring)."""
+    out: list[Segment] = []
+    run: list[Part] = []
+    run_start = run_len = 0
+    for i, w in enumerate(writes):
+        if run and run_len + w.length > piece_bytes:
+            out.append(Segment(run_start, run_len, tuple(run)))
+            run, run_len = [], 0
+        if w.length > piece_bytes:
+            for lo in range(0, w.length, piece_bytes):
+                hi = min(lo + piece_bytes, w.length)
+                out.append(Segment(w.rel_offset + lo, hi - lo, (Part(i, lo, hi),)))
+            continue
+        if not run:
+            run_start = w.rel_offset
+        run.append(Part(i, 0, w.length))
+        run_len += w.length
+    if run:
+        out.append(Segment(run_start, run_len, tuple(run)))
+    return out
+
+
+@dataclass(slots=True)
+class Source:
+    """Where a write's bytes come from: the box's tensor view, and its bytes when it is contiguous in host
+    memory (``None`` for device or non-contiguous tensors, which are copied through the pool)."""
+
+    tensor: torch.Tensor
+    host: np.ndarray | None
+
+
+def host_bytes(t: torch.Tensor) -> np.ndarray | None:
+    """The bytes of a contiguous CPU tensor as a flat uint8 array (no copy), else None."""
+    if t.device.type != "cpu" or not t.is_contiguous():
+        return None
+    if t.numel() == 0:
+        return np.empty(0, dtype=np.uint8)
+    try:
+        return t.numpy().reshape(-1).view(np.uint8)
+    except TypeError:  # bfloat16 and float8 have no numpy dtype: view the same bytes as integers
+        return t.view({1: torch.uint8, 2: torch.int16}[t.element_size()]).numpy().reshape(-1).view(np.uint8)
+
+
+class BufferPool:
+    """Up to ``count`` host buffers of ``piece_bytes``, allocated on first use and reused.
+
+    ``acquire`` blocks while all of them are in use, which is what bounds staging to the budget.
+    ``peak_bytes`` is the most bytes of buffers in use at once.
+    """
+
+    def __init__(self, budget: int, *, pin: bool = False) -> None:
+        self.piece_bytes, self.count = pool_shape(budget)
+        self.pin = pin
+        self.peak_bytes = 0
+        self._free: list[np.ndarray] = []
+        self._maps: list[Any] = []
+        self._made = 0
+        self._in_use = 0
+        self._cond = threading.Condition()
+
+    def _allocate(self) -> np.ndarray:
+        self._made += 1
+        if self.pin:
+            return torch.empty(self.piece_bytes, dtype=torch.uint8, pin_memory=True).numpy()
+        m = mmap.mmap(-1, self.piece_bytes)
+        self._maps.append(m)
+        return np.frombuffer(m, dtype=np.uint8)
+
+    def acquire(self, abort: threading.Event | None = None) -> np.ndarray | None:
+        """A free buffer (waiting for one if all are in use); None once ``abort`` is set."""
+        with self._cond:
+            while not self._free and self._made >= self.count:
+                if abort is not None and abort.is_set():
+                    return None
+                self._cond.wait(0.1)
+            if abort is not None and abort.is_set():
+                return None
+            buf = self._free.pop() if self._free else self._allocate()
+            self._in_use += 1
+            self.peak_bytes = max(self.peak_bytes, self._in_use * self.piece_bytes)
+            return buf
+
+    def release(self, buf: np.ndarray) -> None:
+        with self._cond:
+            self._free.append(buf)
+            self._in_use -= 1
+            self._cond.notify()
+
+    def close(self) -> None:
+        """Return the buffers' memory to the OS (no buffer may be in use)."""
+        with self._cond:
+            self._free.clear()
+            maps, self._maps = self._maps, []
+            self._made = 0
+        for m in maps:
+            try:
+                m.close()
+            except BufferError:  # a view is still alive somewhere: the mapping goes with it
+                pass
+
+
+class FileSink:
+    """Positional writes into one new data file: ``pwritev`` on a local disk (any thread, any order),
+    an in-order stream elsewhere. :meth:`finish` makes it durable and raises on any error."""
+
+    def __init__(self, fs: AbstractFileSystem, path: str) -> None:
+        self.path = path
+        self.parallel = is_local(fs)
+        self._pos = 0
+        if self.parallel:
+            self._local = local_path(fs, path)
+            self._fd = os.open(self._local, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        else:
+            self._file = fs.open(path, "wb")
+
+    def write(self, views: Sequence[memoryview | np.ndarray], offset: int) -> None:
+        if not self.parallel:
+            if offset != self._pos:
+                raise AssertionError(f"{self.path}: stream write at {offset}, expected {self._pos}")
+            for v in views:
+                self._file.write(v)
+                self._pos += memoryview(v).nbytes
+            return
+        for i in range(0, len(views), _IOV_MAX):
+            batch = [memoryview(v).cast("B") for v in views[i : i + _IOV_MAX]]
+            want = sum(len(v) for v in batch)
+            done = os.pwritev(self._fd, batch, offset)
+            if done < want:  # a short write (rare on regular files): finish it view by view
+                self._write_rest(batch, offset, done)
+            offset += want
+
+    def _write_rest(self, batch: list[memoryview], offset: int, done: int) -> None:
+        pos = 0
+        for v in batch:
+            end = pos + len(v)
+            while done < end:
+                n = os.pwrite(self._fd, v[done - pos :], offset + done)
+                if n <= 0:
+                    raise OSError(f"{self.path}: pwrite wrote nothing at byte {offset + done}")
+                done += n
+            pos = end
+
+    def finish(self) -> None:
+        """``fsync`` and close the file, then ``fsync`` its directory (local); close (remote).
+
+        Raises:
+            OSError: ``fsync`` or ``close`` failed: the data may not be on disk.
+        """
+        if not self.parallel:
+            self._file.close()
+            return
+        fd, self._fd = self._fd, -1
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        fsync_dir(os.path.dirname(self._local) or ".")
+
+    def abort(self) -> None:
+        """Close after a failure, ignoring further errors (the original one is what gets reported)."""
+        try:
+            if self.parallel:
+                if self._fd >= 0:
+                    os.close(self._fd)
+                    self._fd = -1
+            else:
+                self._file.close()
+        except Exception:
+            pass
+
+
+def _fill(buf: np.ndarray, seg: Segment, sources: Sequence[Source]) -> list[memoryview]:
+    """Copy a segment's parts into ``buf``; returns one view of ``buf`` per part."""
+    views = []
+    pos = 0
+    mv = memoryview(buf)
+    for p in seg.parts:
+        n = p.hi - p.lo
+        src = sources[p.w]
+        if src.host is not None:
+            if n < _SMALL_COPY:
+                mv[pos : pos + n] = src.host[p.lo : p.hi]  # no GIL release: no thread hand-off per box
+            else:
+                np.copyto(buf[pos : pos + n], src.host[p.lo : p.hi])
+        elif n:
+            flat = src.tensor.detach().contiguous().reshape(-1).view(torch.uint8)
+            torch.from_numpy(buf[pos : pos + n]).copy_(flat[p.lo : p.hi])
+        views.append(mv[pos : pos + n])
+        pos += n
+    return views
+
+
+def write_segments(
+    sink: FileSink,
+    data_start: int,
+    segments: Sequence[Segment],
+    sources: Sequence[Source],
+    lengths: Sequence[int],
+    *,
+    pool: BufferPool,
+    stage_all: bool,
+    threads: int,
+    on_staged: Callable[[], None] | None = None,
+) -> list[list[int]]:
+    """Write every segment (copied through ``pool`` when ``stage_all`` or the source is not host
+    memory) with ``threads`` writer threads; returns each write's per-chunk CRC-32Cs.
+
+    Runs the staging in the calling thread and calls ``on_staged`` once every segment is copied out of
+    the sources (they may change from then on).
+
+    Raises:
+        OSError, CheckpointError: the first write error (staging stops at it).
+    """
+    crcs = [[0] * chunk_count(n, CHUNK_BYTES) for n in lengths]
+    in_order = not sink.parallel or pool.piece_bytes % CHUNK_BYTES != 0
+    errors: list[BaseException] = []
+    abort = threading.Event()
+
+    def job(seg: Segment, part_views: list[memoryview], buf: np.ndarray | None) -> None:
+        try:
+            for p, v in zip(seg.parts, part_views):
+                crc_into(crcs[p.w], v, p.lo, CHUNK_BYTES)
+            whole = part_views if buf is None else [memoryview(buf)[: seg.length]]
+            sink.write(whole, data_start + seg.offset)
+        except BaseException as exc:
+            errors.append(exc)
+            abort.set()
+            raise
+        finally:
+            if buf is not None:
+                pool.release(buf)
+
+    pending: list[Future[None]] = []
+    with ThreadPoolExecutor(
+        max_workers=1 if in_order else max(1, threads), thread_name_prefix="omni-ckpt-io"
+    ) as ex:
+        for seg in segments:
+            if abort.is_set():
+                break
+            if not stage_all and all(sources[p.w].host is not None for p in seg.parts):
+                buf = None
+                views = [memoryview(sources[p.w].host)[p.lo : p.hi] for p in seg.parts]  # type: ignore[arg-type]
+            else:
+                buf = pool.acquire(abort)
+                if buf is None:
+                    break
+                try:
+                    views = _fill(buf, seg, sources)
+                except BaseException:
+                    pool.release(buf)
+                    raise
+            pending.append(ex.submit(job, seg, views, buf))
+        if not abort.is_set() and on_staged is not None:
+            on_staged()
+    if errors:
+        raise errors[0]
+    for f in pending:
+        f.result()
+    return crcs
