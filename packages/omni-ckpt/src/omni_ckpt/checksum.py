@@ -13,11 +13,16 @@ import crc32c as _crc32c
 __all__ = ["ALGORITHM", "chunk_count", "crc", "crc_into"]
 
 ALGORITHM = "crc32c"
+_RELEASE_GIL_BYTES = 64 << 10
 
 
-def crc(data: object, value: int = 0) -> int:
-    """CRC-32C of the buffer ``data``, continuing from ``value`` (the CRC of the bytes before it)."""
-    return _crc32c.crc32c(data, value)
+def crc(data: memoryview | bytes, value: int = 0) -> int:
+    """CRC-32C of the buffer ``data``, continuing from ``value`` (the CRC of the bytes before it).
+
+    The GIL is released for buffers of 64 KiB and more (threads checksum in parallel) and kept for
+    smaller ones, so a box of 64 bytes costs no thread hand-off behind a busy caller.
+    """
+    return _crc32c.crc32c(data, value, gil_release_mode=int(len(data) >= _RELEASE_GIL_BYTES))
 
 
 def chunk_count(length: int, chunk: int) -> int:
@@ -34,5 +39,5 @@ def crc_into(crcs: list[int], view: memoryview, lo: int, chunk: int) -> None:
     a, c = lo, lo // chunk
     while a < hi:  # nothing to fold for no bytes: the CRC of nothing is the initial 0
         b = min(hi, (c + 1) * chunk)
-        crcs[c] = _crc32c.crc32c(view[a - lo : b - lo], crcs[c])
+        crcs[c] = crc(view[a - lo : b - lo], crcs[c])
         a, c = b, c + 1

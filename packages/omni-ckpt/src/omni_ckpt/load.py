@@ -34,7 +34,6 @@ from omni_ckpt.layout import (
 from omni_ckpt.plan import SavePlan
 from omni_ckpt.sharding import describe, is_tensor_leaf
 from omni_ckpt.state import PlaceholderRef, flatten_state, gc_paused
-from omni_ckpt.transfer import host_bytes
 from omni_ckpt.storage import (
     CheckpointError,
     coalesce,
@@ -45,6 +44,7 @@ from omni_ckpt.storage import (
     pread_into,
     read_spans,
 )
+from omni_ckpt.transfer import WINDOW_BYTES, host_bytes
 
 __all__ = ["DEFAULT_IO_THREADS", "LoadResult", "load", "plan_from_manifest", "read_manifest", "read_objects"]
 
@@ -454,7 +454,7 @@ def _read_tensors(
             groups = coalesce([(r.b[3] + r.lo, r.b[3] + r.hi) for r in rest], 1 << 20, 64 << 20)
             if fd is None:  # remote: one cat_ranges call for the whole file, verify and copy in threads
                 views = read_spans(fs, fname, [(lo, hi) for lo, hi, _ in groups])
-                for (lo, hi, members), view in zip(groups, views):
+                for (lo, _, members), view in zip(groups, views):
                     jobs.append((_copy_group, (fname, view, lo, [rest[k] for k in members], chunk)))
             else:
                 for lo, hi, members in groups:
@@ -480,10 +480,18 @@ def _spans(fs: Any, fname: str, fd: int | None, spans: list[tuple[int, int]]) ->
 
 
 def _read_direct(fd: int, fname: str, r: _Read, lo: int, hi: int, chunk: int) -> int:
-    """Read bytes ``[lo, hi)`` of a whole saved box straight into its contiguous target and verify them."""
-    buf = memoryview(r.dest.reshape(-1).view(torch.uint8).numpy())[lo:hi]
-    pread_into(fd, buf, r.b[3] + lo, fname)
-    _verify(buf, lo, hi, r.b, chunk, fname, r.name)
+    """Read bytes ``[lo, hi)`` (``lo`` chunk-aligned) of a whole saved box straight into its contiguous
+    target, checksumming each window right after reading it, while it is still in cache."""
+    buf = memoryview(r.dest.reshape(-1).view(torch.uint8).numpy())
+    for c0 in range(lo, hi, chunk):
+        c1 = min(c0 + chunk, hi)
+        value = 0
+        for a in range(c0, c1, WINDOW_BYTES):
+            sub = buf[a : min(a + WINDOW_BYTES, c1)]
+            pread_into(fd, sub, r.b[3] + a, fname)
+            value = crc(sub, value)
+        if value != r.b[5][c0 // chunk]:
+            _verify(buf[c0:c1], c0, c1, r.b, chunk, fname, r.name)  # raises, naming the chunk
     return hi - lo
 
 

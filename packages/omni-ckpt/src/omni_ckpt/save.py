@@ -239,9 +239,9 @@ def build_manifest(plan: SavePlan, results: list[dict[str, Any]]) -> dict[str, A
     }
     for r, (writes, res) in enumerate(zip(plan.writes, results)):
         start = res["data_start"]
-        for w, crc in zip(writes, res["crcs"]):
+        for w, crcs in zip(writes, res["crcs"]):
             tensors[w.name][2].append(
-                [list(w.box.offsets), list(w.box.sizes), r, start + w.rel_offset, w.length, crc]
+                [list(w.box.offsets), list(w.box.sizes), r, start + w.rel_offset, w.length, crcs]
             )
     return {
         "format": FORMAT,

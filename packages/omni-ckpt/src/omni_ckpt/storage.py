@@ -1,5 +1,5 @@
 """fsspec helpers: open a checkpoint URL, write durably (errors reported, never swallowed), rename
-atomically, read byte ranges (``pread`` on local disks, ``cat_ranges`` on remote stores).
+atomically, read byte ranges (``pread`` on local disks, ``cat_ranges`` on remote stores), coalescing close ones.
 
 Durability on a local disk is ``fsync`` of each file before it is closed and of its directory after an
 entry appears in it; an ``fsync`` or ``close`` error (EIO, ENOSPC...) raises, so a save fails and commits
@@ -27,7 +27,6 @@ __all__ = [
     "local_path",
     "open_url",
     "pread_into",
-    "read_ranges",
     "read_spans",
 ]
 
@@ -77,14 +76,18 @@ def atomic_write(fs: AbstractFileSystem, path: str, data: bytes) -> None:
     Raises:
         OSError: a write, ``fsync``, ``close`` or rename failed; ``path`` is then not replaced.
     """
+    from omni_ckpt.transfer import FileSink
+
     tmp = path + ".tmp"
     parent = path.rsplit("/", 1)[0]
     fs.makedirs(parent, exist_ok=True)
-    with fs.open(tmp, "wb") as f:
-        f.write(data)
-        if is_local(fs):
-            f.flush()
-            os.fsync(f.fileno())
+    sink = FileSink(fs, tmp)
+    try:
+        sink.write([memoryview(data)], 0)
+    except BaseException:
+        sink.abort()
+        raise
+    sink.finish(sync_dir=False)
     fs.mv(tmp, path)
     if is_local(fs):
         fsync_dir(local_path(fs, parent))
@@ -107,31 +110,6 @@ def pread_into(fd: int, buf: memoryview, offset: int, path: str) -> None:
         if got == 0:
             _check_full(path, offset, offset + n, done)
         done += got
-
-
-def read_ranges(
-    fs: AbstractFileSystem,
-    path: str,
-    ranges: list[tuple[int, int]],
-    gap: int = 1 << 20,
-    max_read: int = 64 << 20,
-) -> list[memoryview]:
-    """Read byte ranges ``[start, end)`` of one file, coalescing ranges closer than ``gap`` bytes into
-    reads of at most ``max_read`` bytes (a single longer range is read alone).
-
-    Returns one memoryview per requested range, in the order given.
-
-    Raises:
-        CheckpointError: the file is shorter than a range (truncated data file).
-    """
-    groups = coalesce(ranges, gap, max_read)
-    out: list[memoryview | None] = [None] * len(ranges)
-    spans = [(lo, hi) for lo, hi, _ in groups]
-    for (lo, hi, members), view in zip(groups, read_spans(fs, path, spans)):
-        for k in members:
-            a, b = ranges[k]
-            out[k] = view[a - lo : b - lo]
-    return out  # type: ignore[return-value]
 
 
 def coalesce(ranges: list[tuple[int, int]], gap: int, max_read: int) -> list[tuple[int, int, list[int]]]:

@@ -18,6 +18,7 @@ upload is sequential).
 
 from __future__ import annotations
 
+import contextlib
 import mmap
 import os
 import threading
@@ -46,6 +47,7 @@ __all__ = [
 ]
 
 MAX_PIECE_BYTES = 32 << 20
+WINDOW_BYTES = 512 << 10  # checksum then write (or read then checksum) this much at a time: still in L2
 _SMALL_COPY = 64 << 10
 _IOV_MAX = 1024
 
@@ -174,10 +176,8 @@ class BufferPool:
             maps, self._maps = self._maps, []
             self._made = 0
         for m in maps:
-            try:
+            with contextlib.suppress(BufferError):  # a view is still alive: the mapping goes with it
                 m.close()
-            except BufferError:  # a view is still alive somewhere: the mapping goes with it
-                pass
 
 
 class FileSink:
@@ -221,8 +221,8 @@ class FileSink:
                 done += n
             pos = end
 
-    def finish(self) -> None:
-        """``fsync`` and close the file, then ``fsync`` its directory (local); close (remote).
+    def finish(self, *, sync_dir: bool = True) -> None:
+        """``fsync`` and close the file, then (``sync_dir``) ``fsync`` its directory (local); close (remote).
 
         Raises:
             OSError: ``fsync`` or ``close`` failed: the data may not be on disk.
@@ -235,7 +235,8 @@ class FileSink:
             os.fsync(fd)
         finally:
             os.close(fd)
-        fsync_dir(os.path.dirname(self._local) or ".")
+        if sync_dir:
+            fsync_dir(os.path.dirname(self._local) or ".")
 
     def abort(self) -> None:
         """Close after a failure, ignoring further errors (the original one is what gets reported)."""
@@ -299,10 +300,20 @@ def write_segments(
 
     def job(seg: Segment, part_views: list[memoryview], buf: np.ndarray | None) -> None:
         try:
+            offset = data_start + seg.offset
+            window: list[memoryview] = []
+            size = 0
             for p, v in zip(seg.parts, part_views):
-                crc_into(crcs[p.w], v, p.lo, CHUNK_BYTES)
-            whole = part_views if buf is None else [memoryview(buf)[: seg.length]]
-            sink.write(whole, data_start + seg.offset)
+                for a in range(0, len(v), WINDOW_BYTES):
+                    sub = v[a : a + WINDOW_BYTES]
+                    crc_into(crcs[p.w], sub, p.lo + a, CHUNK_BYTES)
+                    window.append(sub)
+                    size += len(sub)
+                    if size >= WINDOW_BYTES:
+                        sink.write(window, offset)
+                        offset, window, size = offset + size, [], 0
+            if window:
+                sink.write(window, offset)
         except BaseException as exc:
             errors.append(exc)
             abort.set()
