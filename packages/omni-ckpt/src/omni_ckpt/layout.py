@@ -56,6 +56,7 @@ __all__ = [
     "layout_rank",
     "rank_file",
     "safetensors_header",
+    "unpack_map",
 ]
 
 FORMAT = "omni-ckpt"
@@ -195,6 +196,21 @@ def safetensors_header(
     return len(raw).to_bytes(8, "little") + raw
 
 
+def unpack_map(data: memoryview | bytes, what: str) -> dict[str, Any]:
+    """msgpack bytes that must hold a map (manifest body, a rank's plain objects).
+
+    Raises:
+        ValueError: they do not decode, or not to a map; the message starts with ``what``.
+    """
+    try:
+        out = msgpack.unpackb(data, raw=False, strict_map_key=False)
+    except (ValueError, TypeError, msgpack.UnpackException) as exc:
+        raise ValueError(f"{what} do not decode ({type(exc).__name__}: {exc})") from None
+    if not isinstance(out, dict):
+        raise ValueError(f"{what} is not a map")
+    return out
+
+
 def encode_manifest(manifest: dict[str, Any]) -> bytes:
     """The manifest file's bytes: msgpack body plus the self-checking trailer (see the module docstring)."""
     body = msgpack.packb(manifest, use_bin_type=True)
@@ -219,7 +235,8 @@ def decode_manifest(raw: bytes, where: str) -> dict[str, Any]:
         if isinstance(old, dict) and old.get("format") == FORMAT:
             raise ValueError(
                 f"{where}: format version {old.get('version')} (a manifest without its own checksum, with "
-                f"zlib.crc32 chunks); this reader needs version {FORMAT_VERSION}: load it with omni-ckpt 0.1 and save it again"
+                f"zlib.crc32 chunks); this reader needs version {FORMAT_VERSION}: load it with the omni-ckpt "
+                "that wrote it and save it again with this one"
             )
         raise ValueError(f"{where}: not an {FORMAT} manifest (no checksum trailer)")
     want, length, _ = _TRAILER.unpack_from(raw, n)
@@ -228,11 +245,8 @@ def decode_manifest(raw: bytes, where: str) -> dict[str, Any]:
     body = memoryview(raw)[:n]
     if crc(body) != want:
         raise ValueError(f"{where}: manifest checksum mismatch (the file is corrupt)")
-    try:
-        manifest = msgpack.unpackb(body, raw=False, strict_map_key=False)
-    except (ValueError, TypeError, msgpack.UnpackException) as exc:
-        raise ValueError(f"{where}: manifest does not decode ({type(exc).__name__}: {exc})") from None
-    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
+    manifest = unpack_map(body, f"{where}: manifest")
+    if manifest.get("format") != FORMAT:
         raise ValueError(f"{where}: not an {FORMAT} manifest")
     if manifest.get("version") != FORMAT_VERSION:
         raise ValueError(

@@ -17,7 +17,6 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
-import msgpack
 import torch
 import torch.distributed as dist
 
@@ -30,6 +29,7 @@ from omni_ckpt.layout import (
     dtype_from_name,
     itemsize,
     layout_rank,
+    unpack_map,
 )
 from omni_ckpt.plan import SavePlan
 from omni_ckpt.sharding import describe, is_tensor_leaf
@@ -214,12 +214,9 @@ def _object_blobs(fs: Any, path: str, m: dict[str, Any], ranks: list[int]) -> li
         if crc(view) != want:
             raise CheckpointError(f"{fname}: checksum mismatch in the plain objects of rank {r}")
         try:
-            blob = msgpack.unpackb(view, raw=False, strict_map_key=False)
-        except (ValueError, TypeError, msgpack.UnpackException) as exc:
-            raise CheckpointError(f"{fname}: plain objects of rank {r} do not decode ({exc})") from None
-        if not isinstance(blob, dict):
-            raise CheckpointError(f"{fname}: plain objects of rank {r} are not a map")
-        out.append(blob)
+            out.append(unpack_map(view, f"{fname}: plain objects of rank {r}"))
+        except ValueError as exc:
+            raise CheckpointError(str(exc)) from None
     return out
 
 
@@ -436,7 +433,7 @@ def _read_tensors(
             if size < end:
                 raise CheckpointError(f"{fname}: truncated, {size} bytes but the manifest needs {end}")
             start = m["data_start"][file]
-            (head,) = _spans(fs, fname, fds.get(file), [(0, start)])
+            (head,) = read_spans(fs, fname, [(0, start)], fd=fds.get(file))
             if crc(head) != m["header_crc"][file]:
                 raise CheckpointError(f"{fname}: header checksum mismatch (bytes [0, {start}))")
         jobs = []
@@ -466,17 +463,6 @@ def _read_tensors(
     finally:
         for fd in fds.values():
             os.close(fd)
-
-
-def _spans(fs: Any, fname: str, fd: int | None, spans: list[tuple[int, int]]) -> list[memoryview]:
-    if fd is None:
-        return read_spans(fs, fname, spans)
-    out = []
-    for lo, hi in spans:
-        buf = memoryview(bytearray(hi - lo))
-        pread_into(fd, buf, lo, fname)
-        out.append(buf)
-    return out
 
 
 def _read_direct(fd: int, fname: str, r: _Read, lo: int, hi: int, chunk: int) -> int:

@@ -156,26 +156,17 @@ class CheckpointManager:
         def on_commit() -> None:
             self._publish(step)
 
+        options = {
+            "process_group": self.process_group,
+            "plan_cache": self.plan_cache,
+            "on_commit": on_commit,
+            "io_threads": self.io_threads,
+            "host_budget_bytes": self.host_budget_bytes,
+        }
         if not self.async_save:
-            save(
-                state,
-                url,
-                process_group=self.process_group,
-                plan_cache=self.plan_cache,
-                on_commit=on_commit,
-                io_threads=self.io_threads,
-                host_budget_bytes=self.host_budget_bytes,
-            )
+            save(state, url, **options)  # type: ignore[arg-type]
             return None
-        handle = async_save(
-            state,
-            url,
-            process_group=self.process_group,
-            plan_cache=self.plan_cache,
-            on_commit=on_commit,
-            host_budget_bytes=self.host_budget_bytes,
-            io_threads=self.io_threads,
-        )
+        handle = async_save(state, url, **options)  # type: ignore[arg-type]
         self._pending = (step, handle)
         return handle
 

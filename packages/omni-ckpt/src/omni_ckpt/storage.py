@@ -129,9 +129,11 @@ def coalesce(ranges: list[tuple[int, int]], gap: int, max_read: int) -> list[tup
     return groups
 
 
-def read_spans(fs: AbstractFileSystem, path: str, spans: list[tuple[int, int]]) -> list[memoryview]:
-    """The bytes of each ``[lo, hi)`` of one file: ``pread`` on a local disk, one ``cat_ranges`` call
-    (concurrent requests on async stores such as s3 or gcs) elsewhere.
+def read_spans(
+    fs: AbstractFileSystem, path: str, spans: list[tuple[int, int]], *, fd: int | None = None
+) -> list[memoryview]:
+    """The bytes of each ``[lo, hi)`` of one file: ``pread`` on a local disk (from ``fd`` when the file is
+    open already), one ``cat_ranges`` call (concurrent requests on async stores such as s3 or gcs) elsewhere.
 
     Raises:
         CheckpointError: the file is shorter than a span.
@@ -139,7 +141,10 @@ def read_spans(fs: AbstractFileSystem, path: str, spans: list[tuple[int, int]]) 
     if not spans:
         return []
     if is_local(fs):
-        fd = os.open(local_path(fs, path), os.O_RDONLY)
+        own = fd is None
+        if own:
+            fd = os.open(local_path(fs, path), os.O_RDONLY)
+        assert fd is not None
         try:
             out = []
             for lo, hi in spans:
@@ -148,7 +153,8 @@ def read_spans(fs: AbstractFileSystem, path: str, spans: list[tuple[int, int]]) 
                 out.append(buf)
             return out
         finally:
-            os.close(fd)
+            if own:
+                os.close(fd)
     blobs: list[Any] = fs.cat_ranges([path] * len(spans), [a for a, _ in spans], [b for _, b in spans])
     out = []
     for (lo, hi), blob in zip(spans, blobs):
