@@ -36,6 +36,9 @@ def crc_into(crcs: list[int], view: memoryview, lo: int, chunk: int) -> None:
     A chunk split over several calls must get them in byte order (the CRC continues from the last).
     """
     hi = lo + len(view)
+    if hi <= chunk:  # all in the first chunk (every small box): one call
+        crcs[0] = crc(view, crcs[0])
+        return
     a, c = lo, lo // chunk
     while a < hi:  # nothing to fold for no bytes: the CRC of nothing is the initial 0
         b = min(hi, (c + 1) * chunk)

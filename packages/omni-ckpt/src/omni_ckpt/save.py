@@ -43,7 +43,15 @@ from omni_ckpt.plan import LocalPlan, PlanCache, SavePlan, agree_on_cache, build
 from omni_ckpt.sharding import describe, is_tensor_leaf
 from omni_ckpt.state import flatten_state, gc_paused
 from omni_ckpt.storage import CheckpointError, atomic_write, fsync_dir, is_local, join, local_path, open_url
-from omni_ckpt.transfer import BufferPool, FileSink, Source, host_bytes, plan_segments, write_segments
+from omni_ckpt.transfer import (
+    BufferPool,
+    FileSink,
+    Segment,
+    Source,
+    host_bytes,
+    plan_segments,
+    write_segments,
+)
 
 __all__ = ["DEFAULT_HOST_BUDGET", "DEFAULT_IO_THREADS", "AsyncSaveHandle", "async_save", "save", "save_ranks"]
 
@@ -165,6 +173,7 @@ def _prepare(
 def _write_rank(
     prep: _Prepared,
     sources: list[Source],
+    segments: list[Segment],
     *,
     pool: BufferPool,
     stage_all: bool,
@@ -193,7 +202,7 @@ def _write_rank(
         crcs = write_segments(
             sink,
             len(header),
-            plan_segments(writes, pool.piece_bytes),
+            segments,
             sources,
             [w.length for w in writes],
             pool=pool,
@@ -232,17 +241,42 @@ def _lookup(prep: _Prepared) -> Iterator[torch.Tensor]:
         yield t
 
 
-def build_manifest(plan: SavePlan, results: list[dict[str, Any]]) -> dict[str, Any]:
-    """The manifest (see :mod:`omni_ckpt.layout`) from the plan and every rank's write result."""
+@dataclass
+class ManifestSkeleton:
+    """The manifest without what only the written files know (data offsets, checksums), built from the
+    plan in the calling thread, so that a background commit only fills numbers in (no per-box allocation
+    behind a busy caller). ``boxes[r]`` are rank r's box entries in its write order."""
+
+    tensors: dict[str, list[Any]]
+    boxes: list[list[list[Any]]]
+
+
+def manifest_skeleton(plan: SavePlan) -> ManifestSkeleton:
     tensors: dict[str, list[Any]] = {
         name: [dt, list(shape), []] for name, (dt, shape) in plan.tensors.items()
     }
-    for r, (writes, res) in enumerate(zip(plan.writes, results)):
+    boxes = []
+    for r, writes in enumerate(plan.writes):
+        mine = []
+        for w in writes:
+            entry = [list(w.box.offsets), list(w.box.sizes), r, w.rel_offset, w.length, None]
+            tensors[w.name][2].append(entry)
+            mine.append(entry)
+        boxes.append(mine)
+    return ManifestSkeleton(tensors, boxes)
+
+
+def build_manifest(
+    plan: SavePlan, results: list[dict[str, Any]], skeleton: ManifestSkeleton | None = None
+) -> dict[str, Any]:
+    """The manifest (see :mod:`omni_ckpt.layout`) from the plan and every rank's write result (consumes
+    ``skeleton``, built from the same plan, if given)."""
+    skel = skeleton or manifest_skeleton(plan)
+    for mine, res in zip(skel.boxes, results):
         start = res["data_start"]
-        for w, crcs in zip(writes, res["crcs"]):
-            tensors[w.name][2].append(
-                [list(w.box.offsets), list(w.box.sizes), r, start + w.rel_offset, w.length, crcs]
-            )
+        for entry, crcs in zip(mine, res["crcs"]):
+            entry[3] += start
+            entry[5] = crcs
     return {
         "format": FORMAT,
         "version": FORMAT_VERSION,
@@ -252,7 +286,7 @@ def build_manifest(plan: SavePlan, results: list[dict[str, Any]]) -> dict[str, A
         "files": [rank_file(r) for r in range(plan.world_size)],
         "data_start": [res["data_start"] for res in results],
         "header_crc": [res["header_crc"] for res in results],
-        "tensors": tensors,
+        "tensors": skel.tensors,
         "objects": [res["objects"] for res in results],
         "rank_fingerprints": plan.rank_fingerprints,
     }
@@ -264,6 +298,7 @@ def _commit(
     on_commit: Callable[[], None] | None,
     *,
     in_caller: bool,
+    skeleton: ManifestSkeleton | None = None,
 ) -> None:
     if prep.pg is None:
         results = [result]
@@ -281,7 +316,7 @@ def _commit(
             try:
                 assert prep.plan is not None
                 with gc_paused() if in_caller else contextlib.nullcontext():
-                    data = encode_manifest(build_manifest(prep.plan, results))  # type: ignore[arg-type]
+                    data = encode_manifest(build_manifest(prep.plan, results, skeleton))  # type: ignore[arg-type]
                 atomic_write(prep.fs, join(prep.path, MANIFEST), data)
                 committed = True
                 if on_commit is not None:
@@ -347,8 +382,11 @@ def save(
             with gc_paused():
                 sources = _sources(prep)
                 pool = _pool_for(sources, host_budget_bytes)
+                segments = plan_segments(prep.plan.writes[prep.rank], pool.piece_bytes)  # type: ignore[union-attr]
                 try:
-                    result = _write_rank(prep, sources, pool=pool, stage_all=False, threads=io_threads)
+                    result = _write_rank(
+                        prep, sources, segments, pool=pool, stage_all=False, threads=io_threads
+                    )
                 finally:
                     pool.close()
         except Exception as exc:
@@ -381,8 +419,11 @@ def save_ranks(
         prep = _Prepared(fs, path, None, r, world, plan, c, None)
         sources = _sources(prep)
         pool = _pool_for(sources, DEFAULT_HOST_BUDGET)
+        segments = plan_segments(plan.writes[r], pool.piece_bytes)
         try:
-            results.append(_write_rank(prep, sources, pool=pool, stage_all=False, threads=io_threads))
+            results.append(
+                _write_rank(prep, sources, segments, pool=pool, stage_all=False, threads=io_threads)
+            )
         finally:
             pool.close()
     atomic_write(fs, join(path, MANIFEST), encode_manifest(build_manifest(plan, results)))
@@ -408,9 +449,20 @@ class AsyncSaveHandle:
         self.done.result(timeout)
 
 
+@dataclass
+class _Staging:
+    """What an async save prepares in the calling thread (collector paused, caller not yet busy), so the
+    background thread does only the copies, writes and checksums: per-box Python work there runs at half
+    speed behind a caller busy in Python, and its allocations set off full collections."""
+
+    sources: list[Source]
+    segments: list[Segment]
+    skeleton: ManifestSkeleton | None  # rank 0 only: it writes the manifest
+
+
 def _background(
     prep: _Prepared,
-    sources: list[Source],
+    staging: _Staging,
     handle: AsyncSaveHandle,
     pool: BufferPool,
     threads: int,
@@ -424,7 +476,8 @@ def _background(
         try:
             result = _write_rank(
                 prep,
-                sources,
+                staging.sources,
+                staging.segments,
                 pool=pool,
                 stage_all=True,
                 threads=threads,
@@ -435,11 +488,11 @@ def _background(
         finally:
             handle.peak_staged_bytes = pool.peak_bytes
             pool.close()
-            sources.clear()  # the state's tensors are not referenced past staging
+            staging.sources.clear()  # the state's tensors are not referenced past staging
     if not handle.staged.done():
         handle.staged.set_exception(CheckpointError(f"rank {prep.rank}: staging stopped: {result}"))
     try:
-        _commit(prep, result, on_commit, in_caller=False)
+        _commit(prep, result, on_commit, in_caller=False, skeleton=staging.skeleton)
         handle.done.set_result(None)
     except BaseException as exc:
         handle.done.set_exception(exc)
@@ -477,18 +530,23 @@ def async_save(
     """
     _check_budget(host_budget_bytes)
     prep = _prepare(state_dict, url, process_group, plan_cache)
-    sources: list[Source] = []
+    staging = _Staging([], [], None)
+    pool = BufferPool(host_budget_bytes)
     if prep.error is None:
+        assert prep.plan is not None
         try:
             with gc_paused():
-                sources = _sources(prep)  # here, not in the thread: a busy caller would slow it 2x
+                sources = _sources(prep)
+                pool = _pool_for(sources, host_budget_bytes)
+                segments = plan_segments(prep.plan.writes[prep.rank], pool.piece_bytes)
+                skeleton = manifest_skeleton(prep.plan) if prep.rank == 0 else None
+                staging = _Staging(sources, segments, skeleton)
         except Exception as exc:
             prep.error = f"{type(exc).__name__}: {exc}"
     handle = AsyncSaveHandle()
-    pool = _pool_for(sources, host_budget_bytes)
     handle._thread = threading.Thread(
         target=_background,
-        args=(prep, sources, handle, pool, io_threads, on_commit),
+        args=(prep, staging, handle, pool, io_threads, on_commit),
         name="omni-ckpt-save",
     )
     handle._thread.start()

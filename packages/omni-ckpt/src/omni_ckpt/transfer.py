@@ -31,7 +31,7 @@ import numpy as np
 import torch
 from fsspec import AbstractFileSystem
 
-from omni_ckpt.checksum import chunk_count, crc_into
+from omni_ckpt.checksum import chunk_count, crc, crc_into
 from omni_ckpt.layout import CHUNK_BYTES, Write
 from omni_ckpt.storage import fsync_dir, is_local, local_path
 
@@ -110,6 +110,11 @@ class Source:
 
     tensor: torch.Tensor
     host: np.ndarray | None
+    view: memoryview | None = None  # of ``host``, made by the caller: no allocation per box later
+
+    def __post_init__(self) -> None:
+        if self.host is not None and self.view is None:
+            self.view = memoryview(self.host)
 
 
 def host_bytes(t: torch.Tensor) -> np.ndarray | None:
@@ -251,25 +256,56 @@ class FileSink:
             pass
 
 
-def _fill(buf: np.ndarray, seg: Segment, sources: Sequence[Source]) -> list[memoryview]:
-    """Copy a segment's parts into ``buf``; returns one view of ``buf`` per part."""
-    views = []
+def _fill(
+    buf: np.ndarray, seg: Segment, sources: Sequence[Source], crcs: list[list[int]]
+) -> list[memoryview | None]:
+    """Copy a segment's parts into ``buf``. Small whole boxes are checksummed here, from their source (the
+    same bytes; no view is made per box); returns, per part, the view of ``buf`` still to checksum, or None."""
+    views: list[memoryview | None] = []
     pos = 0
     mv = memoryview(buf)
     for p in seg.parts:
         n = p.hi - p.lo
         src = sources[p.w]
+        if src.view is not None and n < _SMALL_COPY and n == len(src.view):
+            mv[pos : pos + n] = src.view  # memcpy holding the GIL: no thread hand-off per box
+            crcs[p.w][0] = crc(src.view)
+            views.append(None)
+            pos += n
+            continue
         if src.host is not None:
-            if n < _SMALL_COPY:
-                mv[pos : pos + n] = src.host[p.lo : p.hi]  # no GIL release: no thread hand-off per box
-            else:
-                np.copyto(buf[pos : pos + n], src.host[p.lo : p.hi])
+            np.copyto(buf[pos : pos + n], src.host[p.lo : p.hi])  # releases the GIL for large copies
         elif n:
             flat = src.tensor.detach().contiguous().reshape(-1).view(torch.uint8)
             torch.from_numpy(buf[pos : pos + n]).copy_(flat[p.lo : p.hi])
         views.append(mv[pos : pos + n])
         pos += n
     return views
+
+
+class _Executor:
+    """A thread pool of ``workers`` threads, or (0) running each job in the submitting thread."""
+
+    def __init__(self, workers: int) -> None:
+        self._pool = ThreadPoolExecutor(workers, thread_name_prefix="omni-ckpt-io") if workers else None
+
+    def __enter__(self) -> _Executor:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+
+    def submit(self, fn: Callable[..., None], *args: Any) -> Future[None]:
+        if self._pool is not None:
+            return self._pool.submit(fn, *args)
+        done: Future[None] = Future()
+        try:
+            fn(*args)
+            done.set_result(None)
+        except BaseException as exc:
+            done.set_exception(exc)
+        return done
 
 
 def write_segments(
@@ -298,12 +334,27 @@ def write_segments(
     errors: list[BaseException] = []
     abort = threading.Event()
 
-    def job(seg: Segment, part_views: list[memoryview], buf: np.ndarray | None) -> None:
+    def job(seg: Segment, part_views: list[memoryview | None], buf: np.ndarray | None) -> None:
         try:
             offset = data_start + seg.offset
+            if buf is not None:
+                whole = memoryview(buf)[: seg.length]
+                p = seg.parts[0]
+                if len(seg.parts) == 1 and part_views[0] is not None:  # a piece of a big box
+                    for a in range(0, seg.length, WINDOW_BYTES):
+                        sub = whole[a : a + WINDOW_BYTES]
+                        crc_into(crcs[p.w], sub, p.lo + a, CHUNK_BYTES)
+                        sink.write([sub], offset + a)
+                    return
+                for p, v in zip(seg.parts, part_views):  # staged boxes: CRC what _fill did not, one write
+                    if v is not None:
+                        crc_into(crcs[p.w], v, p.lo, CHUNK_BYTES)
+                sink.write([whole], offset)
+                return
             window: list[memoryview] = []
             size = 0
             for p, v in zip(seg.parts, part_views):
+                assert v is not None
                 for a in range(0, len(v), WINDOW_BYTES):
                     sub = v[a : a + WINDOW_BYTES]
                     crc_into(crcs[p.w], sub, p.lo + a, CHUNK_BYTES)
@@ -323,21 +374,22 @@ def write_segments(
                 pool.release(buf)
 
     pending: list[Future[None]] = []
-    with ThreadPoolExecutor(
-        max_workers=1 if in_order else max(1, threads), thread_name_prefix="omni-ckpt-io"
-    ) as ex:
+    # One segment (a state of small boxes) is written by this thread: a hand-off to a writer thread costs
+    # a GIL switch interval (5 ms) each way behind a caller busy in Python, the write itself much less.
+    workers = 0 if len(segments) <= 1 else 1 if in_order else max(1, threads)
+    with _Executor(workers) as ex:
         for seg in segments:
             if abort.is_set():
                 break
-            if not stage_all and all(sources[p.w].host is not None for p in seg.parts):
+            if not stage_all and all(sources[p.w].view is not None for p in seg.parts):
                 buf = None
-                views = [memoryview(sources[p.w].host)[p.lo : p.hi] for p in seg.parts]  # type: ignore[arg-type]
+                views = [sources[p.w].view[p.lo : p.hi] for p in seg.parts]  # type: ignore[index]
             else:
                 buf = pool.acquire(abort)
                 if buf is None:
                     break
                 try:
-                    views = _fill(buf, seg, sources)
+                    views = _fill(buf, seg, sources, crcs)
                 except BaseException:
                     pool.release(buf)
                     raise
