@@ -42,10 +42,18 @@ from omni_ckpt.layout import (
 from omni_ckpt.plan import LocalPlan, PlanCache, SavePlan, agree_on_cache, build_save_plan, local_plan
 from omni_ckpt.sharding import describe, is_tensor_leaf
 from omni_ckpt.state import flatten_state, gc_paused
-from omni_ckpt.storage import CheckpointError, atomic_write, fsync_dir, is_local, join, local_path, open_url
+from omni_ckpt.storage import (
+    CheckpointError,
+    FileSink,
+    atomic_write,
+    fsync_dir,
+    is_local,
+    join,
+    local_path,
+    open_url,
+)
 from omni_ckpt.transfer import (
     BufferPool,
-    FileSink,
     Segment,
     Source,
     host_bytes,

@@ -11,14 +11,18 @@ returned without error, and that error raises too.
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 from typing import Any
 
 import fsspec
 from fsspec import AbstractFileSystem
 from fsspec.implementations.local import LocalFileSystem
 
+_IOV_MAX = 1024
+
 __all__ = [
     "CheckpointError",
+    "FileSink",
     "atomic_write",
     "coalesce",
     "fsync_dir",
@@ -76,8 +80,6 @@ def atomic_write(fs: AbstractFileSystem, path: str, data: bytes) -> None:
     Raises:
         OSError: a write, ``fsync``, ``close`` or rename failed; ``path`` is then not replaced.
     """
-    from omni_ckpt.transfer import FileSink
-
     tmp = path + ".tmp"
     parent = path.rsplit("/", 1)[0]
     fs.makedirs(parent, exist_ok=True)
@@ -91,6 +93,78 @@ def atomic_write(fs: AbstractFileSystem, path: str, data: bytes) -> None:
     fs.mv(tmp, path)
     if is_local(fs):
         fsync_dir(local_path(fs, parent))
+
+
+class FileSink:
+    """Positional writes into one new data file: ``pwritev`` on a local disk (any thread, any order),
+    an in-order stream elsewhere. :meth:`finish` makes it durable and raises on any error."""
+
+    def __init__(self, fs: AbstractFileSystem, path: str) -> None:
+        self.path = path
+        self.parallel = is_local(fs)
+        self._pos = 0
+        if self.parallel:
+            self._local = local_path(fs, path)
+            self._fd = os.open(self._local, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        else:
+            self._file = fs.open(path, "wb")
+
+    def write(self, views: Sequence[Any], offset: int) -> None:
+        """Write the buffers ``views`` back to back from byte ``offset``."""
+        if not self.parallel:
+            if offset != self._pos:
+                raise AssertionError(f"{self.path}: stream write at {offset}, expected {self._pos}")
+            for v in views:
+                self._file.write(v)
+                self._pos += memoryview(v).nbytes
+            return
+        for i in range(0, len(views), _IOV_MAX):
+            batch = [memoryview(v).cast("B") for v in views[i : i + _IOV_MAX]]
+            want = sum(len(v) for v in batch)
+            done = os.pwritev(self._fd, batch, offset)
+            if done < want:  # a short write (rare on regular files): finish it view by view
+                self._write_rest(batch, offset, done)
+            offset += want
+
+    def _write_rest(self, batch: list[memoryview], offset: int, done: int) -> None:
+        pos = 0
+        for v in batch:
+            end = pos + len(v)
+            while done < end:
+                n = os.pwrite(self._fd, v[done - pos :], offset + done)
+                if n <= 0:
+                    raise OSError(f"{self.path}: pwrite wrote nothing at byte {offset + done}")
+                done += n
+            pos = end
+
+    def finish(self, *, sync_dir: bool = True) -> None:
+        """``fsync`` and close the file, then (``sync_dir``) ``fsync`` its directory (local); close (remote).
+
+        Raises:
+            OSError: ``fsync`` or ``close`` failed: the data may not be on disk.
+        """
+        if not self.parallel:
+            self._file.close()
+            return
+        fd, self._fd = self._fd, -1
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        if sync_dir:
+            fsync_dir(os.path.dirname(self._local) or ".")
+
+    def abort(self) -> None:
+        """Close after a failure, ignoring further errors (the original one is what gets reported)."""
+        try:
+            if self.parallel:
+                if self._fd >= 0:
+                    os.close(self._fd)
+                    self._fd = -1
+            else:
+                self._file.close()
+        except Exception:
+            pass
 
 
 def _check_full(path: str, lo: int, hi: int, got: int) -> None:

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import contextlib
 import mmap
-import os
 import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -29,18 +28,18 @@ from typing import Any
 
 import numpy as np
 import torch
-from fsspec import AbstractFileSystem
 
 from omni_ckpt.checksum import chunk_count, crc, crc_into
 from omni_ckpt.layout import CHUNK_BYTES, Write
-from omni_ckpt.storage import fsync_dir, is_local, local_path
+from omni_ckpt.storage import FileSink
 
 __all__ = [
+    "WINDOW_BYTES",
     "BufferPool",
-    "FileSink",
     "Part",
     "Segment",
     "Source",
+    "host_bytes",
     "plan_segments",
     "pool_shape",
     "write_segments",
@@ -49,7 +48,6 @@ __all__ = [
 MAX_PIECE_BYTES = 32 << 20
 WINDOW_BYTES = 512 << 10  # checksum then write (or read then checksum) this much at a time: still in L2
 _SMALL_COPY = 64 << 10
-_IOV_MAX = 1024
 
 
 def pool_shape(budget: int) -> tuple[int, int]:
@@ -183,77 +181,6 @@ class BufferPool:
         for m in maps:
             with contextlib.suppress(BufferError):  # a view is still alive: the mapping goes with it
                 m.close()
-
-
-class FileSink:
-    """Positional writes into one new data file: ``pwritev`` on a local disk (any thread, any order),
-    an in-order stream elsewhere. :meth:`finish` makes it durable and raises on any error."""
-
-    def __init__(self, fs: AbstractFileSystem, path: str) -> None:
-        self.path = path
-        self.parallel = is_local(fs)
-        self._pos = 0
-        if self.parallel:
-            self._local = local_path(fs, path)
-            self._fd = os.open(self._local, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-        else:
-            self._file = fs.open(path, "wb")
-
-    def write(self, views: Sequence[memoryview | np.ndarray], offset: int) -> None:
-        if not self.parallel:
-            if offset != self._pos:
-                raise AssertionError(f"{self.path}: stream write at {offset}, expected {self._pos}")
-            for v in views:
-                self._file.write(v)
-                self._pos += memoryview(v).nbytes
-            return
-        for i in range(0, len(views), _IOV_MAX):
-            batch = [memoryview(v).cast("B") for v in views[i : i + _IOV_MAX]]
-            want = sum(len(v) for v in batch)
-            done = os.pwritev(self._fd, batch, offset)
-            if done < want:  # a short write (rare on regular files): finish it view by view
-                self._write_rest(batch, offset, done)
-            offset += want
-
-    def _write_rest(self, batch: list[memoryview], offset: int, done: int) -> None:
-        pos = 0
-        for v in batch:
-            end = pos + len(v)
-            while done < end:
-                n = os.pwrite(self._fd, v[done - pos :], offset + done)
-                if n <= 0:
-                    raise OSError(f"{self.path}: pwrite wrote nothing at byte {offset + done}")
-                done += n
-            pos = end
-
-    def finish(self, *, sync_dir: bool = True) -> None:
-        """``fsync`` and close the file, then (``sync_dir``) ``fsync`` its directory (local); close (remote).
-
-        Raises:
-            OSError: ``fsync`` or ``close`` failed: the data may not be on disk.
-        """
-        if not self.parallel:
-            self._file.close()
-            return
-        fd, self._fd = self._fd, -1
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-        if sync_dir:
-            fsync_dir(os.path.dirname(self._local) or ".")
-
-    def abort(self) -> None:
-        """Close after a failure, ignoring further errors (the original one is what gets reported)."""
-        try:
-            if self.parallel:
-                if self._fd >= 0:
-                    os.close(self._fd)
-                    self._fd = -1
-            else:
-                self._file.close()
-        except Exception:
-            pass
 
 
 def _fill(
