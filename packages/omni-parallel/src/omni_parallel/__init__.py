@@ -56,4 +56,4 @@ __all__ = [
     "unshard_from_cp",
     "varlen_attention",
 ]
-__version__ = "0.1.0"
+__version__ = "0.2.0"
