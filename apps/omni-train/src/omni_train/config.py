@@ -24,11 +24,11 @@ from omni_train.models.llm import LLMConfig
 from omni_train.models.vit import ViTConfig
 
 __all__ = [
+    "RECOMPUTE",
     "CheckpointConfig",
     "ConfigError",
     "DType",
     "DataConfig",
-    "LLMSection",
     "MixturePhase",
     "ModelConfig",
     "OptimConfig",
@@ -44,6 +44,9 @@ __all__ = [
     "load_config",
     "validate",
 ]
+
+
+RECOMPUTE = ("llm", "image", "audio")  # train.recompute: the LLM blocks, the ViT's, the audio encoder's
 
 
 class ConfigError(ValueError):
@@ -66,28 +69,28 @@ class Packing(StrEnum):
 
 
 @dataclass
-class LLMSection:
-    """LLM shape (see :class:`omni_train.models.LLMConfig`); the vocabulary comes from the tokenizer."""
-
-    dim: int = 128
-    n_layers: int = 4
-    n_heads: int = 4
-    n_kv_heads: int = 2
-    ffn_dim: int = 384
-    rope_theta: float = 10000.0
-
-
-@dataclass
 class ModelConfig:
-    """Model shapes; ``vit``/``audio`` absent means the run has no such encoder."""
+    """Model shapes, one class per section: ``[model.llm]`` is :class:`~omni_train.models.LLMConfig`
+    (its ``vocab_size`` comes from the tokenizer), ``[model.vit]`` / ``[model.audio]`` the encoders'
+    configs; ``vit``/``audio`` absent means the run has no such encoder."""
 
-    llm: LLMSection = field(default_factory=LLMSection)
+    llm: LLMConfig = field(default_factory=LLMConfig)
     vit: ViTConfig | None = None
     audio: AudioConfig | None = None
     seed: int = 0
 
     def llm_config(self, vocab_size: int) -> LLMConfig:
-        return LLMConfig(vocab_size=vocab_size, **dataclasses.asdict(self.llm))
+        """``[model.llm]`` with the tokenizer's vocabulary size.
+
+        Raises:
+            ConfigError: ``model.llm.vocab_size`` is set and differs from the tokenizer's.
+        """
+        if self.llm.vocab_size not in (None, vocab_size):
+            raise ConfigError(
+                f"model.llm.vocab_size: {self.llm.vocab_size} differs from the tokenizer's {vocab_size}; "
+                "leave it out (it comes from data.tokenizer)"
+            )
+        return dataclasses.replace(self.llm, vocab_size=vocab_size)
 
 
 @dataclass
@@ -123,7 +126,19 @@ class DataConfig:
 
 @dataclass
 class ParallelConfigSection:
-    """LLM parallel sizes (their product must equal the process count) and the encoder placement."""
+    """LLM parallel sizes (their product must equal the process count), the encoder placement and the
+    encoder layout.
+
+    Attributes:
+        encoder_forward_share: planned forward time of one encoder microbatch, in units of one LLM
+            stage's microbatch forward: the cost model the placement policy times the schedule with
+            (``omni_pipeline.CostModel``, LLM forward 1, backward 2). It sets how early
+            ``uniform_on_demand`` runs encoder forwards before stage 0 needs them; which rank runs an
+            encoder microbatch does not depend on it (slice ``j`` of each LLM microbatch runs on
+            pipeline rank ``j``). Must be > 0.
+        encoder_zero: ZeRO stage of the encoders (``omni_train.parallelize.apply_encoder_zero``); 0:
+            every rank holds them whole and their gradients are summed over every rank.
+    """
 
     pp: int = 2
     dp: int = 1
@@ -132,6 +147,8 @@ class ParallelConfigSection:
     ulysses: int = 1
     placement: Placement = Placement.UNIFORM_ON_DEMAND
     reorder: bool = True
+    encoder_forward_share: float = 0.3
+    encoder_zero: int = 0
 
     @property
     def world_size(self) -> int:
@@ -169,11 +186,21 @@ class DType(StrEnum):
 
 @dataclass
 class TrainSection:
-    """Steps, the seed of every private generator, and the training dtype."""
+    """Steps, the seed of every private generator, the training dtype and the model's execution options.
+
+    Attributes:
+        compile: ``torch.compile`` every LLM and encoder block, pack length dynamic
+            (``omni_train.parallelize.apply_compile``).
+        recompute: module families whose blocks recompute their activations in backward instead of
+            keeping them (``torch.utils.checkpoint``; ``omni_train.parallelize.apply_ac``): any of
+            ``"llm"``, ``"image"``, ``"audio"``.
+    """
 
     steps: int = 200
     seed: int = 1234
     dtype: DType = DType.FLOAT32
+    compile: bool = False
+    recompute: list[str] = field(default_factory=list)
 
 
 @dataclass
@@ -408,5 +435,14 @@ def validate(cfg: RunConfig, nproc: int) -> None:
         raise ConfigError(f"data.tokenizer: {tok} does not exist")
     if cfg.train.steps < 1:
         raise ConfigError(f"train.steps: must be >= 1, got {cfg.train.steps}")
+    unknown = sorted(set(cfg.train.recompute) - set(RECOMPUTE))
+    if unknown:
+        raise ConfigError(f"train.recompute: {unknown[0]!r} is not one of {list(RECOMPUTE)}")
+    if not par.encoder_forward_share > 0:
+        raise ConfigError(f"parallel.encoder_forward_share: must be > 0, got {par.encoder_forward_share}")
+    if par.encoder_zero != 0:
+        raise ConfigError(
+            f"parallel.encoder_zero: {par.encoder_zero} is not supported yet (0: encoders whole on every rank)"
+        )
     if cfg.checkpoint.every < 0 or cfg.checkpoint.keep_last < 1:
         raise ConfigError("checkpoint.every: must be >= 0 and checkpoint.keep_last >= 1")

@@ -6,7 +6,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from omni_train.models.attention import apply_rope, varlen_attention
+from omni_parallel.varlen import varlen_attention
+from omni_train.models.attention import apply_rope
 
 __all__ = ["EncoderBlock", "init_linear_"]
 

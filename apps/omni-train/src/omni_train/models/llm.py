@@ -6,8 +6,9 @@ and attention stays inside each document (``cu_seqlens``), so a pack computes ex
 would compute one by one.
 
 Pipeline split (DESIGN.md, *stage*): stage 0 holds the token embedding and the first layers, the last stage
-the last layers, the final norm and the LM head; every layer is initialised from a generator seeded by
-``(seed, layer index)``, so any split of the same config holds the same weights as the unsplit model.
+the last layers, the final norm and the LM head (layers per stage: ``omni_pipeline.split.stage_slices``);
+every layer is initialised from a generator seeded by ``(seed, layer index)``, so any split of the same
+config holds the same weights as the unsplit model.
 """
 
 from __future__ import annotations
@@ -20,16 +21,22 @@ import torch.nn.functional as F
 from torch import nn
 
 from omni_parallel.ulysses import ulysses_attention
-from omni_train.models.attention import apply_rope, rope_angles, varlen_attention
+from omni_parallel.varlen import varlen_attention
+from omni_pipeline.split import stage_slices
+from omni_train.models.attention import apply_rope, rope_angles
 
-__all__ = ["LLMConfig", "LLMStage", "RMSNorm", "split_layers"]
+__all__ = ["LLMConfig", "LLMStage", "RMSNorm"]
 
 
 @dataclass(frozen=True)
 class LLMConfig:
-    """LLM shape. ``dim`` and ``ffn_dim`` in features; ``n_heads % n_kv_heads == 0`` (GQA)."""
+    """LLM shape. ``dim`` and ``ffn_dim`` in features; ``n_heads % n_kv_heads == 0`` (GQA).
 
-    vocab_size: int
+    ``vocab_size`` is ``None`` until the tokenizer is known: a run config's ``[model.llm]`` leaves it out
+    and ``ModelConfig.llm_config`` sets it from ``data.tokenizer``.
+    """
+
+    vocab_size: int | None = None
     dim: int = 128
     n_layers: int = 4
     n_heads: int = 4
@@ -118,26 +125,6 @@ class Block(nn.Module):
         return x + self.mlp(self.mlp_norm(x))
 
 
-def split_layers(n_layers: int, pp: int) -> list[tuple[int, int]]:
-    """Contiguous ``[lo, hi)`` layer ranges per pipeline stage; earlier stages take the remainder last.
-
-    The first stage also runs the embedding and the encoder scatter and the last the LM head, so extra
-    layers go to the middle-to-late stages first (stage 0 gets ``n // pp`` layers).
-
-    Raises:
-        ValueError: ``n_layers < pp`` (a stage would be empty).
-    """
-    if pp < 1 or n_layers < pp:
-        raise ValueError(f"n_layers ({n_layers}) must be >= pp ({pp}) >= 1: every stage needs a layer")
-    base, extra = divmod(n_layers, pp)
-    sizes = [base + (1 if s >= pp - extra else 0) for s in range(pp)]
-    bounds, lo = [], 0
-    for n in sizes:
-        bounds.append((lo, lo + n))
-        lo += n
-    return bounds
-
-
 def _init_(module: nn.Module, gen: torch.Generator, std: float) -> None:
     for name, p in module.named_parameters():
         if name.endswith("weight") and p.dim() == 2:
@@ -177,7 +164,10 @@ class LLMStage(nn.Module):
         self.cfg = cfg
         self.is_first = stage == 0
         self.is_last = stage == num_stages - 1
-        self.lo, self.hi = split_layers(cfg.n_layers, num_stages)[stage]
+        if cfg.vocab_size is None:
+            raise ValueError("LLMStage: LLMConfig.vocab_size is not set (take it from the tokenizer)")
+        layers = stage_slices(cfg.n_layers, num_stages)[stage]
+        self.lo, self.hi = layers.start, layers.stop
         std = 0.02
         if self.is_first:
             self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.dim)
