@@ -495,8 +495,15 @@ class Trainer:
             handle.staged.result()  # weights may change once staged; the write continues in the background
 
     def _restore(self) -> int:
+        """Load the latest committed step; return the step to continue from.
+
+        Step 0 holds initial weights only (``omni-train import-hf`` writes it; the trainer's own saves
+        start at step 1): its model is loaded, the optimizer and the loader start fresh.
+        """
         latest = self.ckpt.latest()
-        if latest is None:
+        if latest is None or latest == 0:
+            if latest == 0:
+                self.ckpt.load(0, {"model": self.model.state_dict()})
             self.stream.reset()
             return 0
         state = self._state(b"")
