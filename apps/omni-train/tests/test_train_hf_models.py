@@ -238,3 +238,48 @@ def test_slaney_log_mel_equals_whisper_feature_extractor():
     # the feature extractor drops the STFT's last frame; ours keeps it (audio.py docstring)
     assert ours.shape == (ref.shape[1] + 1, 80)
     np.testing.assert_allclose(ours[:-1].numpy().T, ref, rtol=0, atol=TOL)
+
+
+def test_towers_inside_full_checkpoints_are_found_and_the_rest_counted(tmp_path):
+    """A full Qwen2-VL checkpoint holds the vision tower under ``visual.``, a full Whisper one the encoder
+    under ``model.encoder.``: the towers load from there, every other tensor is reported unused."""
+    from transformers import Qwen2VLConfig, Qwen2VLForConditionalGeneration, WhisperForConditionalGeneration
+
+    from omni_train.hf import read_family
+
+    torch.manual_seed(0)
+    text = dict(
+        vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=1, num_attention_heads=4
+    )
+    text["rope_parameters"] = {"rope_type": "default", "mrope_section": [1, 1, 2], "rope_theta": 1e4}
+    vision = dict(depth=2, embed_dim=16, hidden_size=32, num_heads=2, initializer_range=0.1)
+    vlm = Qwen2VLForConditionalGeneration(Qwen2VLConfig(text_config=text, vision_config=vision)).eval()
+    vlm.save_pretrained(tmp_path / "vlm")
+    cfg, llm_dim = vit_config_from_hf(read_config(tmp_path / "vlm"))  # the full config's vision_config
+    ours, unused = read_family(Qwen2VLVisionAdapter(cfg, llm_dim), tmp_path / "vlm")
+    assert unused and all(not k.startswith("visual.") for k in unused)
+    assert "lm_head.weight" in unused
+    tower = ImageTower(cfg, llm_dim)
+    tower.load_state_dict(ours, strict=True)
+    patches, grids, hf_patches, thw = _vision_inputs(5)
+    with torch.no_grad():
+        _close(tower(patches, grids), vlm.model.visual(hf_patches, grid_thw=thw).pooler_output)
+
+    whisper = WhisperForConditionalGeneration(
+        WhisperConfig(
+            d_model=16, encoder_layers=1, decoder_layers=1, encoder_attention_heads=2, decoder_attention_heads=2,
+            encoder_ffn_dim=64, decoder_ffn_dim=64, num_mel_bins=16, max_source_positions=8, vocab_size=100,
+            max_target_positions=16, pad_token_id=0, bos_token_id=1, eos_token_id=2, decoder_start_token_id=3,
+            begin_suppress_tokens=None, init_std=0.2,
+        )
+    ).eval()  # fmt: skip
+    whisper.save_pretrained(tmp_path / "whisper")
+    acfg = audio_config_from_hf(read_config(tmp_path / "whisper"))
+    ours, unused = read_family(WhisperEncoderAdapter(acfg), tmp_path / "whisper")
+    assert unused and all("decoder" in k or k == "proj_out.weight" for k in unused)
+    enc = AudioEncoder(acfg)
+    enc.load_state_dict(ours, strict=True)
+    mels = torch.randn(1, 16, 16, generator=torch.Generator().manual_seed(6))
+    with torch.no_grad():
+        ref = whisper.model.encoder(mels).last_hidden_state[0]
+        _close(enc(mels[0].T.contiguous(), torch.tensor([16])), ref)

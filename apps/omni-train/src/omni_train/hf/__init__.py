@@ -7,7 +7,7 @@ with ``json`` and ``safetensors``; the tests use ``transformers`` as the oracle.
 
 from omni_train.hf.adapter import StateDictAdapter
 from omni_train.hf.audio import WhisperEncoderAdapter, audio_config_from_hf
-from omni_train.hf.convert import ExportReport, ImportReport, build_model, export_hf, import_hf
+from omni_train.hf.convert import ExportReport, ImportReport, build_model, export_hf, import_hf, read_family
 from omni_train.hf.folder import HFFolderError, read_config, read_weights, write_folder
 from omni_train.hf.llm import LlamaAdapter, llm_config_from_hf
 from omni_train.hf.vision import Qwen2VLVisionAdapter, vit_config_from_hf
@@ -26,6 +26,7 @@ __all__ = [
     "import_hf",
     "llm_config_from_hf",
     "read_config",
+    "read_family",
     "read_weights",
     "vit_config_from_hf",
     "write_folder",

@@ -43,7 +43,7 @@ from omni_train.hf.llm import LlamaAdapter, llm_config_from_hf
 from omni_train.hf.vision import Qwen2VLVisionAdapter, qwen2vl_vision_problems, vit_config_from_hf
 from omni_train.models.llm import LLMStage
 
-__all__ = ["FAMILIES", "ExportReport", "ImportReport", "build_model", "export_hf", "import_hf"]
+__all__ = ["FAMILIES", "ExportReport", "ImportReport", "build_model", "export_hf", "import_hf", "read_family"]
 
 # family -> where its module sits in the trainer's model state dict
 FAMILIES = {"llm": "llm.", "vision": "encoders.towers.image.", "audio": "encoders.towers.audio.encoder."}
@@ -167,10 +167,15 @@ def _adapters(cfg: RunConfig, vocab: int, found: dict[str, tuple[Path, dict[str,
     return adapters, untied
 
 
-def _load_family(
-    sd: dict[str, torch.Tensor], family: str, adapter: StateDictAdapter, folder: Path
-) -> list[str]:
-    """Copy the folder's tensors into the model state dict ``sd``; return the folder's unused tensor names."""
+def read_family(adapter: StateDictAdapter, folder: str | Path) -> tuple[dict[str, torch.Tensor], list[str]]:
+    """Our module's tensors from a Hugging Face folder, and the folder's tensor names it does not use.
+
+    The family's tensors are those under the first of ``adapter.prefixes`` holding ``adapter.anchor``
+    (a bare model, or the tower inside a full checkpoint: ``model.visual.``, ``model.encoder.``).
+
+    Raises:
+        HFFolderError: the anchor is under no prefix, or a tensor is missing (folder and name given).
+    """
     weights = read_weights(folder)
     prefix = next((p for p in adapter.prefixes if p + adapter.anchor in weights), None)
     if prefix is None:
@@ -178,19 +183,25 @@ def _load_family(
             f"{folder}: no tensor {adapter.anchor!r} under any of the prefixes {adapter.prefixes}"
         )
     ours = adapter.from_hf({k[len(prefix) :]: v for k, v in weights.items() if k.startswith(prefix)})
-    hf_names = adapter.to_hf(ours)
+    used = {prefix + k for k in adapter.to_hf(ours)}
+    return ours, sorted(set(weights) - used)
+
+
+def _load_family(
+    sd: dict[str, torch.Tensor], family: str, adapter: StateDictAdapter, folder: Path
+) -> list[str]:
+    """Copy the folder's tensors into the model state dict ``sd``; return the folder's unused tensor names."""
+    ours, ignored = read_family(adapter, folder)
     for name, t in ours.items():
         target = sd[FAMILIES[family] + name]
         if tuple(target.shape) != tuple(t.shape):
-            hf_name = next((k for k, v in hf_names.items() if v is t), name)
             raise HFFolderError(
-                f"{folder}: tensor {prefix}{hf_name} gives shape {tuple(t.shape)} for our "
-                f"{FAMILIES[family]}{name}, which is {tuple(target.shape)}"
+                f"{folder}: the tensor for our {FAMILIES[family]}{name} has shape {tuple(t.shape)}, the model "
+                f"needs {tuple(target.shape)}"
             )
         with torch.no_grad():
             target.copy_(t)
-    used = {prefix + k for k in hf_names}
-    return sorted(set(weights) - used)
+    return ignored
 
 
 def import_hf(dirs: list[str | Path], cfg: RunConfig, out: str | Path) -> ImportReport:
