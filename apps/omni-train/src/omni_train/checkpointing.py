@@ -60,11 +60,16 @@ class TrainCheckpoint:
         """Load the last committed step (model, optimizer, loader) and return it; 0 and a fresh loader
         when there is none.
 
+        Step 0 holds initial weights only (``omni-train import-hf`` writes it; the trainer's own saves
+        start at step 1): its model is loaded, the optimizer and the loader start fresh.
+
         Raises:
             RuntimeError: the checkpoint's recorded step differs from its directory's.
         """
         latest = self.manager.latest()
-        if latest is None:
+        if latest is None or latest == 0:
+            if latest == 0:
+                self.manager.load(0, {"model": self.model.state_dict()})
             self.stream.reset()
             return 0
         state = self._state(b"")

@@ -39,9 +39,11 @@ __all__ = [
     "SourceConfig",
     "TrainSection",
     "bundled_data_dir",
+    "config_from_dict",
     "config_path",
     "expand_urls",
     "load_config",
+    "tokenizer_path",
     "validate",
 ]
 
@@ -237,6 +239,12 @@ def bundled_data_dir() -> Path:
     return Path(str(resources.files("omni_train") / "data"))
 
 
+def tokenizer_path(data: DataConfig) -> Path:
+    """The tokenizer file ``data.tokenizer`` names (relative paths are inside the bundled data directory)."""
+    p = Path(data.tokenizer)
+    return p if p.is_absolute() else bundled_data_dir() / p
+
+
 def config_path(name_or_path: str) -> Path:
     """Resolve ``omni-tiny`` to the bundled TOML, or return an existing path.
 
@@ -316,6 +324,18 @@ def load_config(name_or_path: str = "omni-tiny") -> RunConfig:
     return cfg
 
 
+def config_from_dict(raw: dict[str, Any]) -> RunConfig:
+    """A run config from its plain form (:meth:`RunConfig.to_dict`, e.g. a run directory's ``config.json``),
+    type-checked as :func:`load_config` checks TOML.
+
+    Raises:
+        ConfigError: unknown key or wrong type (message names the field).
+    """
+    if not isinstance(raw, dict) or not isinstance(raw.get("name"), str):
+        raise ConfigError("config: expected a table with a string 'name'")
+    return _build(RunConfig, raw, "")
+
+
 def expand_urls(pattern: str) -> list[str]:
     """Concrete shard URLs for a source pattern (glob, relative to the bundled data dir if relative).
 
@@ -383,6 +403,14 @@ def validate(cfg: RunConfig, nproc: int) -> None:
         raise ConfigError(
             f"model.llm.n_layers: {llm.n_layers} layers cannot fill parallel.pp = {par.pp} stages"
         )
+    if llm.tie_embeddings and par.pp > 1:
+        raise ConfigError(
+            f"model.llm.tie_embeddings: needs parallel.pp = 1 (got {par.pp}): the embedding and the LM head "
+            "would sit on different stages"
+        )
+    audio = cfg.model.audio
+    if audio is not None and audio.stem == "whisper" and audio.subsample != 2:
+        raise ConfigError(f"model.audio.subsample: the whisper stem subsamples by 2, got {audio.subsample}")
     for enc in ("vit", "audio"):
         ec = getattr(cfg.model, enc)
         if ec is not None and ec.dim % ec.n_heads:

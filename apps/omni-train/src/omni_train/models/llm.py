@@ -5,6 +5,11 @@ grouped-query attention. Sequences are packs of documents: ``position_ids`` rest
 and attention stays inside each document (``cu_seqlens``), so a pack computes exactly what its documents
 would compute one by one.
 
+Hugging Face layouts (:mod:`omni_train.hf.llm`): with the defaults this is ``LlamaForCausalLM``
+(``rope_theta``, ``norm_eps`` = ``rms_norm_eps``); ``qkv_bias=True`` gives ``Qwen2ForCausalLM``; both use
+the same "rotate half" RoPE layout as :func:`~omni_train.models.attention.apply_rope`, so their Q/K
+weights load unpermuted. ``tie_embeddings`` shares the LM head with the token embedding (one stage only).
+
 Pipeline split (DESIGN.md, *stage*): stage 0 holds the token embedding and the first layers, the last stage
 the last layers, the final norm and the LM head (layers per stage: ``omni_pipeline.split.stage_slices``);
 every layer is initialised from a generator seeded by ``(seed, layer index)``, so any split of the same
@@ -32,6 +37,9 @@ __all__ = ["LLMConfig", "LLMStage", "RMSNorm"]
 class LLMConfig:
     """LLM shape. ``dim`` and ``ffn_dim`` in features; ``n_heads % n_kv_heads == 0`` (GQA).
 
+    ``qkv_bias``: biases on the Q/K/V projections (Qwen2); ``tie_embeddings``: the LM head is the token
+    embedding matrix (needs the first and last stage on one rank).
+
     ``vocab_size`` is ``None`` until the tokenizer is known: a run config's ``[model.llm]`` leaves it out
     and ``ModelConfig.llm_config`` sets it from ``data.tokenizer``.
     """
@@ -44,6 +52,8 @@ class LLMConfig:
     ffn_dim: int = 384
     rope_theta: float = 10000.0
     norm_eps: float = 1e-5
+    qkv_bias: bool = False
+    tie_embeddings: bool = False
 
     @property
     def head_dim(self) -> int:
@@ -74,9 +84,9 @@ class Attention(nn.Module):
         super().__init__()
         self.sp_group = sp_group
         self.n_heads, self.n_kv_heads, self.head_dim = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
-        self.wq = nn.Linear(cfg.dim, cfg.n_heads * cfg.head_dim, bias=False)
-        self.wk = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, bias=False)
-        self.wv = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, bias=False)
+        self.wq = nn.Linear(cfg.dim, cfg.n_heads * cfg.head_dim, bias=cfg.qkv_bias)
+        self.wk = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, bias=cfg.qkv_bias)
+        self.wv = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, bias=cfg.qkv_bias)
         self.wo = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.dim, bias=False)
 
     def forward(
@@ -127,9 +137,11 @@ class Block(nn.Module):
 
 def _init_(module: nn.Module, gen: torch.Generator, std: float) -> None:
     for name, p in module.named_parameters():
-        if name.endswith("weight") and p.dim() == 2:
-            with torch.no_grad():
+        with torch.no_grad():
+            if name.endswith("weight") and p.dim() == 2:
                 p.copy_(torch.randn(p.shape, generator=gen, dtype=torch.float64).mul_(std).to(p.dtype))
+            elif name.endswith("bias"):
+                p.zero_()  # not nn.Linear's draw from the global generator: splits must stay identical
 
 
 class LLMStage(nn.Module):
@@ -149,6 +161,10 @@ class LLMStage(nn.Module):
     Ulysses (``sp_group`` of size ``sp``): ``T`` is this rank's chunk (``T_packed / sp`` tokens),
     ``position_ids`` its global positions, ``cu_seqlens`` the whole packed sequence's, and media
     positions local to the chunk.
+
+    Raises:
+        ValueError: ``tie_embeddings`` with more than one stage (the embedding and the LM head would live
+            on different ranks).
     """
 
     def __init__(
@@ -161,6 +177,10 @@ class LLMStage(nn.Module):
         sp_group: dist.ProcessGroup | None = None,
     ) -> None:
         super().__init__()
+        if cfg.tie_embeddings and num_stages > 1:
+            raise ValueError(
+                f"tie_embeddings needs the embedding and the LM head on one stage, got {num_stages} stages"
+            )
         self.cfg = cfg
         self.is_first = stage == 0
         self.is_last = stage == num_stages - 1
@@ -185,6 +205,8 @@ class LLMStage(nn.Module):
             self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
             self.output = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
             _init_(self.output, torch.Generator().manual_seed(seed * 1000 + 998), std)
+            if cfg.tie_embeddings:
+                self.output.weight = self.tok_embeddings.weight
 
     def forward(
         self,
