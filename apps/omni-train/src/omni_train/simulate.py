@@ -22,7 +22,7 @@ from pathlib import Path
 
 from tokenizers import Tokenizer
 
-from omni_data import Modality, split_encoder_microbatches
+from omni_data import Modality, encoder_microbatch_ids, split_encoder_microbatches
 from omni_pipeline.cost import CostModel
 from omni_pipeline.placement import PlacementPolicy, place
 from omni_pipeline.schedules import Schedule1F1B
@@ -150,7 +150,7 @@ def simulate_config(
         data_parallel=gpus // pp,
     )
     schedule = Schedule1F1B(pp, microbatches)
-    encoder_inputs = {k: [(k - 1) * pp + j + 1 for j in range(pp)] for k in range(1, microbatches + 1)}
+    encoder_inputs = encoder_microbatch_ids(microbatches, pp)
     out_dir.mkdir(parents=True, exist_ok=True)
     results = {}
     for policy in PlacementPolicy:

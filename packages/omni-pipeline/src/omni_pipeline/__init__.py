@@ -12,7 +12,6 @@ from omni_pipeline.executor import (
     StepFunctions,
     StepPlan,
     StepResult,
-    stage_slices,
 )
 from omni_pipeline.graph import Deadlock
 from omni_pipeline.p2p import P2PError
@@ -33,6 +32,7 @@ from omni_pipeline.schedules import (
     validate_comms,
 )
 from omni_pipeline.simulator import SimulationResult, simulate
+from omni_pipeline.split import stage_slices
 from omni_pipeline.trace import TimelineEvent, plot_timeline, write_chrome_trace
 
 __all__ = [
@@ -73,4 +73,4 @@ __all__ = [
     "validate_comms",
     "write_chrome_trace",
 ]
-__version__ = "0.1.0"
+__version__ = "0.2.0"
