@@ -109,6 +109,7 @@ class Source:
     tensor: torch.Tensor
     host: np.ndarray | None
     view: memoryview | None = None  # of ``host``, made by the caller: no allocation per box later
+    flat: torch.Tensor | None = None  # contiguous bytes of a device or strided box, while it is staged
 
     def __post_init__(self) -> None:
         if self.host is not None and self.view is None:
@@ -203,8 +204,11 @@ def _fill(
         if src.host is not None:
             np.copyto(buf[pos : pos + n], src.host[p.lo : p.hi])  # releases the GIL for large copies
         elif n:
-            flat = src.tensor.detach().contiguous().reshape(-1).view(torch.uint8)
-            torch.from_numpy(buf[pos : pos + n]).copy_(flat[p.lo : p.hi])
+            if src.flat is None:  # once per box, not per piece (a no-op for a contiguous device tensor)
+                src.flat = src.tensor.detach().contiguous().reshape(-1).view(torch.uint8)
+            torch.from_numpy(buf[pos : pos + n]).copy_(src.flat[p.lo : p.hi])
+            if p.hi == src.flat.numel():  # the box's last piece (pieces are staged in order)
+                src.flat = None
         views.append(mv[pos : pos + n])
         pos += n
     return views
