@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
@@ -13,7 +14,7 @@ import torch.distributed as dist
 from torchdata.nodes import BaseNode
 
 from omni_data.mixture import MixtureStream
-from omni_data.node import StatefulNode
+from omni_data.node import LayoutMismatchError, StatefulNode, common, resplit_child
 from omni_data.packing import HybridPacker, Pack
 
 __all__ = ["PackedLoader", "StepBatch", "snapshot_async"]
@@ -98,6 +99,37 @@ class PackedLoader(StatefulNode[StepBatch]):
 
     def get_state(self) -> dict[str, Any]:
         return {"packer": self.packer.state_dict(), "step": self.step, "stats": dict(self.stats)}
+
+    def load_resplit(
+        self, states: Sequence[dict[str, Any]], rank: int, world_size: int, *, orphans: Sequence[Any] = ()
+    ) -> None:
+        """Resume rank ``rank`` of ``world_size`` DP ranks from the states of *every* old DP rank (any old
+        DP size): at their common step, with the samples they had drawn but not trained redistributed
+        (``orphans`` from above, then the packer's buffers) and the sources re-split
+        (:meth:`WebDatasetSource.load_resplit`). Every sample is then trained exactly once per epoch.
+
+        Raises:
+            LayoutMismatchError: the old ranks are at different steps, or a node below cannot re-split
+                (e.g. a packer that is not a :class:`HybridPacker` while samples are in flight); nothing
+                is read.
+        """
+        states = list(states)
+        step = common(
+            states, "step", f"PackedLoader: {len(states)} old DP ranks -> rank {rank} of {world_size}"
+        )
+        if orphans and not isinstance(self.packer, HybridPacker):
+            raise LayoutMismatchError(
+                f"PackedLoader: {len(orphans)} samples in flight cannot be handed to a "
+                f"{type(self.packer).__name__} for rank {rank} of {world_size}"
+            )
+        kw = {"orphans": orphans} if isinstance(self.packer, HybridPacker) else {}
+        resplit_child(self.packer, [st["packer"] for st in states], rank, world_size, **kw)
+        super().reset(None)
+        self.step, self._taken = step, 0
+        self.stats = {"steps": 0, "dropped_packs": 0}
+        if rank == 0:
+            for st in states:
+                self.stats = {k: v + int(st["stats"].get(k, 0)) for k, v in self.stats.items()}
 
     def next(self) -> StepBatch:
         if self.mixture is not None:

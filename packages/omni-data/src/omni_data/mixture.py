@@ -18,7 +18,7 @@ from typing import Any
 
 from torchdata.nodes import BaseNode
 
-from omni_data.node import StatefulNode
+from omni_data.node import StatefulNode, common, resplit_child
 from omni_data.sample import SampleMeta
 from omni_data.source import EmptySourceError
 
@@ -175,6 +175,25 @@ class MixtureStream(StatefulNode[SampleMeta]):
         self.synced = [int(x) for x in st.get("synced", [0, 0, 1])]
         self.credit = [float(x) for x in st.get("credit", [0.0] * len(self.names))]
         self.counts = [int(x) for x in st.get("counts", [0] * len(self.names))]
+
+    def load_resplit(self, states: Sequence[dict[str, Any]], rank: int, world_size: int) -> None:
+        """Resume under another DP size: each source re-splits the work of every old rank's reader of it;
+        the schedule goes on at the old ranks' common step and their total drawn tokens.
+
+        Raises:
+            LayoutMismatchError: the old ranks are at different steps, or a source cannot re-split.
+        """
+        states = list(states)
+        step = common(
+            states, "step", f"MixtureStream: {len(states)} old DP ranks -> rank {rank} of {world_size}"
+        )
+        for name, src in zip(self.names, self.sources):
+            resplit_child(src, [st["sources"][name] for st in states], rank, world_size)
+        super().reset(None)
+        self.step, self.tokens = step, 0
+        self.synced = [sum(int(st["tokens"]) for st in states), 0, world_size]
+        self.credit = [0.0] * len(self.names)
+        self.counts = [sum(int(st["counts"][i]) for st in states) for i in range(len(self.names))]
 
     def get_state(self) -> dict[str, Any]:
         return {

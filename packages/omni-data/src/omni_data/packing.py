@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import bisect
 from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from enum import StrEnum
 from typing import Any
@@ -20,7 +21,7 @@ import torch
 from torchdata.nodes import BaseNode
 
 from omni_data.mixture import MixtureStream
-from omni_data.node import StatefulNode
+from omni_data.node import StatefulNode, resplit_child
 from omni_data.sample import Modality, SampleMeta
 from omni_data.skips import SkipLedger
 
@@ -258,6 +259,42 @@ class HybridPacker(StatefulNode[Pack]):
             "stats": dict(self.stats),
             "skipped": self.ledger.state_dict(),
         }
+
+    def load_resplit(
+        self,
+        states: Sequence[dict[str, Any]],
+        rank: int,
+        world_size: int,
+        *,
+        orphans: Sequence[SampleMeta] = (),
+    ) -> None:
+        """Resume under another DP size: the samples every old rank had drawn but not emitted (``orphans``
+        handed down from above, then each old rank's ready packs, open packs and buffer, in rank order)
+        are dealt round-robin over the new ranks into their buffers, and the source re-splits.
+
+        Raises:
+            LayoutMismatchError: the source cannot re-split (see its ``load_resplit``).
+        """
+        states = list(states)
+        pool = list(orphans)
+        for st in states:
+            for key in ("ready", "open"):
+                pool += [SampleMeta.from_dict(d) for p in st[key] for d in p["samples"]]
+            pool += [SampleMeta.from_dict(d) for d in st["buffer"]]
+        resplit_child(self.source, [st["source"] for st in states], rank, world_size)
+        super().reset(None)
+        self._ready.clear()
+        self._buffer = pool[rank::world_size]
+        self._arrival = [0] * len(self._buffer)
+        self._open, self._age, self._drawn, self._exhausted, self._phase = [], [], [], False, None
+        self.stats = dict.fromkeys(_STATS, 0)
+        self.ledger.load_state_dict(None)
+        if rank == 0:
+            for st in states:
+                self.stats = {k: v + int(st["stats"].get(k, 0)) for k, v in self.stats.items()}
+                self.ledger.merge(st["skipped"])
+        self._buffer_tokens = sum(s.num_tokens for s in self._buffer)
+        self._open_free = 0
 
     def pending_packs(self) -> float:
         """Packs that drawn samples not yet emitted will fill, so about where the next drawn sample lands:

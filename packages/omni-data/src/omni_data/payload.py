@@ -24,7 +24,7 @@ from PIL import Image
 
 from omni_data.sample import MemberRef, Modality, SampleMeta
 from omni_data.source import AUDIO_EXTS, IMAGE_EXTS
-from omni_data.tokens import TextTokenizer
+from omni_data.tokens import TextTokenizer, resampled_length
 
 __all__ = [
     "Payload",
@@ -33,7 +33,6 @@ __all__ = [
     "SkippedPayloadError",
     "UndecodablePayloadError",
     "UnreadablePayloadError",
-    "resampled_length",
     "to_rgb",
 ]
 
@@ -93,13 +92,6 @@ class Payload:
             out.waveform = torch.zeros(meta.shape, dtype=torch.float32)
             out.sample_rate = meta.sample_rate
         return out
-
-
-def resampled_length(num_samples: int, rate: int, target: int) -> int:
-    """Samples of a clip of ``num_samples`` at ``rate`` Hz after resampling to ``target`` Hz:
-    ``round(num_samples * target / rate)`` (half up, integer arithmetic), at least 1. The metadata
-    pass and the reader both use it, so token counts match the decoded waveform exactly."""
-    return max(1, (num_samples * target + rate // 2) // rate)
 
 
 def to_rgb(im: Image.Image) -> Image.Image:

@@ -54,12 +54,9 @@ class SkipLedger:
             self.keys.append((source, key, reason))
         if (source, reason) not in self._logged:
             self._logged.add((source, reason))
+            of = "" if repr(source) in self.owner else f" of source {source!r}"
             logger.warning(
-                "%s: skipping %s of source %r (%s); further ones are counted (skip_report)",
-                self.owner,
-                key,
-                source,
-                reason,
+                "%s: skipping %s%s (%s); further ones are counted (skip_report)", self.owner, key, of, reason
             )
 
     @property

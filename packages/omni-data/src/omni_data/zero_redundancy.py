@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import weakref
 from collections import deque
-from collections.abc import Collection
+from collections.abc import Collection, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
@@ -342,6 +342,28 @@ class ZeroRedundancyFilter(StatefulNode[FilteredStep]):
         if initial_state is not None:
             for d in initial_state["pending"]:  # the pre-filtered buffer: re-filter exactly as before
                 self._enqueue(StepBatch.from_dict(d))
+
+    def load_resplit(self, states: Sequence[dict[str, Any]], rank: int, world_size: int) -> None:
+        """Resume as DP rank ``rank`` of ``world_size`` from the states of *every* old DP rank (at this
+        rank's pipeline and TP position: their metadata is the same at every position, only the payload
+        skip counts differ). The pre-filtered steps of all old ranks are broken back into samples and
+        redistributed with the packers' buffers (:meth:`PackedLoader.load_resplit`); payload skip counts
+        go to new rank 0.
+
+        Raises:
+            LayoutMismatchError: the states cannot be re-split exactly; nothing is read.
+        """
+        states = list(states)
+        self._drain()
+        orphans = [
+            s for st in states for d in st["pending"] for p in StepBatch.from_dict(d).packs for s in p.samples
+        ]
+        self.loader.load_resplit([st["loader"] for st in states], rank, world_size, orphans=orphans)
+        super().reset(None)
+        self.ledger.load_state_dict(None)
+        if rank == 0:
+            for st in states:
+                self.ledger.merge(st["ledger"])
 
     def get_state(self) -> dict[str, Any]:
         return {
