@@ -1,14 +1,21 @@
 """Small real WebDataset shards and a tiny BPE tokenizer, for tests, examples and benchmarks.
 
 Shards are written with ``webdataset.ShardWriter`` through fsspec (so ``memory://`` works too); images
-are real PNGs (PIL), audio real FLAC/WAV (soundfile), text real UTF-8.
+are real PNGs (PIL), audio real FLAC/WAV/OGG (soundfile), text real UTF-8.
+
+:class:`FlakyFileSystem` reproduces read errors in the middle of a shard (the webdataset #142 class of
+fault: a network store dropping a connection): local files whose reads fail with ``EIO`` at a chosen
+byte, a chosen number of times (transient) or always, as a sidecar file says (see :func:`flaky_url`).
 """
 
 from __future__ import annotations
 
+import errno
 import io
 import json
+import os
 import random
+import threading
 from collections.abc import Iterable, Iterator
 from typing import Any
 
@@ -16,10 +23,19 @@ import fsspec
 import numpy as np
 import soundfile
 import webdataset as wds
+from fsspec.implementations.local import LocalFileSystem
 from PIL import Image
 from tokenizers import Tokenizer, models, pre_tokenizers, trainers
 
-__all__ = ["audio_samples", "image_samples", "text_samples", "train_tiny_bpe", "write_shards"]
+__all__ = [
+    "FlakyFileSystem",
+    "audio_samples",
+    "flaky_url",
+    "image_samples",
+    "text_samples",
+    "train_tiny_bpe",
+    "write_shards",
+]
 
 _WORDS = [
     "the",
@@ -156,3 +172,65 @@ def train_tiny_bpe(texts: Iterable[str] | None = None, *, vocab_size: int = 300)
     corpus = list(texts) if texts is not None else [" ".join(_WORDS)] * 4 + list(_WORDS)
     tok.train_from_iterator(corpus, trainer=trainer)
     return tok
+
+
+class _FlakyFile(io.RawIOBase):
+    """A read-only view of a local file whose reads covering byte ``at`` raise ``OSError(EIO)`` while the
+    sidecar's ``failures`` count is above 0 (each failure decrements it)."""
+
+    def __init__(self, path: str, faults: str) -> None:
+        super().__init__()
+        self._f = open(path, "rb")  # noqa: SIM115 - closed in close()
+        self._faults = faults
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
+        return self._f.seek(offset, whence)
+
+    def tell(self) -> int:
+        return self._f.tell()
+
+    def readinto(self, b: Any) -> int:
+        start = self._f.tell()
+        with open(self._faults) as fh:
+            plan = json.load(fh)
+        if plan["failures"] > 0 and start <= plan["at"] < start + max(1, len(b)):
+            plan["failures"] -= 1
+            tmp = f"{self._faults}.{os.getpid()}.{threading.get_ident()}"
+            with open(tmp, "w") as fh:
+                json.dump(plan, fh)
+            os.replace(tmp, self._faults)  # atomic: readers on other threads never see half a file
+            raise OSError(errno.EIO, f"injected I/O error at byte {plan['at']}")
+        return self._f.readinto(b)
+
+    def close(self) -> None:
+        self._f.close()
+        super().close()
+
+
+class FlakyFileSystem(LocalFileSystem):
+    """``flaky://`` URLs: local files; one with a ``<path>.faults`` sidecar (``{"at": byte, "failures": n}``)
+    fails reads that cover byte ``at`` with ``OSError(EIO)`` ``n`` times, then reads normally."""
+
+    protocol = "flaky"
+
+    def _open(self, path: str, mode: str = "rb", block_size: Any = None, **kwargs: Any) -> Any:
+        path = self._strip_protocol(path)
+        faults = f"{path}.faults"
+        if mode == "rb" and os.path.exists(faults):
+            return io.BufferedReader(_FlakyFile(path, faults), buffer_size=512)
+        return super()._open(path, mode, block_size=block_size, **kwargs)
+
+
+def flaky_url(path: str, *, at: int, failures: int) -> str:
+    """Make reads of ``path`` through its returned ``flaky://`` URL fail at byte ``at``, ``failures`` times
+    (registers :class:`FlakyFileSystem` with fsspec)."""
+    fsspec.register_implementation("flaky", FlakyFileSystem, clobber=True)
+    with open(f"{path}.faults", "w") as fh:
+        json.dump({"at": int(at), "failures": int(failures)}, fh)
+    return f"flaky://{os.path.abspath(path)}"
