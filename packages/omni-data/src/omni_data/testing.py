@@ -22,10 +22,11 @@ from typing import Any
 import fsspec
 import numpy as np
 import soundfile
-import webdataset as wds
 from fsspec.implementations.local import LocalFileSystem
 from PIL import Image
 from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+
+from omni_data.write import write_shards
 
 __all__ = [
     "FlakyFileSystem",
@@ -135,31 +136,6 @@ def text_samples(
     rng = random.Random(seed)
     for i in range(n):
         yield {"__key__": f"{prefix}{i:06d}", "txt": _sentence(rng, rng.randint(*words))}
-
-
-def write_shards(pattern: str, samples: Iterable[dict[str, Any]], *, per_shard: int) -> list[str]:
-    """Write ``samples`` to tar shards named ``pattern % i`` (any fsspec URL) with ``webdataset.ShardWriter``.
-
-    Returns:
-        The shard URLs written, in order.
-    """
-    urls: list[str] = []
-    files: list[Any] = []
-
-    def opener(url: str) -> Any:
-        urls.append(url)
-        files.append(fsspec.open(url, "wb").open())
-        return files[-1]
-
-    writer = wds.ShardWriter(pattern, maxcount=per_shard, verbose=0, opener=opener)
-    try:
-        for s in samples:
-            writer.write(s)
-    finally:
-        writer.close()
-        for f in files:  # ShardWriter leaves files from an opener open; memory:// commits on close
-            f.close()
-    return urls
 
 
 def train_tiny_bpe(texts: Iterable[str] | None = None, *, vocab_size: int = 300) -> Tokenizer:
