@@ -76,7 +76,7 @@ def test_folder_to_shards_to_16k_mono_rgb(folder, tmp_path, capsys):
     )
     assert sorted(m.key for m in audio) == [f"words__{k}" for k in sorted(WORDS)]
     for m in audio:
-        rate, sec, fl, fr = WORDS[m.key.removeprefix("words__")]
+        rate, _, fl, fr = WORDS[m.key.removeprefix("words__")]
         n_in = soundfile.info(str(folder / "words" / f"{m.key[7:]}.ogg")).frames
         n = resampled_length(n_in, rate, 16000)
         assert m.sample_rate == 16000 and m.shape == (n,)

@@ -39,7 +39,10 @@ def test_metadata_matches_decoded_payload(tmp_path, tok):
     write_shards(f"{tmp_path}/t-%03d.tar", text_samples(4), per_shard=4)
     reader = PayloadReader(tok)
     it = ImageTokens()
-    for m in WebDatasetSource(f"{tmp_path}/i-{{000..001}}.tar", modality="image", tokenizer=tok):
+    images = list(WebDatasetSource(f"{tmp_path}/i-{{000..001}}.tar", modality="image", tokenizer=tok))
+    audio = list(WebDatasetSource(f"{tmp_path}/a-000.tar", modality="audio", tokenizer=tok))
+    assert len(images) == 6 and len(audio) == 4  # the loops below check every sample, none vacuously
+    for m in images:
         p = reader.read(m)
         with tarfile.open(m.members["png"].url) as tf:
             raw = tf.extractfile(f"{m.key}.png").read()
@@ -47,10 +50,11 @@ def test_metadata_matches_decoded_payload(tmp_path, tok):
         h, w = Image.open(io.BytesIO(raw)).size[::-1]
         assert m.media_tokens == it.tokens(h, w) and p.pixels.shape == (3, *it.resize(h, w))
         assert p.text_ids.tolist() == tok.encode(caption).ids and m.text_tokens == len(p.text_ids)
-    for m in WebDatasetSource(f"{tmp_path}/a-000.tar", modality="audio", tokenizer=tok):
+    for m in audio:
         p = reader.read(m)
         assert p.waveform.shape == m.shape and p.sample_rate == 8000 and m.media_tokens >= 1
     texts = list(WebDatasetSource(f"{tmp_path}/t-000.tar", modality="text", tokenizer=tok))
+    assert len(texts) == 4
     assert [len(reader.read(m).text_ids) for m in texts] == [m.text_tokens for m in texts]
 
 
