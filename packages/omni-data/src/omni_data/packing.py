@@ -184,7 +184,7 @@ class HybridPacker(StatefulNode[Pack]):
         *,
         overlong: Overlong | str = Overlong.SPLIT,
         max_open_packs: int | None = None,
-        max_pack_age: int = 2,
+        max_pack_age: int = 1,
         max_skipped_keys: int = 1000,
     ) -> None:
         super().__init__()
