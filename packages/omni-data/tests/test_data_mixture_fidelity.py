@@ -3,7 +3,6 @@
 at the step each sample is trained in, over sliding 10,000-sample windows; the pack-age bound; and
 token-unit phases switching on the global (DP-wide) token count."""
 
-import math
 import random
 
 import msgpack
@@ -21,40 +20,17 @@ from omni_data import (
     SampleMeta,
     ZeroRedundancyFilter,
 )
-from omni_data.node import StatefulNode
+from omni_data.testing import SyntheticSource
 from omni_parallel.testing import run_world
 
 MAX_LEN, PACKS, BUFFER = 4096, 8, 256
 
 
-class _Synthetic(StatefulNode[SampleMeta]):
-    """Endless metadata of one source: log-uniform token counts, a pure function of (seed, index)."""
-
-    def __init__(self, name, modality, lo, hi, seed):
-        super().__init__()
-        self.name, self.modality, self.lo, self.hi, self.seed, self.i = name, modality, lo, hi, seed, 0
-
-    def reset(self, initial_state=None):
-        super().reset(initial_state)
-        self.i = 0 if initial_state is None else initial_state["i"]
-
-    def get_state(self):
-        return {"i": self.i}
-
-    def next(self):
-        r = random.Random(f"{self.seed}/{self.i}")
-        self.i += 1
-        n = int(math.exp(r.uniform(math.log(self.lo), math.log(self.hi))))
-        media = 0 if self.modality == "text" else n
-        text = n if self.modality == "text" else 8
-        return SampleMeta(f"{self.name}{self.i}", self.name, Modality(self.modality), media, text, 1.0, (1,))
-
-
 def _sources(seed=0):
     return {
-        "img": _Synthetic("img", "image", 64, 1500, seed + 1),
-        "aud": _Synthetic("aud", "audio", 20, 300, seed + 2),
-        "txt": _Synthetic("txt", "text", 10, 800, seed + 3),
+        "img": SyntheticSource("img", "image", (64, 1500), seed + 1),
+        "aud": SyntheticSource("aud", "audio", (20, 300), seed + 2),
+        "txt": SyntheticSource("txt", "text", (10, 800), seed + 3),
     }
 
 
@@ -154,8 +130,8 @@ def test_lookahead_and_flush_resume_exactly():
 def _token_world(rank, world_size):
     dp = dist.new_group(list(range(world_size)))
     sources = {
-        "a": _Synthetic("a", "text", 100, 1600, 10 + rank),
-        "b": _Synthetic("b", "text", 100, 1600, 20 + rank),
+        "a": SyntheticSource("a", "text", (100, 1600), 10 + rank),
+        "b": SyntheticSource("b", "text", (100, 1600), 20 + rank),
     }
     threshold = 400_000
     sched = MixtureSchedule([(0, {"a": 1.0, "b": 0.0}), (threshold, {"a": 0.0, "b": 1.0})], unit="token")

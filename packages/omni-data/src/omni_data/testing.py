@@ -13,6 +13,7 @@ from __future__ import annotations
 import errno
 import io
 import json
+import math
 import os
 import random
 import threading
@@ -26,10 +27,13 @@ from fsspec.implementations.local import LocalFileSystem
 from PIL import Image
 from tokenizers import Tokenizer, models, pre_tokenizers, trainers
 
+from omni_data.node import StatefulNode
+from omni_data.sample import Modality, SampleMeta
 from omni_data.write import write_shards
 
 __all__ = [
     "FlakyFileSystem",
+    "SyntheticSource",
     "audio_samples",
     "flaky_url",
     "image_samples",
@@ -210,3 +214,37 @@ def flaky_url(path: str, *, at: int, failures: int) -> str:
     with open(f"{path}.faults", "w") as fh:
         json.dump({"at": int(at), "failures": int(failures)}, fh)
     return f"flaky://{os.path.abspath(path)}"
+
+
+class SyntheticSource(StatefulNode[SampleMeta]):
+    """Endless metadata of one source, no shards: sample ``i`` (keys ``{name}1, {name}2, ...``) has a
+    token count log-uniform in ``tokens = (lo, hi)`` drawn from a private RNG seeded by ``(seed, i)``
+    (exactly ``lo`` when ``lo == hi``); media samples get that many media tokens and 8 text tokens, text
+    samples that many text tokens. Resumable by its counter."""
+
+    def __init__(
+        self, name: str, modality: Modality | str = "text", tokens: tuple[int, int] = (10, 10), seed: int = 0
+    ) -> None:
+        super().__init__()
+        self.name, self.modality, self.tokens, self.seed, self.i = name, Modality(modality), tokens, seed, 0
+
+    def reset(self, initial_state: dict[str, Any] | None = None) -> None:
+        super().reset(initial_state)
+        self.i = 0 if initial_state is None else int(initial_state["i"])
+
+    def get_state(self) -> dict[str, Any]:
+        return {"i": self.i}
+
+    def next(self) -> SampleMeta:
+        lo, hi = self.tokens
+        n = (
+            lo
+            if lo == hi
+            else int(math.exp(random.Random(f"{self.seed}/{self.i}").uniform(math.log(lo), math.log(hi))))
+        )
+        self.i += 1
+        text = self.modality is Modality.TEXT
+        media, txt = (0, n) if text else (n, 8)
+        return SampleMeta(
+            f"{self.name}{self.i}", self.name, self.modality, media, txt, 0.0 if text else 1.0, (n,)
+        )
