@@ -38,7 +38,7 @@ def _filter(data, rank, world):
         "txt": WebDatasetSource(f"{d}/txt-{{000..002}}.tar", modality="text", name="txt", **kw),
     }
     mix = MixtureStream(sources, MixtureSchedule.constant({"img": 0.5, "txt": 0.5}))
-    packer = HybridPacker(mix, max_seq_len=96, buffer_size=6, max_open_packs=2)
+    packer = HybridPacker(mix, max_seq_len=96, buffer_size=6, max_open_packs=2, max_pack_age=3)
     loader = PackedLoader(packer, 1, mixture=mix)
     return ZeroRedundancyFilter(loader, [], microbatches=1, slices=1, reader=PayloadReader(tok), prefetch=2)
 
@@ -64,8 +64,23 @@ def _roundtrip(state):
     return msgpack.unpackb(msgpack.packb(state), strict_map_key=False)
 
 
-@pytest.mark.parametrize(("old", "new", "steps"), [(4, 2, 3), (4, 8, 2), (2, 4, 5)])
-def test_dp_resplit_trains_every_sample_once(data, old, new, steps):
+def _resplit(data, states, new, trained, steps):
+    """``new`` ranks resumed from ``states``, each run ``steps`` steps into ``trained``; their states."""
+    out = []
+    for r in range(new):
+        with _filter(data, r, new) as zr:
+            zr.load_resplit(states, r, new)
+            for _ in range(steps):
+                trained.update(_step_uids(next(zr)))
+            out.append(_roundtrip(zr.state_dict()))
+    return out
+
+
+@pytest.mark.parametrize(
+    ("layouts", "steps"), [((4, 2), 3), ((4, 8), 2), ((2, 4), 5), ((4, 2, 8), 2)], ids=str
+)
+def test_dp_resplit_trains_every_sample_once(data, layouts, steps):
+    old, *middle, new = layouts
     want = _epoch0(data, old)
     assert want and max(want.values()) == 1
     assert len({u.split("@")[0] for u in want}) == 76  # every sample of both sources (text in pieces)
@@ -78,6 +93,9 @@ def test_dp_resplit_trains_every_sample_once(data, old, new, steps):
             st = zr.state_dict()
             assert st["pending"] and st["loader"]["packer"]["buffer"] + st["loader"]["packer"]["open"]
             states.append(_roundtrip(st))
+    for world in middle:  # a re-split of a re-split: carried work items are dealt out again
+        states = _resplit(data, states, world, trained, steps)
+        assert any(st["loader"]["packer"]["source"]["sources"]["img"]["carry"] for st in states)
     new_filters = [_filter(data, r, new) for r in range(new)]
     for r, zr in enumerate(new_filters):
         zr.load_resplit(states, r, new)
