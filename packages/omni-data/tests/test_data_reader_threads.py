@@ -8,9 +8,12 @@ them (the oracle: tarfile's own extraction). With one shared file handle, one th
 between another's ``seek`` and ``read`` and the bytes come from the wrong member.
 """
 
+import os
 import random
 import tarfile
 import threading
+
+import msgpack
 
 from omni_data import (
     HybridPacker,
@@ -128,3 +131,47 @@ def test_two_filters_over_one_reader_read_identical_payloads(tmp_path):
 
 def _payload_bytes_one(p):
     return (p.pixels if p.pixels is not None else p.waveform).numpy().tobytes(), p.text_ids.tolist()
+
+
+def test_decode_workers_do_not_change_the_stream_and_resume_exactly(tmp_path):
+    """1 decode thread vs 3, and a resume from a state saved with 3 into a filter with 2: the same
+    payload bytes in the same order (results go back to their slots; the state holds no thread)."""
+    tok = train_tiny_bpe()
+    write_shards(f"{tmp_path}/s-%03d.tar", image_samples(24, sizes=(16, 48)), per_shard=12)
+    write_shards(f"{tmp_path}/a-%03d.tar", audio_samples(16, seconds=(0.05, 0.2)), per_shard=16)
+
+    def run(workers, steps, state=None):
+        zr = _filter(tmp_path, tok, PayloadReader(tok), 0)
+        zr.decode_workers = workers
+        zr._pool.shutdown()
+        zr._pool = type(zr._pool)(max_workers=workers)
+        if state is not None:
+            zr.load_state_dict(state)
+        with zr:
+            out = [_payload_bytes(next(zr)) for _ in range(steps)]
+            return out, zr.state_dict()
+
+    one, _ = run(1, 6)
+    head, state = run(3, 3)
+    tail, _ = run(2, 3, msgpack.unpackb(msgpack.packb(state), strict_map_key=False))
+    assert head + tail == one and sum(len(s) for s in one) > 40
+
+
+def test_remote_store_reads_a_step_in_one_batch():
+    """memory:// shards (an fsspec filesystem other than the local one): each step's members come in one
+    ``cat_ranges`` call, with the same bytes as one-by-one reads."""
+    tok = train_tiny_bpe()
+    root = f"memory://omni-data-batched-{os.getpid()}"
+    write_shards(f"{root}/s-%03d.tar", image_samples(24, sizes=(16, 48)), per_shard=12)
+    write_shards(f"{root}/a-%03d.tar", audio_samples(16, seconds=(0.05, 0.2)), per_shard=16)
+    batched, single = PayloadReader(tok), PayloadReader(tok, batched="never")
+    assert batched.uses_batches(f"{root}/s-000.tar") and not single.uses_batches(f"{root}/s-000.tar")
+    runs = []
+    for reader in (batched, single):
+        with _filter(root, tok, reader, 0) as zr:
+            runs.append([_payload_bytes(next(zr)) for _ in range(5)])
+    assert runs[0] == runs[1] and sum(len(s) for s in runs[0]) > 30
+    # one call per step read: the 5 taken, and those of the 2 prefetched steps that ran before close()
+    calls = batched.stats["batched_calls"]
+    assert 5 <= calls <= 7 and single.stats["batched_calls"] == 0
+    assert batched.stats["batched_ranges"] >= 4 * calls

@@ -23,7 +23,7 @@ from fsspec.implementations.local import LocalFileSystem
 from PIL import Image
 
 from omni_data.sample import MemberRef, Modality, SampleMeta
-from omni_data.source import AUDIO_EXTS, IMAGE_EXTS
+from omni_data.source import AUDIO_EXTS, IMAGE_EXTS, open_shard
 from omni_data.tokens import TextTokenizer, resampled_length
 
 __all__ = [
@@ -260,7 +260,7 @@ class PayloadReader:
         def attempt() -> bytes:
             f = files.pop(ref.url, None)
             if f is None:
-                f = fsspec.open(ref.url, "rb").open()
+                f = open_shard(ref.url)
                 if len(files) >= self.max_open_files:
                     files.popitem(last=False)[1].close()
             try:

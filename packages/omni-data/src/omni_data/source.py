@@ -43,6 +43,7 @@ from typing import Any
 
 import fsspec
 import soundfile
+from fsspec.implementations.memory import MemoryFile
 from PIL import Image
 from webdataset.shardlists import expand_urls
 from webdataset.tariterators import base_plus_ext
@@ -68,6 +69,18 @@ _IMAGE_HEADER_BYTES = 1 << 16  # enough for PNG IHDR and JPEG SOF behind typical
 _AUDIO_HEADER_BYTES = 1 << 12  # FLAC STREAMINFO (and any leading metadata blocks of test files)
 _INLINE_BYTES = 1 << 13  # json/txt and small members come with the header walk, no seek back
 _PERSISTENT = (FileNotFoundError, PermissionError, IsADirectoryError, NotADirectoryError)
+
+
+def open_shard(url: str) -> Any:
+    """A binary handle of its own on the shard at ``url`` (any fsspec URL).
+
+    fsspec's ``memory://`` hands every ``open`` the one shared buffer of the file (and seeks it to 0), so
+    two handles would move each other; there the bytes are copied into a private buffer.
+    """
+    f = fsspec.open(url, "rb").open()
+    if isinstance(f, MemoryFile):
+        return io.BytesIO(bytes(f.getbuffer()))
+    return f
 
 
 class EmptySourceError(RuntimeError):
@@ -406,7 +419,7 @@ class WebDatasetSource(StatefulNode[SampleMeta]):
         pos = walk.pos
         skip_shard = self._skip if counts else lambda key, reason: None
         try:
-            f = fsspec.open(url, "rb").open()
+            f = open_shard(url)
         except ValueError as e:  # fsspec: an unknown protocol or a malformed URL
             if pos["offset"] == 0:
                 skip_shard(f"shard:{url}", f"unreadable shard ({type(e).__name__})")
@@ -628,7 +641,7 @@ class _SideFile:
 
     def open(self) -> Any:
         if self._f is None:
-            self._f = fsspec.open(self.url, "rb").open()
+            self._f = open_shard(self.url)
         return self._f
 
     def close(self) -> None:
