@@ -63,7 +63,7 @@ def test_reader_shared_between_threads_reads_exact_bytes(tmp_path):
     assert reader.bytes_read == 20 * 4 * sum(len(b) for b in truth.values())
 
 
-def _filter(d, tok, reader, seed):
+def _filter(d, tok, reader, seed, decode_workers=2):
     kw = dict(tokenizer=tok, epochs=None, shuffle_shards=True, seed=seed)
     sources = {
         "img": WebDatasetSource(f"{d}/s-{{000..001}}.tar", modality="image", name="img", **kw),
@@ -72,7 +72,14 @@ def _filter(d, tok, reader, seed):
     mix = MixtureStream(sources, MixtureSchedule.constant({"img": 0.6, "aud": 0.4}))
     loader = PackedLoader(HybridPacker(mix, 256, 16, max_open_packs=2), 4, mixture=mix)
     return ZeroRedundancyFilter(
-        loader, [1, 2], microbatches=2, slices=1, reader=reader, prefetch=2, read_text=True, decode_workers=2
+        loader,
+        [1, 2],
+        microbatches=2,
+        slices=1,
+        reader=reader,
+        prefetch=2,
+        read_text=True,
+        decode_workers=decode_workers,
     )
 
 
@@ -141,10 +148,7 @@ def test_decode_workers_do_not_change_the_stream_and_resume_exactly(tmp_path):
     write_shards(f"{tmp_path}/a-%03d.tar", audio_samples(16, seconds=(0.05, 0.2)), per_shard=16)
 
     def run(workers, steps, state=None):
-        zr = _filter(tmp_path, tok, PayloadReader(tok), 0)
-        zr.decode_workers = workers
-        zr._pool.shutdown()
-        zr._pool = type(zr._pool)(max_workers=workers)
+        zr = _filter(tmp_path, tok, PayloadReader(tok), 0, decode_workers=workers)
         if state is not None:
             zr.load_state_dict(state)
         with zr:

@@ -77,7 +77,9 @@ def _resplit(data, states, new, trained, steps):
 
 
 @pytest.mark.parametrize(
-    ("layouts", "steps"), [((4, 2), 3), ((4, 8), 2), ((2, 4), 5), ((4, 2, 8), 2)], ids=str
+    ("layouts", "steps"),
+    [((4, 2), 3), ((4, 8), 2), ((2, 4), 5), ((4, 2, 8), 2)],
+    ids=lambda v: "->".join(map(str, v)) if isinstance(v, tuple) else f"steps{v}",
 )
 def test_dp_resplit_trains_every_sample_once(data, layouts, steps):
     old, *middle, new = layouts
