@@ -8,19 +8,26 @@ import random
 
 import pytest
 
-from omni_pipeline import DataFlow, Schedule1F1B, simulate
-from omni_pipeline.actions import Action, ActionKind
-from omni_pipeline.calibrate import fit_cost_model, nonnegative_lstsq
-from omni_pipeline.cost import ActionTokens, CostModel, TokenCost, cost_key
-from omni_pipeline.records import (
+from omni_pipeline import (
+    Action,
+    ActionKind,
     ActionRecord,
+    ActionTokens,
+    CostModel,
+    DataFlow,
     P2PRecord,
     RecordError,
     RecordWriter,
     RunRecords,
+    Schedule1F1B,
     StepRecord,
+    TokenCost,
+    cost_key,
+    fit_cost_model,
     read_records,
+    simulate,
 )
+from omni_pipeline.calibrate import nonnegative_lstsq
 
 TRUE = {
     "F0:llm": TokenCost(1e-3, 2e-5, 3e-9),

@@ -297,7 +297,22 @@ def plan_placement(
     max_evaluations: int = 1000,
     window: int = 4,
 ) -> PlanResult:
-    """:func:`planned` with the search's outcome (simulated makespan, peaks, where it started).
+    """Encoder placement that minimises the simulated step time under a per-rank memory cap (see the
+    module docstring), with the search's outcome.
+
+    Args:
+        schedule: the LLM schedule.
+        encoder_inputs: ``{k: [e, ...]}`` (LLM microbatch ``k`` from 1, encoder microbatches from 1).
+        costs: the cost model (durations, P2P, stored bytes); default unit LLM costs, free encoders.
+        memory_cap_bytes: peak stored-activation bytes allowed per rank (one number for every rank or
+            ``{rank: bytes}``); ``None``: no cap. If no placement found meets it, the one least over it.
+        fixed_ranks: keep the fixed rank rule (``encoder_inputs[k][j]`` on rank ``j % P``); search slots only.
+        max_evaluations: simulations the search may spend (bounds the time at large scale); the up to 5
+            starting baselines are always simulated.
+        window: forward / backward slots tried per rank nearest the deadline (plus the program's far end).
+
+    Returns:
+        :class:`PlanResult` (``.flow`` passes ``validate``; makespan and peaks from ``simulate``).
 
     Raises:
         DataFlowError: ``encoder_inputs`` the schedule cannot hold (as every policy).
@@ -361,38 +376,12 @@ def planned(
     schedule: Schedule,
     encoder_inputs: Mapping[int, Sequence[int]],
     costs: CostModel | None = None,
-    *,
-    memory_cap_bytes: float | Mapping[int, float] | None = None,
-    fixed_ranks: bool = False,
-    max_evaluations: int = 1000,
-    window: int = 4,
+    **options,
 ) -> DataFlow:
-    """Encoder placement that minimises the simulated step time under a per-rank memory cap (see the
-    module docstring).
-
-    Args:
-        schedule: the LLM schedule.
-        encoder_inputs: ``{k: [e, ...]}`` (LLM microbatch ``k`` from 1, encoder microbatches from 1).
-        costs: the cost model (durations, P2P, stored bytes); default unit LLM costs, free encoders.
-        memory_cap_bytes: peak stored-activation bytes allowed per rank (one number for every rank or
-            ``{rank: bytes}``); ``None``: no cap. If no placement found meets it, the one least over it.
-        fixed_ranks: keep the fixed rank rule (``encoder_inputs[k][j]`` on rank ``j % P``); search slots only.
-        max_evaluations: simulations the search may spend (bounds the time at large scale).
-        window: forward / backward slots tried per rank nearest the deadline (plus the program's far end).
-
-    Returns:
-        a :class:`DataFlow` (passes ``validate``).
+    """The data flow :func:`plan_placement` finds (same arguments: ``memory_cap_bytes``, ``fixed_ranks``,
+    ``max_evaluations``, ``window``); passes ``validate``.
 
     Raises:
-        DataFlowError: ``encoder_inputs`` the schedule cannot hold.
-        ValueError: a cap <= 0 or missing for a rank, ``max_evaluations < 1`` or ``window < 1``.
+        DataFlowError, ValueError: as :func:`plan_placement`.
     """
-    return plan_placement(
-        schedule,
-        encoder_inputs,
-        costs,
-        memory_cap_bytes=memory_cap_bytes,
-        fixed_ranks=fixed_ranks,
-        max_evaluations=max_evaluations,
-        window=window,
-    ).flow
+    return plan_placement(schedule, encoder_inputs, costs, **options).flow
