@@ -3,6 +3,7 @@ times a step as computed by hand."""
 
 from __future__ import annotations
 
+import itertools
 import json
 import random
 
@@ -22,10 +23,12 @@ from omni_pipeline import (
     Schedule1F1B,
     StepRecord,
     TokenCost,
+    action_records,
     cost_key,
     fit_cost_model,
     read_records,
     simulate,
+    uniform_on_demand,
 )
 from omni_pipeline.calibrate import nonnegative_lstsq
 
@@ -208,3 +211,47 @@ def test_cost_model_predict_names_missing_coefficients():
         c.predict("B", 0, ActionTokens.single("llm", 3))
     with pytest.raises(ValueError, match=r"TokenCost\.per_token_s must be finite and >= 0"):
         TokenCost(0.0, -1.0)
+
+
+def test_records_of_simulated_timelines_fit_back_to_the_model_that_made_them():
+    """A CostModel with TRUE's coefficients times several steps (uniform_on_demand flow, random token
+    counts); the simulated timelines become records (``action_records``, waits = the gaps, since this
+    model has no dispatch time), the fit recovers TRUE and no dispatch, and the fitted model predicts a
+    new step's makespan exactly."""
+    rng = random.Random(3)
+    s = Schedule1F1B(2, 4)
+    enc = {k: [2 * k - 1, 2 * k] for k in range(1, 5)}
+    true = CostModel(coefficients=TRUE, llm_forward_s=[0.01, 0.01], llm_backward_s=[0.02, 0.02])
+
+    def step_tokens():
+        llm = {k: ActionTokens.single("llm", rng.randint(50, 500)) for k in enc}
+        mods = {}
+        for e in (e for es in enc.values() for e in es):
+            kinds = rng.choice([["image"], ["audio"], ["image", "audio"]])
+            mods[e] = ActionTokens(
+                {m: (n, n * n * rng.randint(1, 2)) for m in kinds for n in [rng.randint(8, 300)]}
+            )
+        return llm, mods
+
+    recs = RunRecords()
+    for step in range(5):
+        llm, mods = step_tokens()
+        costs = true.for_step(2, llm, mods)
+        res = simulate(s, uniform_on_demand(s, enc, costs), costs)
+        for timeline in res.timelines.values():
+            # no dispatch in this model: every gap between two actions is a wait on an input
+            waits = {b.action: b.start_s - a.end_s for a, b in itertools.pairwise(timeline)}
+            for r in action_records(step, timeline, llm, mods, waits):
+                recs.add(r)
+    fitted = fit_cost_model(recs)
+    assert fitted.dispatch_s == pytest.approx(0.0, abs=1e-12)
+    for key, t in TRUE.items():
+        got = fitted.coefficients[key]
+        assert (got.base_s, got.per_token_s, got.per_token_sq_s) == pytest.approx(
+            (t.base_s, t.per_token_s, t.per_token_sq_s), rel=1e-6, abs=1e-12
+        ), key
+    llm, mods = step_tokens()
+    want = true.for_step(2, llm, mods)
+    got = fitted.for_step(2, llm, mods)
+    flow = uniform_on_demand(s, enc, want)
+    assert simulate(s, flow, got).makespan_s == pytest.approx(simulate(s, flow, want).makespan_s, rel=1e-9)

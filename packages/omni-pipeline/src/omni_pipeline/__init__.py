@@ -35,6 +35,7 @@ from omni_pipeline.records import (
     RecordWriter,
     RunRecords,
     StepRecord,
+    action_records,
     read_records,
 )
 from omni_pipeline.schedules import (
@@ -84,6 +85,7 @@ __all__ = [
     "StepResult",
     "TimelineEvent",
     "TokenCost",
+    "action_records",
     "balance_stages",
     "cost_key",
     "explicit_stages",

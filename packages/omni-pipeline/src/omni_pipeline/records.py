@@ -32,7 +32,9 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from omni_pipeline.actions import Action, ActionKind
+from omni_pipeline.actions import Action, ActionKind, flow_index
+from omni_pipeline.cost import ActionTokens
+from omni_pipeline.trace import TimelineEvent
 
 __all__ = [
     "RECORDS_FILE",
@@ -42,6 +44,7 @@ __all__ = [
     "RecordWriter",
     "RunRecords",
     "StepRecord",
+    "action_records",
     "read_records",
 ]
 
@@ -128,6 +131,50 @@ class RunRecords:
     def step_ids(self) -> list[int]:
         """Sorted distinct steps with any record."""
         return sorted({r.step for r in (*self.actions, *self.p2p, *self.steps)})
+
+
+def action_records(
+    step: int,
+    timeline: Iterable[TimelineEvent],
+    llm_tokens: Mapping[int, ActionTokens],
+    encoder_tokens: Mapping[int, ActionTokens],
+    waits: Mapping[str, float] | None = None,
+) -> list[ActionRecord]:
+    """Records of one step from a rank's timeline (``PipelineExecutor``'s ``StepResult.timeline`` or a
+    simulated one) and the step's token counts.
+
+    Args:
+        step: the training step.
+        timeline: the rank's events (``TimelineEvent.action`` like ``"0F1"`` or ``"EF3"``).
+        llm_tokens: ``{k: ActionTokens}`` per LLM microbatch ``k`` (from 1).
+        encoder_tokens: ``{e: ActionTokens}`` per encoder microbatch.
+        waits: ``{action: seconds}`` the rank blocked on receives before each action (missing: 0).
+
+    Raises:
+        KeyError: an action whose microbatch has no token counts.
+    """
+    out = []
+    for ev in timeline:
+        a = Action.parse(ev.action)
+        toks = encoder_tokens[a.microbatch] if a.kind.is_encoder else llm_tokens[flow_index(a.microbatch)]
+        tokens = {m: int(n) for m, (n, _) in toks.modules.items()}
+        tokens_sq = {m: int(sq) for m, (_, sq) in toks.modules.items()}
+        wait = float((waits or {}).get(ev.action, 0.0))
+        out.append(
+            ActionRecord(
+                step,
+                ev.rank,
+                str(a.kind),
+                a.stage,
+                a.microbatch,
+                tokens,
+                tokens_sq,
+                ev.start_s,
+                ev.end_s,
+                wait,
+            )
+        )
+    return out
 
 
 _TYPES = {"action": ActionRecord, "p2p": P2PRecord, "step": StepRecord}
