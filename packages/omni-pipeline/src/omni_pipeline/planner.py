@@ -150,6 +150,8 @@ class _Evaluator:
         for e in self.es:
             self.release[self.ef[e]] = self.eb[e]
         self.n = n
+        self.llm_busy = [sum(self.dur[i] for i in self.llm_ids[r]) for r in range(self.num_ranks)]
+        self.encoder_busy = {e: self.dur[self.ef[e]] + self.dur[self.eb[e]] for e in self.es}
 
     def __call__(self, where: Mapping[int, Where]) -> tuple[float, float] | None:
         """``(bytes over the caps, makespan)``, or ``None`` if the programs deadlock."""
@@ -252,9 +254,10 @@ def _trim(slots: list[int], window: int, *, latest: bool) -> list[int]:
     return [slots[0], *slots[-window:]] if latest else [*slots[:window], slots[-1]]
 
 
-def _local_search(evaluate, where, score, order, slots, fixed, window, max_evaluations):
+def _local_search(evaluate, where, score, order, slots, fixed, window, max_evaluations, rank_candidates):
     """Best-improvement moves of one encoder microbatch at a time (see the module docstring) until a
-    pass improves nothing or the budget is spent. ``fixed``: ``{e: rank}`` to keep, or ``None``."""
+    pass improves nothing or the budget is spent. ``fixed``: ``{e: rank}`` to keep, or ``None``; else an
+    encoder microbatch may move to the ``rank_candidates`` ranks with the least work (the most slack)."""
     num_ranks = evaluate.num_ranks
     improved = True
     while improved and evaluate.count < max_evaluations:
@@ -263,8 +266,16 @@ def _local_search(evaluate, where, score, order, slots, fixed, window, max_evalu
             if evaluate.count >= max_evaluations:
                 break
             r0, f0, b0 = where[e]
+            if fixed is not None:
+                ranks = [fixed[e]]
+            else:
+                busy = list(evaluate.llm_busy)
+                for x, (r, _, _) in where.items():
+                    busy[r] += evaluate.encoder_busy[x]
+                slack = sorted((r for r in range(num_ranks) if r != r0), key=lambda r: (busy[r], r))
+                ranks = [r0, *slack[:rank_candidates]]
             moves: list[Where] = []
-            for r in [fixed[e]] if fixed is not None else range(num_ranks):
+            for r in ranks:
                 f_slots, b_slots = slots[(r, k)]
                 bs = [b0] if r == r0 else [b_slots[0], b_slots[-1]]
                 for f in _trim(f_slots, window, latest=True):
@@ -296,6 +307,7 @@ def plan_placement(
     fixed_ranks: bool = False,
     max_evaluations: int = 1000,
     window: int = 4,
+    rank_candidates: int = 2,
 ) -> PlanResult:
     """Encoder placement that minimises the simulated step time under a per-rank memory cap (see the
     module docstring), with the search's outcome.
@@ -310,6 +322,8 @@ def plan_placement(
         max_evaluations: simulations the search may spend (bounds the time at large scale); the up to 5
             starting baselines are always simulated.
         window: forward / backward slots tried per rank nearest the deadline (plus the program's far end).
+        rank_candidates: other ranks an encoder microbatch may move to in one step: those with the least
+            compute placed on them (the most slack), besides its current rank.
 
     Returns:
         :class:`PlanResult` (``.flow`` passes ``validate``; makespan and peaks from ``simulate``).
@@ -318,8 +332,11 @@ def plan_placement(
         DataFlowError: ``encoder_inputs`` the schedule cannot hold (as every policy).
         ValueError: a cap <= 0 or missing for a rank, ``max_evaluations < 1`` or ``window < 1``.
     """
-    if max_evaluations < 1 or window < 1:
-        raise ValueError(f"planned: max_evaluations ({max_evaluations}) and window ({window}) must be >= 1")
+    if max_evaluations < 1 or window < 1 or rank_candidates < 1:
+        raise ValueError(
+            f"planned: max_evaluations ({max_evaluations}), window ({window}) and rank_candidates "
+            f"({rank_candidates}) must be >= 1"
+        )
     enc = _inputs(schedule, encoder_inputs)
     costs = costs or CostModel()
     caps = _caps(memory_cap_bytes, schedule.num_ranks)
@@ -355,7 +372,15 @@ def plan_placement(
             continue
         seen.add(key)
         got, where = _local_search(
-            evaluate, where, got, order, slots, fixed if fixed_ranks else None, window, max_evaluations
+            evaluate,
+            where,
+            got,
+            order,
+            slots,
+            fixed if fixed_ranks else None,
+            window,
+            max_evaluations,
+            rank_candidates,
         )
         if _better(got, best):
             best, start_name, best_where = got, name, where
@@ -379,7 +404,7 @@ def planned(
     **options,
 ) -> DataFlow:
     """The data flow :func:`plan_placement` finds (same arguments: ``memory_cap_bytes``, ``fixed_ranks``,
-    ``max_evaluations``, ``window``); passes ``validate``.
+    ``max_evaluations``, ``window``, ``rank_candidates``); passes ``validate``.
 
     Raises:
         DataFlowError, ValueError: as :func:`plan_placement`.
