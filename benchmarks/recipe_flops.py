@@ -144,7 +144,9 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=8, help="steps measured per mixture phase")
     ap.add_argument("--json", default=None, help="write the rows here")
     ap.add_argument(
-        "--rows", default=None, help="comma-separated rows to measure: 0 = the 4:4:2 reference, i + 1 = phase i"
+        "--rows",
+        default=None,
+        help="comma-separated rows to measure: 0 = the 4:4:2 reference, i + 1 = phase i",
     )
     args = ap.parse_args()
     torch.set_num_threads(1)
