@@ -68,6 +68,10 @@ def test_each_validation_error_names_its_field(tmp_path, data):
     mix[0] = dataclasses.replace(mix[0], weights={"imagez": 1.0})
     assert _bad(cfg, data__mixture=mix).startswith("data.mixture[0].weights")
     assert _bad(cfg, data__tokenizer=str(tmp_path / "none.json")).startswith("data.tokenizer")
+    assert _bad(cfg, model__llm__tie_embeddings=True).startswith(
+        "model.llm.tie_embeddings: needs parallel.pp = 1"
+    )
+    assert _bad(cfg, model__audio__stem="whisper").startswith("model.audio.subsample: the whisper stem")
 
 
 def test_toml_errors_name_the_key(tmp_path, data):
@@ -83,6 +87,9 @@ def test_toml_errors_name_the_key(tmp_path, data):
         load_config(str(p))
     with pytest.raises(ConfigError, match="no bundled config named 'nope'"):
         load_config("nope")
+    p = write_config(tmp_path / "e.toml", data, model={"vit": 'act = "relu"', "audio": 'mel_scale = "htk"'})
+    with pytest.raises(ConfigError, match=r"^model\.vit\.act: 'relu' is not one of \['gelu', 'quick_gelu'"):
+        load_config(str(p))
 
 
 def test_cli_overrides_and_exit_status(tmp_path, data, capsys):

@@ -1,7 +1,7 @@
 """The omni-heavy recipe: it validates for 2 processes, sweeps the paper's mixtures, and its LLM splits
 into two balanced stages by the per-token cost of a block against the LM head + loss."""
 
-from omni_pipeline import balance_stages, stage_costs
+from omni_pipeline import balance_stages, stage_costs, stage_slices
 from omni_train.config import load_config, validate
 
 
@@ -21,9 +21,10 @@ def test_omni_heavy_validates_and_sweeps_the_papers_mixtures():
 
 def test_omni_heavy_llm_balances_as_two_layers_then_one_plus_the_head():
     """Forward FLOPs per token (2 per multiply-add): a block's matmuls (GQA attention projections and a
-    SwiGLU MLP) plus its dense T x T attention over a 256-token pack, against the LM head's 4096-word
-    matmul; the embedding is a lookup. The balanced split is [2, 1] (the even split [1, 2] would put two
-    blocks and the head on stage 1: more than twice stage 0)."""
+    SwiGLU MLP) plus attention over a whole 256-token document (the most a pack holds), against the LM
+    head's 4096-word matmul; the embedding is a lookup. The balanced split is [2, 1], which is also the
+    trainer's split (first stages take the remainder); [1, 2] would put two blocks and the head on stage
+    1, more than twice stage 0."""
     cfg = load_config("omni-heavy")
     llm, seq, vocab = cfg.model.llm, cfg.data.max_seq_len, 4096
     kv = llm.dim * llm.n_kv_heads // llm.n_heads
@@ -31,6 +32,7 @@ def test_omni_heavy_llm_balances_as_two_layers_then_one_plus_the_head():
     head = 2 * llm.dim * vocab
     split = balance_stages([block] * llm.n_layers, 2, last_stage_extra=head)
     assert [len(r) for r in split] == [2, 1]
+    assert split == stage_slices(llm.n_layers, 2)
     balanced = stage_costs(split, [block] * 3, last_stage_extra=head)
     even = stage_costs([range(0, 1), range(1, 3)], [block] * 3, last_stage_extra=head)
     assert max(balanced) / min(balanced) < 1.2 < 2 < max(even) / min(even)

@@ -6,6 +6,8 @@ import numpy as np
 import pytest
 import torch
 
+from omni_parallel.varlen import varlen_attention
+from omni_pipeline import stage_slices
 from omni_train.models import (
     AudioConfig,
     AudioTower,
@@ -18,9 +20,7 @@ from omni_train.models import (
     num_output_frames,
     patchify,
     smart_resize,
-    split_layers,
 )
-from omni_train.models.attention import varlen_attention
 from omni_train.models.audio import mel_filterbank
 
 D = torch.float64
@@ -87,12 +87,17 @@ def test_llm_media_embeds_replace_placeholders_and_get_gradients():
         m(ids, torch.arange(4), _cu([4]), emb, torch.tensor([1]))
 
 
-def test_split_layers():
-    assert split_layers(4, 2) == [(0, 2), (2, 4)]
-    assert split_layers(5, 2) == [(0, 2), (2, 5)]
-    assert split_layers(7, 3) == [(0, 2), (2, 4), (4, 7)]
+def test_llm_stages_hold_the_layers_of_the_one_splitter():
+    # omni_pipeline.stage_slices is the repo's one layer split: the first stages take the remainder
+    # (the last stage also runs the LM head and the loss).
+    assert [list(r) for r in stage_slices(4, 2)] == [[0, 1], [2, 3]]
+    assert [list(r) for r in stage_slices(7, 3)] == [[0, 1, 2], [3, 4], [5, 6]]
+    cfg = LLMConfig(vocab_size=20, dim=16, n_layers=5, n_heads=2, n_kv_heads=1, ffn_dim=24)
+    assert [sorted(int(i) for i in LLMStage(cfg, s, 2).layers) for s in range(2)] == [[0, 1, 2], [3, 4]]
     with pytest.raises(ValueError, match="n_layers"):
-        split_layers(1, 2)
+        stage_slices(1, 2)
+    with pytest.raises(ValueError, match="vocab_size is not set"):
+        LLMStage(LLMConfig(), 0, 1)
 
 
 def test_vit_two_packed_images_equal_each_alone():

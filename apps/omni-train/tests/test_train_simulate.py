@@ -27,14 +27,14 @@ from omni_train.data_pipeline import build_step_stream
 from omni_train.simulate import _tokenizer
 
 PER_TOKEN = {"F0": 2e-5, "B0": 4e-5, "F1": 3e-5, "B1": 6e-5, "EF:image": 1e-5, "EF:audio": 5e-6}
-SQ = {"F0": 1e-9, "B0": 2e-9, "F1": 1e-9, "B1": 2e-9, "EF:image": 0.0, "EF:audio": 0.0}
+SQ = {"F0": 1e-9, "B0": 2e-9, "F1": 1e-9, "B1": 2e-9, "EF:image": 2e-9, "EF:audio": 1e-9}
 OVERHEAD = 0.01
 
 
-def seconds(key: str, n: int) -> float:
+def seconds(key: str, n: int, sq: int | None = None) -> float:
     if key.startswith("EB"):
-        return 2 * seconds("EF" + key[2:], n)
-    return PER_TOKEN[key] * n + SQ[key] * n * n
+        return 2 * seconds("EF" + key[2:], n, sq)
+    return PER_TOKEN[key] * n + SQ[key] * (n * n if sq is None else sq)
 
 
 def write_run(run, steps: int = 4) -> None:
@@ -63,13 +63,14 @@ def write_run(run, steps: int = 4) -> None:
 
 def hand_costs(cfg, packs, mbs) -> CostModel:
     """The true per-action seconds of one step from its packs (the documented token convention:
-    LLM pack tokens, ViT patches before the 2x2 merge, audio frames), built without the fit."""
+    LLM pack tokens and per-document squares, ViT patches before the 2x2 merge, audio frames), built
+    without the fit."""
     llm = {}
     for k, p in enumerate(packs):
-        n = p.num_tokens
+        n, sq = p.num_tokens, sum(d * d for d in p.seqlens)  # attention per packed document
         for s in (0, 1):
-            llm[Action(ActionKind.FORWARD, k, s)] = seconds(f"F{s}", n)
-            llm[Action(ActionKind.BACKWARD, k, s)] = seconds(f"B{s}", n)
+            llm[Action(ActionKind.FORWARD, k, s)] = seconds(f"F{s}", n, sq)
+            llm[Action(ActionKind.BACKWARD, k, s)] = seconds(f"B{s}", n, sq)
     ef = {}
     for e, items in mbs.items():
         ef[e] = 0.0

@@ -116,9 +116,18 @@ def make_dataset(
 
 
 def write_config(
-    path: Path, data: dict, *, steps: int = 6, extra: str = "", pp: int = 2, every: int = 2
+    path: Path,
+    data: dict,
+    *,
+    steps: int = 6,
+    extra: str = "",
+    pp: int = 2,
+    every: int = 2,
+    model: dict[str, str] | None = None,
 ) -> Path:
-    """A tiny omni config over ``data`` (from :func:`make_dataset`)."""
+    """A tiny omni config over ``data`` (from :func:`make_dataset`); ``model`` adds TOML lines to the
+    ``llm``, ``vit`` or ``audio`` table."""
+    model = model or {}
     path.write_text(f"""
 [model.llm]
 dim = 32
@@ -126,6 +135,7 @@ n_layers = 2
 n_heads = 4
 n_kv_heads = 2
 ffn_dim = 64
+{model.get("llm", "")}
 
 [model.vit]
 dim = 16
@@ -133,12 +143,14 @@ n_layers = 1
 n_heads = 2
 min_pixels = 784
 max_pixels = 3136
+{model.get("vit", "")}
 
 [model.audio]
 dim = 16
 n_layers = 1
 n_heads = 2
 n_mels = 16
+{model.get("audio", "")}
 
 [data]
 max_seq_len = 96

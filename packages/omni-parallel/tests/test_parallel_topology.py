@@ -6,7 +6,7 @@ import torch.distributed as dist
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from omni_parallel import EncoderLayout, ParallelConfig, ParallelState, rank_groups
+from omni_parallel import EncoderLayout, ParallelConfig, ParallelState, mesh_device_type, rank_groups
 from omni_parallel.testing import fake_world, run_world
 
 
@@ -192,3 +192,23 @@ def test_rank_groups_match_megatron_generator(tp, cp, pp, ep, dpx, order):
     w_ep = order.split("-")
     sizes_w_ep = [dp // ep if t == "dp" else size[t] for t in w_ep]
     assert g["ep"] == _megatron_groups(world, sizes_w_ep, [t == "ep" for t in w_ep]), order
+
+
+@pytest.mark.parametrize(
+    ("backend", "expected"),
+    # "cpu:gloo,cuda:fake" has the shape of the trainer's "cpu:gloo,cuda:nccl" (a backend of CUDA's own
+    # next to gloo for the CPU) and initialises without a GPU, which NCCL does not; dist.get_backend()
+    # returns either string whole, so a mesh device chosen by `get_backend() == "nccl"` was "cpu".
+    [("cpu:gloo,cuda:fake", "cuda"), ("gloo", "cpu"), ("cpu:gloo", "cpu"), ("fake", "cpu")],
+)
+def test_mesh_device_type_comes_from_the_backend_config_per_group(backend, expected):
+    import torch.testing._internal.distributed.fake_pg  # noqa: F401  (registers the "fake" backend)
+
+    dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        ps = ParallelState.build(ParallelConfig(tp=1, pp=1))
+        assert ps.mesh.device_type == expected
+        assert mesh_device_type(ps.group("dp")) == expected  # groups created after the mesh too
+        assert mesh_device_type(dist.new_group([0], backend="gloo")) == "cpu"
+    finally:
+        dist.destroy_process_group()

@@ -160,9 +160,7 @@ def run_layout(pp_rank: int, pp: int, virtual: int, seed: int, num_mb: int, grou
         unused.update({f"stage{s}.unused.{n}": p for n, p in stage.unused.named_parameters()})
     idle = nn.Linear(3, H).double()  # an encoder no encoder microbatch uses
     unused.update({f"idle.{n}": p for n, p in idle.named_parameters()})
-    anchor = EncoderAnchor(
-        {**model.encoders, "idle": idle}, data=EncoderDataConfig(patch_size=14, max_seq_len=64)
-    )
+    anchor = EncoderAnchor({**model.encoders, "idle": idle}, data=EncoderDataConfig(max_seq_len=64))
     executor = PipelineExecutor(
         stages, anchor, step_functions(model, llm, {e: v["pos"] for e, v in enc.items()}, num_mb), groups
     )
@@ -321,7 +319,7 @@ def test_anchor_runs_exactly_what_the_flow_places_at_each_boundary():
     anchor = EncoderAnchor(
         {"lin": nn.Linear(2, 3).double()},
         EncoderParallelConfig(activation_offload=True),
-        EncoderDataConfig(patch_size=14, max_seq_len=4),
+        EncoderDataConfig(max_seq_len=4),
     )
     anchor.register(1, flow, schedule)
     at = {str(a): [str(x) for x in anchor.at(a)] for a in schedule.actions(1)}
@@ -354,3 +352,31 @@ def test_anchor_runs_exactly_what_the_flow_places_at_each_boundary():
     with pytest.raises(KeyError, match="EB3"):
         anchor.backward(3, torch.ones(1))
     assert Action.parse("EF1") in anchor.placed()
+
+
+def _tag_blind(rank: int, world_size: int, own_encoder_group: bool):
+    """pp=2 on a backend that ignores P2P tags, as NCCL does: every isend/irecv of this process is sent
+    with tag 0, so messages between two ranks of one group match in posting order only."""
+    isend, irecv = dist.isend, dist.irecv
+    dist.isend = lambda tensor, dst, group=None, tag=0: isend(tensor, dst, group=group, tag=0)
+    dist.irecv = lambda tensor, src, group=None, tag=0: irecv(tensor, src, group=group, tag=0)
+    everyone = dist.new_group([0, 1])
+    pp = dist.new_group([0, 1])
+    enc = dist.new_group([0, 1]) if own_encoder_group else None
+    return run_layout(rank, 2, 1, 8, 4, PipelineGroups(pp=pp, encoder_dp=everyone, encoder_p2p=enc))
+
+
+def test_encoder_transfers_never_rely_on_tags():
+    """With encoder traffic on its own group, a tag-blind backend computes the single-process step;
+    sharing the pp group (kept apart only by tags) mismatches messages there: a planned receive gets
+    another transfer's header (P2PError) or payload (gloo aborts on the size)."""
+    ref_losses, ref_grads = reference([8], 4)
+    results = run_world(_tag_blind, 2, args=(True,), timeout_s=120)
+    for r in range(2):
+        losses = results[r][0]
+        assert all(abs(losses[k] - ref_losses[0][k]) <= 1e-10 for k in losses)
+    _check([results[r][1] for r in range(2)], ref_grads)
+    with pytest.raises(WorldError) as info:
+        run_world(_tag_blind, 2, args=(False,), timeout_s=120)
+    msg = str(info.value)
+    assert P2PError.__name__ in msg or "SIGABRT" in msg, msg

@@ -1,5 +1,5 @@
 """``omni-train``: ``run`` (train), ``prepare-data`` (rebuild the bundled shards), ``simulate`` (model a
-large cluster with the pipeline simulator).
+large cluster with the pipeline simulator), ``import-hf`` / ``export-hf`` (Hugging Face checkpoints).
 
 Configuration errors are reported before any process starts, naming the field, with exit status 2.
 """
@@ -14,6 +14,7 @@ import time
 from pathlib import Path
 
 from omni_train.config import ConfigError, Packing, Placement, RunConfig, load_config, validate
+from omni_train.hf.folder import HFFolderError
 
 __all__ = ["build_parser", "main", "resolve_run"]
 
@@ -62,6 +63,28 @@ def build_parser() -> argparse.ArgumentParser:
     sim.add_argument("--steps", type=int, default=1, help="steps of the recipe to simulate (mean)")
     sim.add_argument("--first-step", type=int, default=0, help="first recipe step to simulate")
     sim.add_argument("--out", default="runs/simulate")
+
+    imp = sub.add_parser(
+        "import-hf", help="write step 0 of a run from Hugging Face folders (then: run --resume --out RUN_DIR)"
+    )
+    imp.add_argument(
+        "dirs",
+        nargs="+",
+        metavar="DIR",
+        help="Llama/Qwen2, Qwen2-VL vision or Whisper folders, or export-hf's OUT",
+    )
+    imp.add_argument(
+        "--config", default="omni-tiny", help="bundled config name or TOML path (must match DIR)"
+    )
+    imp.add_argument("--out", default=None, help="run directory (default: runs/<config>-hf-<time>)")
+
+    exp = sub.add_parser("export-hf", help="write Hugging Face folders (llm/, vision/, audio/) from a run")
+    exp.add_argument("run_dir", metavar="RUN_DIR")
+    exp.add_argument("out", metavar="OUT")
+    exp.add_argument("--step", type=int, default=None, help="committed step to export (default: the latest)")
+    exp.add_argument(
+        "--max-shard-bytes", type=int, default=5 << 30, help="split weights into indexed shards above this"
+    )
     return p
 
 
@@ -164,6 +187,44 @@ def _simulate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _import_hf(args: argparse.Namespace) -> int:
+    from omni_train.hf.convert import import_hf
+
+    cfg = load_config(args.config)
+    validate(cfg, cfg.parallel.world_size)
+    out = Path(args.out) if args.out else Path("runs") / f"{cfg.name}-hf-{time.strftime('%Y%m%d-%H%M%S')}"
+    report = import_hf(args.dirs, cfg, out)
+    for family, folder in report.folders.items():
+        ignored = report.ignored.get(family, [])
+        note = f" ({len(ignored)} of its tensors unused: {', '.join(ignored[:3])}{', ...' if len(ignored) > 3 else ''})"
+        print(f"omni-train: {family} <- {folder}{note if ignored else ''}", file=sys.stderr)
+    if report.untied:
+        print(
+            "omni-train: the LLM folder ties lm_head to the embedding; the LM head starts as a copy",
+            file=sys.stderr,
+        )
+    if report.kept_init:
+        print(f"omni-train: seeded initialisation kept for {len(report.kept_init)} modules "
+              f"({', '.join(report.kept_init[:4])}{', ...' if len(report.kept_init) > 4 else ''})", file=sys.stderr)  # fmt: skip
+    print(f"omni-train: wrote {report.checkpoint}; train with: omni-train run --config {args.config} "
+          f"--out {out} --resume", file=sys.stderr)  # fmt: skip
+    return 0
+
+
+def _export_hf(args: argparse.Namespace) -> int:
+    from omni_train.hf.convert import export_hf
+
+    report = export_hf(args.run_dir, args.out, step=args.step, max_shard_bytes=args.max_shard_bytes)
+    for family, folder in report.folders.items():
+        print(f"omni-train: step {report.step} {family} -> {folder}", file=sys.stderr)
+    for family, reasons in report.skipped.items():
+        print(f"omni-train: {family} not exported: {'; '.join(reasons)}", file=sys.stderr)
+    if report.not_exported:
+        print(f"omni-train: {len(report.not_exported)} tensors have no Hugging Face counterpart and were not "
+              f"exported ({', '.join(report.not_exported[:3])}, ...)", file=sys.stderr)  # fmt: skip
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``omni-train`` console script; returns the exit status."""
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -177,8 +238,15 @@ def main(argv: list[str] | None = None) -> int:
             return _run(args)
         if args.command == "simulate":
             return _simulate(args)
+        if args.command == "import-hf":
+            return _import_hf(args)
+        if args.command == "export-hf":
+            return _export_hf(args)
     except ConfigError as exc:
         print(f"omni-train: configuration error: {exc}", file=sys.stderr)
+        return 2
+    except HFFolderError as exc:
+        print(f"omni-train: Hugging Face folder error: {exc}", file=sys.stderr)
         return 2
     return 2
 

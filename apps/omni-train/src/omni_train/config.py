@@ -24,11 +24,11 @@ from omni_train.models.llm import LLMConfig
 from omni_train.models.vit import ViTConfig
 
 __all__ = [
+    "RECOMPUTE",
     "CheckpointConfig",
     "ConfigError",
     "DType",
     "DataConfig",
-    "LLMSection",
     "MixturePhase",
     "ModelConfig",
     "OptimConfig",
@@ -39,11 +39,16 @@ __all__ = [
     "SourceConfig",
     "TrainSection",
     "bundled_data_dir",
+    "config_from_dict",
     "config_path",
     "expand_urls",
     "load_config",
+    "tokenizer_path",
     "validate",
 ]
+
+
+RECOMPUTE = ("llm", "image", "audio")  # train.recompute: the LLM blocks, the ViT's, the audio encoder's
 
 
 class ConfigError(ValueError):
@@ -66,28 +71,28 @@ class Packing(StrEnum):
 
 
 @dataclass
-class LLMSection:
-    """LLM shape (see :class:`omni_train.models.LLMConfig`); the vocabulary comes from the tokenizer."""
-
-    dim: int = 128
-    n_layers: int = 4
-    n_heads: int = 4
-    n_kv_heads: int = 2
-    ffn_dim: int = 384
-    rope_theta: float = 10000.0
-
-
-@dataclass
 class ModelConfig:
-    """Model shapes; ``vit``/``audio`` absent means the run has no such encoder."""
+    """Model shapes, one class per section: ``[model.llm]`` is :class:`~omni_train.models.LLMConfig`
+    (its ``vocab_size`` comes from the tokenizer), ``[model.vit]`` / ``[model.audio]`` the encoders'
+    configs; ``vit``/``audio`` absent means the run has no such encoder."""
 
-    llm: LLMSection = field(default_factory=LLMSection)
+    llm: LLMConfig = field(default_factory=LLMConfig)
     vit: ViTConfig | None = None
     audio: AudioConfig | None = None
     seed: int = 0
 
     def llm_config(self, vocab_size: int) -> LLMConfig:
-        return LLMConfig(vocab_size=vocab_size, **dataclasses.asdict(self.llm))
+        """``[model.llm]`` with the tokenizer's vocabulary size.
+
+        Raises:
+            ConfigError: ``model.llm.vocab_size`` is set and differs from the tokenizer's.
+        """
+        if self.llm.vocab_size not in (None, vocab_size):
+            raise ConfigError(
+                f"model.llm.vocab_size: {self.llm.vocab_size} differs from the tokenizer's {vocab_size}; "
+                "leave it out (it comes from data.tokenizer)"
+            )
+        return dataclasses.replace(self.llm, vocab_size=vocab_size)
 
 
 @dataclass
@@ -123,7 +128,19 @@ class DataConfig:
 
 @dataclass
 class ParallelConfigSection:
-    """LLM parallel sizes (their product must equal the process count) and the encoder placement."""
+    """LLM parallel sizes (their product must equal the process count), the encoder placement and the
+    encoder layout.
+
+    Attributes:
+        encoder_forward_share: planned forward time of one encoder microbatch, in units of one LLM
+            stage's microbatch forward: the cost model the placement policy times the schedule with
+            (``omni_pipeline.CostModel``, LLM forward 1, backward 2). It sets how early
+            ``uniform_on_demand`` runs encoder forwards before stage 0 needs them; which rank runs an
+            encoder microbatch does not depend on it (slice ``j`` of each LLM microbatch runs on
+            pipeline rank ``j``). Must be > 0.
+        encoder_zero: ZeRO stage of the encoders (``omni_train.parallelize.apply_encoder_zero``); 0:
+            every rank holds them whole and their gradients are summed over every rank.
+    """
 
     pp: int = 2
     dp: int = 1
@@ -132,6 +149,8 @@ class ParallelConfigSection:
     ulysses: int = 1
     placement: Placement = Placement.UNIFORM_ON_DEMAND
     reorder: bool = True
+    encoder_forward_share: float = 0.3
+    encoder_zero: int = 0
 
     @property
     def world_size(self) -> int:
@@ -169,11 +188,21 @@ class DType(StrEnum):
 
 @dataclass
 class TrainSection:
-    """Steps, the seed of every private generator, and the training dtype."""
+    """Steps, the seed of every private generator, the training dtype and the model's execution options.
+
+    Attributes:
+        compile: ``torch.compile`` every LLM and encoder block, pack length dynamic
+            (``omni_train.parallelize.apply_compile``).
+        recompute: module families whose blocks recompute their activations in backward instead of
+            keeping them (``torch.utils.checkpoint``; ``omni_train.parallelize.apply_ac``): any of
+            ``"llm"``, ``"image"``, ``"audio"``.
+    """
 
     steps: int = 200
     seed: int = 1234
     dtype: DType = DType.FLOAT32
+    compile: bool = False
+    recompute: list[str] = field(default_factory=list)
 
 
 @dataclass
@@ -208,6 +237,12 @@ def _to_plain(obj: Any) -> Any:
 def bundled_data_dir() -> Path:
     """The directory holding the bundled tokenizer and shards (``omni_train/data``)."""
     return Path(str(resources.files("omni_train") / "data"))
+
+
+def tokenizer_path(data: DataConfig) -> Path:
+    """The tokenizer file ``data.tokenizer`` names (relative paths are inside the bundled data directory)."""
+    p = Path(data.tokenizer)
+    return p if p.is_absolute() else bundled_data_dir() / p
 
 
 def config_path(name_or_path: str) -> Path:
@@ -289,6 +324,18 @@ def load_config(name_or_path: str = "omni-tiny") -> RunConfig:
     return cfg
 
 
+def config_from_dict(raw: dict[str, Any]) -> RunConfig:
+    """A run config from its plain form (:meth:`RunConfig.to_dict`, e.g. a run directory's ``config.json``),
+    type-checked as :func:`load_config` checks TOML.
+
+    Raises:
+        ConfigError: unknown key or wrong type (message names the field).
+    """
+    if not isinstance(raw, dict) or not isinstance(raw.get("name"), str):
+        raise ConfigError("config: expected a table with a string 'name'")
+    return _build(RunConfig, raw, "")
+
+
 def expand_urls(pattern: str) -> list[str]:
     """Concrete shard URLs for a source pattern (glob, relative to the bundled data dir if relative).
 
@@ -356,6 +403,14 @@ def validate(cfg: RunConfig, nproc: int) -> None:
         raise ConfigError(
             f"model.llm.n_layers: {llm.n_layers} layers cannot fill parallel.pp = {par.pp} stages"
         )
+    if llm.tie_embeddings and par.pp > 1:
+        raise ConfigError(
+            f"model.llm.tie_embeddings: needs parallel.pp = 1 (got {par.pp}): the embedding and the LM head "
+            "would sit on different stages"
+        )
+    audio = cfg.model.audio
+    if audio is not None and audio.stem == "whisper" and audio.subsample != 2:
+        raise ConfigError(f"model.audio.subsample: the whisper stem subsamples by 2, got {audio.subsample}")
     for enc in ("vit", "audio"):
         ec = getattr(cfg.model, enc)
         if ec is not None and ec.dim % ec.n_heads:
@@ -408,5 +463,14 @@ def validate(cfg: RunConfig, nproc: int) -> None:
         raise ConfigError(f"data.tokenizer: {tok} does not exist")
     if cfg.train.steps < 1:
         raise ConfigError(f"train.steps: must be >= 1, got {cfg.train.steps}")
+    unknown = sorted(set(cfg.train.recompute) - set(RECOMPUTE))
+    if unknown:
+        raise ConfigError(f"train.recompute: {unknown[0]!r} is not one of {list(RECOMPUTE)}")
+    if not par.encoder_forward_share > 0:
+        raise ConfigError(f"parallel.encoder_forward_share: must be > 0, got {par.encoder_forward_share}")
+    if par.encoder_zero != 0:
+        raise ConfigError(
+            f"parallel.encoder_zero: {par.encoder_zero} is not supported yet (0: encoders whole on every rank)"
+        )
     if cfg.checkpoint.every < 0 or cfg.checkpoint.keep_last < 1:
         raise ConfigError("checkpoint.every: must be >= 0 and checkpoint.keep_last >= 1")

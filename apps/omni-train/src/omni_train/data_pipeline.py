@@ -5,8 +5,8 @@
 pipeline rank decodes only the payloads of the encoder microbatches the data flow places on it).
 
 Every rank of a pipeline (same DP rank) builds the same packs from metadata alone. The encoder work of
-LLM microbatch ``k`` is split into ``pp`` encoder microbatches ``e = (k-1)*pp + j + 1``. With reordering
-on, the split balances encoder FLOPs with Karmarkar-Karp (omni-data's ``split_encoder_microbatches``:
+LLM microbatch ``k`` is split into ``pp`` encoder microbatches (``omni_data.encoder_microbatch_ids``).
+With reordering on, the split balances encoder FLOPs with Karmarkar-Karp (omni-data's ``split_encoder_microbatches``:
 grouped reordering inside the pipeline group, which needs no payload movement because every rank of the
 group holds the same metadata); with reordering off, each LLM microbatch's media samples are cut in
 arrival order into ``pp`` contiguous runs of equal count (the unbalanced baseline; ``balance=False``).
@@ -32,6 +32,7 @@ from omni_data import (
     PayloadReader,
     WebDatasetSource,
     ZeroRedundancyFilter,
+    encoder_microbatch_ids,
 )
 from omni_data.zero_redundancy import FilteredStep, SampleIndex
 from omni_train.config import Packing, RunConfig, expand_urls
@@ -76,14 +77,15 @@ def encoder_load(
 ) -> dict[int, list[float]]:
     """Encoder forward FLOPs per pipeline rank for each LLM microbatch ``k`` (from 1) of one step.
 
-    ``mbs``: encoder microbatch -> samples (``e = (k-1)*slices + j + 1``); ``owner``: encoder microbatch
-    -> pipeline rank. Returns ``{k: [FLOPs on rank 0, rank 1, ...]}``.
+    ``mbs``: encoder microbatch -> samples, numbered by ``omni_data.encoder_microbatch_ids``; ``owner``:
+    encoder microbatch -> pipeline rank. Returns ``{k: [FLOPs on rank 0, rank 1, ...]}``.
     """
     slices = max(1, len(mbs) // max(1, len(packs)))
+    ids = encoder_microbatch_ids(-(-max(mbs, default=0) // slices), slices)
+    consumer = {e: k for k, es in ids.items() for e in es}
     out: dict[int, list[float]] = {}
     for e, items in sorted(mbs.items()):
-        k = (e - 1) // slices + 1
-        load = out.setdefault(k, [0.0] * num_ranks)
+        load = out.setdefault(consumer[e], [0.0] * num_ranks)
         load[owner[e]] += sum(packs[p].samples[i].encoder_flops for p, i in items)
     return out
 

@@ -1,5 +1,6 @@
 """Run outputs: ``metrics.jsonl`` (one JSON object per step), TensorBoard events, the rank-0 progress bar,
-and the end-of-run ``loss.png``.
+and at the end of the run ``loss.png``, the last step's timeline (PNG and Chrome trace) and
+``summary.json``.
 
 Only rank 0 writes. On ``--resume`` the JSONL file is cut back to the steps before the resumed step, so the
 file always holds exactly one line per step of one consistent history.
@@ -14,7 +15,9 @@ from typing import Any
 
 from tqdm import tqdm
 
-__all__ = ["MetricsLogger", "plot_loss", "read_metrics"]
+from omni_pipeline import TimelineEvent, plot_timeline, write_chrome_trace
+
+__all__ = ["MetricsLogger", "finish_run", "plot_loss", "read_metrics"]
 
 
 def read_metrics(path: str | Path) -> list[dict[str, Any]]:
@@ -96,3 +99,40 @@ def plot_loss(metrics: list[dict[str, Any]], path: str | Path) -> None:
     fig.tight_layout()
     fig.savefig(path)
     plt.close(fig)
+
+
+def finish_run(
+    out_dir: Path,
+    name: str,
+    timelines: dict[int, list[TimelineEvent]] | None,
+    title: str,
+    elapsed_s: float,
+    start_step: int,
+    *,
+    checkpoints: list[int],
+) -> dict[str, Any]:
+    """Rank 0 at the end of a run: plot the loss and the last step's timeline, write ``summary.json``
+    (first/last mean loss over a window of up to 20 steps, mean tokens/s, skipped payloads) and return it.
+    """
+    metrics = read_metrics(out_dir / "metrics.jsonl")
+    if metrics:
+        plot_loss(metrics, out_dir / "loss.png")
+    if timelines is not None:
+        plot_timeline(timelines, out_dir / "timeline.png", title=title)
+        write_chrome_trace(timelines, out_dir / "timeline.json")
+    losses = [m["loss"] for m in metrics]
+    n = min(20, len(losses) // 2) or 1
+    summary = {
+        "config": name,
+        "steps": len(losses),
+        "resumed_from": start_step,
+        "wall_s_this_process": elapsed_s,
+        "first_mean_loss": sum(losses[:n]) / n if losses else None,
+        "last_mean_loss": sum(losses[-n:]) / n if losses else None,
+        "window": n,
+        "mean_tokens_per_s": sum(m["tokens_per_s"] for m in metrics) / len(metrics) if metrics else None,
+        "skipped_payloads": sum(m.get("skipped_payloads", 0) for m in metrics),
+        "checkpoints": checkpoints,
+    }
+    (out_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+    return summary

@@ -1,8 +1,8 @@
 """AdamW with decoupled weight decay on matrices only, linear warmup then cosine decay, global-norm clipping.
 
 Loshchilov & Hutter, "Decoupled Weight Decay Regularization" (2019). Norm/bias/embedding-free vectors get
-no decay (the GPT-2 / LLaMA recipe). The gradient norm is global over every pipeline stage: each rank's
-squared norm of the parameters it owns is summed over the pipeline group; encoder parameters, replicated
+no decay (the GPT-2 / LLaMA recipe). The gradient norm is global over every pipeline stage (torch's
+``get_total_norm`` per rank, squared norms summed over the pipeline group); encoder parameters, replicated
 on every rank with equal (already reduced) gradients, are counted once.
 """
 
@@ -48,46 +48,49 @@ def clip_grad_norm_(
     owned: list[nn.Parameter],
     replicated: list[nn.Parameter],
     max_norm: float,
-    group: dist.ProcessGroup | None,
-    *,
-    tp_group: dist.ProcessGroup | None = None,
+    pp_group: dist.ProcessGroup | None,
 ) -> float:
     """Scale all gradients so the global L2 norm is at most ``max_norm``; return the norm before clipping.
 
+    torch's ``get_total_norm`` and ``clip_grads_with_norm_`` do the work (a DTensor gradient's norm is
+    reduced over its mesh, so TP shards add up and replicated weights count once). What torch cannot know
+    is the pipeline: each stage's squared norm is summed over ``pp_group`` (as torchtitan's
+    ``clip_grad_norm_`` does with a pp mesh).
+
     Args:
         owned: parameters only this pipeline rank holds (its LLM stage).
-        replicated: parameters every rank of ``group`` holds with identical gradients (encoders).
-        group: the pipeline group the owned norms are summed over (``None``: no reduction).
-        tp_group: the tensor-parallel group: owned DTensor gradients sharded over it add their local
-            squared norms over it; replicated ones (norm weights) are counted once.
+        replicated: parameters every rank of ``pp_group`` holds with identical, already reduced gradients
+            (the encoders): counted once, not summed over ``pp_group``.
+        max_norm: the bound; ``<= 0``: measure only.
+        pp_group: the pipeline group (``None``: pp=1).
     """
     first = next(iter((*owned, *replicated)), None)
-    sq = torch.zeros((), dtype=torch.float64, device=first.device if first is not None else None)
-    sharded = torch.zeros_like(sq)
-    for p in owned:
-        if p.grad is None:
-            continue
-        g = p.grad.detach()
-        if isinstance(g, DTensor):
-            part = g.to_local().to(torch.float64).pow(2).sum()
-            if any(pl.is_shard() for pl in g.placements):
-                sharded += part
-            else:
-                sq += part
-        else:
-            sq += g.to(torch.float64).pow(2).sum()
-    if tp_group is not None and dist.get_world_size(tp_group) > 1:
-        dist.all_reduce(sharded, group=tp_group)
-    sq += sharded
-    if group is not None and dist.get_world_size(group) > 1:
-        dist.all_reduce(sq, group=group)
-    for p in replicated:
-        if p.grad is not None:
-            sq += p.grad.detach().to(torch.float64).pow(2).sum()
-    norm = float(sq.sqrt())
-    if max_norm > 0 and norm > max_norm:
-        scale = max_norm / (norm + 1e-6)
-        for p in (*owned, *replicated):
-            if p.grad is not None:
-                p.grad.mul_(scale)
-    return norm
+    device = first.device if first is not None else None
+    sq = _squared_norm(owned, device)
+    if pp_group is not None and dist.get_world_size(pp_group) > 1:
+        dist.all_reduce(sq, group=pp_group)
+    total = (sq + _squared_norm(replicated, device)).sqrt()
+    if max_norm > 0:
+        for params in (*_by_kind(owned), *_by_kind(replicated)):
+            torch.nn.utils.clip_grads_with_norm_(params, max_norm, total)
+    return float(total)
+
+
+def _by_kind(params: list[nn.Parameter]) -> tuple[list[nn.Parameter], list[nn.Parameter]]:
+    """``(DTensor-gradient parameters, plain ones)``: torch's foreach kernels take one kind per call."""
+    with_grad = [p for p in params if p.grad is not None]
+    return [p for p in with_grad if isinstance(p.grad, DTensor)], [
+        p for p in with_grad if not isinstance(p.grad, DTensor)
+    ]
+
+
+def _squared_norm(params: list[nn.Parameter], device: torch.device | None) -> torch.Tensor:
+    """Squared L2 norm of the gradients of ``params``, a float64 scalar on ``device`` (a DTensor norm is
+    made whole over its mesh: TP shards add up, replicated weights count once)."""
+    sq = torch.zeros((), dtype=torch.float64, device=device)
+    for kind in _by_kind(params):
+        if kind:
+            norm = torch.nn.utils.get_total_norm([p.grad for p in kind], 2.0)
+            norm = norm.full_tensor() if isinstance(norm, DTensor) else norm
+            sq = sq + norm.to(device=device, dtype=torch.float64) ** 2
+    return sq

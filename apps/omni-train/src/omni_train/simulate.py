@@ -32,7 +32,7 @@ from pathlib import Path
 
 from tokenizers import Tokenizer
 
-from omni_data import Modality, Pack, split_encoder_microbatches
+from omni_data import Modality, Pack, encoder_microbatch_ids, split_encoder_microbatches
 from omni_data.zero_redundancy import SampleIndex
 from omni_pipeline.calibrate import fit_cost_model
 from omni_pipeline.cost import ActionTokens, CostModel
@@ -107,23 +107,30 @@ def action_tokens(
     """Token counts of one step's actions in the convention the trainer records them in (the one
     calibration fits and predicts with).
 
-    * LLM microbatch ``k`` (pack ``k - 1``), every stage's F and B: ``{"llm": (T, T**2)}``, ``T`` the
-      pack's tokens; ``T**2`` because omni-train's attention materialises the pack's ``T x T`` mask.
-    * Encoder microbatch ``e``: per tower that runs, ``(n, n**2)`` with ``n`` its packed encoder sequence
-      (``"image"``: ViT patches before the 2x2 merge, ``"audio"``: frames after subsampling), all samples
-      of that tower in one masked sequence.
+    * LLM microbatch ``k`` (pack ``k - 1``), every stage's F and B: ``{"llm": (T, sum L**2)}``, ``T``
+      the pack's tokens, ``L`` each packed document's (sample's) tokens: attention runs per document
+      (``omni_parallel.varlen.varlen_attention``).
+    * Encoder microbatch ``e``: per tower that runs, ``(sum n, sum n**2)`` over its samples, ``n`` a
+      sample's encoder sequence (``"image"``: ViT patches before the 2x2 merge, ``"audio"``: frames after
+      subsampling); attention runs per image / per clip.
 
     Returns:
         ``({k: ActionTokens}, {e: ActionTokens})``.
     """
-    llm = {k: ActionTokens.single("llm", p.num_tokens) for k, p in enumerate(packs, start=1)}
+    llm = {
+        k: ActionTokens.single("llm", p.num_tokens, sum(n * n for n in p.seqlens))
+        for k, p in enumerate(packs, start=1)
+    }
     enc = {}
     for e, items in mbs.items():
-        seq: dict[str, int] = {}
+        seq: dict[str, list[float]] = {}
         for p, i in items:
             s = packs[p].samples[i]
-            seq[str(s.modality)] = seq.get(str(s.modality), 0) + _encoder_seq(cfg, s.modality, s.media_tokens)
-        enc[e] = ActionTokens({m: (float(n), float(n * n)) for m, n in seq.items()})
+            n = _encoder_seq(cfg, s.modality, s.media_tokens)
+            acc = seq.setdefault(str(s.modality), [0.0, 0.0])
+            acc[0] += n
+            acc[1] += n * n
+        enc[e] = ActionTokens({m: (n, sq) for m, (n, sq) in seq.items()})
     return llm, enc
 
 
@@ -282,7 +289,7 @@ def simulate_config(
         cfg, _tokenizer(cfg), dp_rank=0, dp_size=1, dp_group=None, consumes=set(), read_text=False
     )
     schedule = Schedule1F1B(pp, microbatches)
-    encoder_inputs = {k: [(k - 1) * pp + j + 1 for j in range(pp)] for k in range(1, microbatches + 1)}
+    encoder_inputs = encoder_microbatch_ids(microbatches, pp)
     rate = peak_flops * efficiency
     run_flow = None
     if fitted is not None and (Path(calibration) / "dataflow.json").is_file():

@@ -15,7 +15,7 @@ from omni_parallel.context_parallel import (
 from omni_parallel.hybrid_cp import HybridCPPlan, HybridCPSlot, hybrid_cp_load, plan_hybrid_cp
 from omni_parallel.long_short import LongShortPlan, Piece, plan_long_short
 from omni_parallel.reshard import ReshardMode, ReshardPlan, reshard_to_llm
-from omni_parallel.state import EncoderLayout, EncoderState, ParallelState
+from omni_parallel.state import EncoderLayout, EncoderState, ParallelState, mesh_device_type
 from omni_parallel.topology import GROUP_NAMES, ParallelConfig, mesh_axes, rank_groups
 from omni_parallel.ulysses import padded_heads, ulysses_attention
 from omni_parallel.varlen import as_cu_seqlens, cu_seqlens_from_lengths, masked_attention, varlen_attention
@@ -45,6 +45,7 @@ __all__ = [
     "lpt",
     "masked_attention",
     "mesh_axes",
+    "mesh_device_type",
     "padded_heads",
     "partition_loads",
     "plan_hybrid_cp",
@@ -56,4 +57,4 @@ __all__ = [
     "unshard_from_cp",
     "varlen_attention",
 ]
-__version__ = "0.1.0"
+__version__ = "0.2.0"

@@ -24,13 +24,24 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from omni_parallel.topology import GROUP_NAMES, ParallelConfig, mesh_axes, rank_groups
 
-__all__ = ["EncoderLayout", "EncoderState", "ParallelState"]
+__all__ = ["EncoderLayout", "EncoderState", "ParallelState", "mesh_device_type"]
 
 _COMBINED = ("dp", "dp_cp")
 
 
-def _device_type() -> str:
-    return "cuda" if dist.get_backend() == "nccl" else "cpu"
+def mesh_device_type(group: dist.ProcessGroup | None = None) -> str:
+    """The device type a :class:`DeviceMesh` over ``group`` (default: the world) is built for.
+
+    Read from the group's backend config (``dist.get_backend_config``: ``"cpu:gloo,cuda:nccl"`` for a
+    mixed group, ``"cuda:nccl"`` for NCCL, ``"cpu:gloo,cuda:gloo"`` for gloo), not from
+    ``dist.get_backend``, which returns a mixed config whole (``"cpu:gloo,cuda:nccl"``, never equal to
+    ``"nccl"``). ``"cuda"`` when CUDA tensors have a backend of their own (one that does not also serve
+    the CPU in this config: NCCL, or any ``cuda:X`` next to a different ``cpu:Y``); ``"cpu"`` when one
+    backend serves every device (gloo, fake), which is how CPU jobs run.
+    """
+    backends = dict(entry.split(":", 1) for entry in dist.get_backend_config(group).split(","))
+    cuda = backends.get("cuda")
+    return "cuda" if cuda is not None and cuda != backends.get("cpu") else "cpu"
 
 
 @dataclass(frozen=True)
@@ -185,7 +196,7 @@ class ParallelState:
         axes = mesh_axes(resolved, order)
         names = tuple(name for name, _ in reversed(axes))  # the mesh's last dimension varies fastest
         mesh = init_device_mesh(
-            _device_type(), tuple(size for _, size in reversed(axes)), mesh_dim_names=names
+            mesh_device_type(), tuple(size for _, size in reversed(axes)), mesh_dim_names=names
         )
         table = rank_groups(world_size, resolved, order)
         # Elementary axes come from the root mesh by name. The combined ones are created by enumeration:

@@ -1,6 +1,12 @@
-"""Packed variable-length attention, the reference kernel: one ``scaled_dot_product_attention`` per
-document (slices of a packed sequence delimited by ``cu_seqlens``), so no token attends across a
-document boundary. It is the local kernel of Ulysses and CP here and their single-process oracle.
+"""Packed variable-length attention: the one entry point, :func:`varlen_attention`, for every model in the
+repo (LLM, ViT, audio encoder) and the local kernel of Ulysses and CP.
+
+A packed sequence holds several documents delimited by ``cu_seqlens``; no token attends across a document
+boundary. The reference kernel runs one ``scaled_dot_product_attention`` per document (``O(sum L_d^2)``
+work and memory, not ``O(T^2)``); it is also the single-process oracle of the distributed tests. It stays
+out of ``torch.compile`` graphs (``torch.compiler.disable``): its loop over documents would specialise a
+compiled block on every ``cu_seqlens``. A device kernel (e.g. ``torch.nn.attention.varlen.varlen_attn`` on
+CUDA) belongs behind the same entry point.
 
 Conventions: packed tensors are ``[tokens, heads, head_dim]``; ``cu_seqlens`` is ``[docs + 1]`` int64
 cumulative lengths starting at 0 (FlashAttention's varlen convention). GQA: query head ``h`` uses
@@ -132,6 +138,18 @@ def varlen_attention(
     Raises:
         ValueError: bad shapes, heads_q not a multiple of heads_kv, or bad ``cu_seqlens``.
     """
+    return _per_document(q, k, v, cu_seqlens, causal, scale)
+
+
+@torch.compiler.disable
+def _per_document(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens: torch.Tensor | Sequence[int],
+    causal: bool,
+    scale: float | None,
+) -> torch.Tensor:
     _check_heads(q, k, v)
     if k.shape[0] != q.shape[0]:
         raise ValueError(f"q has {q.shape[0]} tokens but k/v have {k.shape[0]}")

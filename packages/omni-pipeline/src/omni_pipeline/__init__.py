@@ -13,7 +13,6 @@ from omni_pipeline.executor import (
     StepFunctions,
     StepPlan,
     StepResult,
-    stage_slices,
 )
 from omni_pipeline.graph import Deadlock
 from omni_pipeline.p2p import P2PError
@@ -47,6 +46,7 @@ from omni_pipeline.schedules import (
     validate_comms,
 )
 from omni_pipeline.simulator import SimulationResult, simulate
+from omni_pipeline.split import stage_slices
 from omni_pipeline.stage_balance import balance_stages, explicit_stages, fit_layer_costs, stage_costs
 from omni_pipeline.trace import TimelineEvent, plot_timeline, write_chrome_trace
 
@@ -109,4 +109,4 @@ __all__ = [
     "validate_comms",
     "write_chrome_trace",
 ]
-__version__ = "0.1.0"
+__version__ = "0.2.0"

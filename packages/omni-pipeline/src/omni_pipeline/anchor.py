@@ -48,15 +48,14 @@ class EncoderParallelConfig:
 
 @dataclass(frozen=True)
 class EncoderDataConfig:
-    """Encoder data limits: ``patch_size`` (pixels per patch side) and ``max_seq_len`` (encoder tokens per
-    encoder microbatch, checked on every forward)."""
+    """Encoder data limits: ``max_seq_len`` (encoder tokens per encoder microbatch, checked on every
+    forward)."""
 
-    patch_size: int = 14
     max_seq_len: int = 16384
 
     def __post_init__(self) -> None:
-        if self.patch_size < 1 or self.max_seq_len < 1:
-            raise ValueError(f"EncoderDataConfig: patch_size and max_seq_len must be >= 1, got {self}")
+        if self.max_seq_len < 1:
+            raise ValueError(f"EncoderDataConfig: max_seq_len must be >= 1, got {self}")
 
 
 class EncoderAnchor:

@@ -1,35 +1,47 @@
 """Executor: one training step of a planned schedule + data flow on real ``torch.distributed`` P2P.
 
-Per pipeline rank it walks the LLM actions of :meth:`Schedule.actions` in order; at each boundary the
-:class:`EncoderAnchor` hands back the encoder actions the data flow places there (non-intrusive: the LLM
-stage modules are plain ``nn.Module``s, never edited). Shapes come from the plan (:class:`StepPlan`: one
+Per pipeline rank a small interpreter (``_StepRun``, one object per step holding the in-flight state)
+walks the LLM actions of :meth:`Schedule.actions` in order; at each boundary the :class:`EncoderAnchor`
+hands back the encoder actions the data flow places there (non-intrusive: the LLM stage modules are plain
+``nn.Module``s, never edited). Each action kind has one method: LLM forward, LLM backward, encoder
+forward, encoder backward, plus the posting of receives. Shapes come from the plan (:class:`StepPlan`: one
 activation shape per LLM microbatch, one output shape per encoder microbatch), so sequence lengths may
 differ per microbatch and nothing is inferred from data. Transfers (``isend`` / ``irecv``, header + payload,
-see ``p2p``):
+see ``p2p``; which group and tag each one uses is decided in one place, ``_Wires``):
 
 * LLM activations (F) and their gradients (B) between stages on the ``pp`` group;
-* encoder outputs to stage 0 and their gradients back on ``encoder_p2p`` (default: the ``pp`` group with a
-  disjoint tag range), so encoder traffic can never be matched with LLM activations. Stage 0 posts every
-  encoder-output receive when the step starts and each encoder rank posts its gradient receives then too;
-  LLM receives are posted one action ahead; sends are waited for at the end of the step.
+* encoder outputs to stage 0 and their gradients back on ``encoder_p2p``, a group of its own, so encoder
+  traffic can never be matched with LLM activations even on a backend that ignores tags (NCCL). Without
+  ``encoder_p2p`` they share ``pp`` on a disjoint tag range, which only a tag-honouring backend (gloo)
+  keeps apart. Stage 0 posts every encoder-output receive when the step starts and each encoder rank
+  posts its gradient receives then too; LLM receives are posted one action ahead; sends are waited for at
+  the end of the step. On each group, the messages between two ranks are sent and received in the same
+  order, which is all a tag-blind backend needs.
+
+Microbatch numbering (see :mod:`omni_pipeline.actions`): inside the interpreter every LLM microbatch is
+torch's 0-based index ``mb``; the public API (:class:`StepPlan`, :class:`StepFunctions`,
+:class:`StepResult`) numbers them as the :class:`DataFlow` does, ``k = mb + 1``, and the conversion happens
+only where the interpreter meets that API.
 
 Numerics: the step's objective is the sum of the per-microbatch losses ``loss_fn`` returns (scale inside
-``loss_fn``, e.g. by 1 / microbatches). After the step LLM gradients are averaged over ``llm_dp``; encoder
-gradients are summed over ``encoder_dp`` (every rank of every replica computes a slice of the encoder work)
-and divided by the number of DP replicas (``size(encoder_dp) / pp``), unless the encoders use ZeRO-3.
+``loss_fn``, e.g. by 1 / microbatches). Gradient reduction is the caller's: ``reduce_gradients`` runs once
+after the last backward. The default (:meth:`PipelineExecutor.reduce_over_groups`) averages LLM gradients
+over ``llm_dp`` and sums encoder gradients over ``encoder_dp`` (every rank of every replica computes a
+slice of the encoder work) divided by the number of DP replicas (``size(encoder_dp) / pp``), unless the
+encoders use ZeRO-3; a trainer with its own objective passes its own hook (FSDP2, ``replicate``, a sum).
 
 Missing gradients, the same in every layout: after a step every parameter of this rank's stage modules and
 encoders with ``requires_grad`` has a ``.grad`` tensor. One that received none this step (a layer no
-microbatch reached, an encoder whose modality this rank never ran) gets zeros of its shape before any
-reduction, with or without process groups (pp=1 included), so an optimizer such as AdamW treats it the
-same way (zero gradient: moments decay, weight decay applies) whatever the layout. Parameters with
-``requires_grad=False`` are left alone.
+microbatch reached, an encoder whose modality this rank never ran) gets zeros of its shape before
+``reduce_gradients`` runs, with or without process groups (pp=1 included), so an optimizer such as AdamW
+treats it the same way (zero gradient: moments decay, weight decay applies) whatever the layout.
+Parameters with ``requires_grad=False`` are left alone.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -37,14 +49,15 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from omni_pipeline.actions import Action, ActionKind, flow_index
+from omni_parallel.data_parallel import all_reduce_gradients
+from omni_pipeline.actions import Action, ActionKind, flow_index, torch_index
 from omni_pipeline.anchor import EncoderAnchor
 from omni_pipeline.dataflow import DataFlow
 from omni_pipeline.p2p import PendingRecv, PlannedP2P
 from omni_pipeline.schedules import Schedule
 from omni_pipeline.trace import TimelineEvent
 
-__all__ = ["PipelineExecutor", "PipelineGroups", "StepFunctions", "StepPlan", "StepResult", "stage_slices"]
+__all__ = ["PipelineExecutor", "PipelineGroups", "StepFunctions", "StepPlan", "StepResult"]
 
 F, B = ActionKind.FORWARD, ActionKind.BACKWARD
 EF, EB = ActionKind.ENCODER_FORWARD, ActionKind.ENCODER_BACKWARD
@@ -57,10 +70,12 @@ class PipelineGroups:
     Attributes:
         pp: pipeline group, group ranks in pipeline order (group rank r holds stages r, r+P, ...);
             ``None`` for pp=1.
-        encoder_dp: every rank holding an encoder replica (all pp x dp ranks); ``None``: no reduction.
-        llm_dp: this stage's data-parallel replicas; ``None``: no reduction.
-        encoder_p2p: group for encoder outputs / gradients, same ranks and order as ``pp``; ``None``:
-            use ``pp`` with a separate tag range.
+        encoder_dp: every rank holding an encoder replica (all pp x dp ranks), for the default gradient
+            reduction; ``None``: no encoder reduction.
+        llm_dp: this stage's data-parallel replicas, for the default gradient reduction; ``None``: none.
+        encoder_p2p: group for encoder outputs / gradients, same ranks and order as ``pp`` (give one
+            whenever the backend may ignore tags, e.g. NCCL); ``None``: share ``pp`` on a separate tag
+            range.
     """
 
     pp: dist.ProcessGroup | None = None
@@ -149,15 +164,257 @@ def _size(group: dist.ProcessGroup | None) -> int:
     return 1 if group is None else dist.get_world_size(group)
 
 
+class _Wires:
+    """The group and tag of every transfer of a step (the one place the scheme is written).
+
+    * ``activation(s, mb)``: stage ``s``'s forward output of ``mb`` to stage ``s + 1``, on ``pp``,
+      tag ``2 * (s * M + mb)``;
+    * ``input_grad(s, mb)``: stage ``s``'s input gradient of ``mb`` back to stage ``s - 1``, on ``pp``,
+      tag ``2 * (s * M + mb) + 1``;
+    * ``encoder_output(e)`` / ``encoder_grad(e)``: on ``encoder_p2p``, tags ``2e`` / ``2e + 1``; when the
+      encoders share ``pp``, shifted past the LLM's ``2 * stages * M`` tags.
+
+    Each returns ``(PlannedP2P, tag)``; :class:`PlannedP2P` turns a tag into a header and a payload tag.
+    """
+
+    def __init__(self, groups: PipelineGroups, rank: int, device: torch.device, schedule: Schedule) -> None:
+        self.llm = PlannedP2P(groups.pp, rank, device)
+        shared = groups.encoder_p2p is None
+        self.enc = self.llm if shared else PlannedP2P(groups.encoder_p2p, rank, device)
+        self._mbs = schedule.num_microbatches
+        self._enc_base = 2 * schedule.num_stages * schedule.num_microbatches if shared else 0
+
+    def activation(self, stage: int, mb: int) -> tuple[PlannedP2P, int]:
+        return self.llm, 2 * (stage * self._mbs + mb)
+
+    def input_grad(self, stage: int, mb: int) -> tuple[PlannedP2P, int]:
+        return self.llm, 2 * (stage * self._mbs + mb) + 1
+
+    def encoder_output(self, e: int) -> tuple[PlannedP2P, int]:
+        return self.enc, self._enc_base + 2 * e
+
+    def encoder_grad(self, e: int) -> tuple[PlannedP2P, int]:
+        return self.enc, self._enc_base + 2 * e + 1
+
+    def wait(self, pending: PendingRecv) -> torch.Tensor:
+        return self.llm.wait(pending)  # a posted receive carries its own works: any PlannedP2P waits on it
+
+    def wait_sends(self) -> None:
+        self.llm.wait_sends()
+        if self.enc is not self.llm:
+            self.enc.wait_sends()
+
+
+class _StepRun:
+    """One step on one pipeline rank: its in-flight state and one method per action kind.
+
+    Microbatches are torch's 0-based ``mb`` throughout; ``flow_index(mb)`` appears only at calls into the
+    user's :class:`StepFunctions` and in the results, which number them as the data flow does.
+    """
+
+    def __init__(
+        self, ex: PipelineExecutor, plan: StepPlan, encoder_inputs: Mapping[int, Any], fn: StepFunctions
+    ) -> None:
+        sched, flow = plan.schedule, plan.flow
+        self.ex, self.fn, self.sched, self.inputs = ex, fn, sched, encoder_inputs
+        self.rank, self.last, self.dtype = ex.pp_rank, sched.num_stages - 1, plan.dtype
+        self.wires = _Wires(ex.groups, ex.pp_rank, ex.device, sched)
+        self.actions = sched.actions(self.rank)
+        self.llm_shape = {torch_index(k): tuple(s) for k, s in plan.llm_shapes.items()}
+        self.enc_shape = {e: tuple(s) for e, s in plan.encoder_shapes.items()}
+        self.consumes = {torch_index(k): list(es) for k, es in flow.encoder_inputs.items()}
+        self.enc_rank = {e: flow.encoder_rank(e) for e in flow.encoder_consumer}
+        self.placed = [a.microbatch for a in ex.anchor.placed() if a.kind == EF]
+        self.llm_recv: dict[Action, PendingRecv] = {}  # an action's input (F) or output gradient (B)
+        self.enc_recv: dict[int, PendingRecv] = {}  # stage 0: encoder outputs; others: their gradients
+        self.enc_out: dict[int, torch.Tensor] = {}  # stage 0: encoder outputs as autograd leaves
+        self.enc_grad: dict[int, torch.Tensor] = {}  # stage 0: gradients of encoder mbs it ran itself
+        self.saved: dict[tuple[int, int], tuple[torch.Tensor | None, torch.Tensor]] = {}
+        self.local: dict[tuple[ActionKind, int, int], torch.Tensor] = {}  # same-rank hand-offs
+        self.losses: dict[int, float] = {}
+        self.metrics: dict[int, dict[str, float]] = {}
+        self.timeline: list[TimelineEvent] = []
+        self.t0 = time.perf_counter()
+
+    def run(self) -> None:
+        run_llm = {F: self.llm_forward, B: self.llm_backward}
+        self.post_step_receives()
+        for j, a in enumerate(self.actions):
+            self.run_encoders(a)
+            self.post_llm_receive(j)
+            self.post_llm_receive(j + 1)
+            run_llm[a.kind](a)
+        self.run_encoders(None)
+        self.wires.wait_sends()
+
+    def run_encoders(self, before: Action | None) -> None:
+        for a in self.ex.anchor.at(before):
+            (self.encoder_forward if a.kind == EF else self.encoder_backward)(a)
+
+    # -- receives --------------------------------------------------------------------------------------
+    def post_step_receives(self) -> None:
+        """Receives known when the step starts: on stage 0 every encoder output computed elsewhere; on
+        the other ranks the gradient of every encoder microbatch they run."""
+        if self.rank == 0:
+            for e in sorted(self.enc_rank):
+                if self.enc_rank[e] != 0:
+                    p2p, tag = self.wires.encoder_output(e)
+                    what = f"receive of EF{e} output"
+                    self.enc_recv[e] = p2p.post_recv(
+                        self.enc_rank[e], tag, what, self.enc_shape[e], self.dtype
+                    )
+        else:
+            for e in self.placed:
+                p2p, tag = self.wires.encoder_grad(e)
+                what = f"receive of EB{e} gradient"
+                self.enc_recv[e] = p2p.post_recv(0, tag, what, self.enc_shape[e], self.dtype)
+
+    def post_llm_receive(self, j: int) -> None:
+        """Post the receive action ``j`` needs from another rank (its input or its output gradient)."""
+        if j >= len(self.actions) or self.actions[j] in self.llm_recv:
+            return
+        a = self.actions[j]
+        s, mb = a.stage, a.microbatch
+        if a.kind == F and s > 0:
+            src, (p2p, tag), what = s - 1, self.wires.activation(s - 1, mb), f"{a} input"
+        elif a.kind == B and s < self.last:
+            src, (p2p, tag), what = s + 1, self.wires.input_grad(s + 1, mb), f"{a} output gradient"
+        else:
+            return
+        src_rank = self.sched.stage_to_rank(src)
+        if src_rank != self.rank:
+            self.llm_recv[a] = p2p.post_recv(src_rank, tag, what, self.llm_shape[mb], self.dtype)
+
+    def incoming(self, a: Action) -> torch.Tensor:
+        """The tensor action ``a`` consumes from its neighbour stage: received, or handed over locally."""
+        if a in self.llm_recv:
+            return self.wires.wait(self.llm_recv.pop(a))
+        return self.local.pop((a.kind, a.stage, a.microbatch))
+
+    def hand_on(
+        self, a: Action, t: torch.Tensor, to_stage: int, route: tuple[PlannedP2P, int], what: str
+    ) -> None:
+        """Pass ``t`` (an activation or an input gradient of ``a``'s microbatch) to stage ``to_stage``."""
+        mb, shape = a.microbatch, self.llm_shape[a.microbatch]
+        dst = self.sched.stage_to_rank(to_stage)
+        if dst != self.rank:
+            p2p, tag = route
+            p2p.send(t, dst, tag, what, shape)
+            return
+        if tuple(t.shape) != shape:
+            raise ValueError(
+                f"rank {self.rank}, {a}: produced shape {tuple(t.shape)} but the plan says {shape}"
+            )
+        self.local[(a.kind, to_stage, mb)] = t.detach()
+
+    # -- LLM actions -----------------------------------------------------------------------------------
+    def llm_forward(self, a: Action) -> None:
+        s, mb = a.stage, a.microbatch
+        module = self.ex.stages[s]
+        if s == 0:
+            outs = {e: self.encoder_output(e) for e in self.consumes.get(mb, ())}
+            start = time.perf_counter()
+            args, x_in = self.fn.first_stage_input(flow_index(mb), outs), None
+            args = args if isinstance(args, tuple) else (args,)
+        else:
+            x = self.incoming(a)
+            start = time.perf_counter()
+            x_in = x.detach().requires_grad_(True)
+            args = (x_in,)
+        y = module(*args, **self.stage_kwargs(s, mb))
+        if s == self.last:
+            self.saved[(s, mb)] = (x_in, self.loss(mb, y))
+        else:
+            self.saved[(s, mb)] = (x_in, y)
+            self.hand_on(a, y, s + 1, self.wires.activation(s, mb), f"{a} output to stage {s + 1}")
+        self.record(a, start)
+
+    def llm_backward(self, a: Action) -> None:
+        s, mb = a.stage, a.microbatch
+        x_in, y = self.saved.pop((s, mb))
+        if s == self.last:
+            start = time.perf_counter()
+            torch.autograd.backward(y)
+        else:
+            g = self.incoming(a)
+            start = time.perf_counter()
+            torch.autograd.backward(y, g)
+        if s > 0:
+            g_in = x_in.grad if x_in.grad is not None else torch.zeros_like(x_in)
+            self.hand_on(a, g_in, s - 1, self.wires.input_grad(s, mb), f"{a} input gradient to stage {s - 1}")
+        else:
+            for e in self.consumes.get(mb, ()):
+                self.return_encoder_grad(a, e)
+        self.record(a, start)
+
+    def stage_kwargs(self, stage: int, mb: int) -> Mapping[str, Any]:
+        return self.fn.stage_kwargs(stage, flow_index(mb)) if self.fn.stage_kwargs else {}
+
+    def loss(self, mb: int, y: torch.Tensor) -> torch.Tensor:
+        k = flow_index(mb)
+        got = self.fn.loss(k, y)
+        loss, extra = got if isinstance(got, tuple) else (got, {})
+        self.losses[k] = float(loss.detach())
+        self.metrics[k] = {
+            n: float(v.detach() if isinstance(v, torch.Tensor) else v) for n, v in extra.items()
+        }
+        return loss
+
+    # -- encoder actions -------------------------------------------------------------------------------
+    def encoder_forward(self, a: Action) -> None:
+        e = a.microbatch
+        start = time.perf_counter()
+        out = self.ex.anchor.forward(e, self.fn.encoder, self.inputs[e])
+        if self.rank == 0:
+            if tuple(out.shape) != self.enc_shape[e]:
+                raise ValueError(
+                    f"rank 0, {a}: produced shape {tuple(out.shape)} but the plan says {self.enc_shape[e]}"
+                )
+            self.enc_out[e] = out.detach().requires_grad_(out.requires_grad)
+        else:
+            p2p, tag = self.wires.encoder_output(e)
+            p2p.send(out, 0, tag, f"{a} output to stage 0", self.enc_shape[e])
+        self.record(a, start)
+
+    def encoder_backward(self, a: Action) -> None:
+        e = a.microbatch
+        grad = self.enc_grad.pop(e) if self.rank == 0 else self.wires.wait(self.enc_recv.pop(e))
+        start = time.perf_counter()
+        self.ex.anchor.backward(e, grad)
+        self.record(a, start)
+
+    def encoder_output(self, e: int) -> torch.Tensor:
+        """Stage 0: encoder microbatch ``e``'s output as an autograd leaf (received on first use)."""
+        if e not in self.enc_out:
+            self.enc_out[e] = self.wires.wait(self.enc_recv.pop(e)).requires_grad_(True)
+        return self.enc_out[e]
+
+    def return_encoder_grad(self, a: Action, e: int) -> None:
+        """Stage 0, after backward ``a``: send encoder microbatch ``e``'s output gradient to its rank."""
+        leaf = self.enc_out.pop(e)
+        g = leaf.grad if leaf.grad is not None else torch.zeros_like(leaf)
+        if self.enc_rank[e] == 0:
+            self.enc_grad[e] = g
+        else:
+            p2p, tag = self.wires.encoder_grad(e)
+            p2p.send(g, self.enc_rank[e], tag, f"EB{e} gradient from {a}", self.enc_shape[e])
+
+    def record(self, a: Action, start: float) -> None:
+        end = time.perf_counter() - self.t0
+        self.timeline.append(TimelineEvent(self.rank, str(a), a.kind.value, start - self.t0, end))
+
+
 class PipelineExecutor:
     """Runs planned steps on this pipeline rank.
 
     Args:
         stages: ``{stage index: module}`` for the stages this rank holds (``Schedule.rank_stages``).
         anchor: the encoders colocated on this rank (see :class:`EncoderAnchor`).
-        functions: the user's callables.
+        functions: the user's callables; ``None``: every :meth:`step` passes its own.
         groups: process groups.
         device: where receive buffers live (default: the first stage's parameters' device, else CPU).
+        reduce_gradients: called once per step after the last backward, when every trainable parameter
+            has a ``.grad``; default :meth:`reduce_over_groups`.
 
     Raises:
         ValueError: an empty ``stages`` mapping.
@@ -167,10 +424,11 @@ class PipelineExecutor:
         self,
         stages: Mapping[int, nn.Module],
         anchor: EncoderAnchor,
-        functions: StepFunctions,
+        functions: StepFunctions | None,
         groups: PipelineGroups | None = None,
         *,
         device: torch.device | str | None = None,
+        reduce_gradients: Callable[[], None] | None = None,
     ) -> None:
         if not stages:
             raise ValueError("PipelineExecutor: this rank holds no stage modules")
@@ -178,24 +436,13 @@ class PipelineExecutor:
         self.anchor = anchor
         self.fn = functions
         self.groups = groups or PipelineGroups()
+        self.reduce_gradients = reduce_gradients or self.reduce_over_groups
         self.pp_size = _size(self.groups.pp)
         self.pp_rank = 0 if self.groups.pp is None else dist.get_rank(self.groups.pp)
         if device is None:
             p = next((p for m in self.stages.values() for p in m.parameters()), None)
             device = p.device if p is not None else torch.device("cpu")
         self.device = torch.device(device)
-
-    # -- tags: every transfer of a step gets its own -------------------------------------------------------
-    def _llm_tag(self, plan: StepPlan, kind: ActionKind, stage: int, mb: int) -> int:
-        return 2 * (stage * plan.schedule.num_microbatches + mb) + (0 if kind == F else 1)
-
-    def _enc_tag(self, plan: StepPlan, e: int, grad: bool) -> int:
-        base = (
-            0
-            if self.groups.encoder_p2p is not None
-            else 2 * plan.schedule.num_stages * plan.schedule.num_microbatches
-        )
-        return base + 2 * e + int(grad)
 
     def parameters(self) -> list[nn.Parameter]:
         """LLM stage parameters on this rank, each once (a module shared by two stages counts once; the
@@ -207,9 +454,10 @@ class PipelineExecutor:
         plan: StepPlan,
         encoder_inputs: Mapping[int, Any],
         *,
+        functions: StepFunctions | None = None,
         gather_timelines: bool = False,
     ) -> StepResult:
-        """Run forward and backward of every microbatch of ``plan`` and reduce gradients.
+        """Run forward and backward of every microbatch of ``plan``, then ``reduce_gradients``.
 
         Gradients accumulate into ``.grad`` (zero them before the step, step the optimizer after). On
         return every parameter of this rank's stage modules and encoders that requires grad has a
@@ -219,15 +467,37 @@ class PipelineExecutor:
             plan: the step plan (identical on all pipeline ranks).
             encoder_inputs: ``{e: inputs}`` for the encoder microbatches the flow places on this rank
                 only (zero redundancy: other ranks never see the payload).
+            functions: this step's callables (e.g. closures over this step's batch); default: the
+                executor's own.
             gather_timelines: also collect every pipeline rank's timeline into ``StepResult.timelines``.
 
         Raises:
-            ValueError: the plan's schedule is for another pp size, this rank misses a stage module, or
-                ``encoder_inputs`` lacks an encoder microbatch the flow places here.
+            ValueError: the plan's schedule is for another pp size, this rank misses a stage module,
+                ``encoder_inputs`` lacks an encoder microbatch the flow places here, or no callables were
+                given (neither here nor to the executor).
             P2PError: a produced or received tensor's shape differs from the plan (names rank, action,
                 shapes).
         """
-        sched, flow = plan.schedule, plan.flow
+        fn = functions or self.fn
+        if fn is None:
+            raise ValueError(
+                f"rank {self.pp_rank}: no StepFunctions: pass functions= to step() or the executor"
+            )
+        self._prepare(plan, encoder_inputs)
+        run = _StepRun(self, plan, encoder_inputs, fn)
+        run.run()
+        self._fill_missing_gradients()
+        self.reduce_gradients()
+        losses, metrics = self._share_losses(plan.schedule, run.losses, run.metrics)
+        timelines = {self.pp_rank: run.timeline}
+        if gather_timelines and self.groups.pp is not None:
+            gathered: list[Any] = [None] * self.pp_size
+            dist.all_gather_object(gathered, run.timeline, group=self.groups.pp)
+            timelines = dict(enumerate(gathered))
+        return StepResult(losses=losses, metrics=metrics, timeline=run.timeline, timelines=timelines)
+
+    def _prepare(self, plan: StepPlan, encoder_inputs: Mapping[int, Any]) -> None:
+        sched = plan.schedule
         if sched.num_ranks != self.pp_size:
             raise ValueError(
                 f"rank {self.pp_rank}: schedule has {sched.num_ranks} ranks but the pp group has {self.pp_size}"
@@ -238,218 +508,13 @@ class PipelineExecutor:
                 f"rank {self.pp_rank}: schedule expects stages {mine}, executor holds {sorted(self.stages)}"
             )
         plan.check()
-        self.anchor.register(self.pp_rank, flow, sched)
+        self.anchor.register(self.pp_rank, plan.flow, sched)
         placed_here = [a.microbatch for a in self.anchor.placed() if a.kind == EF]
         lacking = [e for e in placed_here if e not in encoder_inputs]
         if lacking:
             raise ValueError(
                 f"rank {self.pp_rank}: the data flow runs encoder microbatches {lacking} here but encoder_inputs lacks them"
             )
-
-        llm = PlannedP2P(self.groups.pp, self.pp_rank, self.device)
-        enc_group = self.groups.encoder_p2p if self.groups.encoder_p2p is not None else self.groups.pp
-        enc = PlannedP2P(enc_group, self.pp_rank, self.device)
-        consumer = flow.encoder_consumer  # e -> torch mb index
-        consumes: dict[int, list[int]] = {k - 1: list(es) for k, es in flow.encoder_inputs.items()}
-        enc_rank = {e: flow.encoder_rank(e) for e in consumer}
-        last = sched.num_stages - 1
-        t0 = time.perf_counter()
-        timeline: list[TimelineEvent] = []
-
-        # Receives known at step start: encoder outputs on stage 0, encoder gradients on encoder ranks.
-        enc_out_recv: dict[int, PendingRecv] = {}
-        enc_grad_recv: dict[int, PendingRecv] = {}
-        if self.pp_rank == 0:
-            for e in sorted(consumer, key=lambda e: e):
-                if enc_rank[e] != 0:
-                    enc_out_recv[e] = enc.post_recv(
-                        enc_rank[e],
-                        self._enc_tag(plan, e, False),
-                        f"receive of EF{e} output",
-                        tuple(plan.encoder_shapes[e]),
-                        plan.dtype,
-                    )
-        if self.pp_rank != 0:
-            for e in placed_here:
-                enc_grad_recv[e] = enc.post_recv(
-                    0,
-                    self._enc_tag(plan, e, True),
-                    f"receive of EB{e} gradient",
-                    tuple(plan.encoder_shapes[e]),
-                    plan.dtype,
-                )
-
-        enc_leaf: dict[int, torch.Tensor] = {}  # stage 0: encoder outputs as autograd leaves
-        local_grad: dict[int, torch.Tensor] = {}  # stage 0 rank: gradients of encoder mbs it ran itself
-        saved: dict[tuple[int, int], tuple[torch.Tensor | None, torch.Tensor]] = {}
-        local_act: dict[tuple[int, int], torch.Tensor] = {}  # pp=1 hand-offs between stages
-        local_gradin: dict[tuple[int, int], torch.Tensor] = {}
-        losses: dict[int, float] = {}
-        metrics: dict[int, dict[str, float]] = {}
-        actions = sched.actions(self.pp_rank)
-        recvs: dict[int, PendingRecv] = {}
-
-        def post(j: int) -> None:
-            if j >= len(actions) or j in recvs:
-                return
-            a = actions[j]
-            if a.kind == F and a.stage > 0:
-                src = sched.stage_to_rank(a.stage - 1)
-                if src != self.pp_rank:
-                    recvs[j] = llm.post_recv(
-                        src,
-                        self._llm_tag(plan, F, a.stage - 1, a.microbatch),
-                        f"{a} input",
-                        tuple(plan.llm_shapes[flow_index(a.microbatch)]),
-                        plan.dtype,
-                    )
-            elif a.kind == B and a.stage < last:
-                src = sched.stage_to_rank(a.stage + 1)
-                if src != self.pp_rank:
-                    recvs[j] = llm.post_recv(
-                        src,
-                        self._llm_tag(plan, B, a.stage + 1, a.microbatch),
-                        f"{a} output gradient",
-                        tuple(plan.llm_shapes[flow_index(a.microbatch)]),
-                        plan.dtype,
-                    )
-
-        def record(a: Action, start: float) -> None:
-            timeline.append(
-                TimelineEvent(self.pp_rank, str(a), a.kind.value, start - t0, time.perf_counter() - t0)
-            )
-
-        def run_encoder(a: Action) -> None:
-            e = a.microbatch
-            if a.kind == EF:
-                start = time.perf_counter()
-                out = self.anchor.forward(e, self.fn.encoder, encoder_inputs[e])
-                if self.pp_rank == 0:
-                    if tuple(out.shape) != tuple(plan.encoder_shapes[e]):
-                        raise ValueError(
-                            f"rank 0, {a}: produced shape {tuple(out.shape)} but the plan says {tuple(plan.encoder_shapes[e])}"
-                        )
-                    enc_leaf[e] = out.detach().requires_grad_(out.requires_grad)
-                else:
-                    enc.send(
-                        out,
-                        0,
-                        self._enc_tag(plan, e, False),
-                        f"{a} output to stage 0",
-                        tuple(plan.encoder_shapes[e]),
-                    )
-                record(a, start)
-            else:
-                grad = local_grad.pop(e) if self.pp_rank == 0 else enc.wait(enc_grad_recv.pop(e))
-                start = time.perf_counter()
-                self.anchor.backward(e, grad)
-                record(a, start)
-
-        def kwargs(stage: int, mb: int) -> Mapping[str, Any]:
-            return self.fn.stage_kwargs(stage, flow_index(mb)) if self.fn.stage_kwargs else {}
-
-        for j, a in enumerate(actions):
-            for ea in self.anchor.at(a):
-                run_encoder(ea)
-            post(j)
-            post(j + 1)
-            s, mb, k = a.stage, a.microbatch, flow_index(a.microbatch)
-            module = self.stages[s]
-            if a.kind == F:
-                if s == 0:
-                    outs = {}
-                    for e in consumes.get(mb, ()):
-                        if e not in enc_leaf:
-                            enc_leaf[e] = enc.wait(enc_out_recv.pop(e)).requires_grad_(True)
-                        outs[e] = enc_leaf[e]
-                    start = time.perf_counter()
-                    args = self.fn.first_stage_input(k, outs)
-                    x_in = None
-                    y = (
-                        module(*args, **kwargs(s, mb))
-                        if isinstance(args, tuple)
-                        else module(args, **kwargs(s, mb))
-                    )
-                else:
-                    x = local_act.pop((s, mb)) if j not in recvs else llm.wait(recvs.pop(j))
-                    start = time.perf_counter()
-                    x_in = x.detach().requires_grad_(True)
-                    y = module(x_in, **kwargs(s, mb))
-                if s == last:
-                    got = self.fn.loss(k, y)
-                    loss, extra = got if isinstance(got, tuple) else (got, {})
-                    losses[k] = float(loss.detach())
-                    metrics[k] = {
-                        n: float(v.detach() if isinstance(v, torch.Tensor) else v) for n, v in extra.items()
-                    }
-                    saved[(s, mb)] = (x_in, loss)
-                else:
-                    saved[(s, mb)] = (x_in, y)
-                    dst = sched.stage_to_rank(s + 1)
-                    if dst == self.pp_rank:
-                        if tuple(y.shape) != tuple(plan.llm_shapes[k]):
-                            raise ValueError(
-                                f"rank {self.pp_rank}, {a}: produced shape {tuple(y.shape)} but the plan says {tuple(plan.llm_shapes[k])}"
-                            )
-                        local_act[(s + 1, mb)] = y.detach()
-                    else:
-                        llm.send(
-                            y,
-                            dst,
-                            self._llm_tag(plan, F, s, mb),
-                            f"{a} output to stage {s + 1}",
-                            tuple(plan.llm_shapes[k]),
-                        )
-                record(a, start)
-            else:
-                x_in, y = saved.pop((s, mb))
-                if s == last:
-                    start = time.perf_counter()
-                    torch.autograd.backward(y)
-                else:
-                    g = local_gradin.pop((s, mb)) if j not in recvs else llm.wait(recvs.pop(j))
-                    start = time.perf_counter()
-                    torch.autograd.backward(y, g)
-                if s > 0:
-                    g_in = x_in.grad if x_in.grad is not None else torch.zeros_like(x_in)
-                    dst = sched.stage_to_rank(s - 1)
-                    if dst == self.pp_rank:
-                        local_gradin[(s - 1, mb)] = g_in
-                    else:
-                        llm.send(
-                            g_in,
-                            dst,
-                            self._llm_tag(plan, B, s, mb),
-                            f"{a} input gradient to stage {s - 1}",
-                            tuple(plan.llm_shapes[k]),
-                        )
-                else:
-                    for e in consumes.get(mb, ()):
-                        leaf = enc_leaf.pop(e)
-                        g_e = leaf.grad if leaf.grad is not None else torch.zeros_like(leaf)
-                        if enc_rank[e] == 0:
-                            local_grad[e] = g_e
-                        else:
-                            enc.send(
-                                g_e,
-                                enc_rank[e],
-                                self._enc_tag(plan, e, True),
-                                f"EB{e} gradient from {a}",
-                                tuple(plan.encoder_shapes[e]),
-                            )
-                record(a, start)
-        for ea in self.anchor.at(None):
-            run_encoder(ea)
-        llm.wait_sends()
-        enc.wait_sends()
-        self._reduce_gradients()
-        losses, metrics = self._share_losses(sched, losses, metrics)
-        timelines = {self.pp_rank: timeline}
-        if gather_timelines and self.groups.pp is not None:
-            gathered: list[Any] = [None] * self.pp_size
-            dist.all_gather_object(gathered, timeline, group=self.groups.pp)
-            timelines = dict(enumerate(gathered))
-        return StepResult(losses=losses, metrics=metrics, timeline=timeline, timelines=timelines)
 
     def _fill_missing_gradients(self) -> None:
         """Zeros for every trainable parameter without ``.grad`` (stage modules and encoders), so the
@@ -459,24 +524,15 @@ class PipelineExecutor:
             if p.requires_grad and p.grad is None:
                 p.grad = torch.zeros_like(p)
 
-    def _reduce_gradients(self) -> None:
-        """LLM: average over ``llm_dp``. Encoders: sum over ``encoder_dp``, divide by the DP replicas."""
-        self._fill_missing_gradients()
-        llm_dp = _size(self.groups.llm_dp)
-        if llm_dp > 1:
-            for p in self.parameters():
-                if p.grad is None:  # requires_grad=False: nothing to average
-                    continue
-                dist.all_reduce(p.grad, op=dist.ReduceOp.SUM, group=self.groups.llm_dp)
-                p.grad.div_(llm_dp)
-        if self.groups.encoder_dp is not None and self.anchor.parallel.zero_stage < 3:
+    def reduce_over_groups(self) -> None:
+        """The default gradient reduction: LLM gradients averaged over ``groups.llm_dp``; encoder gradients
+        summed over ``groups.encoder_dp`` and divided by the DP replicas (``size / pp``), left alone under
+        ZeRO-3 (FSDP2 reduces its own). One flattened all-reduce per bucket
+        (:func:`omni_parallel.data_parallel.all_reduce_gradients`)."""
+        all_reduce_gradients(self.parameters(), self.groups.llm_dp, divide_by=_size(self.groups.llm_dp))
+        if self.anchor.parallel.zero_stage < 3:
             replicas = max(1, _size(self.groups.encoder_dp) // self.pp_size)
-            for p in {id(p): p for p in self.anchor.parameters()}.values():
-                if p.grad is None:  # requires_grad=False
-                    continue
-                dist.all_reduce(p.grad, op=dist.ReduceOp.SUM, group=self.groups.encoder_dp)
-                if replicas > 1:
-                    p.grad.div_(replicas)
+            all_reduce_gradients(self.anchor.parameters(), self.groups.encoder_dp, divide_by=replicas)
 
     def _share_losses(self, sched: Schedule, losses, metrics):
         if self.groups.pp is None or self.pp_size == 1:
@@ -485,22 +541,3 @@ class PipelineExecutor:
         box: list[Any] = [(losses, metrics)]
         dist.broadcast_object_list(box, src=src, group=self.groups.pp)
         return box[0]
-
-
-def stage_slices(num_layers: int, num_stages: int) -> Sequence[range]:
-    """Layer ranges per stage, as even as possible (first stages get the remainder).
-
-    Raises:
-        ValueError: ``num_stages < 1``, or fewer layers than stages (a stage would hold no layer).
-    """
-    if num_stages < 1 or num_layers < num_stages:
-        raise ValueError(
-            f"stage_slices: {num_layers} layers cannot fill {num_stages} stages (need 1 <= stages <= layers)"
-        )
-    base, extra = divmod(num_layers, num_stages)
-    out, start = [], 0
-    for s in range(num_stages):
-        n = base + (1 if s < extra else 0)
-        out.append(range(start, start + n))
-        start += n
-    return out

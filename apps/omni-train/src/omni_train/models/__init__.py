@@ -1,7 +1,7 @@
 """Tiny but real models: a dynamic-resolution ViT, a log-mel speech encoder, projectors, a LLaMA-style LLM."""
 
 from omni_train.models.audio import AudioConfig, AudioEncoder, log_mel, num_mel_frames, num_output_frames
-from omni_train.models.llm import LLMConfig, LLMStage, split_layers
+from omni_train.models.llm import LLMConfig, LLMStage
 from omni_train.models.multimodal import AudioTower, ImageTower
 from omni_train.models.projector import Projector
 from omni_train.models.vit import VisionTransformer, ViTConfig, patchify, smart_resize
@@ -21,5 +21,4 @@ __all__ = [
     "num_output_frames",
     "patchify",
     "smart_resize",
-    "split_layers",
 ]

@@ -1,14 +1,40 @@
-"""The bidirectional transformer block both encoders use (pre-LayerNorm, GELU MLP, RoPE, per-sample attention)."""
+"""The bidirectional transformer block both encoders use (pre-LayerNorm, GELU-family MLP, optional RoPE,
+per-sample attention)."""
 
 from __future__ import annotations
+
+from enum import StrEnum
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from omni_train.models.attention import apply_rope, varlen_attention
+from omni_parallel.varlen import varlen_attention
+from omni_train.models.attention import apply_rope
 
-__all__ = ["EncoderBlock", "init_linear_"]
+__all__ = ["Activation", "EncoderBlock", "activation", "init_linear_"]
+
+
+class Activation(StrEnum):
+    """MLP activation of an encoder block.
+
+    ``gelu``: exact (erf) GELU (Hendrycks & Gimpel, 2016), Whisper's; ``quick_gelu``: ``x * sigmoid(1.702 x)``
+    (CLIP's, the Qwen2-VL vision tower's); ``gelu_tanh``: the tanh approximation (SigLIP's).
+    """
+
+    GELU = "gelu"
+    QUICK_GELU = "quick_gelu"
+    GELU_TANH = "gelu_tanh"
+
+
+def activation(x: torch.Tensor, kind: Activation | str) -> torch.Tensor:
+    """Apply activation ``kind`` elementwise. Raises ``ValueError`` for an unknown name."""
+    kind = Activation(kind)
+    if kind is Activation.GELU:
+        return F.gelu(x)
+    if kind is Activation.QUICK_GELU:
+        return x * torch.sigmoid(1.702 * x)
+    return F.gelu(x, approximate="tanh")
 
 
 def init_linear_(module: nn.Module, gen: torch.Generator, std: float = 0.02) -> None:
@@ -24,32 +50,54 @@ def init_linear_(module: nn.Module, gen: torch.Generator, std: float = 0.02) -> 
 class EncoderBlock(nn.Module):
     """``x + attn(ln(x))``, ``x + mlp(ln(x))``; attention is bidirectional inside each packed sample.
 
+    Args:
+        dim: features; ``n_heads`` must divide it.
+        n_heads: attention heads.
+        mlp_ratio: MLP hidden width ``mlp_ratio * dim``.
+        norm_eps: LayerNorm epsilon (1e-5: torch's and Whisper's; 1e-6: Qwen2-VL's vision tower).
+        act: MLP activation.
+
     Forward:
         x: ``[T, dim]`` packed tokens of several samples.
-        rope: ``(cos, sin)`` each ``[T, head_dim // 2]``.
+        rope: ``(cos, sin)`` each ``[T, head_dim // 2]``, or None for no rotary positions (an encoder with
+            absolute positions added to its input, as Whisper's).
         cu_seqlens: int64 ``[num_samples + 1]`` sample boundaries (tokens).
 
     Returns:
         ``[T, dim]``.
+
+    Raises:
+        ValueError: ``dim`` not divisible by ``n_heads``.
     """
 
-    def __init__(self, dim: int, n_heads: int, mlp_ratio: int = 4) -> None:
+    def __init__(
+        self,
+        dim: int,
+        n_heads: int,
+        mlp_ratio: int = 4,
+        *,
+        norm_eps: float = 1e-5,
+        act: Activation | str = Activation.GELU,
+    ) -> None:
         super().__init__()
         if dim % n_heads:
             raise ValueError(f"encoder dim {dim} not divisible by n_heads {n_heads}")
         self.n_heads, self.head_dim = n_heads, dim // n_heads
-        self.ln1 = nn.LayerNorm(dim)
+        self.act = Activation(act)
+        self.ln1 = nn.LayerNorm(dim, eps=norm_eps)
         self.qkv = nn.Linear(dim, 3 * dim)
         self.proj = nn.Linear(dim, dim)
-        self.ln2 = nn.LayerNorm(dim)
+        self.ln2 = nn.LayerNorm(dim, eps=norm_eps)
         self.fc1 = nn.Linear(dim, mlp_ratio * dim)
         self.fc2 = nn.Linear(mlp_ratio * dim, dim)
 
     def forward(
-        self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], cu_seqlens: torch.Tensor
+        self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None, cu_seqlens: torch.Tensor
     ) -> torch.Tensor:
         t = x.shape[0]
         q, k, v = self.qkv(self.ln1(x)).view(t, 3, self.n_heads, self.head_dim).unbind(1)
-        a = varlen_attention(apply_rope(q, *rope), apply_rope(k, *rope), v, cu_seqlens, causal=False)
+        if rope is not None:
+            q, k = apply_rope(q, *rope), apply_rope(k, *rope)
+        a = varlen_attention(q, k, v, cu_seqlens, causal=False)
         x = x + self.proj(a.reshape(t, -1))
-        return x + self.fc2(F.gelu(self.fc1(self.ln2(x))))
+        return x + self.fc2(activation(self.fc1(self.ln2(x)), self.act))

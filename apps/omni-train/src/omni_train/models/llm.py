@@ -5,9 +5,15 @@ grouped-query attention. Sequences are packs of documents: ``position_ids`` rest
 and attention stays inside each document (``cu_seqlens``), so a pack computes exactly what its documents
 would compute one by one.
 
+Hugging Face layouts (:mod:`omni_train.hf.llm`): with the defaults this is ``LlamaForCausalLM``
+(``rope_theta``, ``norm_eps`` = ``rms_norm_eps``); ``qkv_bias=True`` gives ``Qwen2ForCausalLM``; both use
+the same "rotate half" RoPE layout as :func:`~omni_train.models.attention.apply_rope`, so their Q/K
+weights load unpermuted. ``tie_embeddings`` shares the LM head with the token embedding (one stage only).
+
 Pipeline split (DESIGN.md, *stage*): stage 0 holds the token embedding and the first layers, the last stage
-the last layers, the final norm and the LM head; every layer is initialised from a generator seeded by
-``(seed, layer index)``, so any split of the same config holds the same weights as the unsplit model.
+the last layers, the final norm and the LM head (layers per stage: ``omni_pipeline.split.stage_slices``);
+every layer is initialised from a generator seeded by ``(seed, layer index)``, so any split of the same
+config holds the same weights as the unsplit model.
 """
 
 from __future__ import annotations
@@ -20,16 +26,25 @@ import torch.nn.functional as F
 from torch import nn
 
 from omni_parallel.ulysses import ulysses_attention
-from omni_train.models.attention import apply_rope, rope_angles, varlen_attention
+from omni_parallel.varlen import varlen_attention
+from omni_pipeline.split import stage_slices
+from omni_train.models.attention import apply_rope, rope_angles
 
-__all__ = ["LLMConfig", "LLMStage", "RMSNorm", "split_layers"]
+__all__ = ["LLMConfig", "LLMStage", "RMSNorm"]
 
 
 @dataclass(frozen=True)
 class LLMConfig:
-    """LLM shape. ``dim`` and ``ffn_dim`` in features; ``n_heads % n_kv_heads == 0`` (GQA)."""
+    """LLM shape. ``dim`` and ``ffn_dim`` in features; ``n_heads % n_kv_heads == 0`` (GQA).
 
-    vocab_size: int
+    ``qkv_bias``: biases on the Q/K/V projections (Qwen2); ``tie_embeddings``: the LM head is the token
+    embedding matrix (needs the first and last stage on one rank).
+
+    ``vocab_size`` is ``None`` until the tokenizer is known: a run config's ``[model.llm]`` leaves it out
+    and ``ModelConfig.llm_config`` sets it from ``data.tokenizer``.
+    """
+
+    vocab_size: int | None = None
     dim: int = 128
     n_layers: int = 4
     n_heads: int = 4
@@ -37,6 +52,8 @@ class LLMConfig:
     ffn_dim: int = 384
     rope_theta: float = 10000.0
     norm_eps: float = 1e-5
+    qkv_bias: bool = False
+    tie_embeddings: bool = False
 
     @property
     def head_dim(self) -> int:
@@ -67,9 +84,9 @@ class Attention(nn.Module):
         super().__init__()
         self.sp_group = sp_group
         self.n_heads, self.n_kv_heads, self.head_dim = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
-        self.wq = nn.Linear(cfg.dim, cfg.n_heads * cfg.head_dim, bias=False)
-        self.wk = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, bias=False)
-        self.wv = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, bias=False)
+        self.wq = nn.Linear(cfg.dim, cfg.n_heads * cfg.head_dim, bias=cfg.qkv_bias)
+        self.wk = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, bias=cfg.qkv_bias)
+        self.wv = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, bias=cfg.qkv_bias)
         self.wo = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.dim, bias=False)
 
     def forward(
@@ -118,31 +135,13 @@ class Block(nn.Module):
         return x + self.mlp(self.mlp_norm(x))
 
 
-def split_layers(n_layers: int, pp: int) -> list[tuple[int, int]]:
-    """Contiguous ``[lo, hi)`` layer ranges per pipeline stage; earlier stages take the remainder last.
-
-    The first stage also runs the embedding and the encoder scatter and the last the LM head, so extra
-    layers go to the middle-to-late stages first (stage 0 gets ``n // pp`` layers).
-
-    Raises:
-        ValueError: ``n_layers < pp`` (a stage would be empty).
-    """
-    if pp < 1 or n_layers < pp:
-        raise ValueError(f"n_layers ({n_layers}) must be >= pp ({pp}) >= 1: every stage needs a layer")
-    base, extra = divmod(n_layers, pp)
-    sizes = [base + (1 if s >= pp - extra else 0) for s in range(pp)]
-    bounds, lo = [], 0
-    for n in sizes:
-        bounds.append((lo, lo + n))
-        lo += n
-    return bounds
-
-
 def _init_(module: nn.Module, gen: torch.Generator, std: float) -> None:
     for name, p in module.named_parameters():
-        if name.endswith("weight") and p.dim() == 2:
-            with torch.no_grad():
+        with torch.no_grad():
+            if name.endswith("weight") and p.dim() == 2:
                 p.copy_(torch.randn(p.shape, generator=gen, dtype=torch.float64).mul_(std).to(p.dtype))
+            elif name.endswith("bias"):
+                p.zero_()  # not nn.Linear's draw from the global generator: splits must stay identical
 
 
 class LLMStage(nn.Module):
@@ -162,6 +161,10 @@ class LLMStage(nn.Module):
     Ulysses (``sp_group`` of size ``sp``): ``T`` is this rank's chunk (``T_packed / sp`` tokens),
     ``position_ids`` its global positions, ``cu_seqlens`` the whole packed sequence's, and media
     positions local to the chunk.
+
+    Raises:
+        ValueError: ``tie_embeddings`` with more than one stage (the embedding and the LM head would live
+            on different ranks).
     """
 
     def __init__(
@@ -174,10 +177,17 @@ class LLMStage(nn.Module):
         sp_group: dist.ProcessGroup | None = None,
     ) -> None:
         super().__init__()
+        if cfg.tie_embeddings and num_stages > 1:
+            raise ValueError(
+                f"tie_embeddings needs the embedding and the LM head on one stage, got {num_stages} stages"
+            )
         self.cfg = cfg
         self.is_first = stage == 0
         self.is_last = stage == num_stages - 1
-        self.lo, self.hi = split_layers(cfg.n_layers, num_stages)[stage]
+        if cfg.vocab_size is None:
+            raise ValueError("LLMStage: LLMConfig.vocab_size is not set (take it from the tokenizer)")
+        layers = stage_slices(cfg.n_layers, num_stages)[stage]
+        self.lo, self.hi = layers.start, layers.stop
         std = 0.02
         if self.is_first:
             self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.dim)
@@ -195,6 +205,8 @@ class LLMStage(nn.Module):
             self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
             self.output = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
             _init_(self.output, torch.Generator().manual_seed(seed * 1000 + 998), std)
+            if cfg.tie_embeddings:
+                self.output.weight = self.tok_embeddings.weight
 
     def forward(
         self,

@@ -18,7 +18,9 @@ class ImageTower(nn.Module):
     def __init__(self, cfg: ViTConfig, llm_dim: int, *, seed: int = 0) -> None:
         super().__init__()
         self.encoder = VisionTransformer(cfg, seed=seed)
-        self.projector = Projector(cfg.out_dim, llm_dim, seed=seed + 1)
+        self.projector = Projector(
+            cfg.out_dim, llm_dim, seed=seed + 1, norm=cfg.projector_norm, hidden=cfg.projector_hidden
+        )
 
     def forward(self, patches: torch.Tensor, grids: torch.Tensor) -> torch.Tensor:
         return self.projector(self.encoder(patches, grids))

@@ -5,6 +5,12 @@ resized so both sides are multiples of ``patch * merge`` pixels, cut into ``patc
 (ordered window by window, so the ``merge x merge`` patches that merge into one LLM token are contiguous),
 and all images of a microbatch are packed into one sequence with ``cu_seqlens``; attention stays inside
 each image. Positions are 2-D RoPE (half the rotary pairs rotate with the row, half with the column).
+
+With ``patch_bias=False, norm_eps=1e-6, act="quick_gelu"`` (and the image tower's projector as
+``projector_norm=False, projector_hidden=merge**2 * dim``) this is exactly Qwen2-VL's vision tower
+(``Qwen2VisionTransformerPretrainedModel``, patch merger included) on still images: the same patch order,
+the same rotary layout (``rotate_half`` over ``[rows | cols]`` angles of ``head_dim // 4`` frequencies
+each), the same blocks; :mod:`omni_train.hf.vision` converts its checkpoints.
 """
 
 from __future__ import annotations
@@ -16,14 +22,19 @@ import torch
 from torch import nn
 
 from omni_train.models.attention import rope_angles
-from omni_train.models.encoder_block import EncoderBlock, init_linear_
+from omni_train.models.encoder_block import Activation, EncoderBlock, init_linear_
 
 __all__ = ["ViTConfig", "VisionTransformer", "patchify", "smart_resize"]
 
 
 @dataclass(frozen=True)
 class ViTConfig:
-    """ViT shape. ``min_pixels``/``max_pixels`` bound the resized image area (pixels)."""
+    """ViT shape. ``min_pixels``/``max_pixels`` bound the resized image area (pixels).
+
+    ``mlp_ratio``, ``norm_eps`` (LayerNorm epsilon), ``act`` (MLP activation) and ``patch_bias`` (a bias in
+    the patch embedding) shape the blocks; ``projector_norm``/``projector_hidden`` the image tower's
+    projector (:class:`~omni_train.models.projector.Projector`; hidden default: the LLM width).
+    """
 
     dim: int = 64
     n_layers: int = 2
@@ -33,6 +44,12 @@ class ViTConfig:
     min_pixels: int = 56 * 56
     max_pixels: int = 112 * 112
     rope_theta: float = 10000.0
+    mlp_ratio: int = 4
+    norm_eps: float = 1e-5
+    act: Activation = Activation.GELU
+    patch_bias: bool = True
+    projector_norm: bool = True
+    projector_hidden: int | None = None
 
     @property
     def out_dim(self) -> int:
@@ -115,9 +132,12 @@ class VisionTransformer(nn.Module):
     def __init__(self, cfg: ViTConfig, *, seed: int = 0) -> None:
         super().__init__()
         self.cfg = cfg
-        self.patch_embed = nn.Linear(3 * cfg.patch * cfg.patch, cfg.dim)
-        self.blocks = nn.ModuleList(EncoderBlock(cfg.dim, cfg.n_heads) for _ in range(cfg.n_layers))
-        self.norm = nn.LayerNorm(cfg.dim)
+        self.patch_embed = nn.Linear(3 * cfg.patch * cfg.patch, cfg.dim, bias=cfg.patch_bias)
+        self.blocks = nn.ModuleList(
+            EncoderBlock(cfg.dim, cfg.n_heads, cfg.mlp_ratio, norm_eps=cfg.norm_eps, act=cfg.act)
+            for _ in range(cfg.n_layers)
+        )
+        self.norm = nn.LayerNorm(cfg.dim, eps=cfg.norm_eps)
         init_linear_(self, torch.Generator().manual_seed(seed))
 
     def forward(self, patches: torch.Tensor, grids: torch.Tensor) -> torch.Tensor:

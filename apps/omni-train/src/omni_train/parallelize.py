@@ -1,0 +1,125 @@
+"""How the trainer parallelises its model, in torchtitan's style: small ``apply_*`` steps, each driven by
+the config, called by the trainer in this order:
+
+1. :func:`apply_tp` (``parallel.tp``): Megatron-style tensor parallelism of every LLM block;
+2. :func:`apply_ac` (``train.recompute``): activation checkpointing per block;
+3. :func:`apply_compile` (``train.compile``): ``torch.compile`` per block;
+4. :func:`apply_dp` and :func:`apply_encoder_zero`: the gradient synchronisation of the LLM and of the
+   encoders, returned as hooks the pipeline executor calls once per step after the last backward.
+
+:func:`pipeline_groups` gives the executor its process groups.
+
+Objective and gradient reduction, defined here once. The step's loss is the mean cross-entropy over every
+target token of the step on every DP replica: each rank's loss is its own cross-entropy sum divided by the
+step's global target count (:mod:`omni_train.loss`), so the objective is the plain *sum* of what the ranks
+compute and every reduction is a plain sum of the parts the ranks hold (no averaging, no compensating
+scale):
+
+* LLM gradients are summed over the stage's data group: its DP replicas times its Ulysses ranks (each SP
+  rank saw one chunk of every pack), i.e. ``ParallelState`` group ``dp_cp``;
+* encoder gradients are summed over every rank (each runs a slice of the encoder work: encoder data
+  parallelism spans the pipeline ranks); the TP ranks of a stage run the same encoder work on the same
+  data, so the sum is divided by ``tp`` to count that work once.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed._composable import checkpoint
+
+from omni_parallel import ParallelState, rank_groups
+from omni_parallel.data_parallel import all_reduce_gradients
+from omni_parallel.tensor_parallel import apply_tensor_parallel, llama_tp_plan
+from omni_pipeline import PipelineGroups
+from omni_train.config import RECOMPUTE
+from omni_train.encoders import Encoders
+from omni_train.models import LLMStage
+
+__all__ = ["apply_ac", "apply_compile", "apply_dp", "apply_encoder_zero", "apply_tp", "pipeline_groups"]
+
+
+def apply_tp(stage: LLMStage, ps: ParallelState) -> None:
+    """Shard every block of ``stage`` over the TP group (column-parallel Q/K/V and gate/up, row-parallel
+    wo and w2: ``omni_parallel.tensor_parallel``). Block inputs and outputs stay replicated over TP, so the
+    pipeline sends plain tensors, stage s TP rank t to stage s+1 TP rank t. No-op for ``tp = 1``."""
+    if ps.size("tp") == 1:
+        return
+    tp_mesh = ps.device_mesh("tp")
+    plan = llama_tp_plan(attention="attn", mlp="mlp")
+    for block in stage.layers.values():
+        apply_tensor_parallel(block, tp_mesh, plan)
+
+
+def _blocks(stage: LLMStage, encoders: Encoders, families: Iterable[str]) -> list[nn.Module]:
+    """The transformer blocks of the named families: ``llm`` (this stage's), ``image``, ``audio`` (each
+    tower's encoder keeps its blocks in ``.blocks``)."""
+    out: list[nn.Module] = []
+    for family in families:
+        if family == "llm":
+            out.extend(stage.layers.values())
+        elif family in encoders.towers:
+            out.extend(encoders.towers[family].encoder.blocks)
+    return out
+
+
+def apply_ac(stage: LLMStage, encoders: Encoders, recompute: Iterable[str]) -> None:
+    """Activation checkpointing per block of each family in ``recompute`` (``train.recompute``): a block
+    keeps only its input for backward and recomputes the rest (non-reentrant ``torch.utils.checkpoint``
+    through the composable ``checkpoint``, which leaves parameter names unchanged, so checkpoints and the
+    optimizer state load either way). Recomputation is exact: gradients equal those without it."""
+    for block in _blocks(stage, encoders, recompute):
+        checkpoint(block)
+
+
+def apply_compile(stage: LLMStage, encoders: Encoders, enabled: bool, *, backend: str = "inductor") -> None:
+    """``torch.compile`` every LLM and encoder block's forward (``train.compile``; off by default).
+
+    Pack lengths change every step, so the token dimension is dynamic from the first call
+    (``dynamic=True``): one compilation per block, none per pack length. Varlen attention runs outside the
+    graph (``omni_parallel.varlen``). Parameter names do not change (the module is not wrapped).
+    """
+    if not enabled:
+        return
+    for block in _blocks(stage, encoders, RECOMPUTE):
+        block.forward = torch.compile(block.forward, backend=backend, dynamic=True)
+
+
+def apply_dp(stage: LLMStage, ps: ParallelState) -> Callable[[], None]:
+    """The LLM's gradient sync: sum over this stage's data group (DP x Ulysses, group ``dp_cp``) with one
+    all-reduce per bucket of flattened gradients (TP shards reduce their local part). Returns the hook."""
+    group = ps.group("dp_cp") if ps.size("dp_cp") > 1 else None
+    params = [p for p in stage.parameters() if p.requires_grad]
+    return lambda: all_reduce_gradients(params, group)
+
+
+def apply_encoder_zero(encoders: Encoders, ps: ParallelState, zero_stage: int = 0) -> Callable[[], None]:
+    """The encoders' layout and gradient sync (``parallel.encoder_zero``). Returns the hook.
+
+    ZeRO stage 0: every rank holds the encoders whole; their gradients are summed over every rank and
+    divided by ``tp`` (see the module docstring). Sharded stages (FSDP2 ``fully_shard`` of the towers,
+    whose reduce-scatter replaces this all-reduce) belong here.
+
+    Raises:
+        ValueError: ``zero_stage`` other than 0.
+    """
+    if zero_stage != 0:
+        raise ValueError(f"apply_encoder_zero: ZeRO stage {zero_stage} is not supported (0 only)")
+    group = dist.group.WORLD if ps.world_size > 1 else None
+    params = [p for p in encoders.parameters() if p.requires_grad]
+    tp = ps.size("tp")
+    return lambda: all_reduce_gradients(params, group, divide_by=tp)
+
+
+def pipeline_groups(ps: ParallelState) -> PipelineGroups:
+    """The executor's groups (collective: every rank calls it): the LLM's ``pp`` group and, for encoder
+    outputs and their gradients, a second group over the same ranks in the same order, so encoder and
+    LLM transfers between two ranks never share a communicator (NCCL ignores P2P tags). Gradient
+    reduction is not the executor's (:func:`apply_dp`, :func:`apply_encoder_zero`)."""
+    if ps.size("pp") == 1:
+        return PipelineGroups()
+    encoder_p2p, _ = dist.new_subgroups_by_enumeration(rank_groups(ps.world_size, ps.config, ps.order)["pp"])
+    return PipelineGroups(pp=ps.group("pp"), encoder_p2p=encoder_p2p)

@@ -1,0 +1,211 @@
+"""One step's inputs as a value, and the executor's callables over it.
+
+:meth:`StepBuilder.build` turns the loader's :class:`~omni_data.zero_redundancy.FilteredStep` into a
+:class:`StepInputs` before the step runs (the packs as LLM microbatches, the media positions each encoder
+microbatch fills, the samples whose payload did not decode, the step's target count, the executor's
+:class:`~omni_pipeline.StepPlan`); :meth:`StepBuilder.functions` returns the
+:class:`~omni_pipeline.StepFunctions` of that step, closures over that value. Nothing of a step is kept
+on the trainer.
+
+Ulysses (``sp > 1``): each SP rank holds a contiguous ``1/sp`` chunk of every pack (padded to a multiple
+of ``sp`` with a padding document that has no targets), its global RoPE positions and the whole pack's
+``cu_seqlens``; every SP rank of stage 0 runs the encoders on the same data and scatters exactly the media
+embeddings that fall into its chunk.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from omni_data import Modality, Pack
+from omni_data.payload import Payload
+from omni_data.zero_redundancy import FilteredStep
+from omni_pipeline import DataFlow, Schedule, StepFunctions, StepPlan
+from omni_train.batch import (
+    MODALITIES,
+    LLMMicrobatch,
+    build_llm_microbatch,
+    step_targets,
+    ulysses_chunk,
+    ulysses_layout,
+)
+from omni_train.data_pipeline import undecodable_samples
+from omni_train.loss import microbatch_loss
+
+__all__ = ["StepBuilder", "StepInputs"]
+
+
+@dataclass(frozen=True)
+class StepInputs:
+    """Everything one step reads, built before it runs.
+
+    Attributes:
+        step: the step index (from 0).
+        packs: the step's packs (metadata), pack ``k - 1`` is LLM microbatch ``k``.
+        microbatches: ``{k: LLMMicrobatch}`` (this SP rank's chunk); on the first and last stage only.
+        masked: ``(pack, sample)`` whose payload did not decode on any rank of the pipeline: in their packs
+            with no targets, counted as ``skipped_payloads``.
+        targets: target tokens of the whole step on every DP replica (the loss denominator, >= 1).
+        media_positions: ``{e: int64 [tokens_e]}`` packed positions the output of encoder microbatch ``e``
+            fills, in output order.
+        payloads: ``{e: [Payload]}`` for the encoder microbatches the data flow runs on this rank.
+        plan: what the executor runs.
+    """
+
+    step: int
+    packs: list[Pack]
+    microbatches: dict[int, LLMMicrobatch]
+    masked: frozenset[tuple[int, int]]
+    targets: int
+    media_positions: dict[int, torch.Tensor]
+    payloads: Mapping[int, list[Payload]]
+    plan: StepPlan
+
+
+class StepBuilder:
+    """Builds a rank's :class:`StepInputs` and the executor's callables for them.
+
+    Args:
+        schedule, flow: the LLM schedule and the data flow (fixed for the run).
+        encoders: the encoder towers' module (``payloads -> [tokens, llm_dim]``).
+        placeholders: token id of ``<|image|>`` / ``<|audio|>``.
+        llm_dim: the LLM width (the stage-boundary activation's last dim).
+        dtype: activation dtype; device: where model inputs go.
+        builds_text: this rank builds LLM inputs or labels (first or last pipeline stage).
+        sp, sp_rank: Ulysses size and this rank's index in the Ulysses group.
+        pp_group: the pipeline group (shares which samples failed to decode); ``None`` for pp=1.
+        dp_group: the DP group (sums the step's target count); ``None`` for dp=1.
+    """
+
+    def __init__(
+        self,
+        *,
+        schedule: Schedule,
+        flow: DataFlow,
+        encoders: torch.nn.Module,
+        placeholders: Mapping[Modality, int],
+        llm_dim: int,
+        dtype: torch.dtype,
+        device: torch.device,
+        builds_text: bool,
+        sp: int = 1,
+        sp_rank: int = 0,
+        pp_group: dist.ProcessGroup | None = None,
+        dp_group: dist.ProcessGroup | None = None,
+    ) -> None:
+        self.schedule, self.flow, self.encoders = schedule, flow, encoders
+        self.placeholders = dict(placeholders)
+        self.llm_dim, self.dtype, self.device = llm_dim, dtype, device
+        self.builds_text, self.sp, self.sp_rank = builds_text, sp, sp_rank
+        self.pp_group, self.dp_group = pp_group, dp_group
+
+    def build(self, fs: FilteredStep) -> StepInputs:
+        """The step's inputs (collective over the pipeline and DP groups: every rank calls it)."""
+        packs = fs.packs
+        masked = self._undecodable(fs)
+        mbs: dict[int, LLMMicrobatch] = {}
+        if self.builds_text:
+            for k, (pack, row) in enumerate(zip(packs, fs.text_ids), start=1):
+                ids = {s.uid: t for s, t in zip(pack.samples, row) if t is not None}
+                mb = build_llm_microbatch(pack, ids, self.placeholders, {i for p, i in masked if p == k - 1})
+                mbs[k] = ulysses_chunk(mb, self.sp, self.sp_rank) if self.sp > 1 else mb
+        positions = {e: _media_positions(packs, items) for e, items in fs.microbatches.items()}
+        targets = torch.tensor([step_targets(packs, masked)], dtype=torch.int64)
+        if self.dp_group is not None:
+            dist.all_reduce(targets, group=self.dp_group)
+        plan = StepPlan(
+            self.schedule,
+            self.flow,
+            llm_shapes={k: (-(-p.num_tokens // self.sp), self.llm_dim) for k, p in enumerate(packs, start=1)},
+            encoder_shapes={e: (int(pos.numel()), self.llm_dim) for e, pos in positions.items()},
+            dtype=self.dtype,
+        )
+        return StepInputs(fs.step, packs, mbs, masked, max(1, int(targets)), positions, fs.payloads, plan)
+
+    def functions(self, inputs: StepInputs) -> StepFunctions:
+        """The executor's callables for ``inputs`` (closures over it)."""
+
+        def first_stage_input(k: int, outs: Mapping[int, torch.Tensor]) -> tuple:
+            mb = inputs.microbatches[k]
+            es = [e for e in self.flow.encoder_inputs[k] if e in outs]
+            media = torch.cat([outs[e] for e in es]) if es else None
+            pos = torch.cat([inputs.media_positions[e] for e in es]).to(self.device) if es else None
+            if self.sp > 1 and pos is not None:
+                # Every SP rank computed all of this pack's media embeddings: keep those in its chunk.
+                lo = self.sp_rank * mb.num_tokens
+                mine = (pos >= lo) & (pos < lo + mb.num_tokens)
+                media, pos = media[mine], pos[mine] - lo
+            dev = self.device
+            return mb.input_ids.to(dev), mb.position_ids.to(dev), mb.cu_seqlens.to(dev), media, pos
+
+        def stage_kwargs(stage: int, k: int) -> dict[str, Any]:
+            if stage == 0:
+                return {}
+            pack = inputs.packs[k - 1]
+            cu = torch.zeros(len(pack.samples) + 1, dtype=torch.int64)
+            cu[1:] = torch.cumsum(torch.tensor(pack.seqlens, dtype=torch.int64), 0)
+            pos = pack.position_ids
+            if self.sp > 1:
+                pos, cu, _, _ = ulysses_layout(pos, cu, self.sp, self.sp_rank)
+            return {"position_ids": pos.to(self.device), "cu_seqlens": cu.to(self.device)}
+
+        def loss(k: int, logits: torch.Tensor):
+            value, stats = microbatch_loss(logits, _to(inputs.microbatches[k], self.device), inputs.targets)
+            metrics = {}
+            for i, mod in enumerate(MODALITIES):
+                metrics[f"ce_{mod}"] = float(stats[i, 0])
+                metrics[f"n_{mod}"] = float(stats[i, 1])
+            return value, metrics
+
+        def encode(e: int, payloads: list[Payload]) -> torch.Tensor:
+            return self.encoders(payloads).to(self.dtype)
+
+        return StepFunctions(first_stage_input, loss, encode, stage_kwargs)
+
+    def _undecodable(self, fs: FilteredStep) -> frozenset[tuple[int, int]]:
+        """``(pack, sample)`` whose payload failed to decode on any rank of this pipeline: only the rank
+        that ran the sample's encoder microbatch knows, the last stage needs it (labels), every stage
+        needs the count (the step's targets)."""
+        offsets = [0]
+        for p in fs.packs:
+            offsets.append(offsets[-1] + len(p.samples))
+        flags = torch.zeros(offsets[-1], dtype=torch.int32)
+        for p, i in undecodable_samples(fs):
+            flags[offsets[p] + i] = 1
+        if self.pp_group is not None:
+            dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.pp_group)
+        return frozenset(
+            (p, i)
+            for p in range(len(fs.packs))
+            for i in range(len(fs.packs[p].samples))
+            if flags[offsets[p] + i]
+        )
+
+
+def _media_positions(packs: list[Pack], items: list[tuple[int, int]]) -> torch.Tensor:
+    pos = [
+        torch.arange(sp.start, sp.start + sp.length)
+        for p, i in items
+        for sp in packs[p].spans
+        if sp.sample == i
+    ]
+    return torch.cat(pos) if pos else torch.zeros(0, dtype=torch.int64)
+
+
+def _to(mb: LLMMicrobatch, device: torch.device) -> LLMMicrobatch:
+    if device.type == "cpu":
+        return mb
+    return LLMMicrobatch(
+        mb.input_ids.to(device),
+        mb.position_ids.to(device),
+        mb.cu_seqlens.to(device),
+        mb.labels.to(device),
+        mb.label_modality.to(device),
+        mb.spans,
+        mb.samples,
+    )

@@ -1,0 +1,140 @@
+"""What one training step measured: one all-reduce of per-rank numbers over the world, then the row rank 0
+logs to ``metrics.jsonl`` (the fields are listed in the app README, "Outputs").
+
+Model FLOPs count 2 per multiply-add, training = 3x forward, attention per packed document
+(:mod:`omni_train.flops`); MFU divides by the measured peak of every process.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from omni_data import Modality, split_encoder_microbatches
+from omni_parallel import ParallelState
+from omni_pipeline import StepResult
+from omni_train.batch import MODALITIES
+from omni_train.config import RunConfig
+from omni_train.data_pipeline import encoder_imbalance, encoder_load
+from omni_train.flops import attention_flops, model_flops
+from omni_train.models import LLMConfig
+from omni_train.step_inputs import StepInputs
+
+__all__ = ["StepMetrics"]
+
+
+class StepMetrics:
+    """Per-step metrics of one rank's run.
+
+    Args:
+        cfg: the run config.
+        ps: the parallel state (ranks and sizes).
+        llm: the LLM config (vocabulary set).
+        llm_matmul: matmul parameters of the whole LLM (all stages, before TP).
+        encoder_matmul: ``{modality: matmul parameters}`` of each encoder tower.
+        owner: ``{e: pipeline rank}`` running each encoder microbatch.
+        peak_flops: measured peak FLOP/s of one process.
+    """
+
+    def __init__(
+        self,
+        cfg: RunConfig,
+        ps: ParallelState,
+        *,
+        llm: LLMConfig,
+        llm_matmul: float,
+        encoder_matmul: dict[str, int],
+        owner: dict[int, int],
+        peak_flops: float,
+    ) -> None:
+        self.cfg, self.llm, self.owner, self.peak_flops = cfg, llm, owner, peak_flops
+        self.llm_matmul, self.encoder_matmul = llm_matmul, encoder_matmul
+        self.rank, self.world = ps.rank, ps.world_size
+        self.pp, self.pp_rank = ps.size("pp"), ps.local_rank("pp")
+        self.dp, self.tp_rank, self.sp_rank = ps.size("dp"), ps.local_rank("tp"), ps.local_rank("ulysses")
+
+    def reduce(self, inputs: StepInputs, result: StepResult, wall: float) -> dict[str, Any]:
+        """One all-reduce over the world (collective): per-rank wall/busy seconds, and (from pipeline rank
+        0 of each DP replica, which holds the broadcast losses) loss and per-modality sums, tokens,
+        samples, skipped payloads."""
+        n, packs = self.world, inputs.packs
+        vec = torch.zeros(2 * n + 1 + 2 * len(MODALITIES) + 3, dtype=torch.float64)
+        vec[self.rank] = wall
+        vec[n + self.rank] = sum(ev.end_s - ev.start_s for ev in result.timeline)
+        # TP ranks hold the same losses: count one. SP ranks hold the sums over their chunks: add them.
+        if self.pp_rank == 0 and self.tp_rank == 0:
+            vec[2 * n] = result.loss
+            for i, mod in enumerate(MODALITIES):
+                vec[2 * n + 1 + i] = sum(m[f"ce_{mod}"] for m in result.metrics.values())
+                vec[2 * n + 1 + len(MODALITIES) + i] = sum(m[f"n_{mod}"] for m in result.metrics.values())
+        if self.pp_rank == 0 and self.tp_rank == 0 and self.sp_rank == 0:
+            vec[-3] = sum(p.num_tokens for p in packs)
+            vec[-2] = sum(len(p.samples) for p in packs)
+            vec[-1] = len(inputs.masked)
+        dist.all_reduce(vec)
+        v = vec.tolist()
+        return {
+            "wall": v[:n],
+            "busy": v[n : 2 * n],
+            "loss": v[2 * n],
+            "ce": v[2 * n + 1 : 2 * n + 1 + len(MODALITIES)],
+            "count": v[2 * n + 1 + len(MODALITIES) : 2 * n + 1 + 2 * len(MODALITIES)],
+            "tokens": v[-3],
+            "samples": v[-2],
+            "skipped_payloads": int(v[-1]),
+        }
+
+    def row(self, inputs: StepInputs, row: dict[str, Any], lr: float, grad_norm: float) -> dict[str, Any]:
+        """The logged metrics of a step from :meth:`reduce`'s result."""
+        packs, m, pp = inputs.packs, self.cfg.data.microbatches, self.pp
+        step_s = max(row["wall"])
+        before = encoder_imbalance(
+            encoder_load(packs, split_encoder_microbatches(packs, m, pp, balance=False), self.owner, pp)
+        )
+        after = encoder_imbalance(
+            encoder_load(packs, split_encoder_microbatches(packs, m, pp), self.owner, pp)
+        )
+        flops = self.step_flops(inputs)
+        return {
+            "loss": row["loss"],
+            "loss_per_modality": {
+                str(mod): row["ce"][i] / row["count"][i]
+                for i, mod in enumerate(MODALITIES)
+                if row["count"][i] > 0
+            },
+            "targets_per_modality": {str(mod): int(row["count"][i]) for i, mod in enumerate(MODALITIES)},
+            "tokens": row["tokens"],
+            "tokens_per_s": row["tokens"] / step_s,
+            "samples_per_s": row["samples"] / step_s,
+            "skipped_payloads": row["skipped_payloads"],
+            "packing_fill": sum(p.num_tokens for p in packs) / (len(packs) * self.cfg.data.max_seq_len),
+            "encoder_imbalance_before_reorder": before,
+            "encoder_imbalance_after_reorder": after,
+            "mfu": flops / step_s / (self.peak_flops * self.world),
+            "step_time_s": step_s,
+            "idle_s_per_rank": [w - b for w, b in zip(row["wall"], row["busy"])],
+            "lr": lr,
+            "grad_norm": grad_norm,
+        }
+
+    def step_flops(self, inputs: StepInputs) -> float:
+        """Model FLOPs of the step on every DP replica (all stages, encoders included), training (3x
+        forward), estimated from this replica's packs."""
+        llm, model = self.llm, self.cfg.model
+        total = 0.0
+        for p in inputs.packs:
+            total += model_flops(0, 0, attention_flops(p.seqlens, llm.dim, llm.n_layers, causal=True))
+            for s in p.samples:
+                if s.modality is Modality.TEXT or s.modality.value not in self.encoder_matmul:
+                    continue
+                ec = model.vit if s.modality is Modality.IMAGE else model.audio
+                seq = s.media_tokens * (ec.merge**2 if s.modality is Modality.IMAGE else 1)
+                total += model_flops(
+                    self.encoder_matmul[s.modality.value],
+                    seq,
+                    attention_flops([seq], ec.dim, ec.n_layers, causal=False),
+                )
+        total += model_flops(self.llm_matmul, sum(p.num_tokens for p in inputs.packs), 0.0)
+        return total * self.dp  # every DP replica runs as much work as this one (estimated from it)

@@ -1,0 +1,64 @@
+"""Multi-node launch: ``torchrun --nnodes 2 --nproc-per-node 1`` twice on loopback (two "nodes", c10d
+rendezvous on 127.0.0.1 at a free port) trains 3 steps with the losses of the single-node 2-process run
+(``omni-train run``, torch's elastic launcher), bit for bit."""
+
+import json
+import os
+import subprocess
+import sys
+import uuid
+from pathlib import Path
+
+import pytest
+from train_fixtures import make_dataset, write_config
+
+from omni_train.launch import free_port
+
+pytestmark = pytest.mark.slow
+
+
+def _losses(out: Path) -> list[float]:
+    return [json.loads(line)["loss"] for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+def _torchrun() -> list[str]:
+    exe = Path(sys.executable).with_name("torchrun")
+    return [str(exe)] if exe.is_file() else [sys.executable, "-m", "torch.distributed.run"]
+
+
+def test_two_node_torchrun_on_loopback_matches_single_node(tmp_path):
+    data = make_dataset(tmp_path / "data", n_image=8, n_audio=4, n_text=16)
+    cfg = write_config(tmp_path / "c.toml", data, steps=3, every=0)
+    cli = ["-m", "omni_train.cli", "run", "--config", str(cfg)]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+
+    single = subprocess.run(
+        [sys.executable, *cli, "--out", str(tmp_path / "single")],
+        capture_output=True, text=True, timeout=300, env=env,
+    )  # fmt: skip
+    assert single.returncode == 0, single.stderr[-3000:]
+
+    rdzv = [
+        "--nnodes", "2", "--nproc-per-node", "1", "--rdzv-backend", "c10d",
+        "--rdzv-endpoint", f"127.0.0.1:{free_port()}", "--rdzv-id", f"omni-{uuid.uuid4().hex[:8]}",
+        "--local-addr", "127.0.0.1",
+    ]  # fmt: skip
+    cmd = [*_torchrun(), *rdzv, *cli, "--out", str(tmp_path / "multi")]
+    nodes = [
+        subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+        for _ in range(2)
+    ]
+    outputs = []
+    try:
+        for node in nodes:
+            outputs.append(node.communicate(timeout=300)[0])
+    finally:
+        for node in nodes:
+            if node.poll() is None:
+                node.kill()
+                node.communicate()
+    for node, out in zip(nodes, outputs):
+        assert node.returncode == 0, out[-3000:]
+    assert len(_losses(tmp_path / "single")) == 3
+    assert _losses(tmp_path / "multi") == _losses(tmp_path / "single")
+    assert (tmp_path / "multi" / "checkpoints" / "step-00000003" / "manifest.msgpack").is_file()
