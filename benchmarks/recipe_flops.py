@@ -6,7 +6,7 @@ config's data pipeline draws ``--steps`` steps with that phase's weights held co
 once through the whole model in one process, the pipeline's way: the encoders' outputs become autograd
 leaves, the LLM (embedding, every layer, LM head, loss) runs forward and backward, and the leaves'
 gradients then run the encoders' backward. Each module's forward and backward run under its own
-``FlopCounterMode``, so the counts are what the executed kernels do (dense masked attention included),
+``FlopCounterMode``, so the counts are what the executed kernels do (attention per packed document included),
 not a formula. Also printed: CPU seconds per module (forward + backward) on one thread (this
 thread's CPU time, so other load on the machine matters little; indicative, the FLOP counts are exact).
 
