@@ -128,8 +128,8 @@ def apply_offload(
     stage: LLMStage, encoders: Encoders, offload: Iterable[str], memory: ActivationMemory
 ) -> None:
     """Every block of each family in ``offload`` (``train.offload``) keeps what it saves for backward in
-    host memory (:meth:`ActivationMemory.offload` around its forward; MegaScale-Omni §6.2's activation
-    offload). Call after :func:`apply_compile` (the hooks wrap the compiled forward). Exact: backward
+    host memory (:meth:`ActivationMemory.offload` around its forward; MegaScale-Omni's selective
+    offloading of encoder and LLM activations, its memory evaluation and 512K lesson). Call after :func:`apply_compile` (the hooks wrap the compiled forward). Exact: backward
     reads the same values back."""
     for block in _blocks(stage, encoders, offload):
         block.forward = _within(block.forward, memory.offload)
@@ -153,6 +153,9 @@ def apply_mixed_precision(stage: RankStages, encoders: Encoders, compute: torch.
     transfers are in ``compute``: a stage that is not the last casts its output to ``compute`` for the
     wire, a stage that is not the first upcasts its input back to float32; encoder outputs go to stage 0
     in ``compute`` (``StepBuilder``'s dtype). No-op when ``compute`` is the parameters' dtype.
+
+    Source: Micikevicius et al., "Mixed Precision Training" (2018), float32 master weights; PyTorch's
+    ``torch.autocast`` recipe (bf16 needs no loss scaling).
     """
     first = next(stage.parameters())
     param, device_type = first.dtype, first.device.type
