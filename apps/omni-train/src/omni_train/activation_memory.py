@@ -54,13 +54,17 @@ class StepPeaks:
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
-    return t.to_local() if isinstance(t, DTensor) else t
+    # the local shard itself (no autograd op inside a hook)
+    return t._local_tensor if isinstance(t, DTensor) else t
 
 
 def _storage_key(t: torch.Tensor) -> tuple[str, int, int]:
     """``(device, storage address, storage bytes)`` of the storage ``t`` views."""
     s = _local(t).untyped_storage()
     return str(t.device), s.data_ptr(), s.nbytes()
+
+
+_KEPT, _OFFLOADED = 0, 1  # the two counts: kept where made, offloaded
 
 
 class _Saved:
@@ -76,9 +80,6 @@ class _Saved:
 
     def __del__(self) -> None:
         self.owner._release(self.kind, self.key)
-
-
-_KEPT, _OFFLOADED = 0, 1
 
 
 class ActivationMemory:
