@@ -110,9 +110,12 @@ def finish_run(
     start_step: int,
     *,
     checkpoints: list[int],
+    skipped: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """Rank 0 at the end of a run: plot the loss and the last step's timeline, write ``summary.json``
-    (first/last mean loss over a window of up to 20 steps, mean tokens/s, skipped payloads) and return it.
+    (first/last mean loss over a window of up to 20 steps, mean tokens/s, skipped payloads, and
+    ``skipped``: every skip of the run by scope, source and reason with the first keys, from
+    :class:`~omni_train.skip_metrics.SkipMetrics`) and return it.
     """
     metrics = read_metrics(out_dir / "metrics.jsonl")
     if metrics:
@@ -134,5 +137,7 @@ def finish_run(
         "skipped_payloads": sum(m.get("skipped_payloads", 0) for m in metrics),
         "checkpoints": checkpoints,
     }
+    if skipped is not None:
+        summary["skipped"] = skipped
     (out_dir / "summary.json").write_text(json.dumps(summary, indent=2))
     return summary
