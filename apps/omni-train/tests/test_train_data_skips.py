@@ -23,7 +23,7 @@ from PIL import Image
 from train_fixtures import make_dataset, write_config
 
 from omni_data import skip_report
-from omni_data.testing import FlakyFileSystem, flaky_url
+from omni_data.testing import FlakyFileSystem, flaky_url, write_tar
 from omni_parallel.testing import run_world
 from omni_train.config import load_config, validate
 
@@ -35,14 +35,6 @@ def _png(h, w):
     buf = io.BytesIO()
     Image.fromarray(np.full((h, w, 3), 90, np.uint8)).save(buf, format="PNG")
     return buf.getvalue()
-
-
-def _tar(path, members, fmt=tarfile.PAX_FORMAT):
-    with tarfile.open(path, "w", format=fmt, encoding="utf-8", errors="surrogateescape") as tf:
-        for name, data in members:
-            info = tarfile.TarInfo(name)
-            info.size = len(data)
-            tf.addfile(info, io.BytesIO(data))
 
 
 def _image_shards(d: Path) -> tuple[str, dict[str, str]]:
@@ -58,7 +50,7 @@ def _image_shards(d: Path) -> tuple[str, dict[str, str]]:
             members[3] = ("k1\udcff1.txt", members[3][1])
         if s == 4:
             members[2] = ("k41.png", _png(20, 24)[:60] + bytes(200))  # the header parses, the body does not
-        _tar(d / f"s{s}.tar", members, tarfile.GNU_FORMAT if s == 1 else tarfile.PAX_FORMAT)
+        write_tar(d / f"s{s}.tar", members, fmt=tarfile.GNU_FORMAT if s == 1 else tarfile.PAX_FORMAT)
     with tarfile.open(d / "s0.tar") as tf:
         pax_at = next(m.offset for m in tf.getmembers() if m.name.startswith(long_key))
     with open(d / "s0.tar", "r+b") as f:
@@ -88,7 +80,7 @@ def _long_audio(path: Path) -> None:
         t = np.arange(int(16000 * seconds)) / 16000
         soundfile.write(buf, (0.3 * np.sin(2 * np.pi * 300 * t)).astype(np.float32), 16000, format="FLAC")
         members += [(f"{key}.flac", buf.getvalue()), (f"{key}.txt", b"a long sound")]
-    _tar(path, members)
+    write_tar(path, members)
 
 
 def _train(rank, world_size, cfg, root):

@@ -11,7 +11,7 @@ here), not through the trainer's ``mixture_schedule``.
 
 import pytest
 
-from omni_data.testing import SyntheticSource
+from omni_data.testing import SyntheticSource, trained_sources
 from omni_train.config import config_from_dict
 from omni_train.data_pipeline import build_step_stream
 
@@ -60,12 +60,7 @@ def _trained(cfg, samples):
         cfg, None, dp_rank=0, dp_size=1, dp_group=None, consumes=set(), read_text=False, sources=sources
     )
     stream.reset()
-    out = []
-    with stream:
-        while len(out) < samples:
-            fs = next(stream)
-            out += [(fs.step, s.source) for p in fs.packs for s in p.samples]
-    return out
+    return trained_sources(stream, samples)
 
 
 def _worst_window_error(cfg, trained):
