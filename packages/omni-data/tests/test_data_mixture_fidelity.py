@@ -20,7 +20,7 @@ from omni_data import (
     SampleMeta,
     ZeroRedundancyFilter,
 )
-from omni_data.testing import SyntheticSource
+from omni_data.testing import SyntheticSource, trained_sources
 from omni_parallel.testing import run_world
 
 MAX_LEN, PACKS, BUFFER = 4096, 8, 256
@@ -38,16 +38,6 @@ def _filter(schedule, **packer_kw):
     mix = MixtureStream(_sources(), schedule)
     loader = PackedLoader(HybridPacker(mix, MAX_LEN, BUFFER, **packer_kw), PACKS, mixture=mix)
     return ZeroRedundancyFilter(loader, [], microbatches=PACKS, slices=1, reader=PayloadReader())
-
-
-def _trained(zr, samples):
-    """``[(step, source)]`` of every sample in the emitted steps, in training order."""
-    out = []
-    with zr:
-        while len(out) < samples:
-            fs = next(zr)
-            out += [(fs.step, s.source) for p in fs.packs for s in p.samples]
-    return out
 
 
 def _worst_window_error(trained, schedule, window=10_000, stride=500):
@@ -76,14 +66,14 @@ SHARP = MixtureSchedule(
 
 @pytest.mark.parametrize("schedule", [TWO_PHASE, SMOOTH, SHARP], ids=["two-phase", "smooth", "sharp"])
 def test_trained_share_tracks_schedule(schedule):
-    trained = _trained(_filter(schedule), 26_000)
+    trained = trained_sources(_filter(schedule), 26_000)
     assert _worst_window_error(trained, schedule) <= 0.005
 
 
 def test_old_source_stops_at_the_switch():
     """A 1 -> 0 switch at step 40: the old source is trained at step 40 at the latest (the backlog
     estimate counts tokens in full packs, so at most one step late), never after."""
-    trained = _trained(_filter(SHARP), 12_000)
+    trained = trained_sources(_filter(SHARP), 12_000)
     assert max(step for step, s in trained if s == "img") <= 40
     assert sum(1 for step, s in trained if s == "img" and step == 40) < 20  # a few stragglers at most
     assert min(step for step, s in trained if s == "txt") >= 39
@@ -113,7 +103,7 @@ def test_pack_age_bound():
 
 def test_lookahead_and_flush_resume_exactly():
     """Resume in the middle of a phase flush's backlog: the same steps as without the break."""
-    full = _trained(_filter(TWO_PHASE), 9_000)
+    full = trained_sources(_filter(TWO_PHASE), 9_000)
     zr = _filter(TWO_PHASE)
     head = []
     while len(head) < 5_000:
@@ -124,7 +114,7 @@ def test_lookahead_and_flush_resume_exactly():
     zr.close()
     again = _filter(TWO_PHASE)
     again.load_state_dict(state)
-    assert (head + _trained(again, 9_000 - len(head)))[: len(full)] == full
+    assert (head + trained_sources(again, 9_000 - len(head)))[: len(full)] == full
 
 
 def _token_world(rank, world_size):

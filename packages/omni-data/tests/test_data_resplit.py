@@ -113,6 +113,21 @@ def test_dp_resplit_trains_every_sample_once(data, layouts, steps):
     assert max(n for (u, e), n in trained.items() if e == 1) == 1  # no duplicates in later epochs either
 
 
+def test_resplit_resumes_at_the_first_untrained_step(data):
+    """The old ranks' pre-filtered steps were never trained: the re-split stream emits them next, with
+    the step numbers a trainer expects (a regression: it used to skip ahead by the prefetch depth)."""
+    states = []
+    for r in range(4):
+        with _filter(data, r, 4) as zr:
+            assert [next(zr).step for _ in range(3)] == [0, 1, 2]
+            states.append(_roundtrip(zr.state_dict()))
+    assert all(len(st["pending"]) == 2 for st in states)  # prefetch 2: steps 3 and 4 pre-filtered
+    for r in range(2):
+        with _filter(data, r, 2) as zr:
+            zr.load_resplit(states, r, 2)
+            assert [next(zr).step for _ in range(3)] == [3, 4, 5]
+
+
 def test_resplit_refused_before_reading(data):
     states = []
     for r in range(4):

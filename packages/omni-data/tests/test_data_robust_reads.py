@@ -22,7 +22,7 @@ from omni_data import (
     ZeroRedundancyFilter,
     skip_report,
 )
-from omni_data.testing import flaky_url, image_samples, train_tiny_bpe, write_shards
+from omni_data.testing import flaky_url, image_samples, train_tiny_bpe, write_shards, write_tar
 
 CUT = "shard cut off (the samples after the cut are lost)"
 
@@ -31,15 +31,6 @@ def _png(h, w, mode="RGB"):
     buf = io.BytesIO()
     Image.fromarray(np.full((h, w, 3), 90, np.uint8)).convert(mode).save(buf, format="PNG")
     return buf.getvalue()
-
-
-def _tar(path, samples, fmt=tarfile.PAX_FORMAT):
-    """``[(name, bytes)]`` members into one tar (tarfile, so names with any bytes can be written)."""
-    with tarfile.open(path, "w", format=fmt, encoding="utf-8", errors="surrogateescape") as tf:
-        for name, data in samples:
-            info = tarfile.TarInfo(name)
-            info.size = len(data)
-            tf.addfile(info, io.BytesIO(data))
 
 
 def _members(key, caption="a red cat", size=(20, 24)):
@@ -63,7 +54,7 @@ def shards(tmp_path_factory):
             members[2] = ("k41.png", _png(20, 24)[:60] + bytes(200))  # header parses, body does not
         if s == 5:
             members[4] = ("k52.png", _png(600, 600))  # 21x21 merged patches = 441 tokens > 256
-        _tar(f"{d}/s{s}.tar", members, tarfile.GNU_FORMAT if s == 1 else tarfile.PAX_FORMAT)
+        write_tar(f"{d}/s{s}.tar", members, fmt=tarfile.GNU_FORMAT if s == 1 else tarfile.PAX_FORMAT)
     with tarfile.open(f"{d}/s0.tar") as tf:
         pax_at = next(m.offset for m in tf.getmembers() if m.name.startswith(long_key))
     with open(f"{d}/s0.tar", "r+b") as f:

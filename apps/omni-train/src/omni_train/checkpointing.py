@@ -1,7 +1,16 @@
 """Checkpoints of a training run through omni-ckpt's :class:`~omni_ckpt.CheckpointManager` (async saves):
-the model, the optimizer (by parameter name, so any layout reloads it), the loader state (msgpack) and
-the step. A committed step ``N`` holds the state after ``N`` optimizer steps; restoring it makes the run
-continue at step ``N`` exactly (the loader resumes mid-stream).
+the model, the optimizer (by parameter name, so any layout reloads it), the loader state, the parallel
+layout and the step. A committed step ``N`` holds the state after ``N`` optimizer steps; restoring it makes
+the run continue at step ``N`` exactly (the loader resumes mid-stream).
+
+Loader states are per rank (each rank's msgpack ``state_dict``) and are saved as one ``uint8`` tensor
+``loader [dp, positions, width]`` whose row ``(d, p)`` is the state of DP rank ``d`` at position ``p``
+(pipeline x TP x CP x Ulysses rank): 8 bytes of little-endian length, the msgpack bytes, zeros. As a
+tensor it is checksummed and can be read by any rank of any later layout (omni-ckpt loads any box). A
+resume under another DP size reads the rows of every old DP rank at its own position and re-splits them
+exactly (omni-data's ``load_resplit``: every sample trained exactly once per epoch); any other layout
+change, or states that cannot be re-split, is refused with :class:`~omni_data.LayoutMismatchError` naming
+both layouts before a sample is read.
 
 The optimizer's parameter groups are saved without their member lists: which parameters a rank holds
 depends on the layout (pipeline schedule, virtual stages, pp), and a per-rank list would make every rank
@@ -16,13 +25,25 @@ from typing import Any
 
 import msgpack
 import torch
+import torch.distributed as dist
 from torch import nn
 
-from omni_ckpt import CheckpointManager, load_optimizer_state_dict, optimizer_state_dict
-from omni_data import ZeroRedundancyFilter, snapshot_async
+from omni_ckpt import BoxShard, CheckpointManager, load_optimizer_state_dict, optimizer_state_dict
+from omni_data import LayoutMismatchError, ZeroRedundancyFilter, snapshot_async
+from omni_parallel import ParallelState
 from omni_train.config import CheckpointConfig
 
-__all__ = ["TrainCheckpoint"]
+__all__ = ["LAYOUT_AXES", "TrainCheckpoint"]
+
+LAYOUT_AXES = ("dp", "pp", "tp", "cp", "ulysses")
+"""The parallel sizes a checkpoint records (``layout.<axis>``); all but ``dp`` must match on resume."""
+
+_POSITION_AXES = ("pp", "tp", "cp", "ulysses")  # ranks of one DP rank, slowest first
+_MIN_ROW = 4096
+
+
+def _describe(layout: dict[str, int]) -> str:
+    return " ".join(f"{a}={layout[a]}" for a in LAYOUT_AXES)
 
 
 class TrainCheckpoint:
@@ -35,6 +56,7 @@ class TrainCheckpoint:
         model: every module of this rank (state dict by name).
         optimizer: its optimizer.
         stream: the loader, whose state is saved with the step.
+        ps: the run's parallel state (its layout and this rank's place in it); ``None``: one process.
     """
 
     def __init__(
@@ -45,17 +67,38 @@ class TrainCheckpoint:
         model: nn.Module,
         optimizer: torch.optim.Optimizer,
         stream: ZeroRedundancyFilter,
+        *,
+        ps: ParallelState | None = None,
     ) -> None:
         self.cfg, self.total_steps = cfg, total_steps
         self.model, self.optimizer, self.stream = model, optimizer, stream
         self.manager = CheckpointManager(str(directory), keep_last=cfg.keep_last, async_save=cfg.async_save)
+        self.layout = {a: ps.size(a) if ps else 1 for a in LAYOUT_AXES}
+        self.dp_rank = ps.local_rank("dp") if ps else 0
+        self.position = 0
+        for a in _POSITION_AXES:
+            self.position = self.position * self.layout[a] + (ps.local_rank(a) if ps else 0)
+        self.positions = 1
+        for a in _POSITION_AXES:
+            self.positions *= self.layout[a]
 
     def due(self, next_step: int) -> bool:
         """Whether the state after ``next_step`` optimizer steps is saved: every ``every`` and at the end."""
         return next_step == self.total_steps or (self.cfg.every > 0 and next_step % self.cfg.every == 0)
 
     def save(self, next_step: int) -> None:
-        state = self._state(snapshot_async(self.stream).result())
+        blob = snapshot_async(self.stream).result()
+        width = torch.tensor([8 + len(blob)], dtype=torch.int64)
+        if dist.is_initialized():
+            dist.all_reduce(width, op=dist.ReduceOp.MAX)
+        # a power of two keeps the tensor's shape (and so omni-ckpt's cached save plan) stable over saves
+        width = max(_MIN_ROW, 1 << (int(width) - 1).bit_length())
+        row = torch.zeros(1, 1, width, dtype=torch.uint8)
+        row[0, 0, :8] = torch.frombuffer(bytearray(len(blob).to_bytes(8, "little")), dtype=torch.uint8)
+        row[0, 0, 8 : 8 + len(blob)] = torch.frombuffer(bytearray(blob), dtype=torch.uint8)
+        rows = BoxShard(row, (self.layout["dp"], self.positions, width), (self.dp_rank, self.position, 0))
+        state = self._state(rows)
+        state["layout"] = {**self.layout, "loader_width": width}
         state["step"] = next_step
         handle = self.manager.save(next_step, state)
         if handle is not None:
@@ -66,9 +109,14 @@ class TrainCheckpoint:
         when there is none.
 
         Step 0 holds initial weights only (``omni-train import-hf`` writes it; the trainer's own saves
-        start at step 1): its model is loaded, the optimizer and the loader start fresh.
+        start at step 1): its model is loaded, the optimizer and the loader start fresh. A step saved under
+        another DP size (the same pipeline, TP, CP and Ulysses sizes) resumes with the loader states of
+        every old DP rank re-split over the new ones.
 
         Raises:
+            LayoutMismatchError: the step was saved under another pipeline, TP, CP or Ulysses size, or
+                the old loader states cannot be re-split exactly (both layouts named; raised before the
+                loader reads anything).
             RuntimeError: the checkpoint's recorded step differs from its directory's.
         """
         latest = self.manager.latest()
@@ -77,7 +125,22 @@ class TrainCheckpoint:
                 self.manager.load(0, {"model": self.model.state_dict()})
             self.stream.reset()
             return 0
-        state = self._state(b"")
+        saved = {"layout": {a: 0 for a in (*LAYOUT_AXES, "loader_width")}}
+        self.manager.load(latest, saved)
+        old = {a: int(saved["layout"][a]) for a in LAYOUT_AXES}
+        where = (
+            f"checkpoint step-{latest:08d} saved with {_describe(old)}, resumed with {_describe(self.layout)}"
+        )
+        changed = [a for a in LAYOUT_AXES if old[a] != self.layout[a]]
+        if set(changed) - {"dp"}:
+            raise LayoutMismatchError(
+                f"{where}: only the DP size may change on resume (the loader plans its packs per pipeline, "
+                f"TP, CP and Ulysses position); resume with {' '.join(f'{a}={old[a]}' for a in changed)}"
+            )
+        width = int(saved["layout"]["loader_width"])
+        first, count = (0, old["dp"]) if changed else (self.dp_rank, 1)
+        rows = torch.zeros(count, 1, width, dtype=torch.uint8)
+        state = self._state(BoxShard(rows, (old["dp"], self.positions, width), (first, self.position, 0)))
         members = [g["params"] for g in optimizer_state_dict(self.model, self.optimizer)["param_groups"]]
         self.manager.load(latest, state)
         groups = state["optim"]["param_groups"]
@@ -88,9 +151,18 @@ class TrainCheckpoint:
             )
         state["optim"]["param_groups"] = [dict(g, params=m) for g, m in zip(groups, members)]
         load_optimizer_state_dict(self.model, self.optimizer, state["optim"])
-        self.stream.reset(msgpack.unpackb(state["loader"], strict_map_key=False))
         if int(state["step"]) != latest:
             raise RuntimeError(f"checkpoint step-{latest:08d} holds step {state['step']}")
+        states = [
+            _decode_row(rows[i, 0], f"{where}: loader row of DP rank {first + i}") for i in range(count)
+        ]
+        if not changed:
+            self.stream.reset(states[0])
+            return latest
+        try:
+            self.stream.load_resplit(states, self.dp_rank, self.layout["dp"])
+        except LayoutMismatchError as e:
+            raise LayoutMismatchError(f"{where}: the loader cannot re-split exactly: {e}") from e
         return latest
 
     def steps(self) -> list[int]:
@@ -101,7 +173,7 @@ class TrainCheckpoint:
         """Finish pending writes (raises what a background write raised)."""
         self.manager.close()
 
-    def _state(self, loader: bytes) -> dict[str, Any]:
+    def _state(self, loader: Any) -> dict[str, Any]:
         optim = optimizer_state_dict(self.model, self.optimizer)
         optim["param_groups"] = [{k: v for k, v in g.items() if k != "params"} for g in optim["param_groups"]]
         return {
@@ -110,3 +182,16 @@ class TrainCheckpoint:
             "loader": loader,
             "step": 0,
         }
+
+
+def _decode_row(row: torch.Tensor, what: str) -> dict[str, Any]:
+    """A loader state from its row (length prefix, msgpack); checksums were checked by omni-ckpt.
+
+    Raises:
+        ValueError: the length prefix exceeds the row (naming ``what``).
+    """
+    raw = row.numpy().tobytes()
+    n = int.from_bytes(raw[:8], "little")
+    if not 0 < n <= len(raw) - 8:
+        raise ValueError(f"{what}: length {n} does not fit the row of {len(raw) - 8} bytes")
+    return msgpack.unpackb(raw[8 : 8 + n], strict_map_key=False)

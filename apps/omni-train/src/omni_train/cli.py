@@ -1,5 +1,6 @@
 """``omni-train``: ``run`` (train), ``prepare-data`` (rebuild the bundled shards), ``simulate`` (model a
-large cluster with the pipeline simulator), ``import-hf`` / ``export-hf`` (Hugging Face checkpoints).
+large cluster with the pipeline simulator), ``import-hf`` / ``export-hf`` (Hugging Face checkpoints),
+``make-shards`` (your own media into shards and config lines).
 
 Configuration errors are reported before any process starts, naming the field, with exit status 2.
 """
@@ -84,6 +85,21 @@ def build_parser() -> argparse.ArgumentParser:
     exp.add_argument("--step", type=int, default=None, help="committed step to export (default: the latest)")
     exp.add_argument(
         "--max-shard-bytes", type=int, default=5 << 30, help="split weights into indexed shards above this"
+    )
+
+    shards = sub.add_parser(
+        "make-shards", help="turn a folder of images/audio with .txt captions or transcripts into shards"
+    )
+    shards.add_argument("input", nargs="?", help="folder of media files with same-named .txt (and .json)")
+    shards.add_argument("out", help="output folder for {image,audio,text}-NNNNNN.tar and manifest.json")
+    shards.add_argument(
+        "--manifest", help="CSV or JSONL instead of a folder: path, text (caption/transcript), key"
+    )
+    shards.add_argument("--per-shard", type=int, default=1000, help="samples per shard (default 1000)")
+    shards.add_argument(
+        "--write-config",
+        metavar="TOML",
+        help="also write a run config there: the default model, these shards",
     )
     return p
 
@@ -225,6 +241,39 @@ def _export_hf(args: argparse.Namespace) -> int:
     return 0
 
 
+def _make_shards(args: argparse.Namespace) -> int:
+    from omni_data.write import write_dataset
+    from omni_train.make_shards import data_toml, write_run_config
+
+    if args.input is None and args.manifest is None:
+        raise ConfigError("make-shards: give an input folder or --manifest FILE")
+    try:
+        report = write_dataset(args.input or ".", args.out, manifest=args.manifest, per_shard=args.per_shard)
+    except ValueError as exc:
+        raise ConfigError(f"make-shards: {exc}") from None
+    for modality, urls in report.shards.items():
+        print(
+            f"omni-train: {modality}: {report.samples[modality]} samples in {len(urls)} shards",
+            file=sys.stderr,
+        )
+    for reason, what in sorted(report.skipped.items()):
+        more = " ..." if len(what) > 5 else ""
+        print(f"omni-train: skipped {len(what)} ({reason}): {', '.join(what[:5])}{more}", file=sys.stderr)
+    config = Path(args.write_config) if args.write_config else None
+    lines = data_toml(report, args.out, config_dir=config.parent if config else None)
+    if config is not None:
+        write_run_config(config, lines)
+        written = load_config(str(config))
+        validate(written, written.parallel.world_size)
+        print(f"omni-train: wrote {config}; train with: omni-train run --config {config}", file=sys.stderr)
+    else:
+        print(
+            "omni-train: paste into your config (relative urls resolve against its folder):", file=sys.stderr
+        )
+    print(lines)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``omni-train`` console script; returns the exit status."""
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -242,6 +291,8 @@ def main(argv: list[str] | None = None) -> int:
             return _import_hf(args)
         if args.command == "export-hf":
             return _export_hf(args)
+        if args.command == "make-shards":
+            return _make_shards(args)
     except ConfigError as exc:
         print(f"omni-train: configuration error: {exc}", file=sys.stderr)
         return 2

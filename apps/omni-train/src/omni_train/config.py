@@ -44,6 +44,7 @@ __all__ = [
     "bundled_data_dir",
     "config_from_dict",
     "config_path",
+    "data_root",
     "expand_urls",
     "load_config",
     "tokenizer_path",
@@ -113,8 +114,9 @@ class ModelConfig:
 
 @dataclass
 class SourceConfig:
-    """One WebDataset source. ``urls``: a glob or brace pattern, relative to the bundled data directory
-    (``omni_train/data``) unless absolute or an fsspec URL (``scheme://...``)."""
+    """One WebDataset source. ``urls``: a glob or brace pattern, absolute, an fsspec URL
+    (``scheme://...``), or relative to the folder of the config file (:func:`data_root`; the bundled
+    configs' to the bundled data directory ``omni_train/data``)."""
 
     name: str
     modality: str
@@ -131,7 +133,17 @@ class MixturePhase:
 
 @dataclass
 class DataConfig:
-    """Sources, mixture phases and packing. ``max_seq_len`` in LLM tokens per pack (= per microbatch)."""
+    """Sources, mixture phases and packing. ``max_seq_len`` in LLM tokens per pack (= per microbatch).
+
+    Attributes:
+        max_pack_age: packing rounds a part-full pack may be carried before it is emitted (omni-data's
+            ``HybridPacker(max_pack_age=)``): a sample is trained within ``(max_pack_age + 1) *
+            buffer_size`` draws, so the trained mixture tracks the schedule; >= 0.
+        decode_workers: threads per rank decoding images and audio (``ZeroRedundancyFilter``); >= 1.
+        mixture_interpolate: ``false``: each phase's weights hold until its ``until_step``; ``true``:
+            they move linearly from a phase's start to the next phase's start (``MixtureSchedule(
+            interpolate=True)``), constant in the last phase.
+    """
 
     sources: list[SourceConfig]
     mixture: list[MixturePhase]
@@ -140,6 +152,9 @@ class DataConfig:
     buffer_size: int = 64
     packing: Packing = Packing.HYBRID
     tokenizer: str = "tokenizer.json"
+    max_pack_age: int = 1
+    decode_workers: int = 1
+    mixture_interpolate: bool = False
 
 
 @dataclass
@@ -370,11 +385,26 @@ def config_from_dict(raw: dict[str, Any]) -> RunConfig:
     return _build(RunConfig, raw, "")
 
 
-def expand_urls(pattern: str) -> list[str]:
-    """Concrete shard URLs for a source pattern (glob, relative to the bundled data dir if relative).
+def data_root(cfg: RunConfig) -> Path:
+    """The folder relative ``data.sources[*].urls`` resolve against: the config file's folder, or the
+    bundled data directory for a bundled config (and for a config with no file)."""
+    if not cfg.source:
+        return bundled_data_dir()
+    path = Path(cfg.source).resolve()
+    bundled = Path(str(resources.files("omni_train") / "configs")).resolve()
+    return bundled_data_dir() if path.parent == bundled else path.parent
 
-    Brace patterns (``image-{000..003}.tar``) are passed through for omni-data to expand; local globs
-    and fsspec globs are listed here, sorted.
+
+def expand_urls(pattern: str, root: str | os.PathLike[str] | None = None) -> list[str]:
+    """Concrete shard URLs for a source pattern.
+
+    Args:
+        pattern: a glob, a brace pattern (``image-{000..003}.tar``), or an fsspec URL of either.
+        root: the folder a relative local pattern is relative to (:func:`data_root`; default the bundled
+            data directory).
+
+    Brace patterns are passed through (absolute) for omni-data to expand; local globs and fsspec globs
+    are listed here, sorted.
     """
     if "://" in pattern and not pattern.startswith("file://"):
         import fsspec
@@ -383,10 +413,28 @@ def expand_urls(pattern: str) -> list[str]:
         return sorted(fs.unstrip_protocol(p) for p in paths)
     local = pattern.removeprefix("file://")
     if not os.path.isabs(local):
-        local = str(bundled_data_dir() / local)
+        local = str(Path(root if root is not None else bundled_data_dir()) / local)
     if "{" in local:
         return [local]
     return sorted(glob.glob(local))
+
+
+def _missing_shards(pattern: str, root: Path) -> str | None:
+    """Why a source pattern names no readable shard (where it looked), or None when it does."""
+    urls = expand_urls(pattern, root)
+    if "://" in pattern and not pattern.startswith("file://"):
+        return None if urls else f"no shards match {pattern!r}"
+    local = pattern.removeprefix("file://")
+    where = local if os.path.isabs(local) else str(root / local)
+    how = "" if os.path.isabs(local) else f"; relative urls resolve against {root}"
+    if "{" in where:
+        from webdataset.shardlists import expand_urls as expand_braces
+
+        missing = [u for u in expand_braces(where) if not os.path.isfile(u)]
+        if missing:
+            return f"{len(missing)} shards of {pattern!r} do not exist (first: {missing[0]}{how})"
+        return None
+    return None if urls else f"no shards match {pattern!r} (looked for {where}{how})"
 
 
 def validate(cfg: RunConfig, nproc: int) -> None:
@@ -394,9 +442,10 @@ def validate(cfg: RunConfig, nproc: int) -> None:
 
     Raises:
         ConfigError: naming the first field that is wrong: parallel sizes vs ``nproc``, head counts not
-        divisible (GQA, TP, Ulysses), fewer layers than stages, a source with no shards, mixture weights
-        naming unknown sources or phases out of order, non-positive sizes, a schedule that does not fit
-        the layers or microbatches, unknown recompute/offload names.
+        divisible (GQA, TP, Ulysses), fewer layers than stages, a source whose ``urls`` name no shard
+        (the message says where it looked), mixture weights naming unknown sources or phases out of
+        order, non-positive sizes, a schedule that does not fit the layers or microbatches, unknown
+        recompute/offload names.
     """
     par, llm = cfg.parallel, cfg.model.llm
     for name in ("pp", "dp", "tp", "cp", "ulysses"):
@@ -457,9 +506,11 @@ def validate(cfg: RunConfig, nproc: int) -> None:
                 f"model.{enc}.dim: head_dim {ec.dim // ec.n_heads} must be a multiple of 4 (2-D RoPE)"
             )
     data = cfg.data
-    for name in ("max_seq_len", "microbatches", "buffer_size"):
+    for name in ("max_seq_len", "microbatches", "buffer_size", "decode_workers"):
         if getattr(data, name) < 1:
             raise ConfigError(f"data.{name}: must be >= 1, got {getattr(data, name)}")
+    if data.max_pack_age < 0:
+        raise ConfigError(f"data.max_pack_age: must be >= 0 rounds, got {data.max_pack_age}")
     if data.microbatches < par.pp:
         raise ConfigError(
             f"data.microbatches: {data.microbatches} microbatches cannot keep parallel.pp = {par.pp} stages busy"
@@ -474,8 +525,9 @@ def validate(cfg: RunConfig, nproc: int) -> None:
             raise ConfigError(f"data.sources[{i}].modality: image source {src.name!r} but no [model.vit]")
         if src.modality == "audio" and cfg.model.audio is None:
             raise ConfigError(f"data.sources[{i}].modality: audio source {src.name!r} but no [model.audio]")
-        if not expand_urls(src.urls):
-            raise ConfigError(f"data.sources[{i}].urls: no shards match {src.urls!r} (source {src.name!r})")
+        missing = _missing_shards(src.urls, data_root(cfg))
+        if missing:
+            raise ConfigError(f"data.sources[{i}].urls: {missing} (source {src.name!r})")
     if names.count(names[0]) != 1 or len(set(names)) != len(names):
         raise ConfigError(f"data.sources: source names must be unique, got {names}")
     if not data.mixture:

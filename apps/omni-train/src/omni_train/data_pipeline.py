@@ -13,11 +13,18 @@ arrival order into ``pp`` contiguous runs of equal count (the unbalanced baselin
 
 ``--packing per_modality`` packs each source separately (a pack holds one modality) and the mixture then
 draws packs instead of samples.
+
+Your own data: audio sources are given the encoder's sample rate (``[model.audio] sample_rate``), so clips
+at any rate and channel count are described and decoded as resampled to it; images of any mode decode to
+RGB. Relative ``urls`` resolve against the config file's folder (:func:`omni_train.config.data_root`).
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 from tokenizers import Tokenizer
+from torchdata.nodes import BaseNode
 
 from omni_data import (
     AudioTokens,
@@ -30,14 +37,16 @@ from omni_data import (
     Pack,
     PackedLoader,
     PayloadReader,
+    SampleMeta,
     WebDatasetSource,
     ZeroRedundancyFilter,
     encoder_microbatch_ids,
 )
 from omni_data.zero_redundancy import FilteredStep, SampleIndex
-from omni_train.config import Packing, RunConfig, expand_urls
+from omni_train.config import Packing, RunConfig, data_root, expand_urls
 
 __all__ = [
+    "build_sources",
     "build_step_stream",
     "encoder_imbalance",
     "encoder_load",
@@ -47,13 +56,14 @@ __all__ = [
 
 
 def mixture_schedule(cfg: RunConfig) -> MixtureSchedule:
-    """The config's phases as a step-indexed :class:`MixtureSchedule` (weights missing in a phase are 0)."""
+    """The config's phases as a step-indexed :class:`MixtureSchedule` (weights missing in a phase are 0;
+    with ``data.mixture_interpolate`` linear between the phases' starts)."""
     names = [s.name for s in cfg.data.sources]
     points, start = [], 0
     for ph in cfg.data.mixture:
         points.append((start, {n: float(ph.weights.get(n, 0.0)) for n in names}))
         start = ph.until_step if ph.until_step is not None else start
-    return MixtureSchedule(points, unit="step")
+    return MixtureSchedule(points, unit="step", interpolate=cfg.data.mixture_interpolate)
 
 
 def undecodable_samples(fs: FilteredStep) -> list[SampleIndex]:
@@ -99,24 +109,11 @@ def encoder_imbalance(load: dict[int, list[float]]) -> float | None:
     return sum(ratios) / len(ratios) if ratios else None
 
 
-def build_step_stream(
-    cfg: RunConfig,
-    tokenizer: Tokenizer,
-    *,
-    dp_rank: int,
-    dp_size: int,
-    dp_group,
-    consumes: set[int],
-    read_text: bool,
-    tp_group=None,
-) -> ZeroRedundancyFilter:
-    """The per-step stream of this rank (see the module docstring); call ``reset()`` or
-    ``reset(state)`` before use.
-
-    Args:
-        consumes: encoder microbatch ids this pipeline rank runs (from the data flow).
-        read_text: this rank builds LLM inputs or labels (first or last stage): read every sample's text.
-    """
+def build_sources(
+    cfg: RunConfig, tokenizer: Tokenizer, *, dp_rank: int, dp_size: int
+) -> dict[str, WebDatasetSource]:
+    """One :class:`WebDatasetSource` per ``[[data.sources]]`` entry, split over ``dp_size`` DP ranks, with
+    the encoders' token accounting and FLOP costs and, for audio, the encoder's sample rate."""
     m = cfg.model
     vit, aud = m.vit, m.audio
     image_tokens = (
@@ -127,6 +124,7 @@ def build_step_stream(
     audio_tokens = (
         AudioTokens(frame_ms=1000.0 * aud.hop / aud.sample_rate, subsample=aud.subsample) if aud else None
     )
+    root = data_root(cfg)
     sources = {}
     for src in cfg.data.sources:
         modality = Modality(src.modality)
@@ -136,26 +134,57 @@ def build_step_stream(
         elif modality is Modality.AUDIO and aud is not None:
             cost = EncoderCost(hidden=aud.dim, layers=aud.n_layers)
         sources[src.name] = WebDatasetSource(
-            expand_urls(src.urls),
+            expand_urls(src.urls, root),
             modality=modality,
             name=src.name,
             tokenizer=tokenizer,
             image_tokens=image_tokens,
             audio_tokens=audio_tokens,
             encoder_cost=cost,
+            # clips at other rates are described (and decoded) as resampled to the encoder's rate
+            sample_rate=aud.sample_rate if modality is Modality.AUDIO and aud is not None else None,
             rank=dp_rank,
             world_size=dp_size,
             shuffle_shards=True,
             seed=cfg.train.seed,
             epochs=None,
         )
+    return sources
+
+
+def build_step_stream(
+    cfg: RunConfig,
+    tokenizer: Tokenizer,
+    *,
+    dp_rank: int,
+    dp_size: int,
+    dp_group,
+    consumes: set[int],
+    read_text: bool,
+    tp_group=None,
+    sources: Mapping[str, BaseNode[SampleMeta]] | None = None,
+) -> ZeroRedundancyFilter:
+    """The per-step stream of this rank (see the module docstring); call ``reset()`` or
+    ``reset(state)`` before use, ``close()`` after (it owns decode threads).
+
+    Args:
+        consumes: encoder microbatch ids this pipeline rank runs (from the data flow).
+        read_text: this rank builds LLM inputs or labels (first or last stage): read every sample's text.
+        sources: metadata streams by source name in place of :func:`build_sources`' shards (e.g.
+            ``omni_data.testing.SyntheticSource`` to measure the mixture the trainer's packs hold).
+    """
+    if sources is None:
+        sources = build_sources(cfg, tokenizer, dp_rank=dp_rank, dp_size=dp_size)
     schedule = mixture_schedule(cfg)
     d = cfg.data
     if d.packing is Packing.HYBRID:
-        mixture = MixtureStream(sources, schedule)
-        packer = HybridPacker(mixture, d.max_seq_len, d.buffer_size)
+        mixture = MixtureStream(dict(sources), schedule)
+        packer = HybridPacker(mixture, d.max_seq_len, d.buffer_size, max_pack_age=d.max_pack_age)
     else:
-        per_source = {n: HybridPacker(s, d.max_seq_len, d.buffer_size) for n, s in sources.items()}
+        per_source = {
+            n: HybridPacker(s, d.max_seq_len, d.buffer_size, max_pack_age=d.max_pack_age)
+            for n, s in sources.items()
+        }
         # The mixture draws whole single-modality packs by the schedule's weights.
         packer = mixture = MixtureStream(per_source, schedule)
     loader = PackedLoader(packer, d.microbatches, mixture=mixture, dp_group=dp_group if dp_size > 1 else None)
@@ -169,4 +198,5 @@ def build_step_stream(
         prefetch=1,
         read_text=read_text,
         balance=cfg.parallel.reorder,
+        decode_workers=d.decode_workers,
     )

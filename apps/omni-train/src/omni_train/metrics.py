@@ -110,10 +110,13 @@ def finish_run(
     start_step: int,
     *,
     checkpoints: list[int],
+    skipped: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """Rank 0 at the end of a run: plot the loss and the last step's timeline, write ``summary.json``
-    (first/last mean loss over a window of up to 20 steps, mean tokens/s, skipped payloads, and each
-    ``*_per_rank`` peak of the steps as its per-rank maximum over the steps) and return it.
+    (first/last mean loss over a window of up to 20 steps, mean tokens/s, skipped payloads, each
+    ``*_per_rank`` peak of the steps as its per-rank maximum over the steps, and ``skipped``: every skip
+    of the run by scope, source and reason with the first keys, from
+    :class:`~omni_train.skip_metrics.SkipMetrics`) and return it.
     """
     metrics = read_metrics(out_dir / "metrics.jsonl")
     if metrics:
@@ -136,15 +139,24 @@ def finish_run(
         "checkpoints": checkpoints,
         **_peaks_per_rank(metrics),
     }
+    if skipped is not None:
+        summary["skipped"] = skipped
     (out_dir / "summary.json").write_text(json.dumps(summary, indent=2))
     return summary
 
 
 def _peaks_per_rank(metrics: list[dict[str, Any]]) -> dict[str, list[int]]:
-    """``{key: per-rank maximum over the steps}`` for every ``peak_*_per_rank`` list in the steps."""
+    """``{key: per-rank maximum over the steps}`` for every ``peak_*_per_rank`` list in the steps.
+
+    A run resumed under another world size has lists of another length before the resume: the maximum
+    is over the steps with the last step's number of ranks (the layout the run finished in)."""
     out: dict[str, list[int]] = {}
-    for m in metrics:
+    for m in reversed(metrics):
         for k, v in m.items():
-            if k.startswith("peak_") and k.endswith("_per_rank") and isinstance(v, list):
-                out[k] = [max(a, b) for a, b in zip(out.get(k, v), v, strict=True)]
+            if not (k.startswith("peak_") and k.endswith("_per_rank") and isinstance(v, list)):
+                continue
+            if k not in out:
+                out[k] = list(v)
+            elif len(v) == len(out[k]):
+                out[k] = [max(a, b) for a, b in zip(out[k], v)]
     return out

@@ -24,7 +24,8 @@ Per rank (DESIGN.md, apps/omni-train; MegaScale-Omni §3-§5; ARCHITECTURE.md dr
   metrics (:mod:`omni_train.step_metrics`) -> checkpoint (:mod:`omni_train.checkpointing`).
 * Bad data: a sample whose image/audio body did not decode (omni-data's zero placeholder,
   ``Payload.error``) keeps its place in its pack; its targets are masked and it is counted per step
-  (``skipped_payloads``).
+  (``skipped_payloads``). Everything the loader skipped (metadata and payloads) is reduced over the ranks
+  each step by :class:`~omni_train.skip_metrics.SkipMetrics` into ``metrics.jsonl`` and ``summary.json``.
 
 Determinism: one intra-op thread per process, parameters initialised from seeded private generators, no
 dropout, data order from seeded shard shuffles and the deterministic mixture; a resumed run therefore
@@ -76,6 +77,7 @@ from omni_train.parallelize import (
     training_dtypes,
 )
 from omni_train.pipeline import build_rank_stages, build_schedule
+from omni_train.skip_metrics import SkipMetrics
 from omni_train.step_inputs import StepBuilder
 from omni_train.step_metrics import StepMetrics, memory_metrics
 
@@ -116,7 +118,13 @@ class Trainer:
         self._build_pipeline()
         self._build_executor()
         self.checkpoint = TrainCheckpoint(
-            self.out / "checkpoints", cfg.checkpoint, cfg.train.steps, self.model, self.optimizer, self.stream
+            self.out / "checkpoints",
+            cfg.checkpoint,
+            cfg.train.steps,
+            self.model,
+            self.optimizer,
+            self.stream,
+            ps=self.ps,
         )
         self.metrics = StepMetrics(
             cfg,
@@ -127,6 +135,7 @@ class Trainer:
             owner={e: self.flow.encoder_rank(e) for e in self.flow.encoder_consumer},
             peak_flops=measure_peak_flops(self.device),
         )
+        self.skips = SkipMetrics(self.stream, self.ps)
 
     def _build_model(self) -> None:
         """This rank's LLM stage and encoders, parallelised in ``parallelize``'s order, and AdamW."""
@@ -230,8 +239,17 @@ class Trainer:
 
     # -- the loop -----------------------------------------------------------------------------------------
     def run(self) -> dict[str, Any]:
+        """Train to ``train.steps`` (from the last checkpoint with ``resume``); returns rank 0's summary.
+        The loader's decode threads are stopped at the end and on error."""
+        try:
+            return self._run()
+        finally:
+            self.stream.close()
+
+    def _run(self) -> dict[str, Any]:
         cfg, total = self.cfg, self.cfg.train.steps
         start = self.checkpoint.restore() if self.resume else self._fresh_start()
+        self.skips.start()
         logger = MetricsLogger(self.out, total, start, enabled=self.rank == 0)
         if self.rank == 0:
             (self.out / "config.json").write_text(json.dumps(cfg.to_dict(), indent=2))
@@ -253,8 +271,9 @@ class Trainer:
             self.optimizer.step()
             row = self.metrics.reduce(inputs, result, time.perf_counter() - t0)
             memory = memory_metrics(self.memory.peaks(), self.rank, self.world)
+            skipped = self.skips.step()
             if self.rank == 0:
-                logger.log(step, {**self.metrics.row(inputs, row, lr, grad_norm), **memory})
+                logger.log(step, {**self.metrics.row(inputs, row, lr, grad_norm), **memory, **skipped})
             last = result if step == total - 1 else last
             if self.checkpoint.due(step + 1):
                 self.checkpoint.save(step + 1)
@@ -294,7 +313,14 @@ class Trainer:
         title = f"{self.cfg.name}: last step, {self.cfg.parallel.placement}"
         timelines = last.timelines if last is not None else None
         return finish_run(
-            self.out, self.cfg.name, timelines, title, elapsed, start, checkpoints=self.checkpoint.steps()
+            self.out,
+            self.cfg.name,
+            timelines,
+            title,
+            elapsed,
+            start,
+            checkpoints=self.checkpoint.steps(),
+            skipped=self.skips.summary(),
         )
 
 

@@ -16,6 +16,7 @@ import json
 import math
 import os
 import random
+import tarfile
 import threading
 from collections.abc import Iterable, Iterator
 from typing import Any
@@ -39,7 +40,9 @@ __all__ = [
     "image_samples",
     "text_samples",
     "train_tiny_bpe",
+    "trained_sources",
     "write_shards",
+    "write_tar",
 ]
 
 _WORDS = [
@@ -152,6 +155,29 @@ def train_tiny_bpe(texts: Iterable[str] | None = None, *, vocab_size: int = 300)
     corpus = list(texts) if texts is not None else [" ".join(_WORDS)] * 4 + list(_WORDS)
     tok.train_from_iterator(corpus, trainer=trainer)
     return tok
+
+
+def write_tar(
+    path: str | os.PathLike[str], members: Iterable[tuple[str, bytes]], *, fmt: int = tarfile.PAX_FORMAT
+) -> None:
+    """``[(name, bytes)]`` members into one tar file with ``tarfile`` (not ``webdataset``), so a member name
+    may hold any bytes (surrogate-escaped, e.g. ``"k\\udcff.png"`` for a raw 0xff): for damaged shards."""
+    with tarfile.open(path, "w", format=fmt, encoding="utf-8", errors="surrogateescape") as tf:
+        for name, data in members:
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            tf.addfile(info, io.BytesIO(data))
+
+
+def trained_sources(stream: Any, samples: int) -> list[tuple[int, str]]:
+    """``[(step, source)]`` of every sample in the packs of the steps ``stream`` (a
+    ``ZeroRedundancyFilter``) emits, in training order, until at least ``samples``; closes the stream."""
+    out: list[tuple[int, str]] = []
+    with stream:
+        while len(out) < samples:
+            fs = next(stream)
+            out += [(fs.step, s.source) for p in fs.packs for s in p.samples]
+    return out
 
 
 class _FlakyFile(io.RawIOBase):

@@ -347,18 +347,20 @@ class ZeroRedundancyFilter(StatefulNode[FilteredStep]):
         """Resume as DP rank ``rank`` of ``world_size`` from the states of *every* old DP rank (at this
         rank's pipeline and TP position: their metadata is the same at every position, only the payload
         skip counts differ). The pre-filtered steps of all old ranks are broken back into samples and
-        redistributed with the packers' buffers (:meth:`PackedLoader.load_resplit`); payload skip counts
-        go to new rank 0.
+        redistributed with the packers' buffers (:meth:`PackedLoader.load_resplit`), and the next step is
+        the first of them (the step the old ranks would have trained next); payload skip counts go to new
+        rank 0.
 
         Raises:
             LayoutMismatchError: the states cannot be re-split exactly; nothing is read.
         """
         states = list(states)
         self._drain()
-        orphans = [
-            s for st in states for d in st["pending"] for p in StepBatch.from_dict(d).packs for s in p.samples
-        ]
+        pending = [StepBatch.from_dict(d) for st in states for d in st["pending"]]
+        orphans = [s for b in pending for p in b.packs for s in p.samples]
         self.loader.load_resplit([st["loader"] for st in states], rank, world_size, orphans=orphans)
+        if pending:  # the pre-filtered steps were never trained: the loader makes them again, from the first
+            self.loader.step = min(b.step for b in pending)
         super().reset(None)
         self.ledger.load_state_dict(None)
         if rank == 0:

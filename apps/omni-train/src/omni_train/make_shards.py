@@ -1,0 +1,76 @@
+"""``omni-train make-shards``: your own media -> omni-data shards -> the config lines that train on them.
+
+:func:`omni_data.write.write_dataset` turns a folder of images or audio with same-named ``.txt`` captions
+or transcripts (or a CSV/JSONL manifest) into ``OUT/{image,audio,text}-NNNNNN.tar`` with metadata; this
+module adds what the trainer needs: the ``[[data.sources]]`` and ``[[data.mixture]]`` TOML lines for
+those shards (weights proportional to the sample counts, so each sample is drawn about equally often), and
+optionally a whole run config, the default recipe's model and training settings with those lines as its
+data (:func:`write_run_config`).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+
+from omni_data.write import WriteReport
+from omni_train.config import config_path
+
+__all__ = ["data_toml", "write_run_config"]
+
+
+def data_toml(report: WriteReport, out: str, *, config_dir: Path | None = None) -> str:
+    """``[[data.sources]]`` (one per modality written, named after it) and one ``[[data.mixture]]`` phase.
+
+    Args:
+        report: what ``write_dataset`` wrote.
+        out: the shard folder (or fsspec URL) given to it.
+        config_dir: the folder of the config the lines go into: local ``urls`` are written relative to it
+            (the trainer resolves them against the config file's folder); ``None``: absolute.
+    """
+    lines, weights = [], []
+    total = sum(report.samples.values())
+    for modality in sorted(report.shards):
+        if "://" in out:
+            folder = out.rstrip("/")
+        elif config_dir is not None:
+            folder = os.path.relpath(Path(out).resolve(), config_dir.resolve())
+        else:
+            folder = str(Path(out).resolve())
+        lines += [
+            "[[data.sources]]",
+            f'name = "{modality}"',
+            f'modality = "{modality}"',
+            f'urls = "{Path(folder).as_posix() if "://" not in folder else folder}/{modality}-*.tar"',
+            "",
+        ]
+        weights.append(f"{modality} = {report.samples[modality] / total:.3f}")
+    lines += ["[[data.mixture]]", f"weights = {{ {', '.join(weights)} }}", ""]
+    return "\n".join(lines)
+
+
+def write_run_config(path: Path, data: str, *, base: str = "omni-tiny") -> Path:
+    """Write a run config at ``path``: the bundled config ``base`` (model, parallel, optim, checkpoint,
+    train) with its ``[[data.sources]]`` and ``[[data.mixture]]`` tables replaced by ``data``.
+
+    Raises:
+        ConfigError: ``base`` is not a bundled config or an existing TOML file.
+    """
+    text = config_path(base).read_text()
+    kept, skipping = [], False
+    for line in text.splitlines():
+        header = re.match(r"\s*\[", line)
+        if header:
+            skipping = line.strip() in ("[[data.sources]]", "[[data.mixture]]")
+        if not skipping:
+            kept.append(line)
+    body = "\n".join(kept).lstrip("\n")
+    while body.startswith("#"):  # the base's comments describe its own data
+        body = body.split("\n", 1)[1] if "\n" in body else ""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(
+        f"# written by omni-train make-shards: the {base} model and training settings, your data\n\n"
+        f"{body.strip()}\n\n{data}"
+    )
+    return path
