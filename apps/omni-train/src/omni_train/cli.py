@@ -35,11 +35,12 @@ __all__ = ["build_parser", "main", "parse_args", "resolve_run"]
 
 
 def _override_help() -> str:
-    rows = [f"  --{path} {kind.upper() if ' ' not in kind else kind}" for path, kind in field_paths()]
+    rows = [f"  --{path} ({kind})" for path, kind in field_paths()]
     return (
-        "config overrides (any field of the TOML, typed and validated like it; lists of tables by index, "
-        "e.g. --data.sources[0].urls 'shards/x-*.tar'; table entries by key, e.g. "
-        "--data.mixture[1].weights.text 0.5):\n" + "\n".join(rows)
+        "config overrides: any field of the TOML as --section.field VALUE (or =VALUE), typed and\n"
+        "validated like the TOML; list items by index (--data.sources[0].urls 'shards/x-*.tar'), table\n"
+        "entries by key (--data.mixture[1].weights.text 0.5), a bare bool flag is true (--train.compile):\n"
+        + "\n".join(rows)
     )
 
 
@@ -59,16 +60,23 @@ def build_parser() -> argparse.ArgumentParser:
         "--nproc", type=int, default=None, help="worker processes (default: the config's world size)"
     )
     run.add_argument(
-        "--max-steps", type=int, default=None, help="stop after this many steps (overrides train.steps)"
+        "--max-steps", type=int, default=None, help="stop after this many steps (alias of --train.steps)"
     )
     run.add_argument("--out", default=None, help="run directory (default: runs/<config>-<time>)")
     run.add_argument("--resume", action="store_true", help="continue from the last committed checkpoint")
     run.add_argument("--max-restarts", type=int, default=0, help="restart failed workers this many times")
-    run.add_argument("--placement", choices=[str(m) for m in Placement], default=None)
     run.add_argument(
-        "--reorder", choices=["on", "off"], default=None, help="grouped reordering of encoder work"
+        "--placement", choices=[str(m) for m in Placement], default=None, help="alias of --parallel.placement"
     )
-    run.add_argument("--packing", choices=[str(m) for m in Packing], default=None)
+    run.add_argument(
+        "--reorder",
+        choices=["on", "off"],
+        default=None,
+        help="grouped reordering of encoder work (alias of --parallel.reorder)",
+    )
+    run.add_argument(
+        "--packing", choices=[str(m) for m in Packing], default=None, help="alias of --data.packing"
+    )
     run.add_argument(
         "--profile",
         type=int,

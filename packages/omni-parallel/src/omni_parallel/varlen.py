@@ -154,9 +154,7 @@ def varlen_attention(
     Raises:
         ValueError: bad shapes, heads_q not a multiple of heads_kv, or bad ``cu_seqlens``.
     """
-    if uses_device_kernel(q, k, v):
-        return _device_kernel(q, k, v, cu_seqlens, causal, scale)
-    return _per_document(q, k, v, cu_seqlens, causal, scale)
+    return _attend(q, k, v, cu_seqlens, causal, scale)
 
 
 def uses_device_kernel(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
@@ -174,7 +172,7 @@ def uses_device_kernel(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> boo
 
 
 @torch.compiler.disable
-def _device_kernel(
+def _attend(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
@@ -182,19 +180,37 @@ def _device_kernel(
     causal: bool,
     scale: float | None,
 ) -> torch.Tensor:
-    from torch.nn.attention.varlen import varlen_attn
-
     rep = _check_heads(q, k, v)
     if k.shape[0] != q.shape[0]:
         raise ValueError(f"q has {q.shape[0]} tokens but k/v have {k.shape[0]}")
     cu = as_cu_seqlens(cu_seqlens, q.shape[0])
+    if uses_device_kernel(q, k, v):
+        return _fused(q, k, v, cu, rep > 1, causal, scale)
+    outs = [
+        masked_attention(q[a:b], k[a:b], v[a:b], causal=causal, scale=scale)
+        for a, b in itertools.pairwise(cu)
+        if b > a
+    ]
+    return torch.cat(outs) if outs else q.new_zeros(q.shape)
+
+
+def _fused(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu: list[int],
+    gqa: bool,
+    causal: bool,
+    scale: float | None,
+) -> torch.Tensor:
+    from torch.nn.attention.varlen import varlen_attn
+
     cu = [c for i, c in enumerate(cu) if i == 0 or c != cu[i - 1]]  # empty documents attend to nothing
     if len(cu) < 2:
         return q.new_zeros(q.shape)
     longest = max(b - a for a, b in itertools.pairwise(cu))
     # Pinned and non-blocking: the host-validated boundaries reach the GPU without a stream sync.
-    host = torch.tensor(cu, dtype=torch.int32)
-    bounds = host.pin_memory().to(q.device, non_blocking=True)
+    bounds = torch.tensor(cu, dtype=torch.int32).pin_memory().to(q.device, non_blocking=True)
     q, k, v = (t if t.is_contiguous() else t.contiguous() for t in (q, k, v))
     # One tensor for queries and keys: cuDNN's causal varlen needs them to be the same object.
     return varlen_attn(
@@ -207,26 +223,5 @@ def _device_kernel(
         longest,
         scale=scale,
         window_size=(-1, 0) if causal else (-1, -1),
-        enable_gqa=rep > 1,
+        enable_gqa=gqa,
     )
-
-
-@torch.compiler.disable
-def _per_document(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    cu_seqlens: torch.Tensor | Sequence[int],
-    causal: bool,
-    scale: float | None,
-) -> torch.Tensor:
-    _check_heads(q, k, v)
-    if k.shape[0] != q.shape[0]:
-        raise ValueError(f"q has {q.shape[0]} tokens but k/v have {k.shape[0]}")
-    cu = as_cu_seqlens(cu_seqlens, q.shape[0])
-    outs = [
-        masked_attention(q[a:b], k[a:b], v[a:b], causal=causal, scale=scale)
-        for a, b in itertools.pairwise(cu)
-        if b > a
-    ]
-    return torch.cat(outs) if outs else q.new_zeros(q.shape)
