@@ -2,14 +2,17 @@
 
 * placements and reordering: ``uniform_on_demand``, ``prepend_first_stage`` and reordering off give the
   same losses, and the same as one process running the whole model (pp=1), step for step;
-* the CLI: a 2-process run writes metrics, TensorBoard events, both PNGs and a committed checkpoint; a run
-  killed with SIGKILL mid-training and resumed with ``--resume`` reproduces the uninterrupted losses
-  exactly.
+* the CLI: a 2-process run writes metrics, TensorBoard events, both PNGs, a committed checkpoint and (with
+  ``--profile``) a torch.profiler trace per rank naming the trainer's phases; a run killed with SIGKILL
+  mid-training and resumed with ``--resume`` reproduces the uninterrupted losses exactly; the automatic
+  restart in between is reported in two lines, without a traceback; ``--resume`` of the finished run says
+  so and changes nothing, and with a larger ``--max-steps`` trains on from where it ended.
 """
 
 import dataclasses
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -113,10 +116,18 @@ def test_cli_run_outputs_restart_and_sigkill_resume_are_exact(tmp_path):
     cfg = write_config(tmp_path / "c.toml", data, steps=16, every=2)
     a, b = tmp_path / "a", tmp_path / "b"
 
-    p = _cli("run", "--config", str(cfg), "--out", str(a))
+    p = _cli("run", "--config", str(cfg), "--out", str(a), "--profile", "2")
     out, _ = p.communicate(timeout=300)
     assert p.returncode == 0, out
     assert len(_losses(a)) == 16
+    for rank in (0, 1):
+        names = {
+            e.get("name", "")
+            for e in json.loads((a / "profile" / f"rank-{rank}.json").read_text())["traceEvents"]
+        }
+        assert {"omni_train.load_step", "omni_train.clip_grad_norm", "omni_train.reduce_gradients"} <= names
+        assert {"ProfilerStep#1", "ProfilerStep#2"} <= names and "ProfilerStep#0" not in names  # 0: warm-up
+        assert "aten::mm" in names and any(n.startswith("Optimizer.step#AdamW") for n in names)
     assert list((a / "tensorboard").glob("events.out.tfevents.*"))
     assert (a / "loss.png").stat().st_size > 0 and (a / "timeline.png").stat().st_size > 0
     assert (a / "checkpoints" / "latest").read_text() == "step-00000016"
@@ -137,7 +148,14 @@ def test_cli_run_outputs_restart_and_sigkill_resume_are_exact(tmp_path):
         "progress after the restart",
     )
     os.killpg(p.pid, signal.SIGKILL)
-    p.communicate(timeout=60)
+    restart_out, _ = p.communicate(timeout=60)
+    assert re.search(
+        r"worker local rank 0 \(pid \d+\) died: SIGKILL; restarting the workers \(restart 1 of 1\)",
+        restart_out,
+    ), restart_out
+    resumed = re.search(r"omni-train: restarted \(1 of 1\), resuming from step (\d+)", restart_out)
+    assert resumed and 0 < int(resumed.group(1)) <= restarted_at, restart_out
+    assert "Traceback" not in restart_out, restart_out
     done = len(_losses(b))
     assert done < 16, f"the run finished ({done} steps) before it could be killed"
 
@@ -145,3 +163,16 @@ def test_cli_run_outputs_restart_and_sigkill_resume_are_exact(tmp_path):
     out, _ = p.communicate(timeout=300)
     assert p.returncode == 0, out
     assert _losses(b) == _losses(a)  # step for step, bit for bit
+
+    # The finished run: --resume says so and leaves it alone; a larger --max-steps trains on.
+    summary = (a / "summary.json").read_text()
+    p = _cli("run", "--config", str(cfg), "--out", str(a), "--resume")
+    out, _ = p.communicate(timeout=300)
+    assert p.returncode == 0 and "already finished: step 16 of train.steps = 16" in out, out
+    assert (a / "summary.json").read_text() == summary
+    p = _cli("run", "--config", str(cfg), "--out", str(a), "--resume", "--max-steps", "18")
+    out, _ = p.communicate(timeout=300)
+    assert p.returncode == 0, out
+    assert _losses(a)[:16] == _losses(b) and len(_losses(a)) == 18
+    extended = json.loads((a / "summary.json").read_text())
+    assert (extended["steps"], extended["resumed_from"], extended["checkpoints"][-1]) == (18, 16, 18)

@@ -1,6 +1,6 @@
 """Multi-node launch: ``torchrun --nnodes 2 --nproc-per-node 1`` twice on loopback (two "nodes", c10d
 rendezvous on 127.0.0.1 at a free port) trains 3 steps with the losses of the single-node 2-process run
-(``omni-train run``, torch's elastic launcher), bit for bit."""
+(``omni-train run``, torch's elastic launcher), bit for bit; rank 0 prints where the outputs go."""
 
 import json
 import os
@@ -59,6 +59,9 @@ def test_two_node_torchrun_on_loopback_matches_single_node(tmp_path):
                 node.communicate()
     for node, out in zip(nodes, outputs):
         assert node.returncode == 0, out[-3000:]
+    # rank 0's node says where the outputs go, and only it
+    told = [out for out in outputs if f"(torchrun) -> {tmp_path / 'multi'}" in out]
+    assert len(told) == 1 and f"done; outputs in {tmp_path / 'multi'}" in told[0], outputs
     assert len(_losses(tmp_path / "single")) == 3
     assert _losses(tmp_path / "multi") == _losses(tmp_path / "single")
     assert (tmp_path / "multi" / "checkpoints" / "step-00000003" / "manifest.msgpack").is_file()

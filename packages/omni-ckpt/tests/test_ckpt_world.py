@@ -229,3 +229,25 @@ def test_two_and_three_process_worlds(tmp_path):
     assert torch.equal(tensors["model.w"], W_FULL()) and torch.equal(tensors["model.b"], B_FULL())
     assert objects["step"] == 5 and objects["loader.pos@rank2"] == 12
     assert sorted(k for k in tensors if k.startswith("rng.")) == ["rng.rank0", "rng.rank1", "rng.rank2"]
+
+
+def _collective_devices(rank, world):
+    from omni_ckpt.save import _device
+
+    # No GPU here: what matters is which device type the answer names; a CUDA index is asked of
+    # torch.cuda.current_device, which needs a GPU, so it is stubbed for this process.
+    torch.cuda.current_device = lambda: 0
+    return {
+        backend: str(_device(dist.new_group([0], backend=backend)))
+        for backend in ("gloo", "cpu:gloo,cuda:gloo", "cuda:gloo")
+    }
+
+
+def test_save_collectives_pick_their_device_from_the_backend_config():
+    # A group that serves only CUDA tensors ("cuda:gloo" here, "cuda:nccl" = NCCL on a GPU machine) needs
+    # CUDA tensors: dist.get_backend returns such configs whole, never equal to "nccl".
+    assert run_world(_collective_devices, 1, timeout_s=120)[0] == {
+        "gloo": "cpu",
+        "cpu:gloo,cuda:gloo": "cpu",
+        "cuda:gloo": "cuda:0",
+    }

@@ -3,43 +3,89 @@ large cluster with the pipeline simulator), ``import-hf`` / ``export-hf`` (Huggi
 ``make-shards`` (your own media into shards and config lines).
 
 Configuration errors are reported before any process starts, naming the field, with exit status 2.
+``run`` takes an override for every config field (``--parallel.pp 1 --optim.lr 1e-3``, see
+:func:`omni_train.config.apply_overrides`); ``--placement``, ``--reorder``, ``--packing``, ``--max-steps``
+and ``--profile`` are aliases of ``--parallel.placement``, ``--parallel.reorder``, ``--data.packing``,
+``--train.steps`` and ``--train.profile_steps``.
 """
 
 from __future__ import annotations
 
 import argparse
-import dataclasses
+import json
 import os
 import sys
 import time
 from pathlib import Path
 
-from omni_train.config import ConfigError, Packing, Placement, RunConfig, load_config, validate
+from omni_train.config import (
+    ConfigError,
+    Packing,
+    Placement,
+    RunConfig,
+    config_from_dict,
+    field_paths,
+    load_config,
+    resume_differences,
+    to_toml,
+    validate,
+)
 from omni_train.hf.folder import HFFolderError
 
-__all__ = ["build_parser", "main", "resolve_run"]
+__all__ = ["build_parser", "main", "parse_args", "resolve_run"]
+
+
+def _override_help() -> str:
+    rows = [f"  --{path} ({kind})" for path, kind in field_paths()]
+    return (
+        "config overrides: any field of the TOML as --section.field VALUE (or =VALUE), typed and\n"
+        "validated like the TOML; list items by index (--data.sources[0].urls 'shards/x-*.tar'), table\n"
+        "entries by key (--data.mixture[1].weights.text 0.5), a bare bool flag is true (--train.compile):\n"
+        + "\n".join(rows)
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="omni-train", description=__doc__.split("\n\n")[0])
     sub = p.add_subparsers(dest="command", required=True)
 
-    run = sub.add_parser("run", help="train a tiny multimodal LLM (default: omni-tiny, 2 processes, CPU)")
+    run = sub.add_parser(
+        "run",
+        help="train a tiny multimodal LLM (default: omni-tiny, 2 processes, CPU)",
+        epilog=_override_help(),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        allow_abbrev=False,  # --parallel.pp must never be read as an abbreviation of another flag
+    )
     run.add_argument("--config", default="omni-tiny", help="bundled config name or TOML path")
     run.add_argument(
         "--nproc", type=int, default=None, help="worker processes (default: the config's world size)"
     )
     run.add_argument(
-        "--max-steps", type=int, default=None, help="stop after this many steps (overrides train.steps)"
+        "--max-steps", type=int, default=None, help="stop after this many steps (alias of --train.steps)"
     )
     run.add_argument("--out", default=None, help="run directory (default: runs/<config>-<time>)")
     run.add_argument("--resume", action="store_true", help="continue from the last committed checkpoint")
     run.add_argument("--max-restarts", type=int, default=0, help="restart failed workers this many times")
-    run.add_argument("--placement", choices=[str(m) for m in Placement], default=None)
     run.add_argument(
-        "--reorder", choices=["on", "off"], default=None, help="grouped reordering of encoder work"
+        "--placement", choices=[str(m) for m in Placement], default=None, help="alias of --parallel.placement"
     )
-    run.add_argument("--packing", choices=[str(m) for m in Packing], default=None)
+    run.add_argument(
+        "--reorder",
+        choices=["on", "off"],
+        default=None,
+        help="grouped reordering of encoder work (alias of --parallel.reorder)",
+    )
+    run.add_argument(
+        "--packing", choices=[str(m) for m in Packing], default=None, help="alias of --data.packing"
+    )
+    run.add_argument(
+        "--profile",
+        type=int,
+        default=None,
+        metavar="STEPS",
+        help="record STEPS steps with torch.profiler into RUN_DIR/profile/ (alias of --train.profile_steps)",
+    )
+    run.add_argument("--print-config", action="store_true", help="print the resolved config (TOML) and exit")
 
     prep = sub.add_parser("prepare-data", help="rebuild the bundled WebDataset shards", add_help=False)
     prep.add_argument("args", nargs=argparse.REMAINDER)
@@ -104,6 +150,90 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    """Parse a command line; ``run``'s ``--section.field VALUE`` overrides land in ``args.overrides`` as
+    ``(field, value)`` pairs (``value`` None for a bare ``--train.compile``).
+
+    Exits (status 2, argparse's message) on an argument that is neither a flag nor a field override.
+    """
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    args.overrides = []
+    if extra and args.command != "run":
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    i = 0
+    while i < len(extra):
+        token = extra[i]
+        if not token.startswith("--") or len(token) < 3:
+            parser.error(f"run: unexpected argument {token!r} (overrides are --section.field VALUE)")
+        key, eq, value = token[2:].partition("=")
+        if eq:
+            args.overrides.append((key, value))
+            i += 1
+        elif i + 1 < len(extra) and not extra[i + 1].startswith("--"):
+            args.overrides.append((key, extra[i + 1]))
+            i += 2
+        else:
+            args.overrides.append((key, None))
+            i += 1
+    return args
+
+
+def _aliases(args: argparse.Namespace) -> list[tuple[str, str | None]]:
+    """The short flags as the field overrides they stand for (applied before the dotted ones)."""
+    out: list[tuple[str, str | None]] = []
+    if args.placement is not None:
+        out.append(("parallel.placement", args.placement))
+    if args.reorder is not None:
+        out.append(("parallel.reorder", args.reorder))
+    if args.packing is not None:
+        out.append(("data.packing", args.packing))
+    if args.max_steps is not None:
+        if args.max_steps < 1:
+            raise ConfigError(f"--max-steps: must be >= 1, got {args.max_steps}")
+        out.append(("train.steps", str(args.max_steps)))
+    if getattr(args, "profile", None) is not None:
+        if args.profile < 0:
+            raise ConfigError(f"--profile: must be >= 0 steps, got {args.profile}")
+        out.append(("train.profile_steps", str(args.profile)))
+    return out
+
+
+def committed_steps(out: Path) -> list[int]:
+    """Committed checkpoint steps of the run directory ``out`` (oldest first; read without processes)."""
+    from omni_ckpt import CheckpointManager
+
+    if not (out / "checkpoints").is_dir():
+        return []
+    return CheckpointManager(str(out / "checkpoints"), keep_last=None, async_save=False).steps()
+
+
+def _check_resume(cfg: RunConfig, out: Path) -> None:
+    """``--resume`` into ``out``: its saved ``config.json`` must agree with ``cfg`` in every field a resume
+    cannot change (:data:`omni_train.config.RESUME_MAY_CHANGE`).
+
+    Raises:
+        ConfigError: naming each differing field, or an unreadable ``config.json``.
+    """
+    path = out / "config.json"
+    if not path.is_file():
+        print(f"omni-train: {path} is missing; the config cannot be checked against the run", file=sys.stderr)
+        return
+    try:
+        saved = config_from_dict(json.loads(path.read_text()))
+    except (ValueError, ConfigError) as exc:
+        raise ConfigError(f"--resume: {path} is not a run config ({exc})") from None
+    steps = committed_steps(out)
+    diffs = resume_differences(saved, cfg, weights_only=bool(steps) and steps[-1] == 0)
+    if diffs:
+        raise ConfigError(
+            f"--resume: the config differs from the run's {path} in fields a resume cannot change: "
+            + "; ".join(diffs)
+            + " (a resume may change only: train.steps, checkpoint.*, optim.*, train.compile, "
+            "train.recompute, train.profile_steps)"
+        )
+
+
 def resolve_run(args: argparse.Namespace) -> tuple[RunConfig, int, Path]:
     """Apply the command-line overrides to the config and validate it.
 
@@ -111,22 +241,11 @@ def resolve_run(args: argparse.Namespace) -> tuple[RunConfig, int, Path]:
         ``(config, nproc, out_dir)``.
 
     Raises:
-        ConfigError: an invalid config or override (names the field), ``--resume`` with nothing to resume,
-            or a run directory that already holds checkpoints without ``--resume``.
+        ConfigError: an invalid config or override (names the field), ``--out`` naming a file,
+            ``--resume`` with nothing to resume or with a config the run cannot continue under (the
+            differing fields named), or a run directory that already holds checkpoints without ``--resume``.
     """
-    cfg = load_config(args.config)
-    par = cfg.parallel
-    if args.placement is not None:
-        par = dataclasses.replace(par, placement=Placement(args.placement))
-    if args.reorder is not None:
-        par = dataclasses.replace(par, reorder=args.reorder == "on")
-    cfg = dataclasses.replace(cfg, parallel=par)
-    if args.packing is not None:
-        cfg = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, packing=Packing(args.packing)))
-    if args.max_steps is not None:
-        if args.max_steps < 1:
-            raise ConfigError(f"--max-steps: must be >= 1, got {args.max_steps}")
-        cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, steps=args.max_steps))
+    cfg = load_config(args.config, _aliases(args) + list(getattr(args, "overrides", [])))
     if args.max_restarts < 0:
         raise ConfigError(f"--max-restarts: must be >= 0, got {args.max_restarts}")
     if args.nproc is not None:
@@ -150,6 +269,9 @@ def resolve_run(args: argparse.Namespace) -> tuple[RunConfig, int, Path]:
         out = Path("runs") / f"{cfg.name}-{os.environ['TORCHELASTIC_RUN_ID']}"
     else:
         out = Path("runs") / f"{cfg.name}-{time.strftime('%Y%m%d-%H%M%S')}"
+    blocker = next((p for p in (out, *out.parents) if p.exists() and not p.is_dir()), None)
+    if blocker is not None:
+        raise ConfigError(f"--out: {blocker} is a file, not a directory; name a run directory")
     if args.resume and not (out / "checkpoints").is_dir():
         raise ConfigError(f"--resume: {out} holds no checkpoints directory")
     # A worker that torchrun restarted resumes (see trainer.worker_main); anything else must not train
@@ -161,18 +283,45 @@ def resolve_run(args: argparse.Namespace) -> tuple[RunConfig, int, Path]:
             f"--out: {out} already holds checkpoints ({old[-1]}); pass --resume to continue that run, "
             "or another --out"
         )
+    if args.resume:
+        _check_resume(cfg, out)
     return cfg, nproc, out
+
+
+def _rank0() -> bool:
+    return os.environ.get("RANK", "0") == "0"
 
 
 def _run(args: argparse.Namespace) -> int:
     from omni_train.launch import ChildFailedError, launch, under_torchrun
 
     cfg, nproc, out = resolve_run(args)
+    if args.print_config:
+        print(
+            f"# omni-train run --print-config: {cfg.source}, overrides applied, valid for {nproc} processes"
+        )
+        print(to_toml(cfg), end="")
+        return 0
+    if args.resume:
+        steps = committed_steps(out)
+        if steps and steps[-1] >= cfg.train.steps:
+            if _rank0():
+                print(
+                    f"omni-train: {out} already finished: step {steps[-1]} of train.steps = "
+                    f"{cfg.train.steps}; nothing to train (pass --max-steps N with N > {steps[-1]} to "
+                    "train further)",
+                    file=sys.stderr,
+                )
+            return 0
     out.mkdir(parents=True, exist_ok=True)
     if under_torchrun():
         from omni_train.trainer import worker_main
 
+        if _rank0():
+            print(f"omni-train: {cfg.name} on {nproc} processes (torchrun) -> {out}", file=sys.stderr)
         worker_main(cfg, str(out), args.resume)
+        if _rank0():
+            print(f"omni-train: done; outputs in {out}", file=sys.stderr)
         return 0
     print(f"omni-train: {cfg.name} on {nproc} processes -> {out}", file=sys.stderr)
     try:
@@ -281,7 +430,7 @@ def main(argv: list[str] | None = None) -> int:
         from omni_train.prepare import main as prepare_main
 
         return int(prepare_main(argv[1:]) or 0)
-    args = build_parser().parse_args(argv)
+    args = parse_args(argv)
     try:
         if args.command == "run":
             return _run(args)

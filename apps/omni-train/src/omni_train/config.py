@@ -10,9 +10,11 @@ from __future__ import annotations
 import dataclasses
 import glob
 import os
+import re
 import tomllib
 import types
 import typing
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
 from importlib import resources
@@ -27,6 +29,7 @@ __all__ = [
     "OFFLOAD",
     "RECOMPUTE",
     "RECOMPUTE_MODULES",
+    "RESUME_MAY_CHANGE",
     "CheckpointConfig",
     "ConfigError",
     "DType",
@@ -41,12 +44,16 @@ __all__ = [
     "RunConfig",
     "SourceConfig",
     "TrainSection",
+    "apply_overrides",
     "bundled_data_dir",
     "config_from_dict",
     "config_path",
     "data_root",
     "expand_urls",
+    "field_paths",
     "load_config",
+    "resume_differences",
+    "to_toml",
     "tokenizer_path",
     "validate",
 ]
@@ -220,7 +227,8 @@ class DType(StrEnum):
     """The training dtype. ``float32`` / ``float64``: parameters and activations in that dtype (float64
     for exactness checks against references); ``bfloat16``: mixed precision, float32 master parameters
     and optimizer, forward and backward under ``torch.autocast`` in bfloat16
-    (``omni_train.parallelize.apply_mixed_precision``)."""
+    (``omni_train.parallelize.apply_mixed_precision``; on CUDA attention then runs the fused varlen kernel,
+    see ``omni_parallel.varlen``)."""
 
     FLOAT32 = "float32"
     FLOAT64 = "float64"
@@ -243,6 +251,8 @@ class TrainSection:
         offload: module families whose blocks keep the activations they save for backward in host
             memory (``omni_train.activation_memory``, saved-tensor hooks; pinned copies on CUDA): any
             of ``"llm"``, ``"image"``, ``"audio"``.
+        profile_steps: record this many steps with ``torch.profiler`` (CPU and CUDA activities) into
+            ``<run>/profile/rank-<r>.json`` Chrome traces (``omni_train.profiling``); 0: off.
     """
 
     steps: int = 200
@@ -252,6 +262,7 @@ class TrainSection:
     recompute: list[str] = field(default_factory=list)
     recompute_modules: list[str] = field(default_factory=list)
     offload: list[str] = field(default_factory=list)
+    profile_steps: int = 0
 
 
 @dataclass
@@ -356,11 +367,19 @@ def _build(tp: Any, value: Any, where: str) -> Any:
     return value
 
 
-def load_config(name_or_path: str = "omni-tiny") -> RunConfig:
+def load_config(
+    name_or_path: str = "omni-tiny", overrides: Sequence[tuple[str, str | None]] = ()
+) -> RunConfig:
     """Read and type-check a TOML run config (sizes are checked by :func:`validate`).
 
+    Args:
+        name_or_path: a bundled config name or a TOML path.
+        overrides: ``(field, value)`` pairs from the command line (:func:`apply_overrides`), applied to
+            the TOML's tables before type-checking, so they are checked exactly as the TOML is.
+
     Raises:
-        ConfigError: missing file, TOML syntax error, unknown key, wrong type (message names the field).
+        ConfigError: missing file, TOML syntax error, unknown key, wrong type, bad override (message names
+            the field).
     """
     path = config_path(name_or_path)
     try:
@@ -368,6 +387,7 @@ def load_config(name_or_path: str = "omni-tiny") -> RunConfig:
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError(f"config: {path}: {exc}") from None
     raw.setdefault("name", path.stem)
+    apply_overrides(raw, overrides)
     cfg = _build(RunConfig, raw, "")
     cfg.source = str(path)
     return cfg
@@ -561,6 +581,8 @@ def validate(cfg: RunConfig, nproc: int) -> None:
         )
     if cfg.checkpoint.every < 0 or cfg.checkpoint.keep_last < 1:
         raise ConfigError("checkpoint.every: must be >= 0 and checkpoint.keep_last >= 1")
+    if cfg.train.profile_steps < 0:
+        raise ConfigError(f"train.profile_steps: must be >= 0, got {cfg.train.profile_steps}")
     _validate_schedule_and_memory(cfg)
 
 
@@ -605,3 +627,235 @@ def _validate_schedule_and_memory(cfg: RunConfig) -> None:
             f"train.offload: {both[0]!r} is also in train.recompute with whole blocks recomputed (no "
             "train.recompute_modules): such a block keeps no activations to offload; choose one"
         )
+
+
+# -- command-line overrides -----------------------------------------------------------------------------
+# ``--parallel.pp 4 --optim.lr 3e-4 --data.sources[0].urls 'x-*.tar'``: each names a field by its dotted
+# path (list items by ``[i]``, table entries such as mixture weights by ``.key``) and sets it in the raw
+# TOML tables before ``_build`` type-checks them, so an override is checked exactly as the TOML is. The
+# string is read by the field's type: ``str`` as is, ``int``/``float``/``bool`` (true/false, on/off,
+# yes/no, 1/0) parsed, ``none`` for an optional field, a list of strings comma-separated or as a TOML array,
+# any other list or table as a TOML value (``'{ image = 0.5, text = 0.5 }'``).
+
+_PATH_PART = re.compile(r"([A-Za-z_][A-Za-z0-9_]*)((?:\[\d+\])*)$")
+_TRUE, _FALSE = ("true", "on", "yes", "1"), ("false", "off", "no", "0")
+
+
+def _unwrap(tp: Any) -> tuple[Any, bool]:
+    """``X | None`` -> ``(X, True)``; anything else -> ``(tp, False)``."""
+    if typing.get_origin(tp) in (typing.Union, types.UnionType):
+        args = [a for a in typing.get_args(tp) if a is not type(None)]
+        return args[0], True
+    return tp, False
+
+
+def _split_path(path: str) -> list[str | int]:
+    parts: list[str | int] = []
+    for piece in path.split("."):
+        m = _PATH_PART.match(piece)
+        if m is None:
+            raise ConfigError(f"{path}: not a field path (expected e.g. parallel.pp or data.sources[0].urls)")
+        parts.append(m.group(1))
+        parts.extend(int(i) for i in re.findall(r"\[(\d+)\]", m.group(2)))
+    return parts
+
+
+def _fields(tp: Any) -> dict[str, Any]:
+    hints = typing.get_type_hints(tp)
+    return {f.name: hints[f.name] for f in dataclasses.fields(tp) if f.init and f.name != "source"}
+
+
+def _parse_value(tp: Any, text: str | None, where: str) -> Any:
+    """The plain (TOML-like) value ``text`` stands for as a value of type ``tp``; ``None`` text: a bare
+    flag (``--train.compile``), true for a bool field."""
+    tp, optional = _unwrap(tp)
+    if text is None:
+        if tp is bool:
+            return True
+        raise ConfigError(f"{where}: needs a value ({_describe(tp)})")
+    if optional and text.lower() in ("none", "null"):
+        return None
+    if tp is bool:
+        if text.lower() in _TRUE + _FALSE:
+            return text.lower() in _TRUE
+        raise ConfigError(f"{where}: expected a bool (true/false, on/off), got {text!r}")
+    if tp is int:
+        try:
+            return int(text)
+        except ValueError:
+            raise ConfigError(f"{where}: expected an integer, got {text!r}") from None
+    if tp is float:
+        try:
+            return float(text)
+        except ValueError:
+            raise ConfigError(f"{where}: expected a number, got {text!r}") from None
+    if tp is str:
+        return text
+    if isinstance(tp, type) and issubclass(tp, StrEnum):
+        if text not in {str(m) for m in tp}:
+            raise ConfigError(f"{where}: {text!r} is not one of {[str(m) for m in tp]}")
+        return text
+    if typing.get_origin(tp) is list and typing.get_args(tp) == (str,) and not text.lstrip().startswith("["):
+        return [s.strip() for s in text.split(",") if s.strip()]
+    try:
+        return tomllib.loads(f"v = {text}")["v"]
+    except tomllib.TOMLDecodeError:
+        raise ConfigError(f"{where}: expected {_describe(tp)} as a TOML value, got {text!r}") from None
+
+
+def _describe(tp: Any) -> str:
+    tp, optional = _unwrap(tp)
+    if isinstance(tp, type) and issubclass(tp, StrEnum):
+        name = "one of " + "|".join(str(m) for m in tp)
+    elif dataclasses.is_dataclass(tp):
+        name = "a table"
+    elif typing.get_origin(tp) is list:
+        name = "a list"
+    elif typing.get_origin(tp) is dict:
+        name = "a table"
+    else:
+        name = {bool: "a bool", int: "an integer", float: "a number", str: "a string"}.get(tp, str(tp))
+    return name + (" or none" if optional else "")
+
+
+def apply_overrides(raw: dict[str, Any], overrides: Sequence[tuple[str, str | None]]) -> dict[str, Any]:
+    """Set each ``(field path, value text)`` of ``overrides`` in the raw TOML tables ``raw`` (in place, in
+    order; returns ``raw``). See the comment above for the syntax. ``[i]`` may be one past a list's end
+    to append an item (given field by field). Types are checked here for the field and again by
+    :func:`load_config`'s type-check of the whole config.
+
+    Raises:
+        ConfigError: naming the field: an unknown field (with the allowed names), an index out of range,
+            a value that does not parse as the field's type (with the allowed values of an enum).
+    """
+    for path, text in overrides:
+        parts = _split_path(path)
+        tp: Any = RunConfig
+        node: Any = raw
+        where = ""
+        for i, part in enumerate(parts):
+            last = i == len(parts) - 1
+            tp, _ = _unwrap(tp)
+            if isinstance(part, int):
+                if typing.get_origin(tp) is not list:
+                    raise ConfigError(f"{where}: not a list, [{part}] does not apply")
+                where = f"{where}[{part}]"
+                (tp,) = typing.get_args(tp)
+                if not isinstance(node, list):
+                    raise ConfigError(f"{where}: the config has no list here")
+                if part > len(node):
+                    raise ConfigError(f"{where}: index out of range (the config has {len(node)} items)")
+                if part == len(node):
+                    node.append({})
+                key: str | int = part
+            elif dataclasses.is_dataclass(tp):
+                fields = _fields(tp)
+                where = f"{where}.{part}".lstrip(".")
+                if part not in fields:
+                    raise ConfigError(f"{where}: unknown field (allowed: {sorted(fields)})")
+                tp, key = fields[part], part
+            elif typing.get_origin(tp) is dict:
+                where = f"{where}.{part}"
+                tp, key = typing.get_args(tp)[1], part
+            else:
+                raise ConfigError(f"{where}: is {_describe(tp)}, it has no field {part!r}")
+            if last:
+                node[key] = _parse_value(tp, text, where)
+                break
+            child = node[key] if (isinstance(node, list) or key in node) else None
+            if child is None:
+                child = [] if typing.get_origin(_unwrap(tp)[0]) is list else {}
+                node[key] = child
+            if not isinstance(child, dict | list):
+                raise ConfigError(f"{where}: is a value, it has no field {parts[i + 1]!r}")
+            node = child
+    return raw
+
+
+def field_paths(tp: Any = None, prefix: str = "") -> list[tuple[str, str]]:
+    """Every overridable field as ``(dotted path, type description)``: lists of tables as ``path[i]``."""
+    out: list[tuple[str, str]] = []
+    for name, ft in _fields(RunConfig if tp is None else tp).items():
+        inner, _ = _unwrap(ft)
+        path = f"{prefix}{name}"
+        if dataclasses.is_dataclass(inner):
+            out += field_paths(inner, path + ".")
+        elif typing.get_origin(inner) is list and dataclasses.is_dataclass(typing.get_args(inner)[0]):
+            out += field_paths(typing.get_args(inner)[0], path + "[i].")
+        elif typing.get_origin(inner) is dict:
+            out.append((path + ".KEY", _describe(typing.get_args(inner)[1])))
+        else:
+            out.append((path, _describe(ft)))
+    return out
+
+
+def _drop_none(obj: Any) -> Any:
+    if isinstance(obj, dict):
+        return {k: _drop_none(v) for k, v in obj.items() if v is not None}
+    if isinstance(obj, list):
+        return [_drop_none(v) for v in obj]
+    return obj
+
+
+def to_toml(cfg: RunConfig) -> str:
+    """The config as TOML that :func:`load_config` reads back to an equal config (``source`` left out;
+    unset optional fields, which TOML cannot write, left out, i.e. at their default ``None``)."""
+    import tomli_w
+
+    plain = cfg.to_dict()
+    plain.pop("source", None)
+    return tomli_w.dumps(_drop_none(plain))
+
+
+def _flatten(obj: Any, prefix: str, out: dict[str, Any]) -> dict[str, Any]:
+    if isinstance(obj, dict):
+        if not obj and prefix:
+            out[prefix] = {}
+        for k, v in obj.items():
+            _flatten(v, f"{prefix}.{k}" if prefix else str(k), out)
+    elif isinstance(obj, list) and obj and all(isinstance(v, dict) for v in obj):
+        for i, v in enumerate(obj):
+            _flatten(v, f"{prefix}[{i}]", out)
+        out[f"{prefix}.len"] = len(obj)
+    else:
+        out[prefix] = obj
+    return out
+
+
+# Fields a resumed run may change (``--resume``, checked by :func:`resume_differences` before any worker
+# starts): the length of the run, its checkpoint cadence, the optimizer's hyperparameters and schedule
+# (the saved AdamW moments load whatever the learning rate; the cosine schedule is recomputed over the
+# new ``train.steps``), and execution options that leave the state unchanged. Everything else (the model,
+# the data and its mixture, the parallel layout, the seed and the dtype) shapes the saved model,
+# optimizer or loader state, or the data order the loader resumes in. From a step-0 checkpoint (weights
+# only: ``omni-train import-hf``) only ``model`` must match.
+RESUME_MAY_CHANGE = (
+    "name",
+    "train.steps",
+    "train.compile",
+    "train.recompute",
+    "train.profile_steps",
+    "train.recompute_modules",
+    "train.offload",
+    "checkpoint",
+    "optim",
+)
+
+
+def resume_differences(saved: RunConfig, cfg: RunConfig, *, weights_only: bool = False) -> list[str]:
+    """The fields in which ``cfg`` differs from the run's ``saved`` config and that a resume cannot change
+    (see :data:`RESUME_MAY_CHANGE`), each as ``"field: saved -> new"``; empty if compatible.
+
+    Args:
+        weights_only: the checkpoint to resume holds weights only (step 0): only ``model.*`` counts.
+    """
+    old, new = _flatten(saved.to_dict(), "", {}), _flatten(cfg.to_dict(), "", {})
+    out = []
+    for key in sorted(set(old) | set(new)):
+        if key == "source" or any(key == f or key.startswith((f + ".", f + "[")) for f in RESUME_MAY_CHANGE):
+            continue
+        if weights_only and not key.startswith("model."):
+            continue
+        if old.get(key, "(absent)") != new.get(key, "(absent)"):
+            out.append(f"{key}: {old.get(key, '(absent)')!r} -> {new.get(key, '(absent)')!r}")
+    return out

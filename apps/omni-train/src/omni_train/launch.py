@@ -4,13 +4,23 @@
 workers, a c10d rendezvous on 127.0.0.1 at a free port and ``max_restarts``; failed workers are restarted
 by the elastic agent and resume from the last committed checkpoint. Under ``torchrun`` (``RANK``,
 ``WORLD_SIZE``, ``MASTER_ADDR`` ... set) :func:`under_torchrun` is true and the CLI runs the worker inline.
+
+An expected restart is reported in one line per failure ("worker local rank 0 (pid 123) died: SIGKILL;
+restarting the workers (restart 1 of 1)"), then rank 0 of the new workers says which step it resumes
+from; the elastic agent's own per-failure traceback (of its process-joining code, not of the worker) is
+left out. A run out of restarts raises :class:`ChildFailedError`, which names the rank and its error.
 """
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import os
+import signal
 import socket
+import sys
 import uuid
+from collections.abc import Iterator
 from pathlib import Path
 
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
@@ -19,6 +29,51 @@ from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 from omni_train.config import RunConfig
 
 __all__ = ["ChildFailedError", "free_port", "launch", "under_torchrun"]
+
+# Records of a worker failure the elastic agent logs (with its own traceback) and of the survivors it
+# terminates: replaced by one line each failure (see the module docstring).
+_AGENT_LOGGERS = ("torch.distributed.elastic.multiprocessing.api", "torch.multiprocessing.spawn")
+
+
+class _RestartReporter(logging.Filter):
+    """Turns the agent's failure records into one line on stderr and drops them and the SIGTERM notices."""
+
+    def __init__(self, max_restarts: int) -> None:
+        super().__init__()
+        self.max_restarts, self.failures = max_restarts, 0
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        msg = str(record.msg)
+        if msg.startswith("failed (exitcode"):
+            code, local_rank, pid = record.args[:3]  # type: ignore[index]
+            self.failures += 1
+            how = f"exit code {code}"
+            if isinstance(code, int) and code < 0:
+                with contextlib.suppress(ValueError):
+                    how = signal.Signals(-code).name
+            then = (
+                f"restarting the workers (restart {self.failures} of {self.max_restarts})"
+                if self.failures <= self.max_restarts
+                else "no restarts left"
+            )
+            print(
+                f"omni-train: worker local rank {local_rank} (pid {pid}) died: {how}; {then}", file=sys.stderr
+            )
+            return False
+        return not msg.startswith("Terminating process")
+
+
+@contextlib.contextmanager
+def _reported_restarts(max_restarts: int) -> Iterator[None]:
+    reporter = _RestartReporter(max_restarts)
+    loggers = [logging.getLogger(name) for name in _AGENT_LOGGERS]
+    for lg in loggers:
+        lg.addFilter(reporter)
+    try:
+        yield
+    finally:
+        for lg in loggers:
+            lg.removeFilter(reporter)
 
 
 def under_torchrun() -> bool:
@@ -65,4 +120,5 @@ def launch(
         start_method="spawn",
         local_addr="127.0.0.1",
     )
-    return elastic_launch(config, worker_main)(cfg, str(out_dir), resume)
+    with _reported_restarts(max_restarts):
+        return elastic_launch(config, worker_main)(cfg, str(out_dir), resume)

@@ -1,5 +1,5 @@
 """Run outputs: ``metrics.jsonl`` (one JSON object per step), TensorBoard events, the rank-0 progress bar,
-and at the end of the run ``loss.png``, the last step's timeline (PNG and Chrome trace) and
+and at the end of the run ``loss.png`` (smoothed, mixture phase changes marked), the last step's timeline (PNG and Chrome trace) and
 ``summary.json``.
 
 Only rank 0 writes. On ``--resume`` the JSONL file is cut back to the steps before the resumed step, so the
@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -17,7 +18,7 @@ from tqdm import tqdm
 
 from omni_pipeline import TimelineEvent, plot_timeline, write_chrome_trace
 
-__all__ = ["MetricsLogger", "finish_run", "plot_loss", "read_metrics"]
+__all__ = ["MetricsLogger", "ema", "finish_run", "loss_figure", "plot_loss", "read_metrics"]
 
 
 def read_metrics(path: str | Path) -> list[dict[str, Any]]:
@@ -76,29 +77,84 @@ class MetricsLogger:
         self._file.close()
 
 
-def plot_loss(metrics: list[dict[str, Any]], path: str | Path) -> None:
-    """Plot total loss and loss per modality against step into a PNG at ``path``."""
+def ema(values: list[float], smoothing: float) -> list[float]:
+    """Bias-corrected exponential moving average (TensorBoard's scalar smoothing; Adam's debiasing):
+    ``m_t = smoothing * m_{t-1} + (1 - smoothing) * x_t``, reported as ``m_t / (1 - smoothing**(t+1))``,
+    so the first points are not pulled towards 0.
+
+    Raises:
+        ValueError: ``smoothing`` outside ``[0, 1)``.
+    """
+    if not 0 <= smoothing < 1:
+        raise ValueError(f"smoothing must be in [0, 1), got {smoothing}")
+    out, m = [], 0.0
+    for t, x in enumerate(values):
+        m = smoothing * m + (1 - smoothing) * x
+        out.append(m / (1 - smoothing ** (t + 1)))
+    return out
+
+
+def loss_figure(metrics: list[dict[str, Any]], *, phase_steps: Sequence[int] = (), smoothing: float = 0.9):
+    """The ``loss.png`` figure: per series the raw values (thin, faint) under their :func:`ema`; the total
+    loss drawn last and thickest (on top of the per-modality lines); a dashed vertical line at each
+    mixture phase change (``phase_steps``: the steps where a new phase starts, ``until_step`` values).
+
+    Returns:
+        the matplotlib ``Figure`` (one axes).
+    """
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(7, 4), dpi=110)
-    steps = [m["step"] for m in metrics]
-    ax.plot(steps, [m["loss"] for m in metrics], label="loss", color="black", lw=1.5)
     mods = sorted({k for m in metrics for k in m.get("loss_per_modality", {})})
-    for mod in mods:
+    colours = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    for i, mod in enumerate(mods):
         pts = [
             (m["step"], m["loss_per_modality"][mod]) for m in metrics if mod in m.get("loss_per_modality", {})
         ]
-        ax.plot([p[0] for p in pts], [p[1] for p in pts], label=f"loss ({mod})", lw=0.8, alpha=0.8)
+        xs, ys = [p[0] for p in pts], [p[1] for p in pts]
+        c = colours[i % len(colours)]
+        ax.plot(xs, ys, color=c, lw=0.6, alpha=0.25, zorder=1)
+        ax.plot(xs, ema(ys, smoothing), label=f"loss ({mod})", color=c, lw=1.0, zorder=2)
+    steps, losses = [m["step"] for m in metrics], [m["loss"] for m in metrics]
+    ax.plot(steps, losses, color="black", lw=0.6, alpha=0.25, zorder=3)
+    ax.plot(steps, ema(losses, smoothing), label="loss (all)", color="black", lw=2.2, zorder=4)
+    lo, hi = (min(steps), max(steps)) if steps else (0, 0)
+    shown = [s for s in sorted(phase_steps) if lo < s <= hi]
+    for k, s in enumerate(shown):
+        ax.axvline(s, color="grey", ls="--", lw=0.8, zorder=0, label=None if k else "mixture phase change")
     ax.set_xlabel("step")
-    ax.set_ylabel("cross-entropy (nats / token)")
+    ax.set_ylabel(f"cross-entropy (nats / token), EMA {smoothing}")
     ax.legend()
     ax.grid(alpha=0.3)
     fig.tight_layout()
+    return fig
+
+
+def plot_loss(
+    metrics: list[dict[str, Any]],
+    path: str | Path,
+    *,
+    phase_steps: Sequence[int] = (),
+    smoothing: float = 0.9,
+) -> None:
+    """Write :func:`loss_figure` as a PNG at ``path``."""
+    import matplotlib.pyplot as plt
+
+    fig = loss_figure(metrics, phase_steps=phase_steps, smoothing=smoothing)
     fig.savefig(path)
     plt.close(fig)
+
+
+def _phase_steps(out_dir: Path) -> list[int]:
+    """Mixture phase changes from the run's ``config.json`` (empty if it has none or is unreadable)."""
+    try:
+        mixture = json.loads((out_dir / "config.json").read_text())["data"]["mixture"]
+        return [int(ph["until_step"]) for ph in mixture if ph.get("until_step") is not None]
+    except (OSError, ValueError, KeyError, TypeError):
+        return []
 
 
 def finish_run(
@@ -120,7 +176,7 @@ def finish_run(
     """
     metrics = read_metrics(out_dir / "metrics.jsonl")
     if metrics:
-        plot_loss(metrics, out_dir / "loss.png")
+        plot_loss(metrics, out_dir / "loss.png", phase_steps=_phase_steps(out_dir))
     if timelines is not None:
         plot_timeline(timelines, out_dir / "timeline.png", title=title)
         write_chrome_trace(timelines, out_dir / "timeline.json")

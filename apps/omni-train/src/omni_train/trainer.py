@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -44,10 +45,11 @@ import torch
 import torch.distributed as dist
 from tokenizers import Tokenizer
 from torch import nn
+from torch.profiler import record_function
 
 from omni_data import Modality, encoder_microbatch_ids
 from omni_data.zero_redundancy import FilteredStep
-from omni_parallel import ParallelConfig, ParallelState
+from omni_parallel import ParallelConfig, ParallelState, mesh_device_type
 from omni_pipeline import (
     CostModel,
     EncoderAnchor,
@@ -77,6 +79,7 @@ from omni_train.parallelize import (
     training_dtypes,
 )
 from omni_train.pipeline import build_rank_stages, build_schedule
+from omni_train.profiling import StepProfiler
 from omni_train.skip_metrics import SkipMetrics
 from omni_train.step_inputs import StepBuilder
 from omni_train.step_metrics import StepMetrics, memory_metrics
@@ -104,7 +107,9 @@ class Trainer:
         self.pp_rank, self.pp = self.ps.local_rank("pp"), self.ps.size("pp")
         self.dp, self.tp, self.sp = self.ps.size("dp"), self.ps.size("tp"), self.ps.size("ulysses")
         self.is_first, self.is_last = self.pp_rank == 0, self.pp_rank == self.pp - 1
-        cuda = torch.cuda.is_available() and "nccl" in str(dist.get_backend())
+        # The device CUDA tensors need for this world's collectives: "cuda" for NCCL or a mixed
+        # "cpu:gloo,cuda:nccl" backend, "cpu" for gloo (get_backend() returns a mixed config whole).
+        cuda = mesh_device_type() == "cuda"
         self.device = (
             torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if cuda else torch.device("cpu")
         )
@@ -227,6 +232,7 @@ class Trainer:
             raise ValueError(f"tokenizer {self.cfg.data.tokenizer}: special token {token} is missing")
         return i
 
+    @record_function("omni_train.reduce_gradients")
     def _reduce_gradients(self) -> None:
         self.sync_llm()
         self.sync_encoders()
@@ -250,11 +256,23 @@ class Trainer:
         cfg, total = self.cfg, self.cfg.train.steps
         start = self.checkpoint.restore() if self.resume else self._fresh_start()
         self.skips.start()
+        restarts = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+        if restarts and self.rank == 0:
+            of = os.environ.get("TORCHELASTIC_MAX_RESTARTS", "?")
+            print(f"omni-train: restarted ({restarts} of {of}), resuming from step {start}", file=sys.stderr)
         logger = MetricsLogger(self.out, total, start, enabled=self.rank == 0)
         if self.rank == 0:
             (self.out / "config.json").write_text(json.dumps(cfg.to_dict(), indent=2))
             (self.out / "dataflow.json").write_text(self.flow.to_json())
         t_run, last = time.perf_counter(), None
+        prof = StepProfiler(
+            self.out,
+            self.rank,
+            cfg.train.profile_steps,
+            first_step=start,
+            total_steps=total,
+            device=self.device,
+        ).start()
         for step in range(start, total):
             t0 = time.perf_counter()
             inputs = self.builder.build(self._loader_step(step))
@@ -277,6 +295,8 @@ class Trainer:
             last = result if step == total - 1 else last
             if self.checkpoint.due(step + 1):
                 self.checkpoint.save(step + 1)
+            prof.step()
+        prof.stop()
         self.checkpoint.close()
         logger.close()
         summary = self._finish(last, time.perf_counter() - t_run, start) if self.rank == 0 else {}
@@ -287,6 +307,7 @@ class Trainer:
         self.stream.reset()
         return 0
 
+    @record_function("omni_train.load_step")
     def _loader_step(self, step: int) -> FilteredStep:
         fs = next(self.stream)
         if fs.step != step:
@@ -301,6 +322,7 @@ class Trainer:
         self.optimizer.zero_grad(set_to_none=True)
         return lr
 
+    @record_function("omni_train.clip_grad_norm")
     def _clip(self) -> float:
         return clip_grad_norm_(
             list(self.stage.parameters()),

@@ -76,9 +76,19 @@ def _group_info(process_group: dist.ProcessGroup | None) -> tuple[dist.ProcessGr
 
 
 def _device(process_group: dist.ProcessGroup | None) -> torch.device:
-    if process_group is not None and dist.get_backend(process_group) == "nccl":
+    """Where the tensors of this module's own collectives on ``process_group`` live (the plan-cache
+    all-reduce): the CPU when the group has a backend for CPU tensors (gloo, or a mixed
+    ``"cpu:gloo,cuda:nccl"`` group), else the current device of the one device type it serves (NCCL:
+    CUDA). Read from ``dist.get_backend_config``: ``dist.get_backend`` returns a ``device:backend``
+    config whole (``"cuda:nccl"``, ``"cpu:gloo,cuda:nccl"``), never equal to a bare ``"nccl"``."""
+    if process_group is None:
+        return torch.device("cpu")
+    served = [entry.split(":", 1)[0] for entry in dist.get_backend_config(process_group).split(",")]
+    if "cpu" in served:
+        return torch.device("cpu")
+    if served[0] == "cuda":
         return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
+    return torch.device(served[0])
 
 
 def pack_objects(objects: dict[str, Any]) -> bytes:

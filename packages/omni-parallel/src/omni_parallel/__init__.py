@@ -18,7 +18,13 @@ from omni_parallel.reshard import ReshardMode, ReshardPlan, reshard_to_llm
 from omni_parallel.state import EncoderLayout, EncoderState, ParallelState, mesh_device_type
 from omni_parallel.topology import GROUP_NAMES, ParallelConfig, mesh_axes, rank_groups
 from omni_parallel.ulysses import padded_heads, ulysses_attention
-from omni_parallel.varlen import as_cu_seqlens, cu_seqlens_from_lengths, masked_attention, varlen_attention
+from omni_parallel.varlen import (
+    as_cu_seqlens,
+    cu_seqlens_from_lengths,
+    masked_attention,
+    uses_device_kernel,
+    varlen_attention,
+)
 
 __all__ = [
     "GROUP_NAMES",
@@ -55,6 +61,7 @@ __all__ = [
     "shard_for_cp",
     "ulysses_attention",
     "unshard_from_cp",
+    "uses_device_kernel",
     "varlen_attention",
 ]
 __version__ = "0.2.0"

@@ -2,11 +2,19 @@
 repo (LLM, ViT, audio encoder) and the local kernel of Ulysses and CP.
 
 A packed sequence holds several documents delimited by ``cu_seqlens``; no token attends across a document
-boundary. The reference kernel runs one ``scaled_dot_product_attention`` per document (``O(sum L_d^2)``
-work and memory, not ``O(T^2)``); it is also the single-process oracle of the distributed tests. It stays
-out of ``torch.compile`` graphs (``torch.compiler.disable``): its loop over documents would specialise a
-compiled block on every ``cu_seqlens``. A device kernel (e.g. ``torch.nn.attention.varlen.varlen_attn`` on
-CUDA) belongs behind the same entry point.
+boundary. Two kernels sit behind the entry point, chosen by :func:`uses_device_kernel`:
+
+* on CUDA in float16/bfloat16 (head_dim a multiple of 8, at most 256): torch's fused varlen kernel,
+  ``torch.nn.attention.varlen.varlen_attn`` (FlashAttention-2's varlen interface, Dao 2023, or cuDNN's),
+  one launch for the whole pack, ``O(T)`` memory;
+* everywhere else (CPU, float32/float64): the reference kernel, one ``scaled_dot_product_attention`` per
+  document (``O(sum L_d^2)`` work and memory, not ``O(T^2)``); it is also the single-process oracle of
+  the distributed tests and of the device kernel (``tests/test_parallel_varlen_cuda.py``).
+
+Both stay out of ``torch.compile`` graphs (``torch.compiler.disable``): the reference loop over documents
+would specialise a compiled block on every ``cu_seqlens``, and the device kernel needs the longest
+document as a Python int. ``cu_seqlens`` is validated on the host: pass it as a CPU tensor or a list to
+keep the GPU stream free of synchronisations (a CUDA tensor is read back once per call).
 
 Conventions: packed tensors are ``[tokens, heads, head_dim]``; ``cu_seqlens`` is ``[docs + 1]`` int64
 cumulative lengths starting at 0 (FlashAttention's varlen convention). GQA: query head ``h`` uses
@@ -22,7 +30,15 @@ from collections.abc import Sequence
 import torch
 import torch.nn.functional as F
 
-__all__ = ["as_cu_seqlens", "cu_seqlens_from_lengths", "masked_attention", "varlen_attention"]
+__all__ = [
+    "as_cu_seqlens",
+    "cu_seqlens_from_lengths",
+    "masked_attention",
+    "uses_device_kernel",
+    "varlen_attention",
+]
+
+_KERNEL_DTYPES = (torch.float16, torch.bfloat16)
 
 
 def cu_seqlens_from_lengths(lengths: Sequence[int]) -> torch.Tensor:
@@ -138,11 +154,25 @@ def varlen_attention(
     Raises:
         ValueError: bad shapes, heads_q not a multiple of heads_kv, or bad ``cu_seqlens``.
     """
-    return _per_document(q, k, v, cu_seqlens, causal, scale)
+    return _attend(q, k, v, cu_seqlens, causal, scale)
+
+
+def uses_device_kernel(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
+    """Whether :func:`varlen_attention` runs torch's fused varlen kernel for these inputs: CUDA tensors of
+    one dtype, float16 or bfloat16, head_dim a multiple of 8 and at most 256 (FlashAttention's limits);
+    otherwise it runs the reference kernel."""
+    return (
+        q.is_cuda
+        and q.dtype in _KERNEL_DTYPES
+        and k.dtype == q.dtype
+        and v.dtype == q.dtype
+        and q.shape[-1] % 8 == 0
+        and q.shape[-1] <= 256
+    )
 
 
 @torch.compiler.disable
-def _per_document(
+def _attend(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
@@ -150,13 +180,48 @@ def _per_document(
     causal: bool,
     scale: float | None,
 ) -> torch.Tensor:
-    _check_heads(q, k, v)
+    rep = _check_heads(q, k, v)
     if k.shape[0] != q.shape[0]:
         raise ValueError(f"q has {q.shape[0]} tokens but k/v have {k.shape[0]}")
     cu = as_cu_seqlens(cu_seqlens, q.shape[0])
+    if uses_device_kernel(q, k, v):
+        return _fused(q, k, v, cu, rep > 1, causal, scale)
     outs = [
         masked_attention(q[a:b], k[a:b], v[a:b], causal=causal, scale=scale)
         for a, b in itertools.pairwise(cu)
         if b > a
     ]
     return torch.cat(outs) if outs else q.new_zeros(q.shape)
+
+
+def _fused(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu: list[int],
+    gqa: bool,
+    causal: bool,
+    scale: float | None,
+) -> torch.Tensor:
+    from torch.nn.attention.varlen import varlen_attn
+
+    cu = [c for i, c in enumerate(cu) if i == 0 or c != cu[i - 1]]  # empty documents attend to nothing
+    if len(cu) < 2:
+        return q.new_zeros(q.shape)
+    longest = max(b - a for a, b in itertools.pairwise(cu))
+    # Pinned and non-blocking: the host-validated boundaries reach the GPU without a stream sync.
+    bounds = torch.tensor(cu, dtype=torch.int32).pin_memory().to(q.device, non_blocking=True)
+    q, k, v = (t if t.is_contiguous() else t.contiguous() for t in (q, k, v))
+    # One tensor for queries and keys: cuDNN's causal varlen needs them to be the same object.
+    return varlen_attn(
+        q,
+        k,
+        v,
+        bounds,
+        bounds,
+        longest,
+        longest,
+        scale=scale,
+        window_size=(-1, 0) if causal else (-1, -1),
+        enable_gqa=gqa,
+    )

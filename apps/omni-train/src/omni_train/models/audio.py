@@ -259,7 +259,7 @@ class AudioEncoder(nn.Module):
                 )
             x = x + self.pos_embed[pos.to(x.device)].to(x.dtype)
         else:
-            rope = rope_angles(pos, self.cfg.dim // self.cfg.n_heads, self.cfg.rope_theta)
+            rope = rope_angles(pos.to(x.device), self.cfg.dim // self.cfg.n_heads, self.cfg.rope_theta)
         for blk in self.blocks:
             x = blk(x, rope, cu)
         return self.norm(x)

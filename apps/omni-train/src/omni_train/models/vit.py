@@ -146,7 +146,9 @@ class VisionTransformer(nn.Module):
             raise ValueError(f"{patches.shape[0]} patches but grids {grids.tolist()} need {int(sizes.sum())}")
         cu = torch.zeros(sizes.numel() + 1, dtype=torch.int64)
         cu[1:] = torch.cumsum(sizes, 0)
-        rows, cols = _patch_positions(grids, self.cfg.merge)
+        # Positions follow the patches' device (RoPE multiplies them in); cu stays on the host, where
+        # varlen attention validates it.
+        rows, cols = (p.to(patches.device) for p in _patch_positions(grids, self.cfg.merge))
         hd = self.cfg.dim // self.cfg.n_heads
         cr, sr = rope_angles(rows, hd // 2, self.cfg.rope_theta)
         cc, sc = rope_angles(cols, hd // 2, self.cfg.rope_theta)
