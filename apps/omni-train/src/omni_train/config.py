@@ -115,7 +115,13 @@ class MixturePhase:
 
 @dataclass
 class DataConfig:
-    """Sources, mixture phases and packing. ``max_seq_len`` in LLM tokens per pack (= per microbatch)."""
+    """Sources, mixture phases and packing. ``max_seq_len`` in LLM tokens per pack (= per microbatch).
+
+    ``reorder_group_size``: DP replicas per reordering group of the decentralised grouped reordering
+    across DP (``omni_train.encoder_parallel``, paper §5.1); must divide ``parallel.dp``; 1 turns it off;
+    ``None`` (default): the replicas whose ranks share this rank's node (``LOCAL_WORLD_SIZE``, else
+    every replica). Active only with ``parallel.reorder``.
+    """
 
     sources: list[SourceConfig]
     mixture: list[MixturePhase]
@@ -124,6 +130,7 @@ class DataConfig:
     buffer_size: int = 64
     packing: Packing = Packing.HYBRID
     tokenizer: str = "tokenizer.json"
+    reorder_group_size: int | None = None
 
 
 @dataclass
@@ -139,7 +146,17 @@ class ParallelConfigSection:
             encoder microbatch does not depend on it (slice ``j`` of each LLM microbatch runs on
             pipeline rank ``j``). Must be > 0.
         encoder_zero: ZeRO stage of the encoders (``omni_train.parallelize.apply_encoder_zero``); 0:
-            every rank holds them whole and their gradients are summed over every rank.
+            every rank holds them whole and their gradients are summed over every rank; 2: FSDP2 shards
+            their gradients and optimizer state over every rank (the gathered parameters stay allocated
+            between steps); 3: parameters too.
+        encoder_sp: encoder sequence-parallel size (``omni_train.encoder_parallel``): 1, or the LLM's
+            sequence-parallel size (``ulysses`` or ``cp``), whose group it then shares. With an LLM SP
+            group the samples of each encoder microbatch are spread over it (each encoded once, short
+            ones whole on single ranks balanced by cost); with ``encoder_sp`` > 1, images of more than
+            ``long_threshold`` LLM tokens are also split along the sequence over the group, Ulysses
+            inside the ViT's attention.
+        long_threshold: tokens (after the patch merge: the LLM tokens an image fills) above which an
+            image is long (split over the encoder SP group); >= 1.
     """
 
     pp: int = 2
@@ -151,6 +168,8 @@ class ParallelConfigSection:
     reorder: bool = True
     encoder_forward_share: float = 0.3
     encoder_zero: int = 0
+    encoder_sp: int = 1
+    long_threshold: int = 8192
 
     @property
     def world_size(self) -> int:
@@ -468,9 +487,21 @@ def validate(cfg: RunConfig, nproc: int) -> None:
         raise ConfigError(f"train.recompute: {unknown[0]!r} is not one of {list(RECOMPUTE)}")
     if not par.encoder_forward_share > 0:
         raise ConfigError(f"parallel.encoder_forward_share: must be > 0, got {par.encoder_forward_share}")
-    if par.encoder_zero != 0:
+    if par.encoder_zero not in (0, 2, 3):
         raise ConfigError(
-            f"parallel.encoder_zero: {par.encoder_zero} is not supported yet (0: encoders whole on every rank)"
+            f"parallel.encoder_zero: {par.encoder_zero} is not one of 0 (encoders whole on every rank), "
+            "2 (gradients and optimizer state sharded) or 3 (parameters too)"
         )
+    llm_sp = max(par.ulysses, par.cp)
+    if par.encoder_sp < 1 or (par.encoder_sp > 1 and par.encoder_sp != llm_sp):
+        raise ConfigError(
+            f"parallel.encoder_sp: {par.encoder_sp} must be 1 or the LLM sequence-parallel size "
+            f"(ulysses {par.ulysses}, cp {par.cp}), whose group the encoders share"
+        )
+    if par.long_threshold < 1:
+        raise ConfigError(f"parallel.long_threshold: must be >= 1 token, got {par.long_threshold}")
+    g = cfg.data.reorder_group_size
+    if g is not None and (g < 1 or par.dp % g):
+        raise ConfigError(f"data.reorder_group_size: {g} must be >= 1 and divide parallel.dp {par.dp}")
     if cfg.checkpoint.every < 0 or cfg.checkpoint.keep_last < 1:
         raise ConfigError("checkpoint.every: must be >= 0 and checkpoint.keep_last >= 1")

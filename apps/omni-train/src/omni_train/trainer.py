@@ -30,6 +30,7 @@ from __future__ import annotations
 import json
 import os
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -40,7 +41,7 @@ from torch import nn
 
 from omni_data import Modality, encoder_microbatch_ids
 from omni_data.zero_redundancy import FilteredStep
-from omni_parallel import ParallelConfig, ParallelState
+from omni_parallel import ParallelConfig, ParallelState, ReshardMode
 from omni_pipeline import (
     CostModel,
     EncoderAnchor,
@@ -54,6 +55,12 @@ from omni_pipeline import (
 from omni_train.checkpointing import TrainCheckpoint
 from omni_train.config import RunConfig, bundled_data_dir
 from omni_train.data_pipeline import build_step_stream
+from omni_train.encoder_parallel import (
+    EncoderParallel,
+    SequenceLayout,
+    default_reorder_group_size,
+    reorder_groups,
+)
 from omni_train.encoders import Encoders
 from omni_train.flops import matmul_params, measure_peak_flops
 from omni_train.metrics import MetricsLogger, finish_run
@@ -67,7 +74,7 @@ from omni_train.parallelize import (
     apply_tp,
     pipeline_groups,
 )
-from omni_train.step_inputs import StepBuilder
+from omni_train.step_inputs import StepBuilder, StepInputs
 from omni_train.step_metrics import StepMetrics
 
 __all__ = ["Trainer", "worker_main"]
@@ -187,6 +194,7 @@ class Trainer:
             sp_rank=self.ps.local_rank("ulysses"),
             pp_group=self.ps.group("pp") if self.pp > 1 else None,
             dp_group=self.ps.group("dp") if self.dp > 1 else None,
+            parallel=self._encoder_parallel(),
         )
         self.groups = pipeline_groups(self.ps)
         self.executor = PipelineExecutor(
@@ -196,6 +204,28 @@ class Trainer:
             self.groups,
             device=self.device,
             reduce_gradients=self._reduce_gradients,
+        )
+
+    def _encoder_parallel(self) -> EncoderParallel:
+        """The encoders' groups (:mod:`omni_train.encoder_parallel`; collective: every rank creates the
+        reordering groups): the stage's LLM sequence group, and the reordering group across DP of
+        ``data.reorder_group_size`` replicas (1, or ``parallel.reorder`` off: none)."""
+        par = self.cfg.parallel
+        size = self.cfg.data.reorder_group_size
+        self.reorder_group_size = size if size is not None else default_reorder_group_size(self.ps)
+        if not par.reorder:
+            self.reorder_group_size = 1
+        group, rank = reorder_groups(self.ps, self.reorder_group_size)
+        name, mode = ("cp", ReshardMode.CP) if par.cp > 1 else ("ulysses", ReshardMode.ULYSSES)
+        sp = self.ps.size(name)
+        return EncoderParallel(
+            SequenceLayout(mode if sp > 1 else None, sp),
+            sp_group=self.ps.group(name) if sp > 1 else None,
+            sp_rank=self.ps.local_rank(name),
+            encoder_sp=par.encoder_sp,
+            long_threshold=par.long_threshold,
+            reorder_group=group,
+            reorder_rank=rank,
         )
 
     def _special(self, token: str) -> int:
@@ -215,7 +245,14 @@ class Trainer:
         return float(t)
 
     # -- the loop -----------------------------------------------------------------------------------------
-    def run(self) -> dict[str, Any]:
+    def run(
+        self, *, after_backward: Callable[[int, StepInputs, StepResult], None] | None = None
+    ) -> dict[str, Any]:
+        """Train to ``train.steps`` (from the checkpoint with ``resume``); returns rank 0's run summary.
+
+        ``after_backward(step, inputs, result)``, if given, runs on every rank once the step's gradients
+        are reduced, before clipping and the optimizer step (tests read the gradients there).
+        """
         cfg, total = self.cfg, self.cfg.train.steps
         start = self.checkpoint.restore() if self.resume else self._fresh_start()
         logger = MetricsLogger(self.out, total, start, enabled=self.rank == 0)
@@ -229,10 +266,12 @@ class Trainer:
             lr = self._start_step(step)
             result = self.executor.step(
                 inputs.plan,
-                inputs.payloads,
+                inputs.encoder_work,
                 functions=self.builder.functions(inputs),
                 gather_timelines=step == total - 1,
             )
+            if after_backward is not None:
+                after_backward(step, inputs, result)
             grad_norm = self._clip()
             self.optimizer.step()
             row = self.metrics.reduce(inputs, result, time.perf_counter() - t0)
