@@ -42,6 +42,7 @@ from torch import nn
 from omni_data import Modality, encoder_microbatch_ids
 from omni_data.zero_redundancy import FilteredStep
 from omni_parallel import ParallelConfig, ParallelState, ReshardMode
+from omni_parallel.encoder_zero import state_bytes
 from omni_pipeline import (
     CostModel,
     EncoderAnchor,
@@ -123,6 +124,7 @@ class Trainer:
             encoder_matmul={k: matmul_params(t) for k, t in self.encoders.towers.items()},
             owner={e: self.flow.encoder_rank(e) for e in self.flow.encoder_consumer},
             peak_flops=measure_peak_flops(self.device),
+            encoder_bytes=lambda: state_bytes(self.encoders.towers.values(), self.optimizer),
         )
 
     def _build_model(self) -> None:
