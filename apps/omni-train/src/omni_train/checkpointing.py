@@ -6,6 +6,7 @@ continue at step ``N`` exactly (the loader resumes mid-stream).
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -30,6 +31,10 @@ class TrainCheckpoint:
         model: every module of this rank (state dict by name).
         optimizer: its optimizer.
         stream: the loader, whose state is saved with the step.
+        layout: facts of the run's layout a resume must share, by config field (e.g.
+            ``{"data.reorder_group_size": 2}``: which replicas trade samples decides which rank encodes
+            what, so another group size would not reproduce the run); saved with every step, checked
+            by :meth:`restore`.
     """
 
     def __init__(
@@ -40,9 +45,11 @@ class TrainCheckpoint:
         model: nn.Module,
         optimizer: torch.optim.Optimizer,
         stream: ZeroRedundancyFilter,
+        layout: Mapping[str, int] | None = None,
     ) -> None:
         self.cfg, self.total_steps = cfg, total_steps
         self.model, self.optimizer, self.stream = model, optimizer, stream
+        self.layout = dict(layout or {})
         self.manager = CheckpointManager(str(directory), keep_last=cfg.keep_last, async_save=cfg.async_save)
 
     def due(self, next_step: int) -> bool:
@@ -64,7 +71,8 @@ class TrainCheckpoint:
         start at step 1): its model is loaded, the optimizer and the loader start fresh.
 
         Raises:
-            RuntimeError: the checkpoint's recorded step differs from its directory's.
+            RuntimeError: the checkpoint's recorded step differs from its directory's, or it was saved
+                with another ``layout`` (names the field and both values).
         """
         latest = self.manager.latest()
         if latest is None or latest == 0:
@@ -74,6 +82,12 @@ class TrainCheckpoint:
             return 0
         state = self._state(b"")
         self.manager.load(latest, state)
+        for key, value in self.layout.items():
+            if int(state["layout"][key]) != value:
+                raise RuntimeError(
+                    f"{key}: checkpoint step-{latest:08d} was saved with {state['layout'][key]}, this run has "
+                    f"{value}; resume with the value the run was saved with"
+                )
         load_optimizer_state_dict(self.model, self.optimizer, state["optim"])
         self.stream.reset(msgpack.unpackb(state["loader"], strict_map_key=False))
         if int(state["step"]) != latest:
@@ -94,4 +108,5 @@ class TrainCheckpoint:
             "optim": optimizer_state_dict(self.model, self.optimizer),
             "loader": loader,
             "step": 0,
+            "layout": dict(self.layout),
         }

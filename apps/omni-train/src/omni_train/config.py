@@ -98,11 +98,15 @@ class ModelConfig:
 @dataclass
 class SourceConfig:
     """One WebDataset source. ``urls``: a glob or brace pattern, relative to the bundled data directory
-    (``omni_train/data``) unless absolute or an fsspec URL (``scheme://...``)."""
+    (``omni_train/data``) unless absolute or an fsspec URL (``scheme://...``). ``min_pixels`` /
+    ``max_pixels`` (image sources): this source's resize bounds instead of ``[model.vit]``'s, as datasets
+    of different resolutions have (a recipe's image-size mix)."""
 
     name: str
     modality: str
     urls: str
+    min_pixels: int | None = None
+    max_pixels: int | None = None
 
 
 @dataclass
@@ -458,6 +462,16 @@ def validate(cfg: RunConfig, nproc: int) -> None:
             raise ConfigError(f"data.sources[{i}].modality: image source {src.name!r} but no [model.vit]")
         if src.modality == "audio" and cfg.model.audio is None:
             raise ConfigError(f"data.sources[{i}].modality: audio source {src.name!r} but no [model.audio]")
+        if (src.min_pixels is not None or src.max_pixels is not None) and src.modality != "image":
+            raise ConfigError(f"data.sources[{i}].min_pixels: resize bounds are for image sources only")
+        vit = cfg.model.vit
+        if src.modality == "image" and vit is not None:
+            lo = src.min_pixels if src.min_pixels is not None else vit.min_pixels
+            hi = src.max_pixels if src.max_pixels is not None else vit.max_pixels
+            if not 0 < lo <= hi:
+                raise ConfigError(
+                    f"data.sources[{i}].max_pixels: need 0 < min_pixels ({lo}) <= max_pixels ({hi})"
+                )
         if not expand_urls(src.urls):
             raise ConfigError(f"data.sources[{i}].urls: no shards match {src.urls!r} (source {src.name!r})")
     if names.count(names[0]) != 1 or len(set(names)) != len(names):

@@ -3,9 +3,13 @@
 Per rank (DESIGN.md, apps/omni-train; MegaScale-Omni §3-§5; ARCHITECTURE.md draws the flow):
 
 * ``ParallelState`` (omni-parallel) gives the pipeline, data-, tensor- and sequence-parallel groups.
-* The model: this pipeline rank's LLM stage (:class:`~omni_train.models.LLMStage`) and a full copy of the
-  encoders (encoder data parallelism spans every rank), parallelised by :mod:`omni_train.parallelize`
-  (TP, activation checkpointing, compile, and the gradient sync that defines the objective's reduction).
+* The model: this pipeline rank's LLM stage (:class:`~omni_train.models.LLMStage`) and the encoders
+  (encoder data parallelism spans every rank: whole on every rank, or FSDP2-sharded with
+  ``parallel.encoder_zero`` 2 or 3), parallelised by :mod:`omni_train.parallelize` (TP, activation
+  checkpointing, compile, and the gradient sync that defines the objective's reduction).
+* Encoder work (:mod:`omni_train.encoder_parallel`): grouped reordering across DP replicas
+  (``data.reorder_group_size``), long-short SP over the stage's LLM sequence group (``parallel.encoder_sp``,
+  ``parallel.long_threshold``) and resharding of the outputs into the LLM's sequence layout.
   TP and Ulysses peers of a stage read the same packs (the loader reads on their rank 0 and broadcasts);
   stage ``s`` TP/SP rank ``t`` talks to stage ``s + 1`` TP/SP rank ``t``.
 * The data pipeline (:mod:`omni_train.data_pipeline`): every rank of a pipeline builds the same packs from
@@ -114,7 +118,13 @@ class Trainer:
         self._build_pipeline()
         self._build_executor()
         self.checkpoint = TrainCheckpoint(
-            self.out / "checkpoints", cfg.checkpoint, cfg.train.steps, self.model, self.optimizer, self.stream
+            self.out / "checkpoints",
+            cfg.checkpoint,
+            cfg.train.steps,
+            self.model,
+            self.optimizer,
+            self.stream,
+            layout={"data.reorder_group_size": self.reorder_group_size},
         )
         self.metrics = StepMetrics(
             cfg,

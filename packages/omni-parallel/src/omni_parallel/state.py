@@ -10,7 +10,9 @@ elementary axis of :func:`omni_parallel.topology.mesh_axes`; combined groups (``
 created by enumerating :func:`omni_parallel.topology.rank_groups`, whose member lists they all equal.
 
 Decoupled encoders (§ decoupled parallelism): encoder data parallelism spans every rank, pipeline ranks
-included; encoder SP groups are ``sp`` contiguous ranks; ZeRO over all ranks through FSDP2.
+included; encoder SP groups are ``sp`` contiguous ranks; ZeRO over all ranks through FSDP2, on the
+step-scoped schedule of :mod:`omni_parallel.encoder_zero` (one all-gather per step before the first encoder
+forward, one reduce-scatter after the last backward, on every rank whatever its encoder work).
 """
 
 from __future__ import annotations
@@ -54,7 +56,9 @@ class EncoderLayout:
         long_threshold: samples with more than this many tokens are "long" and SP-split; the rest go
             whole to single ranks (long-short SP, see :func:`omni_parallel.plan_long_short`).
         fsdp: shard encoder parameters over all ranks with FSDP2 (``fully_shard``).
-        reshard_after_forward: True = ZeRO-3 (free gathered parameters after forward), False = ZeRO-2.
+        reshard_after_forward: True = ZeRO-3 (parameters sharded at rest: the copy gathered for a step
+            is freed when the step's gradients are reduced), False = ZeRO-2 (the gathered copy stays
+            allocated between steps); see :mod:`omni_parallel.encoder_zero`.
 
     Raises:
         ValueError: ``sp`` or ``long_threshold`` not a positive int, or a flag that is not a bool.
