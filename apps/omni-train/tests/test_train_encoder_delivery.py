@@ -84,9 +84,8 @@ def test_long_short_sp_then_reshard_matches_one_process(mode):
     full, ref_grads = _reference()
     results = run_world(_world, 2, args=(mode,), timeout_s=240)
     seen = []
-    for rank, (rows, pos, grads, (n_long, n_short)) in enumerate(results):
+    for rank, (rows, pos, grads, (n_long, _)) in enumerate(results):
         assert n_long == 1, f"rank {rank}: the 6-token image must be long, split over both ranks"
-        assert torch.equal(pos, pos.sort().values) or mode == "cp"
         torch.testing.assert_close(rows, full[pos], rtol=0, atol=1e-10, msg=f"rank {rank} rows")
         seen += pos.tolist()
         for n, g in ref_grads.items():

@@ -13,19 +13,28 @@ streams side by side):
   (ZeRO-3 and reordering must still join every collective: a hang fails after ``timeout_s``, naming ranks).
 
 The CP path of the delivery is tested directly in ``test_train_encoder_delivery.py``.
+
+Checkpointing with all of it on (dp=2 x ulysses=2, reordering across both replicas, ZeRO-3, long-short
+SP): a worker SIGKILLs itself mid-run (its peers are killed with it), the run resumes from the last
+committed checkpoint and reproduces the uninterrupted run's losses bit for bit (float32, CPU); a resume
+at another reordering-group size is refused. The CLI's own launcher and ``--resume`` flag are covered by
+``test_train_e2e.py``; here the workers are forked from the test harness, which starts in milliseconds
+rather than a fresh interpreter per worker.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import os
+import signal
 from pathlib import Path
 
 import pytest
 from train_fixtures import make_dataset, write_config
 from train_reference import assert_runs_match, capture_run, reference_run, with_parallel
 
-from omni_parallel.testing import run_world
+from omni_parallel.testing import WorldError, run_world
 from omni_train.config import MixturePhase, load_config
 
 pytestmark = pytest.mark.slow
@@ -154,3 +163,43 @@ def test_encoder_zero_reordering_and_long_short_sp_match_one_process(configs):
     assert any({r[1][s]["own_rows"] > 0 for r in dp2} == {True, False} for s in steps), (
         "no step where one replica has media and the other none"
     )
+
+
+def _train(rank, world_size, cfg, run, resume, kill_at, refused_cfg=None):
+    from omni_train.trainer import Trainer
+
+    refused = None
+    if refused_cfg is not None:  # a resume at another reordering-group size first: it must be refused
+        try:
+            Trainer(refused_cfg, Path(run), resume=True).run()
+        except RuntimeError as exc:
+            refused = str(exc)
+
+    def die(step, inputs, result):
+        if step == kill_at and rank == 1:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    Trainer(cfg, Path(run), resume=resume).run(after_backward=die)
+    losses = [json.loads(line)["loss"] for line in (Path(run) / "metrics.jsonl").read_text().splitlines()]
+    return losses, refused
+
+
+def test_sigkill_resume_with_every_encoder_parallelism_is_exact(configs):
+    tmp, _, _ = configs
+    data = {k: str(v) for k, v in make_dataset(tmp / "data-resume").items()}
+    layout = "dp = 2\nulysses = 2\nencoder_zero = 3\nencoder_sp = 2\nlong_threshold = 2"
+    cfg = load_config(str(write_config(tmp / "r.toml", data, steps=6, every=2, pp=1, parallel=layout)))
+    a, b = str(tmp / "a"), str(tmp / "b")
+    want, _ = run_world(_train, 4, args=(cfg, a, False, -1), timeout_s=400)[0]
+    assert len(want) == 6
+    killed = r"rank 1 failed: process exited without a result \(killed by signal SIGKILL\)"
+    with pytest.raises(WorldError, match=killed):
+        run_world(_train, 4, args=(cfg, b, False, 4), timeout_s=400)
+    committed = int((Path(b) / "checkpoints" / "latest").read_text().removeprefix("step-"))
+    assert 0 < committed <= 4
+    other = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, reorder_group_size=1))
+    got, refused = run_world(_train, 4, args=(cfg, b, True, -1, other), timeout_s=400)[0]
+    assert refused is not None and refused.startswith(
+        f"data.reorder_group_size: checkpoint step-{committed:08d} was saved with 2, this run has 1"
+    ), refused
+    assert got == want  # step for step, bit for bit
