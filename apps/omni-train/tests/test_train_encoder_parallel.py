@@ -3,8 +3,8 @@ every step within 1e-10 (``train_reference``: the reference trains on the same p
 streams side by side):
 
 * encoder ZeRO-2 and ZeRO-3 with pp=2 (FSDP2 on the step-scoped schedule: gathered once per step,
-  reduce-scattered once per step as a plain sum), and ZeRO-3's measured encoder parameter + optimizer
-  bytes per rank below ZeRO-0's;
+  reduce-scattered once per step as a plain sum), ZeRO-3 with tp=2 (divided by tp), and ZeRO-3's measured
+  encoder parameter + optimizer bytes per rank below ZeRO-0's;
 * grouped reordering across DP (dp=2, one reordering group of both replicas), with payloads moved;
 * long-short SP for encoders (ulysses=2, encoder_sp=2): long images split over the SP group (Ulysses in
   the ViT), short ones whole, delivered by the Ulysses all-to-all of ``reshard_to_llm``;
@@ -117,6 +117,7 @@ def test_encoder_zero_reordering_and_long_short_sp_match_one_process(configs):
         ("pp2-zero3", dense, {"encoder_zero": 3}),
         ("dp2-reorder", dense, {"pp": 1, "dp": 2}),
         ("sp2-long", dense, {"pp": 1, "ulysses": 2, **long}),
+        ("tp2-zero3", dense, {"pp": 1, "tp": 2, "encoder_zero": 3}),  # TP ranks encode alike: / tp
         ("sparse-pp2-zero3", sparse, {"encoder_zero": 3}),
         ("sparse-dp2-reorder-zero3", sparse, {"pp": 1, "dp": 2, "encoder_zero": 3}),
     ]
@@ -131,6 +132,7 @@ def test_encoder_zero_reordering_and_long_short_sp_match_one_process(configs):
         "pp2-zero3": dense1,
         "dp2-reorder": dense2,
         "sp2-long": dense1,
+        "tp2-zero3": dense1,
         "sparse-pp2-zero3": sparse1,
         "sparse-dp2-reorder-zero3": sparse2,
         "pp2dp2-zero3-reorder": dense2,
