@@ -94,6 +94,7 @@ def main() -> None:
     for (layout, name, par, data), runs in zip(VARIANTS, metrics):
         counted = [m for run in runs for m in run[args.warmup :]]
         last = runs[0][-1]["encoder_state_bytes"]
+        held = last["parameters"] + last["gathered"] + last["optimizer"]
         row = {
             "layout": layout,
             "variant": name,
@@ -108,7 +109,7 @@ def main() -> None:
             ),
             "tokens_per_s": statistics.mean(m["tokens_per_s"] for m in counted),
             "reorder_mib_per_step": statistics.mean(m["reorder_bytes"] for m in counted) / 2**20,
-            "encoder_param_optimizer_bytes_per_rank": last["parameters"] + last["gathered"] + last["optimizer"],
+            "encoder_param_optimizer_bytes_per_rank": held,
             "losses": [m["loss"] for m in runs[0]],
         }
         base.setdefault(layout, row)
@@ -137,7 +138,13 @@ def main() -> None:
     out.parent.mkdir(exist_ok=True)
     out.write_text(
         json.dumps(
-            {"config": cfg.name, "steps": args.steps, "warmup": args.warmup, "repeats": args.repeats, "rows": rows},
+            {
+                "config": cfg.name,
+                "steps": args.steps,
+                "warmup": args.warmup,
+                "repeats": args.repeats,
+                "rows": rows,
+            },
             indent=2,
         )
     )

@@ -118,9 +118,9 @@ def default_reorder_group_size(ps: ParallelState) -> int:
     return max(1, g)
 
 
-def reorder_groups(ps: ParallelState, size: int) -> tuple[dist.ProcessGroup | None, int]:
-    """This rank's reordering group (``size`` consecutive members of its DP group) and its index in it
-    (collective: every rank creates every group). ``(None, 0)`` for ``size`` 1.
+def reorder_groups(ps: ParallelState, size: int) -> dist.ProcessGroup | None:
+    """This rank's reordering group: ``size`` consecutive members of its DP group (collective: every rank
+    creates every group). ``None`` for ``size`` 1.
 
     Raises:
         ValueError: ``size`` does not divide the DP size.
@@ -129,15 +129,12 @@ def reorder_groups(ps: ParallelState, size: int) -> tuple[dist.ProcessGroup | No
     if size < 1 or dp % size:
         raise ValueError(f"reordering group size {size} must divide parallel.dp {dp}")
     if size == 1:
-        return None, 0
-    chunks = [
-        g[i : i + size]
-        for g in rank_groups(ps.world_size, ps.config, ps.order)["dp"]
-        for i in range(0, dp, size)
-    ]
-    group, _ = dist.new_subgroups_by_enumeration(chunks)
-    mine = next(c for c in chunks if ps.rank in c)
-    return group, mine.index(ps.rank)
+        return None
+    dp_groups = rank_groups(ps.world_size, ps.config, ps.order)["dp"]
+    group, _ = dist.new_subgroups_by_enumeration(
+        [g[i : i + size] for g in dp_groups for i in range(0, dp, size)]
+    )
+    return group
 
 
 @dataclass
@@ -193,8 +190,7 @@ class EncoderParallel:
             ``None`` / 0 without SP.
         encoder_sp: 1 (samples are never split) or ``layout.size`` (long images are split over the group).
         long_threshold: merged tokens above which an image is long.
-        reorder_group, reorder_rank: the reordering group across DP and this rank's index (``None``: no
-            reordering across DP).
+        reorder_group: the reordering group across DP (``None``: no reordering across DP).
 
     Raises:
         ValueError: ``encoder_sp`` neither 1 nor the layout's size.
@@ -209,7 +205,6 @@ class EncoderParallel:
         encoder_sp: int = 1,
         long_threshold: int = 8192,
         reorder_group: dist.ProcessGroup | None = None,
-        reorder_rank: int = 0,
     ) -> None:
         if encoder_sp not in (1, layout.size):
             raise ValueError(
@@ -217,7 +212,7 @@ class EncoderParallel:
             )
         self.layout, self.sp_group, self.sp_rank = layout, sp_group, sp_rank
         self.encoder_sp, self.long_threshold = encoder_sp, long_threshold
-        self.reorder_group, self.reorder_rank = reorder_group, reorder_rank
+        self.reorder_group = reorder_group
         self.reorderer = GroupedReorderer(reorder_group) if reorder_group is not None else None
         self._staging: torch.Tensor | None = None
 

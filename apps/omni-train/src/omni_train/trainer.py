@@ -227,7 +227,7 @@ class Trainer:
         self.reorder_group_size = size if size is not None else default_reorder_group_size(self.ps)
         if not par.reorder:
             self.reorder_group_size = 1
-        group, rank = reorder_groups(self.ps, self.reorder_group_size)
+        group = reorder_groups(self.ps, self.reorder_group_size)
         name, mode = ("cp", ReshardMode.CP) if par.cp > 1 else ("ulysses", ReshardMode.ULYSSES)
         sp = self.ps.size(name)
         return EncoderParallel(
@@ -237,7 +237,6 @@ class Trainer:
             encoder_sp=par.encoder_sp,
             long_threshold=par.long_threshold,
             reorder_group=group,
-            reorder_rank=rank,
         )
 
     def _special(self, token: str) -> int:
