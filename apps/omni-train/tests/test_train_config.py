@@ -22,6 +22,9 @@ def test_bundled_configs_parse():
         assert len(cfg.data.mixture) >= 2
     assert load_config("omni-tiny").model.audio is not None
     assert load_config("vlm-tiny").model.audio is None
+    longtail = load_config("omni-longtail")  # the encoder_balance benchmark's long-tailed image sizes
+    validate(longtail, 2)
+    assert {s.name: s.max_pixels for s in longtail.data.sources}["large"] > longtail.model.vit.max_pixels
 
 
 def test_tiny_config_validates(tmp_path, data):
@@ -72,6 +75,18 @@ def test_each_validation_error_names_its_field(tmp_path, data):
         "model.llm.tie_embeddings: needs parallel.pp = 1"
     )
     assert _bad(cfg, model__audio__stem="whisper").startswith("model.audio.subsample: the whisper stem")
+    assert _bad(cfg, parallel__encoder_zero=1).startswith("parallel.encoder_zero: 1 is not one of")
+    assert _bad(cfg, parallel__encoder_sp=2).startswith("parallel.encoder_sp: 2 must be 1 or the LLM")
+    assert _bad(cfg, parallel__long_threshold=0).startswith("parallel.long_threshold")
+    assert _bad(cfg, nproc=3, parallel__pp=1, parallel__dp=3, data__reorder_group_size=2).startswith(
+        "data.reorder_group_size: 2 must be >= 1 and divide parallel.dp 3"
+    )
+    srcs = [dataclasses.replace(s) for s in cfg.data.sources]
+    srcs[2] = dataclasses.replace(srcs[2], max_pixels=4096)
+    assert _bad(cfg, data__sources=srcs).startswith("data.sources[2].min_pixels: resize bounds are for image")
+    srcs[2] = cfg.data.sources[2]
+    srcs[0] = dataclasses.replace(srcs[0], min_pixels=5000, max_pixels=4000)
+    assert _bad(cfg, data__sources=srcs).startswith("data.sources[0].max_pixels: need 0 < min_pixels (5000)")
 
 
 def test_toml_errors_name_the_key(tmp_path, data):

@@ -124,9 +124,10 @@ def write_config(
     pp: int = 2,
     every: int = 2,
     model: dict[str, str] | None = None,
+    parallel: str = "",
 ) -> Path:
     """A tiny omni config over ``data`` (from :func:`make_dataset`); ``model`` adds TOML lines to the
-    ``llm``, ``vit`` or ``audio`` table."""
+    ``llm``, ``vit`` or ``audio`` table, ``parallel`` to ``[parallel]``."""
     model = model or {}
     path.write_text(f"""
 [model.llm]
@@ -182,6 +183,7 @@ weights = {{ image = 0.3, audio = 0.4, text = 0.3 }}
 
 [parallel]
 pp = {pp}
+{parallel}
 
 [optim]
 lr = 3e-3

@@ -153,3 +153,6 @@ def test_bad_inputs_to_shared_helpers_are_named():
     plan = ReshardPlan(4, [[1], [2]], cu_seqlens=[0, 4])
     plan.buffer(torch.zeros(1, 3))
     assert plan == ReshardPlan(4, [[1], [2]], cu_seqlens=[0, 4])
+    # Another plan reuses the staging memory (a view of it) while it is large enough.
+    smaller = ReshardPlan(3, [[1], [2]], cu_seqlens=[0, 3], staging=plan.staging)
+    assert smaller.buffer(torch.zeros(1, 3)).data_ptr() == plan.staging.data_ptr()

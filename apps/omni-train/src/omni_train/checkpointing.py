@@ -20,6 +20,7 @@ each parameter's shape); the saved groups give the hyperparameters, the saved st
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -57,6 +58,11 @@ class TrainCheckpoint:
         optimizer: its optimizer.
         stream: the loader, whose state is saved with the step.
         ps: the run's parallel state (its layout and this rank's place in it); ``None``: one process.
+        fixed: other facts of the run's layout a resume must share, by config field (e.g.
+            ``{"data.reorder_group_size": 2}``: which replicas trade samples decides which rank encodes
+            what, so another group size would not reproduce the run); saved with every step, checked
+            by :meth:`restore` when the DP size is unchanged (a resume under another DP size re-splits the
+            data and does not reproduce the run anyway).
     """
 
     def __init__(
@@ -69,9 +75,11 @@ class TrainCheckpoint:
         stream: ZeroRedundancyFilter,
         *,
         ps: ParallelState | None = None,
+        fixed: Mapping[str, int] | None = None,
     ) -> None:
         self.cfg, self.total_steps = cfg, total_steps
         self.model, self.optimizer, self.stream = model, optimizer, stream
+        self.fixed = dict(fixed or {})
         self.manager = CheckpointManager(str(directory), keep_last=cfg.keep_last, async_save=cfg.async_save)
         self.layout = {a: ps.size(a) if ps else 1 for a in LAYOUT_AXES}
         self.dp_rank = ps.local_rank("dp") if ps else 0
@@ -98,7 +106,7 @@ class TrainCheckpoint:
         row[0, 0, 8 : 8 + len(blob)] = torch.frombuffer(bytearray(blob), dtype=torch.uint8)
         rows = BoxShard(row, (self.layout["dp"], self.positions, width), (self.dp_rank, self.position, 0))
         state = self._state(rows)
-        state["layout"] = {**self.layout, "loader_width": width}
+        state["layout"] = {**self.layout, **self.fixed, "loader_width": width}
         state["step"] = next_step
         handle = self.manager.save(next_step, state)
         if handle is not None:
@@ -117,7 +125,8 @@ class TrainCheckpoint:
             LayoutMismatchError: the step was saved under another pipeline, TP, CP or Ulysses size, or
                 the old loader states cannot be re-split exactly (both layouts named; raised before the
                 loader reads anything).
-            RuntimeError: the checkpoint's recorded step differs from its directory's.
+            RuntimeError: the checkpoint's recorded step differs from its directory's, or it was saved
+                with another ``fixed`` value at the same DP size (names the field and both values).
         """
         latest = self.manager.latest()
         if latest is None or latest == 0:
@@ -125,7 +134,7 @@ class TrainCheckpoint:
                 self.manager.load(0, {"model": self.model.state_dict()})
             self.stream.reset()
             return 0
-        saved = {"layout": {a: 0 for a in (*LAYOUT_AXES, "loader_width")}}
+        saved = {"layout": {a: 0 for a in (*LAYOUT_AXES, *self.fixed, "loader_width")}}
         self.manager.load(latest, saved)
         old = {a: int(saved["layout"][a]) for a in LAYOUT_AXES}
         where = (
@@ -137,6 +146,12 @@ class TrainCheckpoint:
                 f"{where}: only the DP size may change on resume (the loader plans its packs per pipeline, "
                 f"TP, CP and Ulysses position); resume with {' '.join(f'{a}={old[a]}' for a in changed)}"
             )
+        for key, value in self.fixed.items():
+            if not changed and int(saved["layout"][key]) != value:
+                raise RuntimeError(
+                    f"{key}: checkpoint step-{latest:08d} was saved with {saved['layout'][key]}, this run has "
+                    f"{value}; resume with the value the run was saved with"
+                )
         width = int(saved["layout"]["loader_width"])
         first, count = (0, old["dp"]) if changed else (self.dp_rank, 1)
         rows = torch.zeros(count, 1, width, dtype=torch.uint8)

@@ -123,11 +123,14 @@ class ModelConfig:
 class SourceConfig:
     """One WebDataset source. ``urls``: a glob or brace pattern, absolute, an fsspec URL
     (``scheme://...``), or relative to the folder of the config file (:func:`data_root`; the bundled
-    configs' to the bundled data directory ``omni_train/data``)."""
+    configs' to the bundled data directory ``omni_train/data``). ``min_pixels`` / ``max_pixels`` (image sources): this source's resize bounds
+    instead of ``[model.vit]``'s, as datasets of different resolutions have (a recipe's image-size mix)."""
 
     name: str
     modality: str
     urls: str
+    min_pixels: int | None = None
+    max_pixels: int | None = None
 
 
 @dataclass
@@ -150,6 +153,10 @@ class DataConfig:
         mixture_interpolate: ``false``: each phase's weights hold until its ``until_step``; ``true``:
             they move linearly from a phase's start to the next phase's start (``MixtureSchedule(
             interpolate=True)``), constant in the last phase.
+        reorder_group_size: DP replicas per reordering group of the decentralised grouped reordering
+            across DP (``omni_train.encoder_parallel``, paper §5.1); must divide ``parallel.dp``; 1 turns
+            it off; ``None`` (default): the replicas whose ranks share this rank's node
+            (``LOCAL_WORLD_SIZE``, else every replica). Active only with ``parallel.reorder``.
     """
 
     sources: list[SourceConfig]
@@ -162,6 +169,7 @@ class DataConfig:
     max_pack_age: int = 1
     decode_workers: int = 1
     mixture_interpolate: bool = False
+    reorder_group_size: int | None = None
 
 
 @dataclass
@@ -177,7 +185,17 @@ class ParallelConfigSection:
             encoder microbatch does not depend on it (slice ``j`` of each LLM microbatch runs on
             pipeline rank ``j``). Must be > 0.
         encoder_zero: ZeRO stage of the encoders (``omni_train.parallelize.apply_encoder_zero``); 0:
-            every rank holds them whole and their gradients are summed over every rank.
+            every rank holds them whole and their gradients are summed over every rank; 2: FSDP2 shards
+            their gradients and optimizer state over every rank (the gathered parameters stay allocated
+            between steps); 3: parameters too.
+        encoder_sp: encoder sequence-parallel size (``omni_train.encoder_parallel``): 1, or the LLM's
+            sequence-parallel size (``ulysses`` or ``cp``), whose group it then shares. With an LLM SP
+            group the samples of each encoder microbatch are spread over it (each encoded once, short
+            ones whole on single ranks balanced by cost); with ``encoder_sp`` > 1, images of more than
+            ``long_threshold`` LLM tokens are also split along the sequence over the group, Ulysses
+            inside the ViT's attention.
+        long_threshold: tokens (after the patch merge: the LLM tokens an image fills) above which an
+            image is long (split over the encoder SP group); >= 1.
         schedule: the LLM pipeline schedule (:class:`PipelineSchedule`; ``omni_train.pipeline``).
         virtual_stages: LLM stages per pipeline rank (``>= 1``): the layers are split over
             ``pp * virtual_stages`` stages and rank ``r`` holds stages ``r, r + pp, ...``. More than 1
@@ -195,6 +213,8 @@ class ParallelConfigSection:
     encoder_zero: int = 0
     schedule: PipelineSchedule = PipelineSchedule.ONE_F_ONE_B
     virtual_stages: int = 1
+    encoder_sp: int = 1
+    long_threshold: int = 8192
 
     @property
     def world_size(self) -> int:
@@ -545,6 +565,16 @@ def validate(cfg: RunConfig, nproc: int) -> None:
             raise ConfigError(f"data.sources[{i}].modality: image source {src.name!r} but no [model.vit]")
         if src.modality == "audio" and cfg.model.audio is None:
             raise ConfigError(f"data.sources[{i}].modality: audio source {src.name!r} but no [model.audio]")
+        if (src.min_pixels is not None or src.max_pixels is not None) and src.modality != "image":
+            raise ConfigError(f"data.sources[{i}].min_pixels: resize bounds are for image sources only")
+        vit = cfg.model.vit
+        if src.modality == "image" and vit is not None:
+            lo = src.min_pixels if src.min_pixels is not None else vit.min_pixels
+            hi = src.max_pixels if src.max_pixels is not None else vit.max_pixels
+            if not 0 < lo <= hi:
+                raise ConfigError(
+                    f"data.sources[{i}].max_pixels: need 0 < min_pixels ({lo}) <= max_pixels ({hi})"
+                )
         missing = _missing_shards(src.urls, data_root(cfg))
         if missing:
             raise ConfigError(f"data.sources[{i}].urls: {missing} (source {src.name!r})")
@@ -575,10 +605,22 @@ def validate(cfg: RunConfig, nproc: int) -> None:
         raise ConfigError(f"train.recompute: {unknown[0]!r} is not one of {list(RECOMPUTE)}")
     if not par.encoder_forward_share > 0:
         raise ConfigError(f"parallel.encoder_forward_share: must be > 0, got {par.encoder_forward_share}")
-    if par.encoder_zero != 0:
+    if par.encoder_zero not in (0, 2, 3):
         raise ConfigError(
-            f"parallel.encoder_zero: {par.encoder_zero} is not supported yet (0: encoders whole on every rank)"
+            f"parallel.encoder_zero: {par.encoder_zero} is not one of 0 (encoders whole on every rank), "
+            "2 (gradients and optimizer state sharded) or 3 (parameters too)"
         )
+    llm_sp = max(par.ulysses, par.cp)
+    if par.encoder_sp < 1 or (par.encoder_sp > 1 and par.encoder_sp != llm_sp):
+        raise ConfigError(
+            f"parallel.encoder_sp: {par.encoder_sp} must be 1 or the LLM sequence-parallel size "
+            f"(ulysses {par.ulysses}, cp {par.cp}), whose group the encoders share"
+        )
+    if par.long_threshold < 1:
+        raise ConfigError(f"parallel.long_threshold: must be >= 1 token, got {par.long_threshold}")
+    g = cfg.data.reorder_group_size
+    if g is not None and (g < 1 or par.dp % g):
+        raise ConfigError(f"data.reorder_group_size: {g} must be >= 1 and divide parallel.dp {par.dp}")
     if cfg.checkpoint.every < 0 or cfg.checkpoint.keep_last < 1:
         raise ConfigError("checkpoint.every: must be >= 0 and checkpoint.keep_last >= 1")
     if cfg.train.profile_steps < 0:

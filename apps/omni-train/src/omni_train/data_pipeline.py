@@ -21,6 +21,7 @@ RGB. Relative ``urls`` resolve against the config file's folder (:func:`omni_tra
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping
 
 from tokenizers import Tokenizer
@@ -133,12 +134,19 @@ def build_sources(
             cost = EncoderCost(hidden=vit.dim, layers=vit.n_layers)
         elif modality is Modality.AUDIO and aud is not None:
             cost = EncoderCost(hidden=aud.dim, layers=aud.n_layers)
+        tokens = image_tokens
+        if tokens is not None and (src.min_pixels is not None or src.max_pixels is not None):
+            tokens = dataclasses.replace(
+                tokens,
+                min_pixels=src.min_pixels if src.min_pixels is not None else tokens.min_pixels,
+                max_pixels=src.max_pixels if src.max_pixels is not None else tokens.max_pixels,
+            )
         sources[src.name] = WebDatasetSource(
             expand_urls(src.urls, root),
             modality=modality,
             name=src.name,
             tokenizer=tokenizer,
-            image_tokens=image_tokens,
+            image_tokens=tokens,
             audio_tokens=audio_tokens,
             encoder_cost=cost,
             # clips at other rates are described (and decoded) as resampled to the encoder's rate

@@ -7,6 +7,7 @@ rank); each rank runs the encoder microbatches the data flow places on it.
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from omni_data.payload import Payload
@@ -24,9 +25,15 @@ class Encoders(nn.Module):
 
     Forward:
         payloads: decoded samples of one encoder microbatch (images and/or audio), in output order.
+        long: long-short SP (:mod:`omni_train.encoder_parallel`): the long images of this rank's encoder
+            SP group, packed in this order, and the group; this rank encodes its chunk of them
+            (``VisionTransformer``'s ``sp_group``) after the ``payloads``. Every rank of the group
+            calls it with the same long images.
 
     Returns:
-        ``[sum media_tokens, llm_dim]``: each sample's embeddings, samples in the given order.
+        ``[sum media_tokens, llm_dim]``: each sample's embeddings, samples in the given order; with
+        ``long``, then this rank's ``ceil(L / sp)`` rows of the long images' ``L`` merged tokens
+        (padding rows last on the last ranks).
     """
 
     def __init__(self, vit: ViTConfig | None, audio: AudioConfig | None, llm_dim: int, *, seed: int) -> None:
@@ -40,11 +47,22 @@ class Encoders(nn.Module):
         frame_ms = 1000.0 * (audio.hop if audio else 160) / (audio.sample_rate if audio else 16000)
         self.audio_tokens = AudioTokens(frame_ms=frame_ms, subsample=audio.subsample if audio else 4)
 
-    def forward(self, payloads: list[Payload]) -> torch.Tensor:
+    def forward(
+        self, payloads: list[Payload], long: tuple[list[Payload], dist.ProcessGroup] | None = None
+    ) -> torch.Tensor:
         p0 = next(self.parameters())
         dtype, dev = p0.dtype, p0.device
-        if not payloads:
-            return torch.zeros(0, self.llm_dim, dtype=dtype, device=dev)
+        out = torch.zeros(0, self.llm_dim, dtype=dtype, device=dev)
+        if payloads:
+            out = self._whole(payloads, dtype, dev)
+        if long is not None:
+            images, group = long
+            x = encoder_inputs(images, self.vit_cfg, self.audio_cfg, self.audio_tokens)
+            chunk = self.towers["image"](x["patches"].to(dev, dtype), x["grids"], group)
+            out = torch.cat([out, chunk])
+        return out
+
+    def _whole(self, payloads: list[Payload], dtype: torch.dtype, dev: torch.device) -> torch.Tensor:
         x = encoder_inputs(payloads, self.vit_cfg, self.audio_cfg, self.audio_tokens)
         outs, lengths = [], []
         if "patches" in x:

@@ -23,7 +23,8 @@ scale):
   rank saw one chunk of every pack), i.e. ``ParallelState`` group ``dp_cp``;
 * encoder gradients are summed over every rank (each runs a slice of the encoder work: encoder data
   parallelism spans the pipeline ranks); the TP ranks of a stage run the same encoder work on the same
-  data, so the sum is divided by ``tp`` to count that work once.
+  data, so the sum is divided by ``tp`` to count that work once. Under encoder ZeRO-2/3 the same sum is
+  a reduce-scatter into sharded gradients (:func:`apply_encoder_zero`), never FSDP2's mean over its mesh.
 """
 
 from __future__ import annotations
@@ -38,8 +39,9 @@ import torch.utils.checkpoint
 from torch import nn
 from torch.distributed._composable import checkpoint
 
-from omni_parallel import ParallelState, rank_groups
+from omni_parallel import EncoderLayout, ParallelState, rank_groups
 from omni_parallel.data_parallel import all_reduce_gradients
+from omni_parallel.encoder_zero import reduce_scatter_gradients
 from omni_parallel.tensor_parallel import apply_tensor_parallel, llama_tp_plan
 from omni_pipeline import PipelineGroups
 from omni_train.activation_memory import ActivationMemory
@@ -204,18 +206,35 @@ def apply_encoder_zero(encoders: Encoders, ps: ParallelState, zero_stage: int = 
     """The encoders' layout and gradient sync (``parallel.encoder_zero``). Returns the hook.
 
     ZeRO stage 0: every rank holds the encoders whole; their gradients are summed over every rank and
-    divided by ``tp`` (see the module docstring). Sharded stages (FSDP2 ``fully_shard`` of the towers,
-    whose reduce-scatter replaces this all-reduce) belong here.
+    divided by ``tp`` (see the module docstring).
+
+    ZeRO stages 2 and 3: each tower is FSDP2-sharded over every rank (``fully_shard`` per encoder block,
+    then the tower: ``omni_parallel.EncoderState.shard``), so parameters (stage 3: also at rest),
+    gradients and AdamW's moments are DTensor shards, ``1/world`` of them per rank. The towers run on the
+    step-scoped schedule of :mod:`omni_parallel.encoder_zero`, which is what makes uneven encoder work
+    safe: every rank all-gathers the parameters when the step starts (the pipeline executor calls
+    ``EncoderAnchor.gather``), forwards and backwards issue no collective, and this hook, run on every
+    rank after the step's last backward, sums the gradients with one reduce-scatter per bucket into
+    sharded gradients (a plain sum, divided by ``tp`` as above: FSDP2's own reduction would average over
+    the world) and reshards. A rank with fewer encoder microbatches, or none with media, joins both
+    collectives all the same. Stage 2 keeps the gathered parameters' storage between steps, stage 3 frees
+    it.
 
     Raises:
-        ValueError: ``zero_stage`` other than 0.
+        ValueError: ``zero_stage`` other than 0, 2 or 3.
     """
-    if zero_stage != 0:
-        raise ValueError(f"apply_encoder_zero: ZeRO stage {zero_stage} is not supported (0 only)")
-    group = dist.group.WORLD if ps.world_size > 1 else None
-    params = [p for p in encoders.parameters() if p.requires_grad]
+    if zero_stage not in (0, 2, 3):
+        raise ValueError(f"apply_encoder_zero: ZeRO stage {zero_stage} is not supported (0, 2 or 3)")
     tp = ps.size("tp")
-    return lambda: all_reduce_gradients(params, group, divide_by=tp)
+    if zero_stage == 0:
+        group = dist.group.WORLD if ps.world_size > 1 else None
+        params = [p for p in encoders.parameters() if p.requires_grad]
+        return lambda: all_reduce_gradients(params, group, divide_by=tp)
+    state = ps.encoder_state(EncoderLayout(sp=1, fsdp=True, reshard_after_forward=zero_stage == 3))
+    towers = list(encoders.towers.values())
+    for tower in towers:
+        state.shard(tower, blocks=list(tower.encoder.blocks))
+    return lambda: reduce_scatter_gradients(towers, divide_by=tp)
 
 
 def pipeline_groups(ps: ParallelState) -> PipelineGroups:

@@ -9,14 +9,16 @@ on the trainer.
 
 Ulysses (``sp > 1``): each SP rank holds a contiguous ``1/sp`` chunk of every pack (padded to a multiple
 of ``sp`` with a padding document that has no targets), its global RoPE positions and the whole pack's
-``cu_seqlens``; every SP rank of stage 0 runs the encoders on the same data and scatters exactly the media
-embeddings that fall into its chunk.
+``cu_seqlens``. Encoder work goes through :mod:`omni_train.encoder_parallel` (reordering across DP,
+long-short SP over the stage's SP group, resharding into the LLM layout): each encoder microbatch's
+samples are encoded once, spread over the SP ranks, and SP rank ``u`` of stage 0 receives exactly the
+media rows of its chunk, which it scatters into its placeholder slots.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -35,6 +37,7 @@ from omni_train.batch import (
     ulysses_layout,
 )
 from omni_train.data_pipeline import undecodable_samples
+from omni_train.encoder_parallel import EncoderParallel, EncoderWork, SequenceLayout
 from omni_train.loss import microbatch_loss
 
 __all__ = ["StepBuilder", "StepInputs"]
@@ -51,10 +54,13 @@ class StepInputs:
         masked: ``(pack, sample)`` whose payload did not decode on any rank of the pipeline: in their packs
             with no targets, counted as ``skipped_payloads``.
         targets: target tokens of the whole step on every DP replica (the loss denominator, >= 1).
-        media_positions: ``{e: int64 [tokens_e]}`` packed positions the output of encoder microbatch ``e``
-            fills, in output order.
+        media_positions: ``{e: int64 [rows_e]}`` this SP rank's local slots (pack positions without SP)
+            the output of encoder microbatch ``e`` fills on stage 0, in output (slot) order; ``rows_e``
+            is the planned output shape.
         payloads: ``{e: [Payload]}`` for the encoder microbatches the data flow runs on this rank.
         plan: what the executor runs.
+        encoder_work: ``{e: EncoderWork}`` for the encoder microbatches the data flow runs on this rank
+            (the executor's encoder inputs; payload exchange across DP already done).
     """
 
     step: int
@@ -65,6 +71,7 @@ class StepInputs:
     media_positions: dict[int, torch.Tensor]
     payloads: Mapping[int, list[Payload]]
     plan: StepPlan
+    encoder_work: Mapping[int, EncoderWork] = field(default_factory=dict)
 
 
 class StepBuilder:
@@ -80,6 +87,8 @@ class StepBuilder:
         sp, sp_rank: Ulysses size and this rank's index in the Ulysses group.
         pp_group: the pipeline group (shares which samples failed to decode); ``None`` for pp=1.
         dp_group: the DP group (sums the step's target count); ``None`` for dp=1.
+        parallel: the encoders' groups and layout (:class:`~omni_train.encoder_parallel.EncoderParallel`);
+            default: none (no SP, no reordering across DP).
     """
 
     def __init__(
@@ -97,15 +106,18 @@ class StepBuilder:
         sp_rank: int = 0,
         pp_group: dist.ProcessGroup | None = None,
         dp_group: dist.ProcessGroup | None = None,
+        parallel: EncoderParallel | None = None,
     ) -> None:
         self.schedule, self.flow, self.encoders = schedule, flow, encoders
         self.placeholders = dict(placeholders)
         self.llm_dim, self.dtype, self.device = llm_dim, dtype, device
         self.builds_text, self.sp, self.sp_rank = builds_text, sp, sp_rank
         self.pp_group, self.dp_group = pp_group, dp_group
+        self.parallel = parallel or EncoderParallel(SequenceLayout())
 
     def build(self, fs: FilteredStep) -> StepInputs:
-        """The step's inputs (collective over the pipeline and DP groups: every rank calls it)."""
+        """The step's inputs (collective over the pipeline and DP groups, and over the reordering group
+        across DP: every rank calls it)."""
         packs = fs.packs
         masked = self._undecodable(fs)
         mbs: dict[int, LLMMicrobatch] = {}
@@ -114,7 +126,12 @@ class StepBuilder:
                 ids = {s.uid: t for s, t in zip(pack.samples, row) if t is not None}
                 mb = build_llm_microbatch(pack, ids, self.placeholders, {i for p, i in masked if p == k - 1})
                 mbs[k] = ulysses_chunk(mb, self.sp, self.sp_rank) if self.sp > 1 else mb
-        positions = {e: _media_positions(packs, items) for e, items in fs.microbatches.items()}
+        positions = {
+            e: torch.tensor(self.parallel.slots(packs, items), dtype=torch.int64)
+            for e, items in fs.microbatches.items()
+        }
+        consumer = self.flow.encoder_consumer
+        work = {e: self.parallel.plan(fs, e, consumer[e]) for e in sorted(fs.payloads)}
         targets = torch.tensor([step_targets(packs, masked)], dtype=torch.int64)
         if self.dp_group is not None:
             dist.all_reduce(targets, group=self.dp_group)
@@ -125,7 +142,9 @@ class StepBuilder:
             encoder_shapes={e: (int(pos.numel()), self.llm_dim) for e, pos in positions.items()},
             dtype=self.dtype,
         )
-        return StepInputs(fs.step, packs, mbs, masked, max(1, int(targets)), positions, fs.payloads, plan)
+        return StepInputs(
+            fs.step, packs, mbs, masked, max(1, int(targets)), positions, fs.payloads, plan, work
+        )
 
     def functions(self, inputs: StepInputs) -> StepFunctions:
         """The executor's callables for ``inputs`` (closures over it)."""
@@ -134,12 +153,8 @@ class StepBuilder:
             mb = inputs.microbatches[k]
             es = [e for e in self.flow.encoder_inputs[k] if e in outs]
             media = torch.cat([outs[e] for e in es]) if es else None
+            # Each output already holds exactly this SP rank's rows (encoder_parallel's resharding).
             pos = torch.cat([inputs.media_positions[e] for e in es]).to(self.device) if es else None
-            if self.sp > 1 and pos is not None:
-                # Every SP rank computed all of this pack's media embeddings: keep those in its chunk.
-                lo = self.sp_rank * mb.num_tokens
-                mine = (pos >= lo) & (pos < lo + mb.num_tokens)
-                media, pos = media[mine], pos[mine] - lo
             dev = self.device
             return mb.input_ids.to(dev), mb.position_ids.to(dev), mb.cu_seqlens.to(dev), media, pos
 
@@ -162,8 +177,8 @@ class StepBuilder:
                 metrics[f"n_{mod}"] = float(stats[i, 1])
             return value, metrics
 
-        def encode(e: int, payloads: list[Payload]) -> torch.Tensor:
-            return self.encoders(payloads).to(self.dtype)
+        def encode(e: int, work: EncoderWork) -> torch.Tensor:
+            return self.parallel.encode(self.encoders, work, self.dtype)
 
         return StepFunctions(first_stage_input, loss, encode, stage_kwargs)
 
@@ -185,16 +200,6 @@ class StepBuilder:
             for i in range(len(fs.packs[p].samples))
             if flags[offsets[p] + i]
         )
-
-
-def _media_positions(packs: list[Pack], items: list[tuple[int, int]]) -> torch.Tensor:
-    pos = [
-        torch.arange(sp.start, sp.start + sp.length)
-        for p, i in items
-        for sp in packs[p].spans
-        if sp.sample == i
-    ]
-    return torch.cat(pos) if pos else torch.zeros(0, dtype=torch.int64)
 
 
 def _to(mb: LLMMicrobatch, device: torch.device) -> LLMMicrobatch:

@@ -11,6 +11,7 @@ allocator's peak.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -61,6 +62,8 @@ class StepMetrics:
         encoder_matmul: ``{modality: matmul parameters}`` of each encoder tower.
         owner: ``{e: pipeline rank}`` running each encoder microbatch.
         peak_flops: measured peak FLOP/s of one process.
+        encoder_bytes: ``() -> {"parameters", "gathered", "gradients", "optimizer": bytes}`` this rank
+            holds for the encoders (``omni_parallel.encoder_zero.state_bytes``); ``None``: not reported.
     """
 
     def __init__(
@@ -73,8 +76,10 @@ class StepMetrics:
         encoder_matmul: dict[str, int],
         owner: dict[int, int],
         peak_flops: float,
+        encoder_bytes: Callable[[], dict[str, int]] | None = None,
     ) -> None:
         self.cfg, self.llm, self.owner, self.peak_flops = cfg, llm, owner, peak_flops
+        self.encoder_bytes = encoder_bytes
         self.llm_matmul, self.encoder_matmul = llm_matmul, encoder_matmul
         self.rank, self.world = ps.rank, ps.world_size
         self.pp, self.pp_rank = ps.size("pp"), ps.local_rank("pp")
@@ -100,7 +105,7 @@ class StepMetrics:
             vec[-1] = len(inputs.masked)
         dist.all_reduce(vec)
         v = vec.tolist()
-        return {
+        return self._encoder_reduce(inputs, result) | {
             "wall": v[:n],
             "busy": v[n : 2 * n],
             "loss": v[2 * n],
@@ -109,6 +114,35 @@ class StepMetrics:
             "tokens": v[-3],
             "samples": v[-2],
             "skipped_payloads": int(v[-1]),
+        }
+
+    def _encoder_reduce(self, inputs: StepInputs, result: StepResult) -> dict[str, Any]:
+        """Encoder parallelism's per-rank numbers (one all-reduce over the world, collective): measured
+        seconds in encoder forwards and backwards (the collectives of SP and reordering included),
+        modelled encoder FLOPs without and with the reordering across DP, payload bytes the reordering
+        moved, and the encoders' state bytes."""
+        n = self.world
+        parts = ("parameters", "gathered", "gradients", "optimizer")
+        vec = torch.zeros(3 * n + 1 + len(parts) * n, dtype=torch.float64)
+        vec[self.rank] = sum(ev.end_s - ev.start_s for ev in result.timeline if ev.kind in ("EF", "EB"))
+        works = inputs.encoder_work.values()
+        vec[n + self.rank] = sum(w.flops_before for w in works)
+        vec[2 * n + self.rank] = sum(w.flops_after for w in works)
+        vec[3 * n] = sum(w.bytes_sent for w in works)
+        held = self.encoder_bytes() if self.encoder_bytes is not None else {}
+        for i, part in enumerate(parts):
+            vec[3 * n + 1 + i * n + self.rank] = held.get(part, 0)
+        dist.all_reduce(vec)
+        v = vec.tolist()
+        at = 3 * n + 1
+        return {
+            "encoder_s": v[:n],
+            "encoder_flops_before": v[n : 2 * n],
+            "encoder_flops_after": v[2 * n : 3 * n],
+            "reorder_bytes": int(v[3 * n]),
+            "encoder_bytes": {
+                p: [int(x) for x in v[at + i * n : at + (i + 1) * n]] for i, p in enumerate(parts)
+            },
         }
 
     def row(self, inputs: StepInputs, row: dict[str, Any], lr: float, grad_norm: float) -> dict[str, Any]:
@@ -142,6 +176,12 @@ class StepMetrics:
             "idle_s_per_rank": [w - b for w, b in zip(row["wall"], row["busy"])],
             "lr": lr,
             "grad_norm": grad_norm,
+            "encoder_s_per_rank": row["encoder_s"],
+            "encoder_time_imbalance": _max_over_mean(row["encoder_s"]),
+            "encoder_flops_imbalance_before_dp_reorder": _max_over_mean(row["encoder_flops_before"]),
+            "encoder_flops_imbalance_after_dp_reorder": _max_over_mean(row["encoder_flops_after"]),
+            "reorder_bytes": row["reorder_bytes"],
+            "encoder_state_bytes": {p: max(v) for p, v in row["encoder_bytes"].items()},
         }
 
     def step_flops(self, inputs: StepInputs) -> float:
@@ -163,3 +203,9 @@ class StepMetrics:
                 )
         total += model_flops(self.llm_matmul, sum(p.num_tokens for p in inputs.packs), 0.0)
         return total * self.dp  # every DP replica runs as much work as this one (estimated from it)
+
+
+def _max_over_mean(values: list[float]) -> float | None:
+    """``max / mean`` (1.0: balanced); ``None`` when everything is 0 (no encoder work)."""
+    total = sum(values)
+    return max(values) * len(values) / total if total > 0 else None

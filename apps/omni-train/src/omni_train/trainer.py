@@ -4,9 +4,13 @@ Per rank (DESIGN.md, apps/omni-train; MegaScale-Omni §3-§5; ARCHITECTURE.md dr
 
 * ``ParallelState`` (omni-parallel) gives the pipeline, data-, tensor- and sequence-parallel groups.
 * The model: this pipeline rank's LLM stages (one :class:`~omni_train.models.LLMStage` per virtual stage,
-  together a :class:`~omni_train.pipeline.RankStages`) and a full copy of the encoders (encoder data
-  parallelism spans every rank), parallelised by :mod:`omni_train.parallelize` (TP, activation
-  checkpointing, compile, and the gradient sync that defines the objective's reduction).
+  together a :class:`~omni_train.pipeline.RankStages`) and the encoders (encoder data parallelism spans
+  every rank: whole on every rank, or FSDP2-sharded with ``parallel.encoder_zero`` 2 or 3), parallelised
+  by :mod:`omni_train.parallelize` (TP, activation checkpointing, compile, and the gradient sync that
+  defines the objective's reduction).
+* Encoder work (:mod:`omni_train.encoder_parallel`): grouped reordering across DP replicas
+  (``data.reorder_group_size``), long-short SP over the stage's LLM sequence group (``parallel.encoder_sp``,
+  ``parallel.long_threshold``) and resharding of the outputs into the LLM's sequence layout.
   TP and Ulysses peers of a stage read the same packs (the loader reads on their rank 0 and broadcasts);
   stage ``s`` TP/SP rank ``t`` talks to stage ``s + 1`` TP/SP rank ``t``.
 * The data pipeline (:mod:`omni_train.data_pipeline`): every rank of a pipeline builds the same packs from
@@ -38,6 +42,7 @@ import json
 import os
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -49,7 +54,8 @@ from torch.profiler import record_function
 
 from omni_data import Modality, encoder_microbatch_ids
 from omni_data.zero_redundancy import FilteredStep
-from omni_parallel import ParallelConfig, ParallelState, mesh_device_type
+from omni_parallel import ParallelConfig, ParallelState, ReshardMode, mesh_device_type
+from omni_parallel.encoder_zero import state_bytes
 from omni_pipeline import (
     CostModel,
     EncoderAnchor,
@@ -63,6 +69,12 @@ from omni_train.activation_memory import ActivationMemory
 from omni_train.checkpointing import TrainCheckpoint
 from omni_train.config import RunConfig, bundled_data_dir
 from omni_train.data_pipeline import build_step_stream
+from omni_train.encoder_parallel import (
+    EncoderParallel,
+    SequenceLayout,
+    default_reorder_group_size,
+    reorder_groups,
+)
 from omni_train.encoders import Encoders
 from omni_train.flops import matmul_params, measure_peak_flops
 from omni_train.metrics import MetricsLogger, finish_run
@@ -81,7 +93,7 @@ from omni_train.parallelize import (
 from omni_train.pipeline import build_rank_stages, build_schedule
 from omni_train.profiling import StepProfiler
 from omni_train.skip_metrics import SkipMetrics
-from omni_train.step_inputs import StepBuilder
+from omni_train.step_inputs import StepBuilder, StepInputs
 from omni_train.step_metrics import StepMetrics, memory_metrics
 
 __all__ = ["Trainer", "worker_main"]
@@ -130,6 +142,7 @@ class Trainer:
             self.optimizer,
             self.stream,
             ps=self.ps,
+            fixed={"data.reorder_group_size": self.reorder_group_size},
         )
         self.metrics = StepMetrics(
             cfg,
@@ -139,6 +152,7 @@ class Trainer:
             encoder_matmul={k: matmul_params(t) for k, t in self.encoders.towers.items()},
             owner={e: self.flow.encoder_rank(e) for e in self.flow.encoder_consumer},
             peak_flops=measure_peak_flops(self.device),
+            encoder_bytes=lambda: state_bytes(self.encoders.towers.values(), self.optimizer),
         )
         self.skips = SkipMetrics(self.stream, self.ps)
 
@@ -215,6 +229,7 @@ class Trainer:
             sp_rank=self.ps.local_rank("ulysses"),
             pp_group=self.ps.group("pp") if self.pp > 1 else None,
             dp_group=self.ps.group("dp") if self.dp > 1 else None,
+            parallel=self._encoder_parallel(),
         )
         self.groups = pipeline_groups(self.ps)
         self.executor = PipelineExecutor(
@@ -224,6 +239,27 @@ class Trainer:
             self.groups,
             device=self.device,
             reduce_gradients=self._reduce_gradients,
+        )
+
+    def _encoder_parallel(self) -> EncoderParallel:
+        """The encoders' groups (:mod:`omni_train.encoder_parallel`; collective: every rank creates the
+        reordering groups): the stage's LLM sequence group, and the reordering group across DP of
+        ``data.reorder_group_size`` replicas (1, or ``parallel.reorder`` off: none)."""
+        par = self.cfg.parallel
+        size = self.cfg.data.reorder_group_size
+        self.reorder_group_size = size if size is not None else default_reorder_group_size(self.ps)
+        if not par.reorder:
+            self.reorder_group_size = 1
+        group = reorder_groups(self.ps, self.reorder_group_size)
+        name, mode = ("cp", ReshardMode.CP) if par.cp > 1 else ("ulysses", ReshardMode.ULYSSES)
+        sp = self.ps.size(name)
+        return EncoderParallel(
+            SequenceLayout(mode if sp > 1 else None, sp),
+            sp_group=self.ps.group(name) if sp > 1 else None,
+            sp_rank=self.ps.local_rank(name),
+            encoder_sp=par.encoder_sp,
+            long_threshold=par.long_threshold,
+            reorder_group=group,
         )
 
     def _special(self, token: str) -> int:
@@ -244,15 +280,21 @@ class Trainer:
         return float(t)
 
     # -- the loop -----------------------------------------------------------------------------------------
-    def run(self) -> dict[str, Any]:
-        """Train to ``train.steps`` (from the last checkpoint with ``resume``); returns rank 0's summary.
-        The loader's decode threads are stopped at the end and on error."""
+    def run(
+        self, *, after_backward: Callable[[int, StepInputs, StepResult], None] | None = None
+    ) -> dict[str, Any]:
+        """Train to ``train.steps`` (from the checkpoint with ``resume``); returns rank 0's run summary.
+
+        ``after_backward(step, inputs, result)``, if given, runs on every rank once the step's gradients
+        are reduced, before clipping and the optimizer step (tests read the gradients there).
+        The loader's decode threads are stopped at the end and on error.
+        """
         try:
-            return self._run()
+            return self._run(after_backward)
         finally:
             self.stream.close()
 
-    def _run(self) -> dict[str, Any]:
+    def _run(self, after_backward: Callable[[int, StepInputs, StepResult], None] | None) -> dict[str, Any]:
         cfg, total = self.cfg, self.cfg.train.steps
         start = self.checkpoint.restore() if self.resume else self._fresh_start()
         self.skips.start()
@@ -281,10 +323,12 @@ class Trainer:
             with self.memory.track():
                 result = self.executor.step(
                     inputs.plan,
-                    inputs.payloads,
+                    inputs.encoder_work,
                     functions=self.builder.functions(inputs),
                     gather_timelines=step == total - 1,
                 )
+            if after_backward is not None:
+                after_backward(step, inputs, result)
             grad_norm = self._clip()
             self.optimizer.step()
             row = self.metrics.reduce(inputs, result, time.perf_counter() - t0)

@@ -1,11 +1,14 @@
 """Decentralized grouped reordering (paper §5.1, Figure 11).
 
 Inside a reordering group (default: the ranks of one node) every rank all-gathers per-sample metadata
-(cost, payload shape, output rows), partitions all samples with ``omni_parallel.karmarkar_karp`` into
+(cost, payload shape, output rows, and the whole :class:`SampleMeta`, msgpack-encoded, so the rank that
+encodes a sample knows what it is), partitions all samples with ``omni_parallel.karmarkar_karp`` into
 one part per rank, checks that every rank computed the same plan (a hash all-gather: a mismatch raises
 on every rank instead of hanging in the data all-to-all), then moves payloads with one all-to-all.
 :meth:`ReorderPlan.restore` returns encoder outputs to their original rank and order; it is
-differentiable, so gradients take the reverse path (the paper's "post-reorder" of gradients).
+differentiable, so gradients take the reverse path (the paper's "post-reorder" of gradients). When the
+ranks that encode split samples further (sequence parallelism: each holds some rows of a sample),
+``restore(outputs, held=...)`` returns just the rows each of them holds.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import msgpack
 import torch
 import torch.distributed as dist
 
@@ -63,6 +67,7 @@ class ReorderPlan:
         costs: ``costs[r][i]`` its cost (as given by ``cost_fn``).
         received: ``[(src_rank, src_index)]`` samples this rank encodes, in received order.
         digest: hex digest of the plan (checked equal across the group).
+        metas: ``metas[r][i]`` the :class:`SampleMeta` of sample ``i`` of rank ``r``.
     """
 
     rank: int
@@ -73,6 +78,7 @@ class ReorderPlan:
     costs: list[list[float]]
     received: list[tuple[int, int]]
     digest: str
+    metas: list[list[SampleMeta]]
     _dispatched: torch.Tensor | None = None
 
     @property
@@ -83,6 +89,19 @@ class ReorderPlan:
             for i, d in enumerate(ds):
                 out[d] += self.costs[r][i]
         return out
+
+    def received_by(self, rank: int) -> list[tuple[int, int]]:
+        """``[(src_rank, src_index)]`` the samples group rank ``rank`` encodes, in its received order."""
+        return [
+            (r, i) for r in range(len(self.dest)) for i in range(len(self.dest[r])) if self.dest[r][i] == rank
+        ]
+
+    @property
+    def bytes_sent(self) -> int:
+        """Payload bytes this rank's dispatch sends to other ranks (float32 transport)."""
+        return 4 * sum(
+            _numel(s) for s, d in zip(self.shapes[self.rank], self.dest[self.rank]) if d != self.rank
+        )
 
     def _send_order(self) -> list[int]:
         mine = self.dest[self.rank]
@@ -141,27 +160,40 @@ class ReorderPlan:
             at += n
         return out
 
-    def restore(self, outputs: torch.Tensor) -> torch.Tensor:
+    def restore(self, outputs: torch.Tensor, held: Sequence[Sequence[int]] | None = None) -> torch.Tensor:
         """Bring encoder outputs back to the samples' original rank and order.
 
         Args:
-            outputs: ``[sum of rows of received samples, *feat]`` in :attr:`received` order.
+            outputs: ``[rows held of the received samples, *feat]`` in :attr:`received` order.
+            held: ``held[d][k]`` rows group rank ``d`` holds of the ``k``-th sample it received
+                (:meth:`received_by`), the same table on every rank; default: every sample's
+                :attr:`rows` (each encoded whole).
 
         Returns:
-            ``[sum of rows of this rank's samples, *feat]`` in this rank's original sample order.
-            Differentiable: the backward sends gradients along the reverse path.
+            ``[rows held of this rank's samples, *feat]`` in this rank's original sample order (each
+            sample's held rows in the order its encoding rank held them). Differentiable: the backward
+            sends gradients along the reverse path.
 
         Raises:
-            ValueError: ``outputs`` has the wrong number of rows.
+            ValueError: ``outputs`` has the wrong number of rows, or ``held`` does not match the plan.
         """
         size = len(self.dest)
-        want = sum(self.rows[r][i] for r, i in self.received)
+        if held is None:
+            held = [[self.rows[r][i] for r, i in self.received_by(d)] for d in range(size)]
+        if len(held) != size or any(len(h) != len(self.received_by(d)) for d, h in enumerate(held)):
+            raise ValueError(f"restore: held must list every received sample of the {size} group ranks")
+        # rows of each sample that come back from its encoding rank
+        back_rows = [[0] * len(ds) for ds in self.dest]
+        for d in range(size):
+            for (r, i), n in zip(self.received_by(d), held[d]):
+                back_rows[r][i] = int(n)
+        want = sum(held[self.rank])
         if outputs.shape[0] != want:
             raise ValueError(f"restore: rank {self.rank} got {outputs.shape[0]} rows, plan says {want}")
         send = [0] * size
-        for r, i in self.received:
-            send[r] += self.rows[r][i]
-        mine = self.rows[self.rank]
+        for (r, _), n in zip(self.received, held[self.rank]):
+            send[r] += int(n)
+        mine = back_rows[self.rank]
         recv = [0] * size
         for i, d in enumerate(self.dest[self.rank]):
             recv[d] += mine[i]
@@ -207,28 +239,39 @@ class GroupedReorderer:
         """All-gather metadata, partition with Karmarkar-Karp, check the plan hash across the group.
 
         Every rank of the group must call this (with its own samples, possibly none): it runs the same
-        three collectives (count all-gather, metadata all-gather, hash all-gather) whatever the counts.
+        five all-gathers (counts and metadata table, sizes and encoded ``SampleMeta`` bytes, plan hash)
+        whatever the counts.
 
         Raises:
             ValueError: a payload shape with more than 4 dims.
             PlanMismatchError: ranks computed different plans (raised on every rank).
         """
         rank, size = dist.get_rank(self.group), dist.get_world_size(self.group)
-        table = torch.zeros((len(samples), 3 + _MAX_DIMS), dtype=torch.int64)
+        blobs = [msgpack.packb(m.to_dict(), use_bin_type=True) for m in samples]
+        table = torch.zeros((len(samples), 4 + _MAX_DIMS), dtype=torch.int64)
         for i, m in enumerate(samples):
             if len(m.shape) > _MAX_DIMS:
                 raise ValueError(f"sample {m.uid}: payload shape {m.shape} has more than {_MAX_DIMS} dims")
             bits = struct.unpack("<q", struct.pack("<d", float(self.cost_fn(m))))[
                 0
             ]  # exact float64 transport
-            table[i, :3] = torch.tensor([bits, int(self.rows_fn(m)), len(m.shape)])
-            table[i, 3 : 3 + len(m.shape)] = torch.tensor(m.shape, dtype=torch.int64)
+            table[i, :4] = torch.tensor([bits, int(self.rows_fn(m)), len(blobs[i]), len(m.shape)])
+            table[i, 4 : 4 + len(m.shape)] = torch.tensor(m.shape, dtype=torch.int64)
         gathered = _all_gather_rows(table, self.group)
+        blob = torch.frombuffer(bytearray(b"".join(blobs)), dtype=torch.uint8) if blobs else None
+        gathered_bytes = _all_gather_bytes(blob, self.group)
+        metas = []
+        for g, raw in zip(gathered, gathered_bytes):
+            at, row = 0, []
+            for n in g[:, 2].tolist():
+                row.append(SampleMeta.from_dict(msgpack.unpackb(raw[at : at + n], strict_map_key=False)))
+                at += n
+            metas.append(row)
         costs = [
             [struct.unpack("<d", struct.pack("<q", int(b)))[0] for b in g[:, 0].tolist()] for g in gathered
         ]
         rows = [g[:, 1].tolist() for g in gathered]
-        shapes = [[tuple(row[3 : 3 + row[2]]) for row in g.tolist()] for g in gathered]
+        shapes = [[tuple(row[4 : 4 + row[3]]) for row in g.tolist()] for g in gathered]
         flat = [(r, i) for r in range(size) for i in range(len(costs[r]))]
         parts = karmarkar_karp([costs[r][i] for r, i in flat], size)
         owner = _match_parts(parts, flat, [costs[r][i] for r, i in flat], size)
@@ -238,7 +281,10 @@ class GroupedReorderer:
                 r, i = flat[g]
                 dest[r][i] = d
         received = [(r, i) for r in range(size) for i in range(len(dest[r])) if dest[r][i] == rank]
-        h = hashlib.sha256(repr((size, dest, rows, shapes, [[c.hex() for c in cs] for cs in costs])).encode())
+        keys = [[m.uid for m in ms] for ms in metas]
+        h = hashlib.sha256(
+            repr((size, dest, rows, shapes, [[c.hex() for c in cs] for cs in costs], keys)).encode()
+        )
         digest = h.hexdigest()
         mine = torch.tensor([int.from_bytes(h.digest()[:8], "little", signed=True)], dtype=torch.int64)
         hashes = [torch.zeros(1, dtype=torch.int64) for _ in range(size)]
@@ -248,7 +294,7 @@ class GroupedReorderer:
             raise PlanMismatchError(
                 f"reordering plan differs between group ranks: rank {rank} disagrees with {bad}"
             )
-        return ReorderPlan(rank, self.group, dest, shapes, rows, costs, received, digest)
+        return ReorderPlan(rank, self.group, dest, shapes, rows, costs, received, digest, metas)
 
 
 def _match_parts(
@@ -265,6 +311,21 @@ def _match_parts(
         owner.append(best)
         free.discard(best)
     return owner
+
+
+def _all_gather_bytes(blob: torch.Tensor | None, group: Any) -> list[bytes]:
+    """All-gather one uint8 buffer per rank (possibly none): one count all-gather, one padded all-gather."""
+    size = dist.get_world_size(group)
+    n = torch.tensor([0 if blob is None else blob.numel()], dtype=torch.int64)
+    counts = [torch.zeros(1, dtype=torch.int64) for _ in range(size)]
+    dist.all_gather(counts, n, group=group)
+    m = max(1, max(int(c) for c in counts))
+    pad = torch.zeros(m, dtype=torch.uint8)
+    if blob is not None:
+        pad[: blob.numel()] = blob
+    out = [torch.zeros(m, dtype=torch.uint8) for _ in range(size)]
+    dist.all_gather(out, pad, group=group)
+    return [o[: int(c)].numpy().tobytes() for o, c in zip(out, counts)]
 
 
 def _all_gather_rows(rows: torch.Tensor, group: Any) -> list[torch.Tensor]:

@@ -70,6 +70,7 @@ def plan_long_short(
     num_ranks: int,
     *,
     costs: Sequence[float] | None = None,
+    splittable: Sequence[bool] | None = None,
 ) -> LongShortPlan:
     """Plan long-short SP for one step's encoder samples. Pure and deterministic.
 
@@ -80,6 +81,9 @@ def plan_long_short(
         num_ranks: encoder ranks (every rank: encoder DP spans pipeline ranks).
         costs: ``[samples]`` modelled cost (e.g. FLOPs), finite and >= 0; default: ``lengths``. A long
             sample's cost is shared by the ranks of its SP group in proportion to their tokens of it.
+        splittable: ``[samples]`` whether a sample may be split at all (e.g. only images: an audio
+            encoder's convolution stem would need halo exchange); default: every sample. A sample that
+            may not be split is short whatever its length.
 
     Returns:
         :class:`LongShortPlan`. Every token of every sample is in exactly one piece. A rank's load counts
@@ -88,7 +92,7 @@ def plan_long_short(
     Raises:
         ValueError: ``sp_size`` does not divide ``num_ranks``, ``long_threshold`` is negative, a length
             is negative or not an integer, or ``costs`` has the wrong length or a negative, NaN or
-            infinite entry (each message names the sample).
+            infinite entry, or ``splittable`` has the wrong length (each message names the sample).
     """
     for name, value in (("sp_size", sp_size), ("num_ranks", num_ranks), ("long_threshold", long_threshold)):
         if not isinstance(value, int) or isinstance(value, bool):
@@ -108,8 +112,11 @@ def plan_long_short(
     for i, c in enumerate(cost):
         if not math.isfinite(c) or c < 0:
             raise ValueError(f"costs[{i}] = {c!r} (sample {i}): costs must be finite and >= 0")
+    split = [True] * n if splittable is None else [bool(x) for x in splittable]
+    if len(split) != n:
+        raise ValueError(f"splittable has {len(split)} entries for {n} samples")
     groups = num_ranks // sp_size
-    is_long = [sp_size > 1 and lengths[i] > long_threshold for i in range(n)]
+    is_long = [sp_size > 1 and split[i] and lengths[i] > long_threshold for i in range(n)]
     long_ids = [i for i in range(n) if is_long[i]]
     loads = [0.0] * num_ranks
     pieces: list[list[Piece]] = [[] for _ in range(num_ranks)]

@@ -44,6 +44,8 @@ class ReshardPlan:
             ``positions[r][i]``. Positions are distinct across all ranks; positions nobody fills (text
             tokens) come out as zero rows with ``filled`` False.
         cu_seqlens: ``[docs + 1]`` document boundaries of the pack; needed for CP (head-tail chunks).
+        staging: flat memory the CP buffer is a view of (see :meth:`buffer`): pass the previous plan's
+            ``staging`` to reuse it for the next pack (grown when too small); ``None``: allocated on use.
 
     Raises (on construction):
         ValueError: ``pack_len`` negative, a position not an integer, out of range or filled twice
@@ -53,8 +55,8 @@ class ReshardPlan:
     pack_len: int
     positions: list[list[int]]
     cu_seqlens: Sequence[int] | None = None
-    # Staging buffer, not part of the plan's value: excluded from ==, which would compare tensors.
-    _buffer: torch.Tensor | None = field(default=None, repr=False, compare=False)
+    # Staging memory, not part of the plan's value: excluded from ==, which would compare tensors.
+    staging: torch.Tensor | None = field(default=None, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if not isinstance(self.pack_len, int) or isinstance(self.pack_len, bool) or self.pack_len < 0:
@@ -77,15 +79,19 @@ class ReshardPlan:
             as_cu_seqlens(self.cu_seqlens, self.pack_len)
 
     def buffer(self, like: torch.Tensor) -> torch.Tensor:
-        """The reused ``[pack_len, hidden]`` CP staging buffer, zeroed (reallocated only if the
-        hidden size, dtype or device changes)."""
+        """The ``[pack_len, hidden]`` CP staging buffer, zeroed: a view of :attr:`staging` (reused across
+        calls and across plans that share it; reallocated only when too small or of another dtype or
+        device)."""
         shape = (self.pack_len, *like.shape[1:])
-        b = self._buffer
-        if b is None or b.shape != shape or b.dtype != like.dtype or b.device != like.device:
-            b = self._buffer = like.new_zeros(shape)
-        else:
-            b.zero_()
-        return b
+        n = 1
+        for d in shape:
+            n *= d
+        b = self.staging
+        if b is None or b.numel() < n or b.dtype != like.dtype or b.device != like.device:
+            b = self.staging = like.new_zeros(max(n, 1))
+        view = b[:n].view(shape)
+        view.zero_()
+        return view
 
 
 def _ulysses(

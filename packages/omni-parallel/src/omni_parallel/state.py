@@ -10,7 +10,9 @@ elementary axis of :func:`omni_parallel.topology.mesh_axes`; combined groups (``
 created by enumerating :func:`omni_parallel.topology.rank_groups`, whose member lists they all equal.
 
 Decoupled encoders (§ decoupled parallelism): encoder data parallelism spans every rank, pipeline ranks
-included; encoder SP groups are ``sp`` contiguous ranks; ZeRO over all ranks through FSDP2.
+included; encoder SP groups are ``sp`` contiguous ranks; ZeRO over all ranks through FSDP2, on the
+step-scoped schedule of :mod:`omni_parallel.encoder_zero` (one all-gather per step before the first encoder
+forward, one reduce-scatter after the last backward, on every rank whatever its encoder work).
 """
 
 from __future__ import annotations
@@ -54,7 +56,9 @@ class EncoderLayout:
         long_threshold: samples with more than this many tokens are "long" and SP-split; the rest go
             whole to single ranks (long-short SP, see :func:`omni_parallel.plan_long_short`).
         fsdp: shard encoder parameters over all ranks with FSDP2 (``fully_shard``).
-        reshard_after_forward: True = ZeRO-3 (free gathered parameters after forward), False = ZeRO-2.
+        reshard_after_forward: True = ZeRO-3 (parameters sharded at rest: the copy gathered for a step
+            is freed when the step's gradients are reduced), False = ZeRO-2 (the gathered copy stays
+            allocated between steps); see :mod:`omni_parallel.encoder_zero`.
 
     Raises:
         ValueError: ``sp`` or ``long_threshold`` not a positive int, or a flag that is not a bool.
@@ -111,15 +115,26 @@ class EncoderState:
         return self.mesh.size(0)
 
     def shard(self, module: torch.nn.Module, blocks: list[torch.nn.Module] | None = None) -> torch.nn.Module:
-        """Apply FSDP2 ``fully_shard`` over all ranks (ZeRO-3, or ZeRO-2 without reshard after forward).
+        """Apply FSDP2 ``fully_shard`` over all ranks (ZeRO-3, or ZeRO-2 without reshard after forward) on
+        the step-scoped schedule of :mod:`omni_parallel.encoder_zero`.
 
         ``blocks`` (e.g. transformer layers) are sharded first, each its own all-gather unit, then the
         root. Returns ``module`` itself (FSDP2 swaps its class in place). No-op when ``layout.fsdp`` is
-        False. Raises ``ValueError`` if a block is not a submodule of ``module``.
+        False. The sharded module issues no collective in forward or backward: every rank calls
+        :func:`~omni_parallel.encoder_zero.gather_parameters` before the step's first encoder forward and
+        :func:`~omni_parallel.encoder_zero.reduce_scatter_gradients` after its last backward (an
+        ``EncoderAnchor`` with ``zero_stage`` 2 or 3 makes the pipeline executor do both), which sum the
+        gradients (FSDP2's own reduction would average them over the mesh). ``reshard_after_forward``
+        False (ZeRO-2) keeps the gathered storage between steps; True (ZeRO-3) frees it.
+
+        Raises:
+            ValueError: a block is not a submodule of the module.
         """
         if not self.layout.fsdp:
             return module
         from torch.distributed.fsdp import fully_shard
+
+        from omni_parallel.encoder_zero import configure_step_schedule
 
         mesh = self.fsdp_mesh
         inside = {id(m) for m in module.modules()}
@@ -128,6 +143,7 @@ class EncoderState:
                 raise ValueError(f"blocks[{i}] ({type(block).__name__}) is not a submodule of the module")
             fully_shard(block, mesh=mesh, reshard_after_forward=self.layout.reshard_after_forward)
         fully_shard(module, mesh=mesh, reshard_after_forward=self.layout.reshard_after_forward)
+        configure_step_schedule([module], keep_gathered=not self.layout.reshard_after_forward)
         return module
 
 

@@ -18,6 +18,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from omni_parallel.encoder_zero import gather_parameters, is_sharded, reduce_scatter_gradients
 from omni_pipeline.actions import Action, ActionKind
 from omni_pipeline.dataflow import DataFlow
 from omni_pipeline.schedules import Schedule
@@ -30,9 +31,14 @@ class EncoderParallelConfig:
     """Encoder layout on the pipeline ranks.
 
     Attributes:
-        zero_stage: 0-2: every rank holds full encoder parameters and the executor all-reduces their
-            gradients over the encoder DP group; 3: the encoders are FSDP2-sharded (``fully_shard``) and
-            reduce their own gradients, so the executor leaves them alone.
+        zero_stage: 0 or 1: every rank holds the encoders whole and the executor all-reduces their
+            gradients over the encoder DP group; 2 or 3: the encoders are FSDP2-sharded
+            (``omni_parallel.EncoderState.shard``; ZeRO-2 keeps the gathered parameters' storage between
+            steps, ZeRO-3 frees it) and run on the step-scoped schedule of
+            :mod:`omni_parallel.encoder_zero`: the executor gathers their parameters on every rank when
+            a step starts and the gradient reduction sums them into sharded gradients after the last
+            backward, so no rank waits in a collective another rank never enters, whatever each rank's
+            encoder work.
 
     Activation offload is not the anchor's: the model's blocks choose it themselves (omni-train's
     ``train.offload`` wraps encoder and LLM blocks alike in saved-tensor hooks), so one mechanism serves
@@ -135,6 +141,40 @@ class EncoderAnchor:
     def parameters(self) -> Iterator[nn.Parameter]:
         for m in self.encoders.values():
             yield from m.parameters()
+
+    @property
+    def sharded(self) -> bool:
+        """Whether ``zero_stage`` is 2 or 3 (the encoders must then be FSDP2-sharded)."""
+        return self.parallel.zero_stage >= 2
+
+    def check_layout(self) -> None:
+        """Raises ValueError when ``zero_stage`` and the encoders' sharding disagree (2-3 need FSDP2
+        units, 0-1 must have none: their gradients would be reduced twice or not at all)."""
+        has_units = is_sharded(self.encoders.values())
+        if self.sharded and not has_units:
+            raise ValueError(
+                f"EncoderAnchor: zero_stage {self.parallel.zero_stage} needs FSDP2-sharded encoders "
+                "(omni_parallel.EncoderState.shard), found none"
+            )
+        if not self.sharded and has_units:
+            raise ValueError(
+                f"EncoderAnchor: zero_stage {self.parallel.zero_stage} but the encoders are FSDP2-sharded; "
+                "use zero_stage 2 or 3"
+            )
+
+    def gather(self) -> None:
+        """ZeRO-2/3: all-gather the encoders' parameters for the step (collective over their mesh: every
+        rank, before the step's first encoder forward). No-op for zero_stage 0-1."""
+        if self.sharded:
+            gather_parameters(self.encoders.values())
+
+    def reduce_gradients(self, divide_by: float = 1.0) -> None:
+        """ZeRO-2/3: sum the step's gradients into sharded gradients over the mesh, divided by
+        ``divide_by``, and reshard (collective: every rank, after the step's last backward). Raises
+        ValueError for zero_stage 0-1 (their gradients are all-reduced by the caller)."""
+        if not self.sharded:
+            raise ValueError("EncoderAnchor.reduce_gradients: zero_stage 0-1 encoders are not sharded")
+        reduce_scatter_gradients(self.encoders.values(), divide_by=divide_by)
 
     def forward(self, e: int, encoder_fn: Callable[[int, Any], torch.Tensor], inputs: Any) -> torch.Tensor:
         """Run encoder microbatch ``e``: ``encoder_fn(e, inputs) -> Tensor[tokens_e, hidden]``; keep its

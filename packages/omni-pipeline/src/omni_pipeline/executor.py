@@ -27,8 +27,16 @@ Numerics: the step's objective is the sum of the per-microbatch losses ``loss_fn
 ``loss_fn``, e.g. by 1 / microbatches). Gradient reduction is the caller's: ``reduce_gradients`` runs once
 after the last backward. The default (:meth:`PipelineExecutor.reduce_over_groups`) averages LLM gradients
 over ``llm_dp`` and sums encoder gradients over ``encoder_dp`` (every rank of every replica computes a
-slice of the encoder work) divided by the number of DP replicas (``size(encoder_dp) / pp``), unless the
-encoders use ZeRO-3; a trainer with its own objective passes its own hook (FSDP2, ``replicate``, a sum).
+slice of the encoder work) divided by the number of DP replicas (``size(encoder_dp) / pp``); a trainer
+with its own objective passes its own hook (``replicate``, a sum).
+
+Encoder ZeRO-2/3 (``EncoderParallelConfig.zero_stage``, FSDP2-sharded encoders): every rank gathers the
+encoder parameters when the step starts (:meth:`EncoderAnchor.gather`), so no encoder forward or backward
+issues a collective, and the gradient reduction sums them into sharded gradients and reshards
+(:meth:`EncoderAnchor.reduce_gradients`; the default hook divides by the replicas as above, never by
+FSDP2's whole mesh). Every rank reaches both points whatever encoder work the flow gives it (none
+included): see :mod:`omni_parallel.encoder_zero`. A custom ``reduce_gradients`` hook must call
+``anchor.reduce_gradients``; the executor checks that the encoders were resharded.
 
 Missing gradients, the same in every layout: after a step every parameter of this rank's stage modules and
 encoders with ``requires_grad`` has a ``.grad`` tensor. One that received none this step (a layer no
@@ -48,6 +56,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from omni_parallel.data_parallel import all_reduce_gradients
 from omni_pipeline.actions import Action, ActionKind, flow_index, torch_index
@@ -484,10 +493,12 @@ class PipelineExecutor:
                 f"rank {self.pp_rank}: no StepFunctions: pass functions= to step() or the executor"
             )
         self._prepare(plan, encoder_inputs)
+        self.anchor.gather()
         run = _StepRun(self, plan, encoder_inputs, fn)
         run.run()
         self._fill_missing_gradients()
         self.reduce_gradients()
+        self._check_resharded()
         losses, metrics = self._share_losses(plan.schedule, run.losses, run.metrics)
         timelines = {self.pp_rank: run.timeline}
         if gather_timelines and self.groups.pp is not None:
@@ -508,6 +519,7 @@ class PipelineExecutor:
                 f"rank {self.pp_rank}: schedule expects stages {mine}, executor holds {sorted(self.stages)}"
             )
         plan.check()
+        self.anchor.check_layout()
         self.anchor.register(self.pp_rank, plan.flow, sched)
         placed_here = [a.microbatch for a in self.anchor.placed() if a.kind == EF]
         lacking = [e for e in placed_here if e not in encoder_inputs]
@@ -526,13 +538,28 @@ class PipelineExecutor:
 
     def reduce_over_groups(self) -> None:
         """The default gradient reduction: LLM gradients averaged over ``groups.llm_dp``; encoder gradients
-        summed over ``groups.encoder_dp`` and divided by the DP replicas (``size / pp``), left alone under
-        ZeRO-3 (FSDP2 reduces its own). One flattened all-reduce per bucket
-        (:func:`omni_parallel.data_parallel.all_reduce_gradients`)."""
+        summed over ``groups.encoder_dp`` (ZeRO-2/3: over the encoders' FSDP2 mesh, which is
+        ``encoder_dp`` or, without one, the world) and divided by the DP replicas (``size / pp``). One
+        flattened all-reduce (or, sharded, one reduce-scatter) per bucket
+        (:func:`omni_parallel.data_parallel.all_reduce_gradients`,
+        :func:`omni_parallel.encoder_zero.reduce_scatter_gradients`)."""
         all_reduce_gradients(self.parameters(), self.groups.llm_dp, divide_by=_size(self.groups.llm_dp))
-        if self.anchor.parallel.zero_stage < 3:
+        if self.anchor.sharded:
+            ranks = (
+                _size(self.groups.encoder_dp) if self.groups.encoder_dp is not None else dist.get_world_size()
+            )
+            self.anchor.reduce_gradients(divide_by=max(1, ranks // self.pp_size))
+        else:
             replicas = max(1, _size(self.groups.encoder_dp) // self.pp_size)
             all_reduce_gradients(self.anchor.parameters(), self.groups.encoder_dp, divide_by=replicas)
+
+    def _check_resharded(self) -> None:
+        # Gathered, an FSDP2 unit holds plain tensors; resharded, its parameters are DTensors again.
+        if self.anchor.sharded and not any(isinstance(p, DTensor) for p in self.anchor.parameters()):
+            raise RuntimeError(
+                f"rank {self.pp_rank}: the encoders are still gathered after reduce_gradients; a custom hook "
+                "must call anchor.reduce_gradients() (ZeRO-2/3)"
+            )
 
     def _share_losses(self, sched: Schedule, losses, metrics):
         if self.groups.pp is None or self.pp_size == 1:

@@ -6,9 +6,11 @@ from __future__ import annotations
 from enum import StrEnum
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from omni_parallel.ulysses import ulysses_attention
 from omni_parallel.varlen import varlen_attention
 from omni_train.models.attention import apply_rope
 
@@ -62,6 +64,10 @@ class EncoderBlock(nn.Module):
         rope: ``(cos, sin)`` each ``[T, head_dim // 2]``, or None for no rotary positions (an encoder with
             absolute positions added to its input, as Whisper's).
         cu_seqlens: int64 ``[num_samples + 1]`` sample boundaries (tokens).
+        sp_group: encoder sequence parallelism (long-short SP): ``x`` is this rank's contiguous
+            ``1/sp`` chunk of the packed sequence, ``rope`` its rows, ``cu_seqlens`` the whole
+            sequence's; attention runs through ``omni_parallel.ulysses_attention`` (all-to-all
+            tokens <-> heads). ``None``: the whole sequence is here.
 
     Returns:
         ``[T, dim]``.
@@ -95,20 +101,32 @@ class EncoderBlock(nn.Module):
         self.fc2 = nn.Linear(mlp_ratio * dim, dim)
 
     def forward(
-        self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None, cu_seqlens: torch.Tensor
+        self,
+        x: torch.Tensor,
+        rope: tuple[torch.Tensor, torch.Tensor] | None,
+        cu_seqlens: torch.Tensor,
+        sp_group: dist.ProcessGroup | None = None,
     ) -> torch.Tensor:
-        x = x + self.attention_branch(x, rope, cu_seqlens)
+        x = x + self.attention_branch(x, rope, cu_seqlens, sp_group)
         return x + self.mlp_branch(x)
 
     def attention_branch(
-        self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None, cu_seqlens: torch.Tensor
+        self,
+        x: torch.Tensor,
+        rope: tuple[torch.Tensor, torch.Tensor] | None,
+        cu_seqlens: torch.Tensor,
+        sp_group: dist.ProcessGroup | None = None,
     ) -> torch.Tensor:
-        """``proj(attention(qkv(ln1(x))))``: ``[T, dim] -> [T, dim]``."""
+        """``proj(attention(qkv(ln1(x))))``: ``[T, dim] -> [T, dim]``; with ``sp_group``, ``x`` is this
+        rank's sequence chunk and attention runs Ulysses over the group (heads all-to-all)."""
         t = x.shape[0]
         q, k, v = self.qkv(self.ln1(x)).view(t, 3, self.n_heads, self.head_dim).unbind(1)
         if rope is not None:
             q, k = apply_rope(q, *rope), apply_rope(k, *rope)
-        a = varlen_attention(q, k, v, cu_seqlens, causal=False)
+        if sp_group is None:
+            a = varlen_attention(q, k, v, cu_seqlens, causal=False)
+        else:
+            a = ulysses_attention(q, k, v, sp_group, cu_seqlens=cu_seqlens, causal=False)
         return self.proj(a.reshape(t, -1))
 
     def mlp_branch(self, x: torch.Tensor) -> torch.Tensor:

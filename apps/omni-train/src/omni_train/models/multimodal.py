@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from omni_train.models.audio import AudioConfig, AudioEncoder
@@ -13,7 +14,8 @@ __all__ = ["AudioTower", "ImageTower"]
 
 
 class ImageTower(nn.Module):
-    """ViT then projector. Forward: ``(patches [N, 3*p*p], grids [n_img, 2]) -> [N / merge**2, llm_dim]``."""
+    """ViT then projector. Forward: ``(patches [N, 3*p*p], grids [n_img, 2]) -> [N / merge**2, llm_dim]``;
+    with ``sp_group`` this rank's chunk of the packed images (``VisionTransformer``'s long-short SP)."""
 
     def __init__(self, cfg: ViTConfig, llm_dim: int, *, seed: int = 0) -> None:
         super().__init__()
@@ -22,8 +24,10 @@ class ImageTower(nn.Module):
             cfg.out_dim, llm_dim, seed=seed + 1, norm=cfg.projector_norm, hidden=cfg.projector_hidden
         )
 
-    def forward(self, patches: torch.Tensor, grids: torch.Tensor) -> torch.Tensor:
-        return self.projector(self.encoder(patches, grids))
+    def forward(
+        self, patches: torch.Tensor, grids: torch.Tensor, sp_group: dist.ProcessGroup | None = None
+    ) -> torch.Tensor:
+        return self.projector(self.encoder(patches, grids, sp_group))
 
 
 class AudioTower(nn.Module):

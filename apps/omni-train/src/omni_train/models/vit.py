@@ -19,6 +19,7 @@ import math
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from omni_train.models.attention import rope_angles
@@ -120,10 +121,17 @@ class VisionTransformer(nn.Module):
         patches: ``[N, 3 * patch * patch]`` patches of several images, each image's patches from
             :func:`patchify`, images concatenated.
         grids: int64 ``[num_images, 2]`` each image's ``(grid_h, grid_w)`` in patches.
+        sp_group: long-short sequence parallelism (§ decoupled parallelism): the images form one packed
+            sequence of ``L = N / merge**2`` merged tokens cut into ``sp`` contiguous chunks of
+            ``c = ceil(L / sp)`` merged tokens (the last padded with a document of zero patches; the
+            layout of ``omni_parallel.plan_long_short``); this rank (``u`` in the group) embeds only
+            patches ``[u c m^2, (u + 1) c m^2)`` with their own 2-D RoPE rows and columns, the blocks run
+            Ulysses attention over the group, and it returns its chunk's ``c`` merged tokens (padding
+            rows included, last). ``None``: all images here.
 
     Returns:
         ``[N / merge**2, merge**2 * dim]`` merged tokens (one per LLM ``<|image|>`` placeholder), images
-        in order.
+        in order; with ``sp_group``: ``[c, merge**2 * dim]``.
 
     Raises:
         ValueError: the patch count does not match the grids.
@@ -140,7 +148,9 @@ class VisionTransformer(nn.Module):
         self.norm = nn.LayerNorm(cfg.dim, eps=cfg.norm_eps)
         init_linear_(self, torch.Generator().manual_seed(seed))
 
-    def forward(self, patches: torch.Tensor, grids: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, patches: torch.Tensor, grids: torch.Tensor, sp_group: dist.ProcessGroup | None = None
+    ) -> torch.Tensor:
         sizes = grids[:, 0] * grids[:, 1]
         if int(sizes.sum()) != patches.shape[0]:
             raise ValueError(f"{patches.shape[0]} patches but grids {grids.tolist()} need {int(sizes.sum())}")
@@ -149,12 +159,37 @@ class VisionTransformer(nn.Module):
         # Positions follow the patches' device (RoPE multiplies them in); cu stays on the host, where
         # varlen attention validates it.
         rows, cols = (p.to(patches.device) for p in _patch_positions(grids, self.cfg.merge))
+        if sp_group is not None:
+            patches, rows, cols, cu = self._chunk(patches, rows, cols, cu, sp_group)
         hd = self.cfg.dim // self.cfg.n_heads
         cr, sr = rope_angles(rows, hd // 2, self.cfg.rope_theta)
         cc, sc = rope_angles(cols, hd // 2, self.cfg.rope_theta)
         rope = (torch.cat([cr, cc], -1), torch.cat([sr, sc], -1))
         x = self.patch_embed(patches)
         for blk in self.blocks:
-            x = blk(x, rope, cu)
+            x = blk(x, rope, cu, sp_group)
         x = self.norm(x)
         return x.reshape(-1, self.cfg.out_dim)
+
+    def _chunk(
+        self,
+        patches: torch.Tensor,
+        rows: torch.Tensor,
+        cols: torch.Tensor,
+        cu: torch.Tensor,
+        group: dist.ProcessGroup,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """This rank's chunk of the packed images (see the class docstring), cut at merged-token
+        boundaries (a merge window's patches are contiguous, so no merge window is split)."""
+        sp, u = dist.get_world_size(group), dist.get_rank(group)
+        m2 = self.cfg.merge**2
+        n = patches.shape[0]
+        chunk = -(-(n // m2) // sp) * m2
+        pad = chunk * sp - n
+        if pad:
+            patches = torch.cat([patches, patches.new_zeros(pad, patches.shape[1])])
+            rows = torch.cat([rows, rows.new_zeros(pad)])
+            cols = torch.cat([cols, cols.new_zeros(pad)])
+            cu = torch.cat([cu, cu.new_tensor([n + pad])])  # padding: a document of its own
+        lo, hi = u * chunk, (u + 1) * chunk
+        return patches[lo:hi], rows[lo:hi], cols[lo:hi], cu

@@ -1,0 +1,178 @@
+"""The one-process float64 oracle for the trainer's parallel layouts: losses and every gradient, step by step.
+
+A parallel run (any pp, dp, Ulysses, encoder ZeRO, reordering) captures, after each step's gradient
+reduction and before clipping, every parameter's whole gradient by name (DTensor shards made whole, the
+pipeline stages merged). The reference is one process (pp=1, dp=1, encoders whole) that trains on the very
+same packs: with dp > 1 its loader is :class:`MergedStream`, the DP replicas' streams side by side (replica
+``d``'s packs are microbatches ``d * M + 1 .. (d + 1) * M``), so one step of the reference is the whole
+global batch and its objective (mean cross-entropy over every target of the step) is the parallel run's.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+
+from omni_data.node import StatefulNode
+from omni_data.zero_redundancy import FilteredStep
+
+__all__ = ["MergedStream", "assert_runs_match", "capture_run", "reference_run", "with_parallel"]
+
+
+def with_parallel(cfg, **par):
+    """``cfg`` with ``[parallel]`` fields replaced (``data_<field>`` keys replace ``[data]`` fields)."""
+    data = {k.removeprefix("data_"): v for k, v in par.items() if k.startswith("data_")}
+    par = {k: v for k, v in par.items() if not k.startswith("data_")}
+    return dataclasses.replace(
+        cfg,
+        parallel=dataclasses.replace(cfg.parallel, **par),
+        data=dataclasses.replace(cfg.data, **data),
+    )
+
+
+def _whole_grads(trainer) -> dict[str, np.ndarray]:
+    """This rank's gradients by name, DTensors made whole (collective over their meshes, same order on
+    every rank: LLM stage first, then the encoders)."""
+    out = {}
+    for name, p in trainer.model.named_parameters():
+        g = p.grad
+        if isinstance(g, DTensor):
+            g = g.full_tensor()
+        out[name] = (g if g is not None else torch.zeros(p.shape, dtype=p.dtype)).detach().numpy().copy()
+    return out
+
+
+def _gathered_grads(trainer) -> dict[str, np.ndarray] | None:
+    """Every rank's gradients merged by name (LLM stages are disjoint; replicas and encoders agree), on
+    rank 0 (collective)."""
+    mine = _whole_grads(trainer)
+    everyone: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, mine)
+    if dist.get_rank() != 0:
+        return None
+    merged: dict[str, np.ndarray] = {}
+    for grads in everyone:
+        for name, g in grads.items():
+            merged.setdefault(name, g)
+    return merged
+
+
+def _losses(run: Path) -> list[float]:
+    return [json.loads(line)["loss"] for line in (run / "metrics.jsonl").read_text().splitlines()]
+
+
+def capture_run(cfg, run: Path, *, stream=None, on_inputs=None) -> tuple[list[float], list[dict]] | None:
+    """Train ``cfg`` in this world (every rank calls it); rank 0 gets ``(losses, grads per step)``.
+
+    ``stream``: a loader replacing the trainer's (the reference's :class:`MergedStream`). ``on_inputs``:
+    called as ``on_inputs(trainer, step, inputs)`` after each step (tests check what a step held).
+    """
+    from omni_train.trainer import Trainer
+
+    trainer = Trainer(cfg, run, resume=False)
+    if stream is not None:
+        trainer.stream.close()
+        trainer.stream = trainer.checkpoint.stream = stream
+    grads: list[dict] = []
+
+    def after_backward(step, inputs, result):
+        g = _gathered_grads(trainer)
+        if g is not None:
+            grads.append(g)
+        if on_inputs is not None:
+            on_inputs(trainer, step, inputs)
+
+    trainer.run(after_backward=after_backward)
+    return (_losses(run), grads) if dist.get_rank() == 0 else None
+
+
+class MergedStream(StatefulNode[FilteredStep]):
+    """The DP replicas' loaders of ``cfg`` (each as its replica builds it, ``pp = 1``) merged into one step
+    of ``dp * M`` microbatches for a one-process reference."""
+
+    def __init__(self, cfg, tokenizer, dp: int) -> None:
+        super().__init__()
+        from omni_train.data_pipeline import build_step_stream
+
+        self.m = cfg.data.microbatches
+        one = with_parallel(cfg, pp=1, dp=1)
+        self.streams = [
+            build_step_stream(
+                one,
+                tokenizer,
+                dp_rank=d,
+                dp_size=dp,
+                dp_group=None,
+                consumes=set(range(1, self.m + 1)),
+                read_text=True,
+            )
+            for d in range(dp)
+        ]
+
+    def reset(self, initial_state: dict[str, Any] | None = None) -> None:
+        super().reset(initial_state)
+        for d, s in enumerate(self.streams):
+            s.reset(None if initial_state is None else initial_state[str(d)])
+
+    def get_state(self) -> dict[str, Any]:
+        return {str(d): s.state_dict() for d, s in enumerate(self.streams)}
+
+    def close(self) -> None:
+        for s in self.streams:
+            s.close()
+
+    def next(self) -> FilteredStep:
+        parts = [next(s) for s in self.streams]
+        packs, mbs, payloads, text = [], {}, {}, []
+        for d, fs in enumerate(parts):
+            base = len(packs)
+            packs.extend(fs.packs)
+            text.extend(fs.text_ids)
+            for e, items in fs.microbatches.items():
+                mbs[d * self.m + e] = [(p + base, i) for p, i in items]
+                payloads[d * self.m + e] = fs.payloads[e]
+        return FilteredStep(parts[0].step, packs, mbs, payloads, text)
+
+
+def reference_run(cfg, run: Path, dp: int) -> tuple[list[float], list[dict]]:
+    """The one-process reference of ``cfg``'s run over ``dp`` replicas (call inside a 1-process world)."""
+    from tokenizers import Tokenizer
+
+    from omni_train.config import tokenizer_path
+
+    ref = with_parallel(
+        cfg,
+        pp=1,
+        dp=1,
+        ulysses=1,
+        encoder_zero=0,
+        encoder_sp=1,
+        data_microbatches=cfg.data.microbatches * dp,
+        data_reorder_group_size=1,
+    )
+    stream = MergedStream(cfg, Tokenizer.from_file(str(tokenizer_path(cfg.data))), dp) if dp > 1 else None
+    out = capture_run(ref, run, stream=stream)
+    assert out is not None
+    return out
+
+
+def assert_runs_match(got, want, name: str, tol: float = 1e-10) -> None:
+    """Losses and every gradient of every step within ``tol`` (absolute; values are O(1) or smaller)."""
+    losses, grads = got
+    ref_losses, ref_grads = want
+    assert len(losses) == len(ref_losses), (name, losses, ref_losses)
+    for step, (a, b) in enumerate(zip(losses, ref_losses)):
+        assert abs(a - b) <= tol, f"{name}: step {step} loss {a} != reference {b}"
+    assert len(grads) == len(ref_grads), name
+    for step, (g, r) in enumerate(zip(grads, ref_grads)):
+        assert set(g) == set(r), f"{name}: step {step} parameters {set(g) ^ set(r)} on one side only"
+        for n in r:
+            diff = float(np.abs(g[n] - r[n]).max()) if r[n].size else 0.0
+            assert diff <= tol, f"{name}: step {step} gradient of {n} differs by {diff}"

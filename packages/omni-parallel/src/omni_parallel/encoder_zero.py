@@ -1,0 +1,261 @@
+"""Encoder ZeRO-2/3 over FSDP2 on a step-scoped schedule that every rank follows (§ decoupled parallelism).
+
+Encoder data parallelism spans every rank, so the encoders' FSDP2 mesh is the whole world, while the
+encoder work of a step is spread unevenly over the pipeline schedule: a rank may run fewer encoder
+forwards than another, or none, and runs them at other points of the schedule. FSDP2's own hooks issue an
+all-gather before each unit's forward (and backward) and a reduce-scatter after its backward, collectives
+over the world at schedule points that differ per rank: a rank that encodes waits in the all-gather for a
+rank that never enters it (the multimodal "text-only rank" hang, DeepSpeed #7170 class). FSDP2's
+reduce-scatter also *averages* over its mesh, while this repo's objective is a plain sum of what the ranks
+compute (``omni_train.parallelize``): on 2 ranks every encoder gradient came out exactly 0.5x.
+
+The schedule here moves every encoder collective of a step to two points that every rank reaches in the
+same order whatever its encoder work:
+
+1. :func:`gather_parameters` before the step's first encoder forward: every sharded unit (each
+   ``fully_shard``-ed module, in module order) all-gathers its parameters once (``FSDPModule.unshard``);
+   FSDP2's per-forward/backward resharding and its gradient reduction are switched off
+   (``set_reshard_after_forward(False)``, ``set_reshard_after_backward(False)``,
+   ``set_requires_gradient_sync(False)``), so forwards and backwards issue no collective at all and
+   gradients accumulate on the gathered parameters;
+2. :func:`reduce_scatter_gradients` after the step's last encoder backward: the gathered gradients (zeros
+   for parameters a rank never used) are summed with ``reduce_scatter_tensor(op=SUM)`` in buckets, divided
+   by an explicit ``divide_by`` (never FSDP2's mean), every unit is resharded (``FSDPModule.reshard``), and
+   each sharded parameter gets its gradient as a ``DTensor`` with the parameter's own placements, so the
+   optimizer state stays sharded too (AdamW's moments are DTensors like the parameters).
+
+Stages, as in ZeRO (Rajbhandari et al., 2020): both shard gradients and optimizer states; stage 3 also
+shards parameters at rest (the gathered copy exists only inside a step), stage 2 keeps the gathered copy's
+storage between steps (``set_keep_unsharded_storage(True)``; FSDP2's ``reshard_after_forward=False``) and
+refreshes it with the same one all-gather per step after the update. Inside a step both hold the gathered
+parameters from the first encoder forward to the last backward: resharding between an encoder forward and
+its backward would need a per-action all-gather at schedule points that differ per rank, which is exactly
+what hangs. Communication per step: one all-gather of the parameters and one reduce-scatter of the
+gradients, as FSDP2's ZeRO-2.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.tensor import DTensor, Shard
+
+__all__ = [
+    "configure_step_schedule",
+    "gather_parameters",
+    "is_sharded",
+    "reduce_scatter_gradients",
+    "sharded_units",
+    "state_bytes",
+]
+
+_BUCKET_BYTES = 25 * 2**20
+
+
+def sharded_units(modules: Iterable[nn.Module]) -> list[nn.Module]:
+    """Every FSDP2 unit (a module ``fully_shard`` was applied to) inside ``modules``, in module order, each
+    once: the order every rank gathers and reshards them in."""
+    from torch.distributed.fsdp import FSDPModule
+
+    seen: dict[int, nn.Module] = {}
+    for root in modules:
+        for m in root.modules():
+            if isinstance(m, FSDPModule) and id(m) not in seen:
+                seen[id(m)] = m
+    return list(seen.values())
+
+
+def is_sharded(modules: Iterable[nn.Module]) -> bool:
+    """Whether any module inside ``modules`` is an FSDP2 unit."""
+    return bool(sharded_units(modules))
+
+
+def configure_step_schedule(modules: Iterable[nn.Module], *, keep_gathered: bool) -> None:
+    """Put every FSDP2 unit inside ``modules`` on the step-scoped schedule (no collective in forward or
+    backward; see the module docstring). ``keep_gathered``: ZeRO-2, the gathered storage stays allocated
+    between steps; ``False``: ZeRO-3, it is freed at reshard. Local: no communication."""
+    for unit in sharded_units(modules):
+        unit.set_reshard_after_forward(False, recurse=False)
+        unit.set_reshard_after_backward(False, recurse=False)
+        unit.set_requires_gradient_sync(False, recurse=False)
+        unit.set_keep_unsharded_storage(keep_gathered, recurse=False)
+
+
+def gather_parameters(modules: Iterable[nn.Module]) -> None:
+    """All-gather every FSDP2 unit's parameters once (collective over each unit's mesh: call it on every
+    rank, before the step's first encoder forward, whether or not the rank encodes anything this step).
+    Afterwards the modules hold their whole parameters and run forward and backward without collectives.
+    No-op for modules without FSDP2 units."""
+    units = sharded_units(modules)
+    for unit in units:
+        # Idempotent; also covers units sharded without configure_step_schedule (their own hooks would
+        # otherwise reshard after forward and reduce after backward, at per-rank schedule points).
+        unit.set_reshard_after_forward(False, recurse=False)
+        unit.set_reshard_after_backward(False, recurse=False)
+        unit.set_requires_gradient_sync(False, recurse=False)
+    for unit in units:
+        unit.unshard()
+
+
+def _named(modules: Iterable[nn.Module]) -> Iterator[tuple[int, str, nn.Parameter]]:
+    seen: set[int] = set()
+    for i, root in enumerate(modules):
+        for name, p in root.named_parameters():
+            key = hash((i, name))
+            if key not in seen and p.requires_grad:
+                seen.add(key)
+                yield i, name, p
+
+
+def reduce_scatter_gradients(
+    modules: Iterable[nn.Module], *, divide_by: float = 1.0, bucket_bytes: int = _BUCKET_BYTES
+) -> None:
+    """Sum the step's gradients over each unit's mesh into sharded ``DTensor`` gradients, divide by
+    ``divide_by``, and reshard every unit (collective: every rank calls it after the step's last encoder
+    backward, in the same order as :func:`gather_parameters`).
+
+    Parameters of ``modules`` that are not FSDP2-sharded (a module left out of ``fully_shard``) are
+    all-reduced (sum) over the first sharded parameter's mesh group instead, so every parameter ends with
+    the summed gradient in its own layout.
+
+    Args:
+        modules: the modules given to :func:`gather_parameters`, gathered.
+        divide_by: divisor after the sum (e.g. the TP size, whose ranks run the same encoder work); 1: sum.
+        bucket_bytes: upper bound of one reduce-scatter buffer (a larger gradient gets a bucket of its own).
+
+    Raises:
+        ValueError: ``divide_by <= 0``, or the modules hold no FSDP2 unit.
+    """
+    if not divide_by > 0:
+        raise ValueError(f"reduce_scatter_gradients: divide_by must be > 0, got {divide_by}")
+    modules = list(modules)
+    units = sharded_units(modules)
+    if not units:
+        raise ValueError("reduce_scatter_gradients: the modules hold no FSDP2 unit (fully_shard them first)")
+    # Gathered gradients (None: unused on this rank this step, i.e. zeros) keyed by parameter name: the
+    # gathered and the sharded parameters are registered under the same names.
+    grads: dict[tuple[int, str], torch.Tensor | None] = {}
+    for i, name, p in _named(modules):
+        grads[(i, name)] = p.grad
+        p.grad = None
+    for unit in reversed(units):
+        unit.reshard()
+    sharded: list[tuple[nn.Parameter, torch.Tensor | None]] = []
+    plain: list[tuple[nn.Parameter, torch.Tensor | None]] = []
+    for i, name, p in _named(modules):
+        (sharded if isinstance(p, DTensor) else plain).append((p, grads[(i, name)]))
+    if not sharded:
+        raise ValueError("reduce_scatter_gradients: no parameter is sharded after reshard")
+    mesh = sharded[0][0].device_mesh
+    group = mesh.get_group()
+    for bucket in _buckets(sharded, bucket_bytes):
+        _reduce_scatter_bucket(bucket, group, divide_by)
+    for p, g in plain:
+        full = g.detach().clone() if g is not None else torch.zeros_like(p)
+        dist.all_reduce(full, group=group)
+        p.grad = full.div_(divide_by) if divide_by != 1 else full
+
+
+def _buckets(
+    items: list[tuple[nn.Parameter, torch.Tensor | None]], bucket_bytes: int
+) -> list[list[tuple[nn.Parameter, torch.Tensor | None]]]:
+    # Parameter order, the same on every rank, so the buffers line up element for element.
+    out: list[list[tuple[nn.Parameter, torch.Tensor | None]]] = []
+    size = 0
+    for item in items:
+        p = item[0]
+        key = (p.device, p.dtype)
+        nbytes = p.numel() * p.element_size()
+        if out and (size + nbytes > bucket_bytes or (out[-1][0][0].device, out[-1][0][0].dtype) != key):
+            out.append([])
+            size = 0
+        if not out:
+            out.append([])
+        out[-1].append(item)
+        size += nbytes
+    return out
+
+
+def _reduce_scatter_bucket(
+    bucket: list[tuple[nn.Parameter, torch.Tensor | None]], group: dist.ProcessGroup, divide_by: float
+) -> None:
+    """One SUM reduce-scatter for a bucket of dim-0-sharded parameters. FSDP2 shards dim 0 as
+    ``torch.chunk`` does (chunks of ``ceil(rows / W)`` rows, trailing ones short or empty), so each
+    gradient is padded to ``W`` equal chunks, chunk ``r`` of every gradient goes to rank ``r``."""
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    blocks, widths = [], []
+    for p, g in bucket:
+        if len(p.placements) != 1 or p.placements[0] != Shard(0):
+            raise ValueError(f"reduce_scatter_gradients: placements {p.placements} are not FSDP2's Shard(0)")
+        rows = p.shape[0]
+        chunk = -(-rows // world)
+        full = torch.zeros((chunk * world, *p.shape[1:]), dtype=p.dtype, device=p.to_local().device)
+        if g is not None:
+            full[:rows] = g
+        blocks.append(full.view(world, -1))
+        widths.append(full[0:chunk].numel())
+    send = torch.cat(blocks, dim=1).contiguous()
+    out = send.new_empty(send.shape[1])
+    dist.reduce_scatter_tensor(out, send.view(-1), op=dist.ReduceOp.SUM, group=group)
+    if divide_by != 1:
+        out.div_(divide_by)
+    for (p, _), part in zip(bucket, out.split(widths)):
+        rows, chunk = p.shape[0], -(-p.shape[0] // world)
+        local_rows = max(0, min(chunk, rows - rank * chunk))
+        local = part.view(chunk, *p.shape[1:])[:local_rows].clone()
+        if tuple(local.shape) != tuple(p.to_local().shape):
+            raise ValueError(
+                f"reduce_scatter_gradients: rank {rank} shard {tuple(local.shape)} differs from the "
+                f"parameter's local shard {tuple(p.to_local().shape)}"
+            )
+        p.grad = DTensor.from_local(
+            local, p.device_mesh, p.placements, shape=p.shape, stride=p.stride(), run_check=False
+        )
+
+
+def state_bytes(
+    modules: Iterable[nn.Module], optimizer: torch.optim.Optimizer | None = None
+) -> dict[str, int]:
+    """Bytes this rank holds for ``modules`` between steps, measured from the tensors' storages.
+
+    Returns ``{"parameters": ..., "gathered": ..., "gradients": ..., "optimizer": ...}``: the parameters'
+    local storage (a DTensor's local shard), the gathered copies kept allocated between steps (ZeRO-2;
+    0 under ZeRO-3, whose gathered storage is freed at reshard), the gradients' local storage and the
+    optimizer state tensors of these parameters. Each storage is counted once.
+    """
+    modules = list(modules)
+    seen: set[tuple[int, int]] = set()
+
+    def nbytes(t: torch.Tensor | None) -> int:
+        if t is None:
+            return 0
+        local = t.to_local() if isinstance(t, DTensor) else t
+        st = local.untyped_storage()
+        key = (st.data_ptr(), st.nbytes())
+        if st.nbytes() == 0 or key in seen:
+            return 0
+        seen.add(key)
+        return st.nbytes()
+
+    params = [p for _, _, p in _named(modules)]
+    out = {
+        "parameters": sum(nbytes(p) for p in params),
+        "gathered": 0,
+        "gradients": sum(nbytes(p.grad) for p in params),
+        "optimizer": 0,
+    }
+    # torch has no public accessor for FSDP2's gathered buffers: read them from each unit's state.
+    for unit in sharded_units(modules):
+        for group in unit._get_fsdp_state()._fsdp_param_groups:
+            for fsdp_param in group.fsdp_params:
+                for t in getattr(fsdp_param, "all_gather_outputs", []):
+                    out["gathered"] += nbytes(t)
+    if optimizer is not None:
+        ids = {id(p) for p in params}
+        for p, st in optimizer.state.items():
+            if id(p) in ids:
+                out["optimizer"] += sum(nbytes(v) for v in st.values() if isinstance(v, torch.Tensor))
+    return out
