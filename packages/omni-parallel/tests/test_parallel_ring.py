@@ -29,8 +29,18 @@ TOL = 1e-10
 # (seed, document lengths, heads_q, heads_kv, causal): lengths 7 and 1 and 3 at cp=4 pad heavily (a rank
 # may hold only padding of a document), 28/7 is GQA with an odd KV count.
 RING_CASES = {
-    2: [(1, [7], 4, 2, True), (2, [7, 1, 12, 3], 6, 3, True), (3, [5, 6], 4, 4, False), (4, [9, 16], 28, 7, True)],
-    4: [(5, [7, 16, 2], 4, 2, True), (6, [3], 2, 1, True), (7, [1, 30], 2, 2, False), (8, [40, 9], 4, 1, True)],
+    2: [
+        (1, [7], 4, 2, True),
+        (2, [7, 1, 12, 3], 6, 3, True),
+        (3, [5, 6], 4, 4, False),
+        (4, [9, 16], 28, 7, True),
+    ],
+    4: [
+        (5, [7, 16, 2], 4, 2, True),
+        (6, [3], 2, 1, True),
+        (7, [1, 30], 2, 2, False),
+        (8, [40, 9], 4, 1, True),
+    ],
 }
 
 

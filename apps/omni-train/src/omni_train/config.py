@@ -19,6 +19,7 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
+from omni_parallel import CPAttention
 from omni_train.models.audio import AudioConfig
 from omni_train.models.llm import LLMConfig
 from omni_train.models.vit import ViTConfig
@@ -98,11 +99,15 @@ class ModelConfig:
 @dataclass
 class SourceConfig:
     """One WebDataset source. ``urls``: a glob or brace pattern, relative to the bundled data directory
-    (``omni_train/data``) unless absolute or an fsspec URL (``scheme://...``)."""
+    (``omni_train/data``) unless absolute or an fsspec URL (``scheme://...``). ``join_tokens`` (text
+    sources, 0 = off): the consecutive passages of one document (keys ``<doc>-000``, ``<doc>-001``, ...)
+    are joined into documents of up to this many tokens (``omni_data.JoinDocuments``: whole plays for a
+    long-context recipe)."""
 
     name: str
     modality: str
     urls: str
+    join_tokens: int = 0
 
 
 @dataclass
@@ -140,6 +145,12 @@ class ParallelConfigSection:
             pipeline rank ``j``). Must be > 0.
         encoder_zero: ZeRO stage of the encoders (``omni_train.parallelize.apply_encoder_zero``); 0:
             every rank holds them whole and their gradients are summed over every rank.
+        cp_attention: attention of context-parallel groups: ``"allgather"`` (K/V all-gathered) or
+            ``"ring"`` (K/V passed around the ring, overlapped with compute; less memory per rank).
+        hybrid_cp: hybrid DP/CP (``omni_train.cp_sharding``): the ``dp * cp`` ranks of a stage share
+            packs of ``dp * cp * data.max_seq_len`` tokens; per pack ``omni_parallel.plan_hybrid_cp``
+            keeps short samples whole on single ranks and CP-shards long ones over the smallest aligned
+            block that fits ``data.max_seq_len`` tokens per rank. Works with ``pp > 1``.
     """
 
     pp: int = 2
@@ -151,6 +162,8 @@ class ParallelConfigSection:
     reorder: bool = True
     encoder_forward_share: float = 0.3
     encoder_zero: int = 0
+    cp_attention: CPAttention = CPAttention.ALLGATHER
+    hybrid_cp: bool = False
 
     @property
     def world_size(self) -> int:
@@ -388,11 +401,7 @@ def validate(cfg: RunConfig, nproc: int) -> None:
             raise ConfigError(
                 f"model.llm.{name}: {getattr(llm, name)} is not divisible by parallel.tp {par.tp}"
             )
-    if par.cp > 1:
-        raise ConfigError(
-            f"parallel.cp: {par.cp} is not supported by omni-train's LLM (no context-parallel attention "
-            "wired); use parallel.ulysses for sequence parallelism"
-        )
+    _validate_cp(cfg)
     # Ulysses pads heads that sp does not divide (omni_parallel.ulysses), so no head-count check here.
     if par.ulysses > 1 and par.tp > 1:
         raise ConfigError(
@@ -474,3 +483,25 @@ def validate(cfg: RunConfig, nproc: int) -> None:
         )
     if cfg.checkpoint.every < 0 or cfg.checkpoint.keep_last < 1:
         raise ConfigError("checkpoint.every: must be >= 0 and checkpoint.keep_last >= 1")
+
+
+def _validate_cp(cfg: RunConfig) -> None:
+    """CP and hybrid DP/CP: what the trainer's CP path (``omni_train.cp_sharding``) supports."""
+    par = cfg.parallel
+    if (par.cp > 1 or par.hybrid_cp) and par.tp > 1:
+        raise ConfigError(
+            f"parallel.cp: context parallelism together with parallel.tp {par.tp} is not supported yet"
+        )
+    if (par.cp > 1 or par.hybrid_cp) and cfg.train.compile:
+        raise ConfigError("train.compile: not supported with context parallelism (parallel.cp > 1) yet")
+    if par.hybrid_cp and (par.ulysses > 1 or par.dp * par.cp < 2):
+        raise ConfigError(
+            f"parallel.hybrid_cp: needs dp * cp >= 2 ranks per stage to share (got dp {par.dp} x cp "
+            f"{par.cp}) and no parallel.ulysses"
+        )
+    for i, src in enumerate(cfg.data.sources):
+        if src.join_tokens < 0 or (src.join_tokens and src.modality != "text"):
+            raise ConfigError(
+                f"data.sources[{i}].join_tokens: joins text documents only, must be >= 0 "
+                f"(got {src.join_tokens} on a {src.modality} source)"
+            )

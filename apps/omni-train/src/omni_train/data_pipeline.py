@@ -24,6 +24,7 @@ from omni_data import (
     EncoderCost,
     HybridPacker,
     ImageTokens,
+    JoinDocuments,
     MixtureSchedule,
     MixtureStream,
     Modality,
@@ -109,6 +110,9 @@ def build_step_stream(
     consumes: set[int],
     read_text: bool,
     tp_group=None,
+    share=None,
+    text_share=None,
+    pack_tokens: int | None = None,
 ) -> ZeroRedundancyFilter:
     """The per-step stream of this rank (see the module docstring); call ``reset()`` or
     ``reset(state)`` before use.
@@ -116,6 +120,10 @@ def build_step_stream(
     Args:
         consumes: encoder microbatch ids this pipeline rank runs (from the data flow).
         read_text: this rank builds LLM inputs or labels (first or last stage): read every sample's text.
+        share, text_share: the zero-redundancy filter's narrowing of encoder microbatches and text reads
+            to this rank's part (CP: ``omni_train.cp_sharding.CPSharding``); ``None``: everything.
+        pack_tokens: pack capacity; default ``data.max_seq_len`` (hybrid DP/CP: the stage's ranks share
+            packs of ``dp * cp * max_seq_len`` tokens).
     """
     m = cfg.model
     vit, aud = m.vit, m.audio
@@ -135,7 +143,7 @@ def build_step_stream(
             cost = EncoderCost(hidden=vit.dim, layers=vit.n_layers)
         elif modality is Modality.AUDIO and aud is not None:
             cost = EncoderCost(hidden=aud.dim, layers=aud.n_layers)
-        sources[src.name] = WebDatasetSource(
+        sources[src.name] = source = WebDatasetSource(
             expand_urls(src.urls),
             modality=modality,
             name=src.name,
@@ -149,13 +157,16 @@ def build_step_stream(
             seed=cfg.train.seed,
             epochs=None,
         )
+        if src.join_tokens:
+            sources[src.name] = JoinDocuments(source, src.join_tokens)
     schedule = mixture_schedule(cfg)
     d = cfg.data
+    capacity = pack_tokens or d.max_seq_len
     if d.packing is Packing.HYBRID:
         mixture = MixtureStream(sources, schedule)
-        packer = HybridPacker(mixture, d.max_seq_len, d.buffer_size)
+        packer = HybridPacker(mixture, capacity, d.buffer_size)
     else:
-        per_source = {n: HybridPacker(s, d.max_seq_len, d.buffer_size) for n, s in sources.items()}
+        per_source = {n: HybridPacker(s, capacity, d.buffer_size) for n, s in sources.items()}
         # The mixture draws whole single-modality packs by the schedule's weights.
         packer = mixture = MixtureStream(per_source, schedule)
     loader = PackedLoader(packer, d.microbatches, mixture=mixture, dp_group=dp_group if dp_size > 1 else None)
@@ -169,4 +180,6 @@ def build_step_stream(
         prefetch=1,
         read_text=read_text,
         balance=cfg.parallel.reorder,
+        share=share,
+        text_share=text_share,
     )

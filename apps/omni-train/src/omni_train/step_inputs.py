@@ -11,6 +11,11 @@ Ulysses (``sp > 1``): each SP rank holds a contiguous ``1/sp`` chunk of every pa
 of ``sp`` with a padding document that has no targets), its global RoPE positions and the whole pack's
 ``cu_seqlens``; every SP rank of stage 0 runs the encoders on the same data and scatters exactly the media
 embeddings that fall into its chunk.
+
+CP and hybrid DP/CP (``cp``, :mod:`omni_train.cp_sharding`): each rank holds its head-tail share of every
+pack (or, hybrid, its whole samples and its shares of the long ones), the RoPE positions of those tokens,
+and a :class:`~omni_parallel.CPSequence` in place of ``cu_seqlens``; its encoder microbatches are its share
+of each slice, and their embeddings reach their tokens through ``CPSharding.deliver_media``.
 """
 
 from __future__ import annotations
@@ -34,6 +39,7 @@ from omni_train.batch import (
     ulysses_chunk,
     ulysses_layout,
 )
+from omni_train.cp_sharding import CPSharding
 from omni_train.data_pipeline import undecodable_samples
 from omni_train.loss import microbatch_loss
 
@@ -80,6 +86,9 @@ class StepBuilder:
         sp, sp_rank: Ulysses size and this rank's index in the Ulysses group.
         pp_group: the pipeline group (shares which samples failed to decode); ``None`` for pp=1.
         dp_group: the DP group (sums the step's target count); ``None`` for dp=1.
+        cp: this rank's CP / hybrid DP/CP layout; ``None`` without CP.
+        cp_group: the ranks of a stage that share the packs under ``cp`` (the CP group, or dp_cp for
+            hybrid DP/CP): they share which samples failed to decode.
     """
 
     def __init__(
@@ -97,7 +106,10 @@ class StepBuilder:
         sp_rank: int = 0,
         pp_group: dist.ProcessGroup | None = None,
         dp_group: dist.ProcessGroup | None = None,
+        cp: CPSharding | None = None,
+        cp_group: dist.ProcessGroup | None = None,
     ) -> None:
+        self.cp, self.cp_group = cp, cp_group
         self.schedule, self.flow, self.encoders = schedule, flow, encoders
         self.placeholders = dict(placeholders)
         self.llm_dim, self.dtype, self.device = llm_dim, dtype, device
@@ -112,8 +124,10 @@ class StepBuilder:
         if self.builds_text:
             for k, (pack, row) in enumerate(zip(packs, fs.text_ids), start=1):
                 ids = {s.uid: t for s, t in zip(pack.samples, row) if t is not None}
+                if self.cp is not None:
+                    ids = self.cp.fill_unread(pack, ids)
                 mb = build_llm_microbatch(pack, ids, self.placeholders, {i for p, i in masked if p == k - 1})
-                mbs[k] = ulysses_chunk(mb, self.sp, self.sp_rank) if self.sp > 1 else mb
+                mbs[k] = self._local_microbatch(mb, pack)
         positions = {e: _media_positions(packs, items) for e, items in fs.microbatches.items()}
         targets = torch.tensor([step_targets(packs, masked)], dtype=torch.int64)
         if self.dp_group is not None:
@@ -121,11 +135,22 @@ class StepBuilder:
         plan = StepPlan(
             self.schedule,
             self.flow,
-            llm_shapes={k: (-(-p.num_tokens // self.sp), self.llm_dim) for k, p in enumerate(packs, start=1)},
+            llm_shapes={k: (self._local_tokens(p), self.llm_dim) for k, p in enumerate(packs, start=1)},
             encoder_shapes={e: (int(pos.numel()), self.llm_dim) for e, pos in positions.items()},
             dtype=self.dtype,
         )
         return StepInputs(fs.step, packs, mbs, masked, max(1, int(targets)), positions, fs.payloads, plan)
+
+    def _local_microbatch(self, mb: LLMMicrobatch, pack: Pack) -> LLMMicrobatch:
+        """This rank's part of a whole-pack microbatch: its Ulysses chunk or its CP share."""
+        if self.cp is not None:
+            return self.cp.microbatch(mb, pack)
+        return ulysses_chunk(mb, self.sp, self.sp_rank) if self.sp > 1 else mb
+
+    def _local_tokens(self, pack: Pack) -> int:
+        if self.cp is not None:
+            return self.cp.local(pack).tokens
+        return -(-pack.num_tokens // self.sp)
 
     def functions(self, inputs: StepInputs) -> StepFunctions:
         """The executor's callables for ``inputs`` (closures over it)."""
@@ -135,6 +160,8 @@ class StepBuilder:
             es = [e for e in self.flow.encoder_inputs[k] if e in outs]
             media = torch.cat([outs[e] for e in es]) if es else None
             pos = torch.cat([inputs.media_positions[e] for e in es]).to(self.device) if es else None
+            if self.cp is not None:
+                return self._cp_first_stage_input(inputs, k, media)
             if self.sp > 1 and pos is not None:
                 # Every SP rank computed all of this pack's media embeddings: keep those in its chunk.
                 lo = self.sp_rank * mb.num_tokens
@@ -147,6 +174,9 @@ class StepBuilder:
             if stage == 0:
                 return {}
             pack = inputs.packs[k - 1]
+            if self.cp is not None:
+                pos = torch.tensor(self.cp.local(pack).position, dtype=torch.int64, device=self.device)
+                return {"position_ids": pos, "cu_seqlens": self.cp.sequence(pack)}
             cu = torch.zeros(len(pack.samples) + 1, dtype=torch.int64)
             cu[1:] = torch.cumsum(torch.tensor(pack.seqlens, dtype=torch.int64), 0)
             pos = pack.position_ids
@@ -167,6 +197,19 @@ class StepBuilder:
 
         return StepFunctions(first_stage_input, loss, encode, stage_kwargs)
 
+    def _cp_first_stage_input(self, inputs: StepInputs, k: int, media: torch.Tensor | None) -> tuple:
+        """Stage 0's input under CP: this rank's tokens, RoPE positions and CP sequence, and the media
+        embeddings of its tokens (delivered from the ranks that encoded them)."""
+        assert self.cp is not None
+        mb, pack, dev = inputs.microbatches[k], inputs.packs[k - 1], self.device
+        embeds, rows = None, None
+        if pack.spans:
+            positions = self.cp.rank_positions(inputs.packs, k)
+            mine = media if media is not None else torch.zeros(0, self.llm_dim, dtype=self.dtype, device=dev)
+            embeds, rows = self.cp.deliver_media(pack, mine, positions)
+            rows = rows.to(dev)
+        return mb.input_ids.to(dev), mb.position_ids.to(dev), self.cp.sequence(pack), embeds, rows
+
     def _undecodable(self, fs: FilteredStep) -> frozenset[tuple[int, int]]:
         """``(pack, sample)`` whose payload failed to decode on any rank of this pipeline: only the rank
         that ran the sample's encoder microbatch knows, the last stage needs it (labels), every stage
@@ -179,6 +222,8 @@ class StepBuilder:
             flags[offsets[p] + i] = 1
         if self.pp_group is not None:
             dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.pp_group)
+        if self.cp_group is not None:  # CP ranks of a stage decode different shares of the packs
+            dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.cp_group)
         return frozenset(
             (p, i)
             for p in range(len(fs.packs))

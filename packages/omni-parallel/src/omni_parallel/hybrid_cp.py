@@ -264,7 +264,9 @@ def local_sequence(lengths: Sequence[int], slots: Sequence[HybridCPSlot], rank: 
         raise ValueError(f"local_sequence: {len(slots)} slots for {len(lengths)} samples (one each)")
     for s in slots:
         if s.cp < 1 or s.first % s.cp or s.first < 0:
-            raise ValueError(f"local_sequence: sample {s.sample}: block at {s.first} not aligned to cp {s.cp}")
+            raise ValueError(
+                f"local_sequence: sample {s.sample}: block at {s.first} not aligned to cp {s.cp}"
+            )
     offset = [0]
     for n in lengths:
         offset.append(offset[-1] + _tokens("lengths", n))

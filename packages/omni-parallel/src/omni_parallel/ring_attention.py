@@ -125,7 +125,9 @@ class _RingAttention(torch.autograd.Function):
             for t in _tiles(layout, ring.rank, src, causal, q.device):
                 s = _scores(qf[t.qa : t.qb], kf[t.ka : t.kb], t, scale)
                 blk_lse = torch.logsumexp(s, dim=-1)  # [hq, tq]
-                o = torch.einsum("hqk,khd->qhd", torch.exp(s - _finite(blk_lse).unsqueeze(-1)), vf[t.ka : t.kb])
+                o = torch.einsum(
+                    "hqk,khd->qhd", torch.exp(s - _finite(blk_lse).unsqueeze(-1)), vf[t.ka : t.kb]
+                )
                 old = lse[:, t.qa : t.qb]
                 new = torch.logaddexp(old, blk_lse)
                 a = torch.exp(old - _finite(new)).transpose(0, 1).unsqueeze(-1)
