@@ -22,18 +22,20 @@ from omni_parallel import (
     shard_for_cp,
 )
 from omni_parallel.testing import run_world
-from omni_parallel.varlen import cu_seqlens_from_lengths, varlen_attention
+from omni_parallel.varlen import cu_seqlens_from_lengths, masked_attention, varlen_attention
 
 TOL = 1e-10
 
 # (seed, document lengths, heads_q, heads_kv, causal): lengths 7 and 1 and 3 at cp=4 pad heavily (a rank
-# may hold only padding of a document), 28/7 is GQA with an odd KV count.
+# may hold only padding of a document), 28/7 is GQA with an odd KV count, 2600 tokens span several
+# query tiles per block.
 RING_CASES = {
     2: [
         (1, [7], 4, 2, True),
         (2, [7, 1, 12, 3], 6, 3, True),
         (3, [5, 6], 4, 4, False),
         (4, [9, 16], 28, 7, True),
+        (13, [2600, 5], 2, 1, True),
     ],
     4: [
         (5, [7, 16, 2], 4, 2, True),
@@ -163,3 +165,20 @@ def test_local_sequences_cover_every_token_once_under_a_hybrid_plan():
     }
     with pytest.raises(ValueError, match="not aligned"):
         local_sequence([4, 4], [HybridCPSlot(0, 0, 1, 2), HybridCPSlot(1, 0, 0, 1)], 0)
+
+
+def test_ring_tile_kernels_fused_and_plain_agree():
+    # The fused CPU flash kernel and the plain-ops path (other devices) of one tile, forward and backward.
+    from omni_parallel.ring_attention import _tile_backward, _tile_forward
+
+    g = torch.Generator().manual_seed(5)
+    for tq, tk, causal in ((9, 9, True), (7, 12, False)):
+        q = torch.randn(tq, 3, 4, generator=g, dtype=torch.float64)
+        k, v = (torch.randn(tk, 3, 4, generator=g, dtype=torch.float64) for _ in range(2))
+        dout = torch.randn(tq, 3, 4, generator=g, dtype=torch.float64)
+        (o1, l1), (o2, l2) = (_tile_forward(q, k, v, causal, 0.5, fused=f) for f in (True, False))
+        assert _diff(o1, o2) <= TOL and _diff(l1, l2) <= TOL
+        g1, g2 = (_tile_backward(dout, q, k, v, o1, l1, causal, 0.5, fused=f) for f in (True, False))
+        assert max(_diff(a, b) for a, b in zip(g1, g2)) <= TOL
+        ref = masked_attention(q, k, v, causal=causal, scale=0.5)
+        assert _diff(o1, ref) <= TOL

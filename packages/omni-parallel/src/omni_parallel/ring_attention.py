@@ -36,47 +36,102 @@ __all__ = ["ring_attention"]
 
 @dataclass(frozen=True)
 class _Tile:
-    """Queries ``[qa, qb)`` of this rank against rows ``[ka, kb)`` of a source rank's K/V block;
-    ``mask`` ``[qb - qa, kb - ka]`` (True = may attend) or ``None`` when every pair may attend."""
+    """Queries ``[qa, qb)`` of this rank against rows ``[ka, kb)`` of a source rank's K/V block, with a
+    top-left causal mask (``causal``, equal lengths) or none: every pair of the tile may attend."""
 
     qa: int
     qb: int
     ka: int
     kb: int
-    mask: torch.Tensor | None
+    causal: bool
 
 
-def _tiles(layout: CPLayout, rank: int, src: int, causal: bool, device: torch.device) -> list[_Tile]:
-    """The non-empty (query rows, key rows) pairs of every document for the block of rank ``src``."""
+def _tiles(layout: CPLayout, rank: int, src: int, causal: bool) -> list[_Tile]:
+    """The non-empty (query rows, key rows) pairs of every document for the block of rank ``src``.
+
+    A rank's real tokens of a document are a prefix of its rows (head chunk before tail chunk, padding
+    is a suffix in position order), so tiles are cut to real rows and need no padding mask; under
+    ``causal`` a diagonal block is three tiles (head/head and tail/tail causal, tail/head full), a block
+    of an earlier rank one full tile (all my queries, its head chunk), of a later rank one full tile (my
+    tail chunk, all its keys)."""
     out = []
     for d, (a, b) in enumerate(itertools.pairwise(layout.local_cu_seqlens)):
         if b == a:
             continue
         length = layout.cu_seqlens[d + 1] - layout.cu_seqlens[d]
-        half = (b - a) // 2
-        qa, qb, ka, kb = a, b, a, b
-        if causal and src < rank:
-            kb = a + half  # an earlier rank's tail chunk lies after both of my chunks
-        elif causal and src > rank:
-            qa = a + half  # my head chunk lies before both of a later rank's chunks
-        q_pos = torch.tensor(layout.position[rank][qa:qb], device=device)
-        k_pos = torch.tensor(layout.position[src][ka:kb], device=device)
-        mask = (k_pos < length).unsqueeze(0).expand(qb - qa, -1)
-        if causal:
-            mask = mask & (k_pos.unsqueeze(0) <= q_pos.unsqueeze(1))
-        if not bool(mask.any()):
-            continue
-        out.append(_Tile(qa, qb, ka, kb, None if bool(mask.all()) else mask))
+        c = (b - a) // 2
+        nq = sum(p < length for p in layout.position[rank][a:b])
+        nk = sum(p < length for p in layout.position[src][a:b])
+        if not causal:
+            spans = [(a, a + nq, a, a + nk, False)]
+        elif src == rank:
+            head = min(c, nq)
+            spans = [(a, a + head, a, a + head, True), (a + c, a + nq, a, a + head, False)]
+            spans.append((a + c, a + nq, a + c, a + nq, True))
+        elif src < rank:  # an earlier rank's tail chunk lies after both of my chunks
+            spans = [(a, a + nq, a, a + min(c, nk), False)]
+        else:  # my head chunk lies before both of a later rank's chunks
+            spans = [(a + c, a + nq, a, a + nk, False)]
+        out += [_Tile(*t) for t in spans if t[1] > t[0] and t[3] > t[2]]
     return out
 
 
-def _scores(q: torch.Tensor, k: torch.Tensor, tile: _Tile, scale: float) -> torch.Tensor:
+def _as_bhtd(x: torch.Tensor) -> torch.Tensor:
+    return x.transpose(0, 1).unsqueeze(0)  # [t, h, d] -> [1, h, t, d]
+
+
+def _tile_forward(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float, fused: bool | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(out [tq, h, d], lse [h, tq])`` of one tile (heads already matched). ``fused`` (default: on
+    CPU): torch's fused flash kernel, which also returns the log-sum-exp; else plain tensor ops."""
+    if q.device.type == "cpu" if fused is None else fused:
+        o, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            _as_bhtd(q), _as_bhtd(k), _as_bhtd(v), 0.0, causal, scale=scale
+        )
+        return o[0].transpose(0, 1), lse[0]
+    s = _scores(q, k, causal, scale)
+    lse = torch.logsumexp(s, dim=-1)
+    return torch.einsum("hqk,khd->qhd", torch.exp(s - lse.unsqueeze(-1)), v), lse
+
+
+def _tile_backward(
+    dout: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    causal: bool,
+    scale: float,
+    fused: bool | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``dq, dk, dv`` of one tile given the *final* output and log-sum-exp of its query rows (so the
+    probabilities are those of the whole softmax, FlashAttention's backward); ``fused`` as in
+    :func:`_tile_forward`."""
+    if q.device.type == "cpu" if fused is None else fused:
+        dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+            _as_bhtd(dout), _as_bhtd(q), _as_bhtd(k), _as_bhtd(v), _as_bhtd(out), lse.unsqueeze(0),
+            0.0, causal, scale=scale,
+        )  # fmt: skip
+        return dq[0].transpose(0, 1), dk[0].transpose(0, 1), dv[0].transpose(0, 1)
+    p = torch.exp(_scores(q, k, causal, scale) - lse.unsqueeze(-1))
+    delta = (dout * out).sum(-1).transpose(0, 1)  # rowsum(dO * O), FlashAttention's D
+    ds = p * (torch.einsum("qhd,khd->hqk", dout, v) - delta.unsqueeze(-1))
+    dq = torch.einsum("hqk,khd->qhd", ds, k) * scale
+    return dq, torch.einsum("hqk,qhd->khd", ds, q) * scale, torch.einsum("hqk,qhd->khd", p, dout)
+
+
+def _scores(q: torch.Tensor, k: torch.Tensor, causal: bool, scale: float) -> torch.Tensor:
     s = torch.einsum("qhd,khd->hqk", q, k) * scale
-    return s if tile.mask is None else s.masked_fill(~tile.mask, float("-inf"))
+    if causal:
+        keep = torch.ones(q.shape[0], k.shape[0], dtype=torch.bool, device=q.device).tril()
+        s = s.masked_fill(~keep, float("-inf"))
+    return s
 
 
 def _finite(x: torch.Tensor) -> torch.Tensor:
-    # exp(s - lse) for a row with no key: lse is -inf; subtract 0 instead so its probabilities are 0.
+    # A row no tile reached keeps lse = -inf; merge with 0 in its place so its weights are 0, not NaN.
     return torch.where(torch.isfinite(x), x, torch.zeros_like(x))
 
 
@@ -122,16 +177,12 @@ class _RingAttention(torch.autograd.Function):
             pending = ring.start(block, _KV) if i < ring.cp - 1 else None
             kf = block[:, :hkv].to(acc).repeat_interleave(rep, dim=1)
             vf = block[:, hkv:].to(acc).repeat_interleave(rep, dim=1)
-            for t in _tiles(layout, ring.rank, src, causal, q.device):
-                s = _scores(qf[t.qa : t.qb], kf[t.ka : t.kb], t, scale)
-                blk_lse = torch.logsumexp(s, dim=-1)  # [hq, tq]
-                o = torch.einsum(
-                    "hqk,khd->qhd", torch.exp(s - _finite(blk_lse).unsqueeze(-1)), vf[t.ka : t.kb]
-                )
+            for t in _tiles(layout, ring.rank, src, causal):
+                o, blk = _tile_forward(qf[t.qa : t.qb], kf[t.ka : t.kb], vf[t.ka : t.kb], t.causal, scale)
                 old = lse[:, t.qa : t.qb]
-                new = torch.logaddexp(old, blk_lse)
+                new = torch.logaddexp(old, blk)
                 a = torch.exp(old - _finite(new)).transpose(0, 1).unsqueeze(-1)
-                b = torch.exp(blk_lse - _finite(new)).transpose(0, 1).unsqueeze(-1)
+                b = torch.exp(blk - _finite(new)).transpose(0, 1).unsqueeze(-1)
                 out[t.qa : t.qb] = out[t.qa : t.qb] * a + o * b
                 lse[:, t.qa : t.qb] = new
             if pending is not None:
@@ -149,7 +200,6 @@ class _RingAttention(torch.autograd.Function):
         hkv, rep = k.shape[1], q.shape[1] // k.shape[1]
         acc = out.dtype
         qf, dout = q.to(acc), grad.to(acc) * valid
-        delta = (dout * out).sum(-1).transpose(0, 1)  # [hq, t]: rowsum(dO * O), FlashAttention's D
         lse = _finite(lse)
         dq = torch.zeros_like(qf)
         block = torch.cat([k, v], dim=1).contiguous()
@@ -160,14 +210,12 @@ class _RingAttention(torch.autograd.Function):
             kf = block[:, :hkv].to(acc).repeat_interleave(rep, dim=1)
             vf = block[:, hkv:].to(acc).repeat_interleave(rep, dim=1)
             dk, dv = torch.zeros_like(kf), torch.zeros_like(vf)
-            for t in _tiles(layout, ring.rank, src, ctx.causal, q.device):
-                qs, ks, vs, dos = qf[t.qa : t.qb], kf[t.ka : t.kb], vf[t.ka : t.kb], dout[t.qa : t.qb]
-                p = torch.exp(_scores(qs, ks, t, scale) - lse[:, t.qa : t.qb].unsqueeze(-1))
-                dv[t.ka : t.kb] += torch.einsum("hqk,qhd->khd", p, dos)
-                dp = torch.einsum("qhd,khd->hqk", dos, vs)
-                ds = p * (dp - delta[:, t.qa : t.qb].unsqueeze(-1))
-                dq[t.qa : t.qb] += torch.einsum("hqk,khd->qhd", ds, ks) * scale
-                dk[t.ka : t.kb] += torch.einsum("hqk,qhd->khd", ds, qs) * scale
+            for t in _tiles(layout, ring.rank, src, ctx.causal):
+                q_, k_ = slice(t.qa, t.qb), slice(t.ka, t.kb)
+                g = _tile_backward(dout[q_], qf[q_], kf[k_], vf[k_], out[q_], lse[:, q_], t.causal, scale)
+                dq[q_] += g[0]
+                dk[k_] += g[1]
+                dv[k_] += g[2]
             tk = dk.shape[0]
             mine = torch.cat([dk.view(tk, hkv, rep, -1).sum(2), dv.view(tk, hkv, rep, -1).sum(2)], dim=1)
             if incoming is not None:
