@@ -8,6 +8,7 @@ and v must agree to 1e-10 through the head-tail shard map, and ring must agree w
 import pytest
 import torch
 import torch.distributed as dist
+from test_parallel_sequence import _inputs, _reference  # the float64 inputs and reference of the CP tests
 
 from omni_parallel import (
     CPSequence,
@@ -22,7 +23,7 @@ from omni_parallel import (
     shard_for_cp,
 )
 from omni_parallel.testing import run_world
-from omni_parallel.varlen import cu_seqlens_from_lengths, masked_attention, varlen_attention
+from omni_parallel.varlen import cu_seqlens_from_lengths, masked_attention
 
 TOL = 1e-10
 
@@ -44,22 +45,6 @@ RING_CASES = {
         (8, [40, 9], 4, 1, True),
     ],
 }
-
-
-def _inputs(seed, tokens, hq, hkv, d=4):
-    g = torch.Generator().manual_seed(seed)
-    q = torch.randn(tokens, hq, d, generator=g, dtype=torch.float64)
-    k = torch.randn(tokens, hkv, d, generator=g, dtype=torch.float64)
-    v = torch.randn(tokens, hkv, d, generator=g, dtype=torch.float64)
-    w = torch.randn(tokens, hq, d, generator=g, dtype=torch.float64)
-    return q, k, v, w
-
-
-def _reference(q, k, v, w, cu, causal):
-    q, k, v = (x.clone().requires_grad_() for x in (q, k, v))
-    out = varlen_attention(q, k, v, cu, causal=causal)
-    (out * w).sum().backward()
-    return out.detach(), q.grad, k.grad, v.grad
 
 
 def _diff(a, b):
