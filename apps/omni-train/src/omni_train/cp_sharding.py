@@ -86,6 +86,7 @@ class CPSharding:
         max_tokens: hybrid only: tokens per rank and microbatch (``data.max_seq_len``).
         attention_len: hybrid only: the plan's cost model (``omni_parallel.hybrid_cp_load``), the sample
             length at which attention costs as much as the rest of the model (about ``6 * dim``).
+        raised_caps: hybrid only: packs planned above ``max_tokens`` per rank (see :meth:`_plan`).
     """
 
     size: int
@@ -98,6 +99,7 @@ class CPSharding:
     hybrid: bool = False
     max_tokens: int = 0
     attention_len: int = 16384
+    raised_caps: int = 0
     _cache: dict[tuple[int, ...], tuple[tuple[HybridCPSlot, ...], LocalSequence]] = field(
         default_factory=dict, repr=False
     )
@@ -119,15 +121,26 @@ class CPSharding:
         return got
 
     def _plan(self, pack: Pack) -> tuple[HybridCPSlot, ...]:
+        """``plan_hybrid_cp`` of one pack. A pack fills its ranks' token caps to within CP padding, so a
+        fragmented one may not fit; it is planned with the cap raised by 1/8 (up to ``_CAP_STEPS``
+        times), logged and counted in :attr:`raised_caps`: more activation memory that step, same math."""
         cap = self.max_tokens
         for _ in range(_CAP_STEPS):
             try:
-                return plan_hybrid_cp(pack.seqlens, self.size, cap, attention_len=self.attention_len).slots
+                slots = plan_hybrid_cp(pack.seqlens, self.size, cap, attention_len=self.attention_len).slots
             except ValueError:
                 cap += -(-self.max_tokens // 8)
+                continue
+            if cap > self.max_tokens:
+                self.raised_caps += 1
+                logger.warning(
+                    "hybrid DP/CP: samples %s fit %d ranks only at %d tokens per rank (data.max_seq_len %d)",
+                    pack.seqlens, self.size, cap, self.max_tokens,
+                )  # fmt: skip
+            return slots
         raise ValueError(
             f"hybrid DP/CP: a pack of samples {pack.seqlens} does not fit {self.size} ranks even at "
-            f"{cap} tokens per rank; lower data.max_seq_len's pack share or raise it"
+            f"{cap} tokens per rank (data.max_seq_len {self.max_tokens}); raise data.max_seq_len"
         )
 
     def slots(self, pack: Pack) -> tuple[HybridCPSlot, ...]:
