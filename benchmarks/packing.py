@@ -6,6 +6,11 @@ long text documents up to 512K tokens (split into 16K pieces by every packer ali
 instructions. max_seq_len 16K. Fill = used tokens / (packs * max_seq_len). Time per input sample is the
 best of a few runs, in the same process; the ratio column is against first-fit-shuffle.
 
+Pack-age bound: the same workload through ``HybridPacker`` with ``max_pack_age`` 0, 1 (the default), 2, 4
+and unbounded (the behaviour before the bound), buffer 1024: fill, time, and how long samples wait in
+draws between being drawn and being emitted (max and 99.9th percentile); the bound guarantees at most
+``(max_pack_age + 1) * buffer_size``.
+
 Run: ``uv run python benchmarks/packing.py``; writes ``benchmarks/results/packing.json``.
 """
 
@@ -14,6 +19,7 @@ from __future__ import annotations
 import bisect
 import json
 import math
+import os
 import random
 import time
 from pathlib import Path
@@ -96,8 +102,15 @@ def windowed_bfd(sizes: list[int], window: int) -> list[int]:
     return loads
 
 
-def ours(metas: list[SampleMeta], buffer: int) -> list[int]:
-    return [p.num_tokens for p in HybridPacker(IterableWrapper(metas), MAX_LEN, buffer)]
+def ours(metas: list[SampleMeta], buffer: int, **kw: int) -> list[int]:
+    return [p.num_tokens for p in HybridPacker(IterableWrapper(metas), MAX_LEN, buffer, **kw)]
+
+
+def waits(metas: list[SampleMeta], buffer: int, age: int) -> list[int]:
+    """Draws between each sample's draw and the emission of its pack."""
+    drawn_at = {m.key: i for i, m in enumerate(metas)}
+    packer = HybridPacker(IterableWrapper(metas), MAX_LEN, buffer, max_pack_age=age)
+    return sorted(packer.stats["samples"] - drawn_at[s.key] for p in packer for s in p.samples)
 
 
 def best_time(fn, repeats: int = 3):
@@ -110,7 +123,7 @@ def best_time(fn, repeats: int = 3):
 
 
 def main() -> None:
-    metas = workload(30_000)
+    metas = workload(int(os.environ.get("OMNI_BENCH_SAMPLES", "30000")))
     sizes = split_long(metas)
     total = sum(sizes)
     rows = []
@@ -136,6 +149,21 @@ def main() -> None:
                     "time_vs_first_fit": us / base_us,
                 }
             )
+    age_rows = []
+    for age in (0, 1, 2, 4, 10**9):
+        t, loads = best_time(lambda a=age: ours(metas, 1024, max_pack_age=a))
+        assert sum(loads) == total and max(loads) <= MAX_LEN
+        w = waits(metas, 1024, age)
+        age_rows.append(
+            {
+                "max_pack_age": "unbounded" if age == 10**9 else age,
+                "buffer": 1024,
+                "fill": total / (len(loads) * MAX_LEN),
+                "us_per_sample": t / len(metas) * 1e6,
+                "max_wait_draws": w[-1],
+                "p999_wait_draws": w[int(0.999 * (len(w) - 1))],
+            }
+        )
     avg = {
         m: sum(x.num_tokens for x in metas if x.source == m) / max(1, sum(x.source == m for x in metas))
         for m in ("img", "aud", "txt", "long")
@@ -150,10 +178,25 @@ def main() -> None:
             f"{r['packer']:32s} {r['buffer']:6d} {r['packs']:6d} {100 * r['fill']:8.3f} {r['us_per_sample']:10.2f} "
             f"{r['time_vs_first_fit']:7.2f}"
         )
+    print(
+        f"{'max_pack_age':>12s} {'fill %':>8s} {'us/sample':>10s} {'max wait':>9s} {'p99.9 wait':>10s}  (draws)"
+    )
+    for r in age_rows:
+        print(
+            f"{r['max_pack_age']!s:>12s} {100 * r['fill']:8.3f} {r['us_per_sample']:10.2f} "
+            f"{r['max_wait_draws']:9d} {r['p999_wait_draws']:10d}"
+        )
     out = Path(__file__).parent / "results" / "packing.json"
     out.write_text(
         json.dumps(
-            {"max_seq_len": MAX_LEN, "samples": len(metas), "mean_tokens": avg, "rows": rows}, indent=2
+            {
+                "max_seq_len": MAX_LEN,
+                "samples": len(metas),
+                "mean_tokens": avg,
+                "rows": rows,
+                "pack_age": age_rows,
+            },
+            indent=2,
         )
     )
     print(f"wrote {out}")

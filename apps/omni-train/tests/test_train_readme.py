@@ -18,7 +18,7 @@ def test_readme_example_runs(tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)
     exec(compile(block, str(README), "exec"), {})
     out = capsys.readouterr().out
-    for policy in ("prepend_first_stage", "isolated", "uniform_on_demand"):
+    for policy in ("prepend_first_stage", "isolated", "uniform_on_demand", "planned"):
         assert policy in out
         assert (tmp_path / "runs/example-sim" / f"timeline-{policy}.png").stat().st_size > 0
 
@@ -56,7 +56,7 @@ def test_cli_simulate(tmp_path, capsys):
     )
     assert rc == 0
     res = json.loads((out / "simulate.json").read_text())
-    assert set(res["results"]) == {"prepend_first_stage", "isolated", "uniform_on_demand"}
+    assert set(res["results"]) == {"prepend_first_stage", "isolated", "uniform_on_demand", "planned"}
     for r in res["results"].values():
         assert r["makespan_s"] > 0 and 0 <= r["mean_bubble_fraction"] < 1
     assert "uniform_on_demand" in capsys.readouterr().out

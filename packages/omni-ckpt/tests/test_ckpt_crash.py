@@ -12,11 +12,10 @@ import shutil
 import signal
 
 import fsspec.implementations.local as local
-import msgpack
 import pytest
 import torch
 
-from omni_ckpt import CheckpointError, CheckpointManager, load
+from omni_ckpt import CheckpointError, CheckpointManager, load, read_manifest
 
 POINTS = ("open", "write", "mv", "rm")
 
@@ -45,17 +44,24 @@ def blank():
 
 
 def _crashing_save(root, kill_at):
-    """Child: save step 2, SIGKILLed just before the kill_at-th filesystem event."""
+    """Child: save step 2, SIGKILLed just before the kill_at-th filesystem event (a file opened for
+    writing, a write, a rename or a delete; through fsspec or straight through os on the local disk)."""
     events = [0]
+
+    def tick():
+        events[0] += 1
+        if events[0] == kill_at:
+            os.kill(os.getpid(), signal.SIGKILL)
 
     def hook(name, fn):
         def wrapped(*args, **kwargs):
-            if name != "open" or any(
+            if name == "os.open":
+                if args[1] & (os.O_WRONLY | os.O_RDWR):
+                    tick()
+            elif name != "open" or any(
                 m in str(args[2] if len(args) > 2 else kwargs.get("mode", "rb")) for m in "wa"
             ):
-                events[0] += 1
-                if events[0] == kill_at:
-                    os.kill(os.getpid(), signal.SIGKILL)
+                tick()
             return fn(*args, **kwargs)
 
         return wrapped
@@ -64,6 +70,8 @@ def _crashing_save(root, kill_at):
     local.LocalFileSystem.mv = hook("mv", local.LocalFileSystem.mv)
     local.LocalFileSystem.rm = hook("rm", local.LocalFileSystem.rm)
     local.LocalFileOpener.write = hook("write", local.LocalFileOpener.write)
+    os.open = hook("os.open", os.open)
+    os.pwritev = hook("pwritev", os.pwritev)
     CheckpointManager(root, keep_last=1, async_save=False).save(2, make_state(2))
     os._exit(0)
 
@@ -107,7 +115,7 @@ def test_flipped_byte_in_any_data_file_is_detected(tmp_path):
     mgr = CheckpointManager(str(tmp_path), async_save=False)
     mgr.save(1, make_state(1))
     step_dir = tmp_path / "step-00000001"
-    manifest = msgpack.unpackb((step_dir / "manifest.msgpack").read_bytes(), strict_map_key=False)
+    manifest = read_manifest(str(step_dir))
     spots = [(name, boxes[0][3] + boxes[0][4] // 2) for name, (_, _, boxes) in manifest["tensors"].items()]
     spots.append(("objects", manifest["objects"][0][1] + 1))
     for name, pos in spots:

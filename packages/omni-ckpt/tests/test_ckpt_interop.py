@@ -13,9 +13,11 @@ from omni_ckpt import (
     CheckpointManager,
     FlatShard,
     export,
+    import_dcp,
     load,
     load_optimizer_state_dict,
     optimizer_state_dict,
+    read_full,
     save,
     save_ranks,
 )
@@ -162,5 +164,107 @@ def test_bad_inputs_name_what_is_wrong(tmp_path):
     with pytest.raises(ValueError, match="step must be an int >= 0, got -1"):
         CheckpointManager(str(tmp_path / "m"), async_save=False).save(-1, {"w": torch.zeros(1)})
     (tmp_path / "c" / "manifest.msgpack").write_bytes(b"\xc1")
-    with pytest.raises(CheckpointError, match=r"manifest.msgpack: corrupt manifest"):
+    with pytest.raises(CheckpointError, match=r"manifest.msgpack: not an omni-ckpt manifest"):
         load({"w": torch.zeros(2, 3)}, url)
+
+
+def _dcp_state():
+    return {
+        "model": {
+            "w": torch.randn(5, 6),
+            "h": torch.arange(7, dtype=torch.int32),
+            "bf": torch.randn(3).bfloat16(),
+        },
+        "extra": {"epoch": 3, "names": ["a", "b"]},
+    }
+
+
+def test_import_dcp_is_bit_exact_against_dcp_load(tmp_path):
+    import torch.distributed.checkpoint as dcp
+
+    state = _dcp_state()
+    dcp.save(state, checkpoint_id=str(tmp_path / "dcp"), no_dist=True)
+    assert import_dcp(str(tmp_path / "dcp"), str(tmp_path / "omni")) == 3
+    oracle = {
+        "model": {k: torch.zeros_like(v) for k, v in state["model"].items()},
+        "extra": {"epoch": 0, "names": []},
+    }
+    dcp.load(oracle, checkpoint_id=str(tmp_path / "dcp"), no_dist=True)
+    tensors, objects = read_full(str(tmp_path / "omni"))
+    for k, v in oracle["model"].items():
+        assert tensors[f"model.{k}"].dtype == v.dtype and torch.equal(_bits(tensors[f"model.{k}"]), _bits(v))
+    assert (
+        objects
+        == {"extra.epoch": 3, "extra.names": ["a", "b"]}
+        == {f"extra.{k}": v for k, v in oracle["extra"].items()}
+    )
+
+
+class _RunsCode:
+    """Pickles as a call of ``fn(arg)``: what a crafted checkpoint uses to run code on load."""
+
+    def __init__(self, fn, arg):
+        self.fn, self.arg = fn, arg
+
+    def __reduce__(self):
+        return self.fn, (self.arg,)
+
+
+@pytest.mark.parametrize("how", ["exec", "os.system", "nested"])
+def test_crafted_dcp_metadata_that_would_run_code_is_refused(tmp_path, how):
+    import builtins
+    import os
+    import pickle
+
+    import torch.distributed.checkpoint as dcp
+
+    dcp.save(_dcp_state(), checkpoint_id=str(tmp_path / "dcp"), no_dist=True)
+    marker = tmp_path / "marker"
+    payload = {
+        "exec": _RunsCode(builtins.exec, f"open({str(marker)!r}, 'w').close()"),
+        "os.system": _RunsCode(os.system, f"touch {marker}"),
+        # Hidden inside real DCP metadata, as one more planner_data value.
+        "nested": None,
+    }[how]
+    if how == "nested":
+        with open(tmp_path / "dcp" / ".metadata", "rb") as f:
+            md = pickle.load(f)  # the test's own trusted file
+        md.planner_data["evil"] = _RunsCode(builtins.exec, f"open({str(marker)!r}, 'w').close()")
+        payload = md
+    (tmp_path / "dcp" / ".metadata").write_bytes(pickle.dumps(payload))
+    with pytest.raises(
+        CheckpointError, match=r"\.metadata: refused .*(exec|system).* is not a DCP metadata type"
+    ):
+        import_dcp(str(tmp_path / "dcp"), str(tmp_path / "omni"))
+    assert not marker.exists()
+    assert not (tmp_path / "omni").exists()
+
+
+def test_crafted_dcp_data_entry_is_refused(tmp_path):
+    import builtins
+    import io
+    import pickle
+
+    import torch.distributed.checkpoint as dcp
+
+    dcp.save(_dcp_state(), checkpoint_id=str(tmp_path / "dcp"), no_dist=True)
+    marker = tmp_path / "marker"
+    with open(tmp_path / "dcp" / ".metadata", "rb") as f:
+        md = pickle.load(f)
+    blob = io.BytesIO()
+    torch.save(_RunsCode(builtins.exec, f"open({str(marker)!r}, 'w').close()"), blob)
+    (tmp_path / "dcp" / "evil.distcp").write_bytes(blob.getvalue())
+    index = next(i for i in md.storage_data if i.fqn == "extra.epoch")
+    info = md.storage_data[index]
+    md.storage_data[index] = type(info)(relative_path="evil.distcp", offset=0, length=len(blob.getvalue()))
+    (tmp_path / "dcp" / ".metadata").write_bytes(pickle.dumps(md))
+    with pytest.raises(
+        CheckpointError, match=r"evil\.distcp: entry 'extra\.epoch': not loadable with weights_only=True"
+    ):
+        import_dcp(str(tmp_path / "dcp"), str(tmp_path / "omni"))
+    assert not marker.exists()
+    # A storage path leaving the checkpoint directory is refused too.
+    md.storage_data[index] = type(info)(relative_path="../outside.distcp", offset=0, length=1)
+    (tmp_path / "dcp" / ".metadata").write_bytes(pickle.dumps(md))
+    with pytest.raises(CheckpointError, match=r"entry 'extra\.epoch' points outside the checkpoint"):
+        import_dcp(str(tmp_path / "dcp"), str(tmp_path / "omni"))

@@ -9,6 +9,7 @@ import math
 import uuid
 
 import fsspec
+import fsspec.implementations.memory
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -93,3 +94,25 @@ def test_save_one_layout_load_another_bit_exact(shape, dtype, data):
             assert torch.equal(target["o"], other) and target["step"] == 7
     finally:
         fsspec.filesystem("memory").rm(url.removeprefix("memory:/"), recursive=True)
+
+
+def test_remote_store_reads_all_spans_of_a_file_in_one_cat_ranges_call(monkeypatch):
+    url = f"memory://cat-{uuid.uuid4().hex}"
+    full = {f"t{i}": torch.randn(300 + i) for i in range(6)}
+    save_ranks([full], url)
+    calls = []
+    real = fsspec.implementations.memory.MemoryFileSystem.cat_ranges
+
+    def counted(self, paths, starts, ends, **kw):
+        calls.append(len(paths))
+        return real(self, paths, starts, ends, **kw)
+
+    monkeypatch.setattr(fsspec.implementations.memory.MemoryFileSystem, "cat_ranges", counted)
+    # A layout that reads part of every saved box: each tensor split over two targets.
+    target = {k: BoxShard(torch.zeros(100), v.shape, (50,)) for k, v in full.items()}
+    try:
+        load(target, url)
+    finally:
+        fsspec.filesystem("memory").rm(url.removeprefix("memory:/"), recursive=True)
+    assert all(torch.equal(target[k].local, v[50:150]) for k, v in full.items())
+    assert calls and len(calls) <= 3, calls  # header, objects, and one call for all the data spans

@@ -5,28 +5,7 @@ import pytest
 from torchdata.nodes import IterableWrapper
 
 from omni_data import EmptySourceError, MixtureSchedule, MixtureStream, Modality, SampleMeta
-from omni_data.node import StatefulNode
-
-
-class _Counter(StatefulNode[SampleMeta]):
-    """Endless synthetic metadata of one source (resumable by its counter)."""
-
-    def __init__(self, name, tokens=10):
-        super().__init__()
-        self.name, self.tokens, self.i = name, tokens, 0
-
-    def reset(self, initial_state=None):
-        super().reset(initial_state)
-        self.i = 0 if initial_state is None else initial_state["i"]
-
-    def get_state(self):
-        return {"i": self.i}
-
-    def next(self):
-        self.i += 1
-        return SampleMeta(
-            f"{self.name}{self.i}", self.name, Modality.TEXT, 0, self.tokens, 0.0, (self.tokens,)
-        )
+from omni_data.testing import SyntheticSource
 
 
 def _check_windows(picks, expected, window=10_000, stride=1_000, tol=0.005):
@@ -48,7 +27,7 @@ def test_shares_track_schedule_by_step(interpolate):
         ],
         interpolate=interpolate,
     )
-    mix = MixtureStream({n: _Counter(n) for n in "abc"}, sched)
+    mix = MixtureStream({n: SyntheticSource(n) for n in "abc"}, sched)
     picks, expected = [], []
     for step in range(80):
         mix.set_step(step)
@@ -60,7 +39,12 @@ def test_shares_track_schedule_by_step(interpolate):
 
 def test_token_unit_and_resume():
     sched = MixtureSchedule([(0, {"a": 0.9, "b": 0.1}), (50_000, {"a": 0.2, "b": 0.8})], unit="token")
-    make = lambda: MixtureStream({"a": _Counter("a", 10), "b": _Counter("b", 30)}, sched)  # noqa: E731
+
+    def make():
+        return MixtureStream(
+            {"a": SyntheticSource("a", tokens=(10, 10)), "b": SyntheticSource("b", tokens=(30, 30))}, sched
+        )
+
     full = [next(m).key for m in [make()] for _ in range(6000)]
     a = make()
     head = [next(a).key for _ in range(2500)]

@@ -5,7 +5,7 @@ import tarfile
 
 import pytest
 
-from omni_data.tar_index import TarHeaderError, iter_members
+from omni_data.tar_index import TarDamage, TarMember, iter_members
 
 
 def _archive(fmt):
@@ -36,13 +36,44 @@ def test_matches_tarfile(fmt):
         assert rest == [(n, h) for n, h, _, _ in got[k:]]
 
 
-def test_damage():
+def _walk(data):
+    return list(iter_members(io.BytesIO(data), 0, len(data)))
+
+
+def test_damage_reported_and_walk_resynchronised():
     data = bytearray(_archive(tarfile.PAX_FORMAT))
-    members = list(iter_members(io.BytesIO(bytes(data)), 0, len(data)))
-    second = members[1].header
+    members = _walk(bytes(data))
+    assert len(members) == 4 and all(isinstance(m, TarMember) for m in members)
+    second, third = members[1].header, members[2].header
+    # a flipped byte in the second header: reported, and the walk goes on at the third member
     bad = bytes(data[:second]) + b"\x01" + bytes(data[second + 1 :])
-    with pytest.raises(TarHeaderError, match=f"checksum mismatch at byte {second}"):
-        list(iter_members(io.BytesIO(bad), 0, len(bad)))
+    got = _walk(bad)
+    assert isinstance(got[1], TarDamage) and "checksum mismatch" in got[1].message
+    assert got[1].offset == second and got[1].resumed == third
+    assert [m.name for m in got if isinstance(m, TarMember)] == [
+        members[0].name,
+        *(m.name for m in members[2:]),
+    ]
+    # a header cut off by the end of the file: reported, and the walk ends
     cut = bytes(data[: second + 100])
-    with pytest.raises(TarHeaderError, match="cut off"):
-        list(iter_members(io.BytesIO(cut), 0, len(cut)))
+    got = _walk(cut)
+    assert [type(m) for m in got] == [TarMember, TarDamage] and "cut off" in got[1].message
+
+
+def test_damaged_pax_record_skips_its_member():
+    data = _archive(tarfile.PAX_FORMAT)
+    members = _walk(data)
+    third = members[2]  # the long name: a PAX 'path' record precedes it
+    pax_at = third.header
+    with tarfile.open(fileobj=io.BytesIO(data)) as tf:
+        assert any(m.offset == pax_at for m in tf.getmembers())  # the chain starts at the PAX header
+    record = pax_at + 512  # the PAX data block: "NN path=...\n"
+    bad = data[:record] + b"9x" + data[record + 2 :]  # length field no longer a number
+    got = _walk(bad)
+    damage = [m for m in got if isinstance(m, TarDamage)]
+    assert len(damage) == 1 and "PAX" in damage[0].message and damage[0].offset == pax_at
+    assert [m.name for m in got if isinstance(m, TarMember)] == [
+        members[0].name,
+        members[1].name,
+        members[3].name,
+    ]

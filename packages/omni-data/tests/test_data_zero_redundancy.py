@@ -264,7 +264,7 @@ def test_zero_redundancy_in_order_filter(shards):
         ) as zr:
             return [next(zr) for _ in range(3)]
 
-    differs = False
+    differs, checked = False, 0
     for step, kk in zip(run(balance=False), run()):
         assert [p.to_dict() for p in step.packs] == [p.to_dict() for p in kk.packs]
         assert step.microbatches == _in_order_brute_force(step.packs, MICRO, SLICES)
@@ -272,4 +272,7 @@ def test_zero_redundancy_in_order_filter(shards):
         differs |= step.microbatches != kk.microbatches
         for e, items in step.microbatches.items():  # the payloads read are those of the in-order split
             assert [p.meta.uid for p in step.payloads[e]] == [step.packs[p].samples[i].uid for p, i in items]
-    assert differs  # the flag reached the split: on these shards the two splits are not the same
+            checked += len(items)
+    assert (
+        differs and checked >= 12
+    )  # the payload check above ran on real samples  # the flag reached the split: on these shards the two splits are not the same

@@ -318,7 +318,7 @@ def test_anchor_runs_exactly_what_the_flow_places_at_each_boundary():
     flow.validate(schedule)
     anchor = EncoderAnchor(
         {"lin": nn.Linear(2, 3).double()},
-        EncoderParallelConfig(activation_offload=True),
+        EncoderParallelConfig(),
         EncoderDataConfig(max_seq_len=4),
     )
     anchor.register(1, flow, schedule)
@@ -344,7 +344,7 @@ def test_anchor_runs_exactly_what_the_flow_places_at_each_boundary():
         EncoderAnchor({}).register(4, inter_flow)
     lin = anchor.encoders["lin"]
     x = torch.randn(3, 2, dtype=torch.float64)
-    out = anchor.forward(1, lambda e, inp: lin(inp), x)  # saved tensors offloaded (save_on_cpu)
+    out = anchor.forward(1, lambda e, inp: lin(inp), x)
     anchor.backward(1, torch.ones_like(out))
     assert torch.allclose(lin.weight.grad, torch.ones(3, 3, dtype=torch.float64) @ x, atol=1e-12)
     with pytest.raises(ValueError, match="EF2: 5 encoder tokens exceed max_seq_len 4"):

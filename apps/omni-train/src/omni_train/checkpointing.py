@@ -2,6 +2,11 @@
 the model, the optimizer (by parameter name, so any layout reloads it), the loader state (msgpack) and
 the step. A committed step ``N`` holds the state after ``N`` optimizer steps; restoring it makes the run
 continue at step ``N`` exactly (the loader resumes mid-stream).
+
+The optimizer's parameter groups are saved without their member lists: which parameters a rank holds
+depends on the layout (pipeline schedule, virtual stages, pp), and a per-rank list would make every rank
+load the saved layout's names. Membership is the optimizer's own (``build_optimizer`` decides it from
+each parameter's shape); the saved groups give the hyperparameters, the saved state the moments by name.
 """
 
 from __future__ import annotations
@@ -73,7 +78,15 @@ class TrainCheckpoint:
             self.stream.reset()
             return 0
         state = self._state(b"")
+        members = [g["params"] for g in optimizer_state_dict(self.model, self.optimizer)["param_groups"]]
         self.manager.load(latest, state)
+        groups = state["optim"]["param_groups"]
+        if len(groups) != len(members):
+            raise RuntimeError(
+                f"checkpoint step-{latest:08d}: {len(groups)} optimizer parameter groups, this run has "
+                f"{len(members)}"
+            )
+        state["optim"]["param_groups"] = [dict(g, params=m) for g, m in zip(groups, members)]
         load_optimizer_state_dict(self.model, self.optimizer, state["optim"])
         self.stream.reset(msgpack.unpackb(state["loader"], strict_map_key=False))
         if int(state["step"]) != latest:
@@ -89,9 +102,11 @@ class TrainCheckpoint:
         self.manager.close()
 
     def _state(self, loader: bytes) -> dict[str, Any]:
+        optim = optimizer_state_dict(self.model, self.optimizer)
+        optim["param_groups"] = [{k: v for k, v in g.items() if k != "params"} for g in optim["param_groups"]]
         return {
             "model": self.model.state_dict(),
-            "optim": optimizer_state_dict(self.model, self.optimizer),
+            "optim": optim,
             "loader": loader,
             "step": 0,
         }

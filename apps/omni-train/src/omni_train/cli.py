@@ -45,12 +45,23 @@ def build_parser() -> argparse.ArgumentParser:
 
     sim = sub.add_parser("simulate", help="simulate the config's pipeline on a modelled large cluster")
     sim.add_argument("--config", default="omni-tiny")
-    sim.add_argument("--gpus", type=int, default=1024)
-    sim.add_argument("--pp", type=int, default=8)
-    sim.add_argument("--microbatches", type=int, default=64)
+    sim.add_argument("--gpus", type=int, default=None, help="default 1024 (a calibration: the run's pp*dp)")
+    sim.add_argument("--pp", type=int, default=None, help="default 8 (a calibration: the config's)")
     sim.add_argument(
-        "--scale", default="paper", help="model sizes to time: paper (LLaMA-12B, ViT-1B, USM-2B) or config"
+        "--microbatches", type=int, default=None, help="default 64 (a calibration: the config's)"
     )
+    sim.add_argument(
+        "--scale",
+        default=None,
+        help="model sizes to time: paper (LLaMA-12B, ViT-1B, USM-2B; default) or config",
+    )
+    sim.add_argument(
+        "--calibration",
+        default=None,
+        help="run directory whose actions.jsonl fits the cost model (the config's models, measured)",
+    )
+    sim.add_argument("--steps", type=int, default=1, help="steps of the recipe to simulate (mean)")
+    sim.add_argument("--first-step", type=int, default=0, help="first recipe step to simulate")
     sim.add_argument("--out", default="runs/simulate")
 
     imp = sub.add_parser(
@@ -168,6 +179,9 @@ def _simulate(args: argparse.Namespace) -> int:
         microbatches=args.microbatches,
         out_dir=Path(args.out),
         scale=args.scale,
+        calibration=Path(args.calibration) if args.calibration else None,
+        steps=args.steps,
+        first_step=args.first_step,
     )
     print(table)
     return 0

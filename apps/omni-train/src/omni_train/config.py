@@ -25,7 +25,9 @@ from omni_train.models.llm import LLMConfig
 from omni_train.models.vit import ViTConfig
 
 __all__ = [
+    "OFFLOAD",
     "RECOMPUTE",
+    "RECOMPUTE_MODULES",
     "CheckpointConfig",
     "ConfigError",
     "DType",
@@ -35,6 +37,7 @@ __all__ = [
     "OptimConfig",
     "Packing",
     "ParallelConfigSection",
+    "PipelineSchedule",
     "Placement",
     "RunConfig",
     "SourceConfig",
@@ -50,6 +53,9 @@ __all__ = [
 
 
 RECOMPUTE = ("llm", "image", "audio")  # train.recompute: the LLM blocks, the ViT's, the audio encoder's
+OFFLOAD = RECOMPUTE  # train.offload: the same block families
+# train.recompute_modules: the residual branches of a block (omni_train.parallelize.apply_ac)
+RECOMPUTE_MODULES = ("attention", "mlp")
 
 
 class ConfigError(ValueError):
@@ -62,6 +68,16 @@ class Placement(StrEnum):
     PREPEND_FIRST_STAGE = "prepend_first_stage"
     ISOLATED = "isolated"
     UNIFORM_ON_DEMAND = "uniform_on_demand"
+
+
+class PipelineSchedule(StrEnum):
+    """The LLM pipeline schedule (omni-pipeline ``schedules``): ``1f1b`` (PipeDream-flush), ``gpipe``
+    (all forwards, then all backwards: MegaScale-Omni §7 for uneven microbatches), ``interleaved``
+    (interleaved 1F1B over ``parallel.virtual_stages`` stages per rank, Megatron-LM VPP)."""
+
+    ONE_F_ONE_B = "1f1b"
+    GPIPE = "gpipe"
+    INTERLEAVED = "interleaved"
 
 
 class Packing(StrEnum):
@@ -151,6 +167,10 @@ class ParallelConfigSection:
             packs of ``dp * cp * data.max_seq_len`` tokens; per pack ``omni_parallel.plan_hybrid_cp``
             keeps short samples whole on single ranks and CP-shards long ones over the smallest aligned
             block that fits ``data.max_seq_len`` tokens per rank. Works with ``pp > 1``.
+        schedule: the LLM pipeline schedule (:class:`PipelineSchedule`; ``omni_train.pipeline``).
+        virtual_stages: LLM stages per pipeline rank (``>= 1``): the layers are split over
+            ``pp * virtual_stages`` stages and rank ``r`` holds stages ``r, r + pp, ...``. More than 1
+            needs ``schedule = "interleaved"`` or ``"gpipe"`` (looped GPipe); 1F1B holds one.
     """
 
     pp: int = 2
@@ -164,6 +184,8 @@ class ParallelConfigSection:
     encoder_zero: int = 0
     cp_attention: CPAttention = CPAttention.ALLGATHER
     hybrid_cp: bool = False
+    schedule: PipelineSchedule = PipelineSchedule.ONE_F_ONE_B
+    virtual_stages: int = 1
 
     @property
     def world_size(self) -> int:
@@ -193,10 +215,14 @@ class CheckpointConfig:
 
 
 class DType(StrEnum):
-    """Parameter and activation dtype (float64 for exactness checks against references)."""
+    """The training dtype. ``float32`` / ``float64``: parameters and activations in that dtype (float64
+    for exactness checks against references); ``bfloat16``: mixed precision, float32 master parameters
+    and optimizer, forward and backward under ``torch.autocast`` in bfloat16
+    (``omni_train.parallelize.apply_mixed_precision``)."""
 
     FLOAT32 = "float32"
     FLOAT64 = "float64"
+    BFLOAT16 = "bfloat16"
 
 
 @dataclass
@@ -209,6 +235,12 @@ class TrainSection:
         recompute: module families whose blocks recompute their activations in backward instead of
             keeping them (``torch.utils.checkpoint``; ``omni_train.parallelize.apply_ac``): any of
             ``"llm"``, ``"image"``, ``"audio"``.
+        recompute_modules: which parts of each recomputed block recompute (selective recompute): any of
+            ``"attention"`` (the attention branch: pre-norm, Q/K/V, attention, output projection) and
+            ``"mlp"`` (the MLP branch); empty: the whole block.
+        offload: module families whose blocks keep the activations they save for backward in host
+            memory (``omni_train.activation_memory``, saved-tensor hooks; pinned copies on CUDA): any
+            of ``"llm"``, ``"image"``, ``"audio"``.
     """
 
     steps: int = 200
@@ -216,6 +248,8 @@ class TrainSection:
     dtype: DType = DType.FLOAT32
     compile: bool = False
     recompute: list[str] = field(default_factory=list)
+    recompute_modules: list[str] = field(default_factory=list)
+    offload: list[str] = field(default_factory=list)
 
 
 @dataclass
@@ -374,7 +408,8 @@ def validate(cfg: RunConfig, nproc: int) -> None:
     Raises:
         ConfigError: naming the first field that is wrong: parallel sizes vs ``nproc``, head counts not
         divisible (GQA, TP, Ulysses), fewer layers than stages, a source with no shards, mixture weights
-        naming unknown sources or phases out of order, non-positive sizes.
+        naming unknown sources or phases out of order, non-positive sizes, a schedule that does not fit
+        the layers or microbatches, unknown recompute/offload names.
     """
     par, llm = cfg.parallel, cfg.model.llm
     for name in ("pp", "dp", "tp", "cp", "ulysses"):
@@ -505,3 +540,47 @@ def _validate_cp(cfg: RunConfig) -> None:
                 f"data.sources[{i}].join_tokens: joins text documents only, must be >= 0 "
                 f"(got {src.join_tokens} on a {src.modality} source)"
             )
+    _validate_schedule_and_memory(cfg)
+
+
+def _validate_schedule_and_memory(cfg: RunConfig) -> None:
+    """``parallel.schedule`` / ``virtual_stages`` against the model and the microbatches, and the
+    activation memory options (``train.recompute_modules``, ``train.offload``)."""
+    par, llm, train = cfg.parallel, cfg.model.llm, cfg.train
+    v, m = par.virtual_stages, cfg.data.microbatches
+    if v < 1:
+        raise ConfigError(f"parallel.virtual_stages: must be >= 1, got {v}")
+    if v > 1 and par.schedule == PipelineSchedule.ONE_F_ONE_B:
+        raise ConfigError(
+            f"parallel.virtual_stages: {v} stages per rank need parallel.schedule = 'interleaved' or "
+            "'gpipe' (1f1b holds one stage per rank)"
+        )
+    if llm.n_layers < par.pp * v:
+        raise ConfigError(
+            f"model.llm.n_layers: {llm.n_layers} layers cannot fill parallel.pp * parallel.virtual_stages "
+            f"= {par.pp} * {v} = {par.pp * v} stages"
+        )
+    if llm.tie_embeddings and par.pp * v > 1:
+        raise ConfigError(
+            f"model.llm.tie_embeddings: needs one LLM stage (parallel.pp * parallel.virtual_stages = "
+            f"{par.pp * v}): the embedding and the LM head would sit on different stages"
+        )
+    # The interleaved schedule runs microbatches in rounds of max(1, M // pp) (torch's and Megatron's
+    # ScheduleInterleaved1F1B rule), which must divide M.
+    rounds = max(1, m // par.pp)
+    if par.schedule == PipelineSchedule.INTERLEAVED and m % rounds:
+        raise ConfigError(
+            f"data.microbatches: {m} microbatches do not split into the interleaved schedule's "
+            f"{rounds} rounds (max(1, microbatches // parallel.pp) with parallel.pp = {par.pp}, "
+            f"parallel.virtual_stages = {v}); use a multiple of parallel.pp"
+        )
+    for name, allowed in (("recompute_modules", RECOMPUTE_MODULES), ("offload", OFFLOAD)):
+        unknown = sorted(set(getattr(train, name)) - set(allowed))
+        if unknown:
+            raise ConfigError(f"train.{name}: {unknown[0]!r} is not one of {list(allowed)}")
+    both = sorted(set(train.offload) & set(train.recompute))
+    if both and not train.recompute_modules:
+        raise ConfigError(
+            f"train.offload: {both[0]!r} is also in train.recompute with whole blocks recomputed (no "
+            "train.recompute_modules): such a block keeps no activations to offload; choose one"
+        )

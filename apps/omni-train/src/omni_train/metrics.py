@@ -112,7 +112,8 @@ def finish_run(
     checkpoints: list[int],
 ) -> dict[str, Any]:
     """Rank 0 at the end of a run: plot the loss and the last step's timeline, write ``summary.json``
-    (first/last mean loss over a window of up to 20 steps, mean tokens/s, skipped payloads) and return it.
+    (first/last mean loss over a window of up to 20 steps, mean tokens/s, skipped payloads, and each
+    ``*_per_rank`` peak of the steps as its per-rank maximum over the steps) and return it.
     """
     metrics = read_metrics(out_dir / "metrics.jsonl")
     if metrics:
@@ -133,6 +134,17 @@ def finish_run(
         "mean_tokens_per_s": sum(m["tokens_per_s"] for m in metrics) / len(metrics) if metrics else None,
         "skipped_payloads": sum(m.get("skipped_payloads", 0) for m in metrics),
         "checkpoints": checkpoints,
+        **_peaks_per_rank(metrics),
     }
     (out_dir / "summary.json").write_text(json.dumps(summary, indent=2))
     return summary
+
+
+def _peaks_per_rank(metrics: list[dict[str, Any]]) -> dict[str, list[int]]:
+    """``{key: per-rank maximum over the steps}`` for every ``peak_*_per_rank`` list in the steps."""
+    out: dict[str, list[int]] = {}
+    for m in metrics:
+        for k, v in m.items():
+            if k.startswith("peak_") and k.endswith("_per_rank") and isinstance(v, list):
+                out[k] = [max(a, b) for a, b in zip(out.get(k, v), v, strict=True)]
+    return out

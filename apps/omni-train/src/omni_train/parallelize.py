@@ -2,9 +2,13 @@
 the config, called by the trainer in this order:
 
 1. :func:`apply_tp` (``parallel.tp``): Megatron-style tensor parallelism of every LLM block;
-2. :func:`apply_ac` (``train.recompute``): activation checkpointing per block;
+2. :func:`apply_ac` (``train.recompute``, ``train.recompute_modules``): activation checkpointing per
+   block, or of chosen residual branches of each block (selective recompute);
 3. :func:`apply_compile` (``train.compile``): ``torch.compile`` per block;
-4. :func:`apply_dp` and :func:`apply_encoder_zero`: the gradient synchronisation of the LLM and of the
+4. :func:`apply_offload` (``train.offload``): saved activations of chosen blocks kept in host memory;
+5. :func:`apply_mixed_precision` (``train.dtype = "bfloat16"``): autocast forwards over float32 master
+   parameters;
+6. :func:`apply_dp` and :func:`apply_encoder_zero`: the gradient synchronisation of the LLM and of the
    encoders, returned as hooks the pipeline executor calls once per step after the last backward.
 
 :func:`pipeline_groups` gives the executor its process groups.
@@ -24,10 +28,13 @@ scale):
 
 from __future__ import annotations
 
+import contextlib
+import functools
 from collections.abc import Callable, Iterable
 
 import torch
 import torch.distributed as dist
+import torch.utils.checkpoint
 from torch import nn
 from torch.distributed._composable import checkpoint
 
@@ -35,11 +42,23 @@ from omni_parallel import ParallelState, rank_groups
 from omni_parallel.data_parallel import all_reduce_gradients
 from omni_parallel.tensor_parallel import apply_tensor_parallel, llama_tp_plan
 from omni_pipeline import PipelineGroups
-from omni_train.config import RECOMPUTE
+from omni_train.activation_memory import ActivationMemory
+from omni_train.config import RECOMPUTE, DType
 from omni_train.encoders import Encoders
 from omni_train.models import LLMStage
+from omni_train.pipeline import RankStages
 
-__all__ = ["apply_ac", "apply_compile", "apply_dp", "apply_encoder_zero", "apply_tp", "pipeline_groups"]
+__all__ = [
+    "apply_ac",
+    "apply_compile",
+    "apply_dp",
+    "apply_encoder_zero",
+    "apply_mixed_precision",
+    "apply_offload",
+    "apply_tp",
+    "pipeline_groups",
+    "training_dtypes",
+]
 
 
 def apply_tp(stage: LLMStage, ps: ParallelState) -> None:
@@ -66,13 +85,98 @@ def _blocks(stage: LLMStage, encoders: Encoders, families: Iterable[str]) -> lis
     return out
 
 
-def apply_ac(stage: LLMStage, encoders: Encoders, recompute: Iterable[str]) -> None:
+def apply_ac(
+    stage: LLMStage, encoders: Encoders, recompute: Iterable[str], modules: Iterable[str] = ()
+) -> None:
     """Activation checkpointing per block of each family in ``recompute`` (``train.recompute``): a block
     keeps only its input for backward and recomputes the rest (non-reentrant ``torch.utils.checkpoint``
     through the composable ``checkpoint``, which leaves parameter names unchanged, so checkpoints and the
-    optimizer state load either way). Recomputation is exact: gradients equal those without it."""
+    optimizer state load either way). Recomputation is exact: gradients equal those without it.
+
+    Selective recompute (``modules``, ``train.recompute_modules``: ``"attention"``, ``"mlp"``): only
+    those residual branches of each block (``Block.attention_branch`` / ``mlp_branch``, the same on the
+    encoders' ``EncoderBlock``) are checkpointed, the rest of the block keeps its activations
+    (Korthikanti et al., "Reducing Activation Recomputation in Large Transformer Models", 2022, §5).
+    """
+    kinds = list(modules)
     for block in _blocks(stage, encoders, recompute):
-        checkpoint(block)
+        if not kinds:
+            checkpoint(block)
+        for kind in kinds:
+            name = f"{kind}_branch"
+            setattr(block, name, _recomputed(getattr(block, name)))
+
+
+def _recomputed(branch: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
+    @functools.wraps(branch)
+    def run(*args, **kwargs):
+        return torch.utils.checkpoint.checkpoint(branch, *args, use_reentrant=False, **kwargs)
+
+    return run
+
+
+def _within(forward: Callable, context: Callable[[], contextlib.AbstractContextManager]) -> Callable:
+    @functools.wraps(forward)
+    def run(*args, **kwargs):
+        with context():
+            return forward(*args, **kwargs)
+
+    return run
+
+
+def apply_offload(
+    stage: LLMStage, encoders: Encoders, offload: Iterable[str], memory: ActivationMemory
+) -> None:
+    """Every block of each family in ``offload`` (``train.offload``) keeps what it saves for backward in
+    host memory (:meth:`ActivationMemory.offload` around its forward; MegaScale-Omni's selective
+    offloading of encoder and LLM activations, its memory evaluation and 512K lesson). Call after :func:`apply_compile` (the hooks wrap the compiled forward). Exact: backward
+    reads the same values back."""
+    for block in _blocks(stage, encoders, offload):
+        block.forward = _within(block.forward, memory.offload)
+
+
+def training_dtypes(dtype: DType | str) -> tuple[torch.dtype, torch.dtype]:
+    """``(parameter dtype, compute dtype)`` of ``train.dtype``: ``bfloat16`` keeps float32 master
+    parameters and computes in bfloat16; float32 and float64 compute in their own dtype."""
+    compute = getattr(torch, str(DType(dtype)))
+    return (torch.float32 if compute == torch.bfloat16 else compute), compute
+
+
+def apply_mixed_precision(stage: RankStages, encoders: Encoders, compute: torch.dtype) -> None:
+    """Mixed precision over float32 master parameters, without FSDP (``train.dtype = "bfloat16"``).
+
+    The parameters, their gradients, the gradient all-reduce, clipping and AdamW stay float32. Every
+    stage's and the encoders' forward runs under ``torch.autocast(device, compute)`` (backward follows
+    the forward's dtypes): matmuls and attention in ``compute`` (SDPA kernels accumulate the softmax in
+    float32), while the residual stream stays float32 (embeddings and float32 residual additions), so
+    RMSNorm / LayerNorm run in float32; the loss upcasts the logits (``omni_train.loss``). Pipeline
+    transfers are in ``compute``: a stage that is not the last casts its output to ``compute`` for the
+    wire, a stage that is not the first upcasts its input back to float32; encoder outputs go to stage 0
+    in ``compute`` (``StepBuilder``'s dtype). No-op when ``compute`` is the parameters' dtype.
+
+    Source: Micikevicius et al., "Mixed Precision Training" (2018), float32 master weights; PyTorch's
+    ``torch.autocast`` recipe (bf16 needs no loss scaling).
+    """
+    first = next(stage.parameters())
+    param, device_type = first.dtype, first.device.type
+    if compute == param:
+        return
+
+    def autocast() -> contextlib.AbstractContextManager:
+        return torch.autocast(device_type, dtype=compute)
+
+    for chunk in stage.chunks.values():
+        chunk.forward = _wire_casts(_within(chunk.forward, autocast), chunk, param, compute)
+    encoders.forward = _within(encoders.forward, autocast)
+
+
+def _wire_casts(forward: Callable, chunk: LLMStage, param: torch.dtype, compute: torch.dtype) -> Callable:
+    @functools.wraps(forward)
+    def run(x: torch.Tensor, *args, **kwargs):
+        y = forward(x if chunk.is_first else x.to(param), *args, **kwargs)
+        return y if chunk.is_last else y.to(compute)
+
+    return run
 
 
 def apply_compile(stage: LLMStage, encoders: Encoders, enabled: bool, *, backend: str = "inductor") -> None:

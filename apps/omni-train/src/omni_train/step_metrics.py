@@ -3,6 +3,10 @@ logs to ``metrics.jsonl`` (the fields are listed in the app README, "Outputs").
 
 Model FLOPs count 2 per multiply-add, training = 3x forward, attention per packed document
 (:mod:`omni_train.flops`); MFU divides by the measured peak of every process.
+
+Memory (:func:`memory_metrics`, a second all-reduce of three numbers per rank): the step's peak bytes of
+saved activations per rank, kept and offloaded (:mod:`omni_train.activation_memory`), and on CUDA the
+allocator's peak.
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ import torch.distributed as dist
 from omni_data import Modality, split_encoder_microbatches
 from omni_parallel import ParallelState
 from omni_pipeline import StepResult
+from omni_train.activation_memory import StepPeaks
 from omni_train.batch import MODALITIES
 from omni_train.config import RunConfig
 from omni_train.data_pipeline import encoder_imbalance, encoder_load
@@ -22,7 +27,27 @@ from omni_train.flops import attention_flops, model_flops
 from omni_train.models import LLMConfig
 from omni_train.step_inputs import StepInputs
 
-__all__ = ["StepMetrics"]
+__all__ = ["MEMORY_METRICS", "StepMetrics", "memory_metrics"]
+
+# metrics.jsonl keys of memory_metrics, each a list over global ranks (bytes)
+MEMORY_METRICS = (
+    "peak_activation_bytes_per_rank",
+    "peak_offloaded_bytes_per_rank",
+    "peak_allocated_bytes_per_rank",
+)
+
+
+def memory_metrics(peaks: StepPeaks, rank: int, world: int) -> dict[str, list[int]]:
+    """Every rank's peaks of one step (collective over the world: one all-reduce of ``3 * world``
+    int64). Returns :data:`MEMORY_METRICS` -> ``[bytes per global rank]``;
+    ``peak_allocated_bytes_per_rank`` only on CUDA."""
+    vec = torch.zeros(3, world, dtype=torch.int64)
+    allocated = peaks.allocated_bytes
+    vec[:, rank] = torch.tensor([peaks.activation_bytes, peaks.offloaded_bytes, allocated or 0])
+    if world > 1:
+        dist.all_reduce(vec)
+    rows = vec.tolist()
+    return {name: rows[i] for i, name in enumerate(MEMORY_METRICS) if i < 2 or allocated is not None}
 
 
 class StepMetrics:

@@ -3,16 +3,22 @@
 Per rank (DESIGN.md, apps/omni-train; MegaScale-Omni §3-§5; ARCHITECTURE.md draws the flow):
 
 * ``ParallelState`` (omni-parallel) gives the pipeline, data-, tensor- and sequence-parallel groups.
-* The model: this pipeline rank's LLM stage (:class:`~omni_train.models.LLMStage`) and a full copy of the
-  encoders (encoder data parallelism spans every rank), parallelised by :mod:`omni_train.parallelize`
-  (TP, activation checkpointing, compile, and the gradient sync that defines the objective's reduction).
+* The model: this pipeline rank's LLM stages (one :class:`~omni_train.models.LLMStage` per virtual stage,
+  together a :class:`~omni_train.pipeline.RankStages`) and a full copy of the encoders (encoder data
+  parallelism spans every rank), parallelised by :mod:`omni_train.parallelize` (TP, activation
+  checkpointing, compile, and the gradient sync that defines the objective's reduction).
   TP and Ulysses peers of a stage read the same packs (the loader reads on their rank 0 and broadcasts);
   stage ``s`` TP/SP rank ``t`` talks to stage ``s + 1`` TP/SP rank ``t``.
 * The data pipeline (:mod:`omni_train.data_pipeline`): every rank of a pipeline builds the same packs from
   metadata; this rank decodes only the payloads of the encoder microbatches the data flow places on it.
-* omni-pipeline: a 1F1B schedule, a data flow from the placement policy (``uniform_on_demand`` by default),
-  an :class:`EncoderAnchor` holding the encoders, and the :class:`PipelineExecutor` running each step over
-  real point-to-point transfers (encoder transfers on a group of their own).
+* omni-pipeline: the schedule ``parallel.schedule`` names (1F1B, GPipe or interleaved 1F1B with
+  ``parallel.virtual_stages`` stages per rank: :mod:`omni_train.pipeline`), a data flow from the
+  placement policy (``uniform_on_demand`` by default), an :class:`EncoderAnchor` holding the encoders, and
+  the :class:`PipelineExecutor` running each step over real point-to-point transfers (encoder transfers
+  on a group of their own).
+* Activation memory (:mod:`omni_train.activation_memory`): recompute and offload per block family, and
+  the peak of saved activations per rank and step in the metrics; ``train.dtype = "bfloat16"``: autocast
+  over float32 master parameters (:func:`omni_train.parallelize.apply_mixed_precision`).
 * Each step: the loader's step -> :class:`~omni_train.step_inputs.StepInputs` (a value; the executor's
   callables close over it) -> executor step -> gradient clipping -> AdamW (:mod:`omni_train.optim`) ->
   metrics (:mod:`omni_train.step_metrics`) -> checkpoint (:mod:`omni_train.checkpointing`).
@@ -47,10 +53,10 @@ from omni_pipeline import (
     EncoderDataConfig,
     EncoderParallelConfig,
     PipelineExecutor,
-    Schedule1F1B,
     StepResult,
     place,
 )
+from omni_train.activation_memory import ActivationMemory
 from omni_train.checkpointing import TrainCheckpoint
 from omni_train.config import RunConfig, bundled_data_dir
 from omni_train.cp_sharding import CPSharding, build_cp_sharding
@@ -58,18 +64,21 @@ from omni_train.data_pipeline import build_step_stream
 from omni_train.encoders import Encoders
 from omni_train.flops import matmul_params, measure_peak_flops
 from omni_train.metrics import MetricsLogger, finish_run
-from omni_train.models.llm import LLMStage
 from omni_train.optim import build_optimizer, clip_grad_norm_, lr_at
 from omni_train.parallelize import (
     apply_ac,
     apply_compile,
     apply_dp,
     apply_encoder_zero,
+    apply_mixed_precision,
+    apply_offload,
     apply_tp,
     pipeline_groups,
+    training_dtypes,
 )
+from omni_train.pipeline import build_rank_stages, build_schedule
 from omni_train.step_inputs import StepBuilder
-from omni_train.step_metrics import StepMetrics
+from omni_train.step_metrics import StepMetrics, memory_metrics
 
 __all__ = ["Trainer", "worker_main"]
 
@@ -103,6 +112,7 @@ class Trainer:
         self.tokenizer = Tokenizer.from_file(
             str(tok_path if tok_path.is_absolute() else bundled_data_dir() / tok_path)
         )
+        self.schedule = build_schedule(par, cfg.data.microbatches)
         self._build_model()
         self._build_pipeline()
         self._build_executor()
@@ -123,15 +133,20 @@ class Trainer:
         """This rank's LLM stage and encoders, parallelised in ``parallelize``'s order, and AdamW."""
         m, train = self.cfg.model, self.cfg.train
         self.llm_cfg = m.llm_config(self.tokenizer.get_vocab_size())
-        self.dtype = getattr(torch, str(train.dtype))
+        self.dtype, self.compute_dtype = training_dtypes(train.dtype)  # parameters, forward/backward
         sp_group = self.ps.group("ulysses") if self.sp > 1 else None
-        self.stage = LLMStage(self.llm_cfg, self.pp_rank, self.pp, seed=m.seed, sp_group=sp_group)
+        self.stage = build_rank_stages(
+            self.llm_cfg, self.schedule, self.pp_rank, seed=m.seed, sp_group=sp_group
+        )
         self.stage.to(self.device, self.dtype)
         self.encoders = Encoders(m.vit, m.audio, self.llm_cfg.dim, seed=m.seed).to(self.device, self.dtype)
         self._llm_matmul = matmul_params(self.stage)  # before TP: global parameter counts
         apply_tp(self.stage, self.ps)
-        apply_ac(self.stage, self.encoders, train.recompute)
+        self.memory = ActivationMemory([self.stage, self.encoders], self.device)
+        apply_ac(self.stage, self.encoders, train.recompute, train.recompute_modules)
         apply_compile(self.stage, self.encoders, train.compile)
+        apply_offload(self.stage, self.encoders, train.offload, self.memory)
+        apply_mixed_precision(self.stage, self.encoders, self.compute_dtype)
         self.sync_llm = apply_dp(self.stage, self.ps)
         self.sync_encoders = apply_encoder_zero(self.encoders, self.ps, self.cfg.parallel.encoder_zero)
         self.model = nn.ModuleDict({"llm": self.stage, "encoders": self.encoders})
@@ -142,7 +157,6 @@ class Trainer:
         cfg, par = self.cfg, self.cfg.parallel
         microbatches = cfg.data.microbatches
         self.sharding = self._build_cp_sharding()
-        self.schedule = Schedule1F1B(self.pp, microbatches)
         encoder_inputs = encoder_microbatch_ids(microbatches, self.pp)
         # Equal planned costs per encoder microbatch: the loader's split already balances them
         # (Karmarkar-Karp). fixed_ranks pins slice j of every LLM microbatch to pipeline rank j for the
@@ -218,7 +232,7 @@ class Trainer:
                 Modality.AUDIO: self._special("<|audio|>"),
             },
             llm_dim=self.llm_cfg.dim,
-            dtype=self.dtype,
+            dtype=self.compute_dtype,
             device=self.device,
             builds_text=self.is_first or self.is_last,
             sp=self.sp,
@@ -230,7 +244,7 @@ class Trainer:
         )
         self.groups = pipeline_groups(self.ps)
         self.executor = PipelineExecutor(
-            {self.pp_rank: self.stage},
+            self.stage.chunks,
             anchor,
             None,  # per step: builder.functions(inputs), closures over that step's inputs
             self.groups,
@@ -273,17 +287,20 @@ class Trainer:
             t0 = time.perf_counter()
             inputs = self.builder.build(self._loader_step(step))
             lr = self._start_step(step)
-            result = self.executor.step(
-                inputs.plan,
-                inputs.payloads,
-                functions=self.builder.functions(inputs),
-                gather_timelines=step == total - 1,
-            )
+            self.memory.start_step()
+            with self.memory.track():
+                result = self.executor.step(
+                    inputs.plan,
+                    inputs.payloads,
+                    functions=self.builder.functions(inputs),
+                    gather_timelines=step == total - 1,
+                )
             grad_norm = self._clip()
             self.optimizer.step()
             row = self.metrics.reduce(inputs, result, time.perf_counter() - t0)
+            memory = memory_metrics(self.memory.peaks(), self.rank, self.world)
             if self.rank == 0:
-                logger.log(step, self.metrics.row(inputs, row, lr, grad_norm))
+                logger.log(step, {**self.metrics.row(inputs, row, lr, grad_norm), **memory})
             last = result if step == total - 1 else last
             if self.checkpoint.due(step + 1):
                 self.checkpoint.save(step + 1)

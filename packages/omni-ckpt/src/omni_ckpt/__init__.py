@@ -12,6 +12,7 @@ from omni_ckpt.optim import init_optimizer_state, load_optimizer_state_dict, opt
 from omni_ckpt.plan import PlanCache
 from omni_ckpt.save import AsyncSaveHandle, async_save, save, save_ranks
 from omni_ckpt.sharding import BoxShard, FlatShard, describe, dtensor_box
+from omni_ckpt.state import Placeholder
 from omni_ckpt.storage import CheckpointError
 
 __all__ = [
@@ -24,6 +25,7 @@ __all__ = [
     "ExportResult",
     "FlatShard",
     "LoadResult",
+    "Placeholder",
     "PlanCache",
     "async_save",
     "describe",

@@ -8,47 +8,63 @@ so 20,000 tiny tensors do not cost 20,000 header entries; per-rank plain objects
 ``__objects__`` (msgpack bytes) at the end. Entries are ordered by element size, largest first, so every
 box starts aligned to its element size.
 
-Manifest (msgpack map, no pickle)::
+Manifest file: a msgpack map (no pickle) followed by a 16-byte trailer that makes it prove itself::
 
-    format: "omni-ckpt", version: 1, world_size: W, chunk_bytes: C,
-    checksum: "crc32 (zlib.crc32, IEEE 802.3 polynomial) per chunk of C bytes of each box",
-    files: [file name per rank], data_start: [byte offset of the data section per rank],
-    tensors: {name: [dtype, shape, [[offsets, sizes, file, offset, length, [crc32 per chunk]], ...]]},
-    objects: [[file, offset, length, crc32] per rank],
-    rank_fingerprints: [bytes per rank]   # the save-plan cache key
+    <msgpack body> | CRC-32C of the body (u32 LE) | body length (u32 LE) | b"OCKPTMF2"
 
-``offset`` and ``length`` are absolute byte positions in ``files[file]``.
+    body = {format: "omni-ckpt", version: 2, world_size: W, chunk_bytes: C, checksum: "crc32c",
+            files: [file name per rank], data_start: [byte offset of the data section per rank],
+            header_crc: [CRC-32C of bytes [0, data_start) per rank],  # the safetensors header
+            tensors: {name: [dtype, shape, [[offsets, sizes, file, offset, length, [crc per chunk]], ...]]},
+            objects: [[file, offset, length, crc] per rank],
+            rank_fingerprints: [bytes per rank]}   # the save-plan cache key
+
+``offset`` and ``length`` are absolute byte positions in ``files[file]``; ``crc per chunk`` is the CRC-32C
+of each ``C``-byte chunk of the box (the last one shorter). Any single-bit flip anywhere in the manifest
+fails its own checksum; one in a data file's header fails ``header_crc``; one in the data fails its chunk's
+CRC. Version 1 manifests (no self-checksum, ``zlib.crc32`` chunks) are refused with a message saying so.
 """
 
 from __future__ import annotations
 
 import json
 import math
+import struct
 from dataclasses import dataclass
 from types import MappingProxyType
+from typing import Any
 
+import msgpack
 import torch
 
 from omni_ckpt.box import Box
+from omni_ckpt.checksum import crc
 
 __all__ = [
     "CHUNK_BYTES",
     "FORMAT",
     "FORMAT_VERSION",
     "MANIFEST",
+    "MAX_MANIFEST_BYTES",
     "SMALL_BOX_BYTES",
     "Write",
+    "decode_manifest",
     "dtype_from_name",
     "dtype_name",
+    "encode_manifest",
     "itemsize",
     "layout_rank",
     "rank_file",
     "safetensors_header",
+    "unpack_map",
 ]
 
 FORMAT = "omni-ckpt"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
 MANIFEST = "manifest.msgpack"
+MAX_MANIFEST_BYTES = 1 << 30
+_TRAILER = struct.Struct("<II8s")
+_MAGIC = b"OCKPTMF2"
 CHUNK_BYTES = 4 << 20
 SMALL_BOX_BYTES = 4096
 OBJECTS_ENTRY = "__objects__"
@@ -178,3 +194,62 @@ def safetensors_header(
     raw = json.dumps(header, separators=(",", ":")).encode()
     raw += b" " * (-(8 + len(raw)) % 8)
     return len(raw).to_bytes(8, "little") + raw
+
+
+def unpack_map(data: memoryview | bytes, what: str) -> dict[str, Any]:
+    """msgpack bytes that must hold a map (manifest body, a rank's plain objects).
+
+    Raises:
+        ValueError: they do not decode, or not to a map; the message starts with ``what``.
+    """
+    try:
+        out = msgpack.unpackb(data, raw=False, strict_map_key=False)
+    except (ValueError, TypeError, msgpack.UnpackException) as exc:
+        raise ValueError(f"{what} do not decode ({type(exc).__name__}: {exc})") from None
+    if not isinstance(out, dict):
+        raise ValueError(f"{what} is not a map")
+    return out
+
+
+def encode_manifest(manifest: dict[str, Any]) -> bytes:
+    """The manifest file's bytes: msgpack body plus the self-checking trailer (see the module docstring)."""
+    body = msgpack.packb(manifest, use_bin_type=True)
+    if len(body) > MAX_MANIFEST_BYTES:
+        raise ValueError(f"manifest of {len(body)} bytes exceeds the {MAX_MANIFEST_BYTES}-byte limit")
+    return body + _TRAILER.pack(crc(body), len(body), _MAGIC)
+
+
+def decode_manifest(raw: bytes, where: str) -> dict[str, Any]:
+    """Check a manifest file's own checksum and decode it; ``where`` names it in errors.
+
+    Raises:
+        ValueError: no trailer (not a version-2 manifest: a version-1 one is named as such), a length or
+            checksum mismatch, a body that does not decode to a map, or another format or version.
+    """
+    n = len(raw) - _TRAILER.size
+    if n < 0 or raw[-8:] != _MAGIC:
+        try:
+            old = msgpack.unpackb(raw, raw=False, strict_map_key=False)
+        except Exception:
+            old = None
+        if isinstance(old, dict) and old.get("format") == FORMAT:
+            raise ValueError(
+                f"{where}: format version {old.get('version')} (a manifest without its own checksum, with "
+                f"zlib.crc32 chunks); this reader needs version {FORMAT_VERSION}: load it with the omni-ckpt "
+                "that wrote it and save it again with this one"
+            )
+        raise ValueError(f"{where}: not an {FORMAT} manifest (no checksum trailer)")
+    want, length, _ = _TRAILER.unpack_from(raw, n)
+    if length != n:
+        raise ValueError(f"{where}: trailer says the body is {length} bytes, the file holds {n}")
+    body = memoryview(raw)[:n]
+    if crc(body) != want:
+        raise ValueError(f"{where}: manifest checksum mismatch (the file is corrupt)")
+    manifest = unpack_map(body, f"{where}: manifest")
+    if manifest.get("format") != FORMAT:
+        raise ValueError(f"{where}: not an {FORMAT} manifest")
+    if manifest.get("version") != FORMAT_VERSION:
+        raise ValueError(
+            f"{where}: format version {manifest.get('version')}, this reader knows {FORMAT_VERSION}"
+        )
+    return manifest

@@ -30,7 +30,7 @@ import torch.distributed as dist
 from omni_ckpt.layout import MANIFEST
 from omni_ckpt.load import LoadResult, load, plan_from_manifest, read_manifest
 from omni_ckpt.plan import PlanCache
-from omni_ckpt.save import DEFAULT_HOST_BUDGET, AsyncSaveHandle, async_save, save
+from omni_ckpt.save import DEFAULT_HOST_BUDGET, DEFAULT_IO_THREADS, AsyncSaveHandle, async_save, save
 from omni_ckpt.storage import CheckpointError, atomic_write, join, open_url
 
 __all__ = ["CheckpointManager"]
@@ -50,10 +50,12 @@ class CheckpointManager:
         process_group: ranks saving together. With ``torch.distributed`` initialised and None, the manager
             creates its own gloo group (collectively, on every rank), so background commit collectives
             never interleave with training collectives.
-        host_budget_bytes: staging budget of async saves (bytes).
+        host_budget_bytes: host staging budget of a save (bytes): all of an async save's copies, and a
+            sync save's copies of device tensors, go through buffers of at most this many bytes in all.
+        io_threads: reader and writer threads per rank.
 
     Raises:
-        ValueError: ``keep_last < 1``.
+        ValueError: ``keep_last < 1``, ``host_budget_bytes <= 0`` or ``io_threads < 1``.
     """
 
     def __init__(
@@ -64,9 +66,15 @@ class CheckpointManager:
         async_save: bool = True,
         process_group: dist.ProcessGroup | None = None,
         host_budget_bytes: int = DEFAULT_HOST_BUDGET,
+        io_threads: int = DEFAULT_IO_THREADS,
     ) -> None:
         if keep_last is not None and keep_last < 1:
             raise ValueError(f"keep_last must be >= 1 or None, got {keep_last}")
+        if host_budget_bytes <= 0 or io_threads < 1:
+            raise ValueError(
+                f"host_budget_bytes and io_threads must be >= 1, got {host_budget_bytes}, {io_threads}"
+            )
+        self.io_threads = io_threads
         self.root = root.rstrip("/")
         self.keep_last = keep_last
         self.async_save = async_save
@@ -148,19 +156,17 @@ class CheckpointManager:
         def on_commit() -> None:
             self._publish(step)
 
+        options = {
+            "process_group": self.process_group,
+            "plan_cache": self.plan_cache,
+            "on_commit": on_commit,
+            "io_threads": self.io_threads,
+            "host_budget_bytes": self.host_budget_bytes,
+        }
         if not self.async_save:
-            save(
-                state, url, process_group=self.process_group, plan_cache=self.plan_cache, on_commit=on_commit
-            )
+            save(state, url, **options)  # type: ignore[arg-type]
             return None
-        handle = async_save(
-            state,
-            url,
-            process_group=self.process_group,
-            plan_cache=self.plan_cache,
-            on_commit=on_commit,
-            host_budget_bytes=self.host_budget_bytes,
-        )
+        handle = async_save(state, url, **options)  # type: ignore[arg-type]
         self._pending = (step, handle)
         return handle
 
@@ -194,7 +200,7 @@ class CheckpointManager:
         """Load step ``step`` into ``state`` in place (see :func:`omni_ckpt.load`); primes the plan cache."""
         self._finish_pending()
         url = self.step_url(step)
-        result = load(state, url, process_group=self.process_group)
+        result = load(state, url, process_group=self.process_group, io_threads=self.io_threads)
         if not self._cache_checked:
             self._cache_checked = True
             self.plan_cache.plan = plan_from_manifest(read_manifest(url))

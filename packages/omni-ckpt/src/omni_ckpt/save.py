@@ -14,9 +14,8 @@ No point-to-point traffic, ever (MegaScale-Omni §7).
 
 from __future__ import annotations
 
-import queue
+import contextlib
 import threading
-import zlib
 from collections.abc import Callable, Iterator, MutableMapping
 from concurrent import futures
 from concurrent.futures import Future
@@ -24,29 +23,48 @@ from dataclasses import dataclass
 from typing import Any
 
 import msgpack
-import numpy as np
 import torch
 import torch.distributed as dist
 from fsspec import AbstractFileSystem
 
 from omni_ckpt.box import Box
+from omni_ckpt.checksum import ALGORITHM, crc
 from omni_ckpt.layout import (
     CHUNK_BYTES,
     FORMAT,
     FORMAT_VERSION,
     MANIFEST,
     dtype_name,
+    encode_manifest,
     rank_file,
     safetensors_header,
 )
 from omni_ckpt.plan import LocalPlan, PlanCache, SavePlan, agree_on_cache, build_save_plan, local_plan
 from omni_ckpt.sharding import describe, is_tensor_leaf
 from omni_ckpt.state import flatten_state, gc_paused
-from omni_ckpt.storage import CheckpointError, atomic_write, fsync_file, join, open_url
+from omni_ckpt.storage import (
+    CheckpointError,
+    FileSink,
+    atomic_write,
+    fsync_dir,
+    is_local,
+    join,
+    local_path,
+    open_url,
+)
+from omni_ckpt.transfer import (
+    BufferPool,
+    Segment,
+    Source,
+    host_bytes,
+    plan_segments,
+    write_segments,
+)
 
-__all__ = ["AsyncSaveHandle", "async_save", "save", "save_ranks"]
+__all__ = ["DEFAULT_HOST_BUDGET", "DEFAULT_IO_THREADS", "AsyncSaveHandle", "async_save", "save", "save_ranks"]
 
 DEFAULT_HOST_BUDGET = 2 << 30
+DEFAULT_IO_THREADS = 4
 
 
 def _group_info(process_group: dist.ProcessGroup | None) -> tuple[dist.ProcessGroup | None, int, int]:
@@ -92,11 +110,12 @@ class _Collected:
 def _collect(state: MutableMapping[Any, Any]) -> _Collected:
     items, pieces, objects = [], {}, {}
     names: dict[torch.dtype, str] = {}
+    full: dict[tuple[int, ...], Box] = {}
     for name, _, _, value in flatten_state(state):
         if not is_tensor_leaf(value):
             objects[name] = value
             continue
-        shape, dtype, parts = describe(value)
+        shape, dtype, parts = describe(value, full)
         dt = names.get(dtype) or names.setdefault(dtype, dtype_name(dtype))
         if not parts and 0 in shape:
             items.append((name, dt, shape, Box.full(shape)))
@@ -159,54 +178,63 @@ def _prepare(
     return _Prepared(fs, path, pg, rank, world, plan, collected, error)
 
 
-def _as_bytes(t: torch.Tensor) -> np.ndarray:
-    # Pieces are detached views already (sharding.describe).
-    if t.device.type != "cpu":
-        t = t.cpu()
-    if not t.is_contiguous():
-        t = t.contiguous()
-    return t.reshape(-1).view(torch.uint8).numpy()
-
-
-def _crc_chunks(data: np.ndarray) -> list[int]:
-    n = data.nbytes
-    if n <= CHUNK_BYTES:
-        return [zlib.crc32(data)]
-    return [zlib.crc32(data[i : i + CHUNK_BYTES]) for i in range(0, n, CHUNK_BYTES)]
-
-
-_COALESCE_BYTES = 1 << 20
-
-
 def _write_rank(
-    prep: _Prepared, buffers: Iterator[np.ndarray], release: Callable[[int], None]
+    prep: _Prepared,
+    sources: list[Source],
+    segments: list[Segment],
+    *,
+    pool: BufferPool,
+    stage_all: bool,
+    threads: int,
+    on_staged: Callable[[], None] | None = None,
 ) -> dict[str, Any]:
-    """Write this rank's data file; returns its write result (data offset, checksums, objects entry)."""
+    """Write this rank's data file durably; returns its write result (data offset, header and per-chunk
+    checksums, objects entry).
+
+    Raises:
+        OSError: a write, ``fsync`` or ``close`` failed (the file is then not durable).
+    """
     plan, coll = prep.plan, prep.collected
     assert plan is not None and coll is not None
     writes = plan.writes[prep.rank]
-    entries = plan.entries[prep.rank]
-    header = safetensors_header(entries, len(coll.objects), prep.rank)
-    crcs: list[list[int]] = []
+    for w, src in zip(writes, sources):
+        n = src.tensor.numel() * src.tensor.element_size()
+        if n != w.length:
+            raise CheckpointError(f"tensor {w.name!r} box {w.box.offsets}: {n} bytes, plan says {w.length}")
+    header = safetensors_header(plan.entries[prep.rank], len(coll.objects), prep.rank)
+    end = len(header) + sum(w.length for w in writes)
     prep.fs.makedirs(prep.path, exist_ok=True)
-    with prep.fs.open(join(prep.path, rank_file(prep.rank)), "wb") as f:
-        f.write(header)
-        for w, buf in zip(writes, buffers):
-            if buf.nbytes != w.length:
-                raise CheckpointError(
-                    f"tensor {w.name!r} box {w.box.offsets}: {buf.nbytes} bytes, plan says {w.length}"
-                )
-            f.write(memoryview(buf))
-            crcs.append(_crc_chunks(buf))
-            release(w.length)
-        f.write(coll.objects)
-        fsync_file(f)
-    end = sum(w.length for w in writes)
+    sink = FileSink(prep.fs, join(prep.path, rank_file(prep.rank)))
+    try:
+        sink.write([header], 0)
+        crcs = write_segments(
+            sink,
+            len(header),
+            segments,
+            sources,
+            [w.length for w in writes],
+            pool=pool,
+            stage_all=stage_all,
+            threads=threads,
+            on_staged=on_staged,
+        )
+        sink.write([coll.objects], end)
+        sink.finish()
+    except BaseException:
+        sink.abort()
+        raise
+    if is_local(prep.fs):  # the step directory's own entry, created by this save
+        fsync_dir(local_path(prep.fs, prep.path).rsplit("/", 1)[0] or "/")
     return {
         "data_start": len(header),
+        "header_crc": crc(header),
         "crcs": crcs,
-        "objects": [prep.rank, len(header) + end, len(coll.objects), zlib.crc32(coll.objects)],
+        "objects": [prep.rank, end, len(coll.objects), crc(coll.objects)],
     }
+
+
+def _sources(prep: _Prepared) -> list[Source]:
+    return [Source(t, host_bytes(t)) for t in _lookup(prep)]
 
 
 def _lookup(prep: _Prepared) -> Iterator[torch.Tensor]:
@@ -221,32 +249,65 @@ def _lookup(prep: _Prepared) -> Iterator[torch.Tensor]:
         yield t
 
 
-def build_manifest(plan: SavePlan, results: list[dict[str, Any]]) -> dict[str, Any]:
-    """The manifest (see :mod:`omni_ckpt.layout`) from the plan and every rank's write result."""
+@dataclass
+class ManifestSkeleton:
+    """The manifest without what only the written files know (data offsets, checksums), built from the
+    plan in the calling thread, so that a background commit only fills numbers in (no per-box allocation
+    behind a busy caller). ``boxes[r]`` are rank r's box entries in its write order."""
+
+    tensors: dict[str, list[Any]]
+    boxes: list[list[list[Any]]]
+
+
+def manifest_skeleton(plan: SavePlan) -> ManifestSkeleton:
     tensors: dict[str, list[Any]] = {
         name: [dt, list(shape), []] for name, (dt, shape) in plan.tensors.items()
     }
-    for r, (writes, res) in enumerate(zip(plan.writes, results)):
+    boxes = []
+    for r, writes in enumerate(plan.writes):
+        mine = []
+        for w in writes:
+            entry = [list(w.box.offsets), list(w.box.sizes), r, w.rel_offset, w.length, None]
+            tensors[w.name][2].append(entry)
+            mine.append(entry)
+        boxes.append(mine)
+    return ManifestSkeleton(tensors, boxes)
+
+
+def build_manifest(
+    plan: SavePlan, results: list[dict[str, Any]], skeleton: ManifestSkeleton | None = None
+) -> dict[str, Any]:
+    """The manifest (see :mod:`omni_ckpt.layout`) from the plan and every rank's write result (consumes
+    ``skeleton``, built from the same plan, if given)."""
+    skel = skeleton or manifest_skeleton(plan)
+    for mine, res in zip(skel.boxes, results):
         start = res["data_start"]
-        for w, crc in zip(writes, res["crcs"]):
-            tensors[w.name][2].append(
-                [list(w.box.offsets), list(w.box.sizes), r, start + w.rel_offset, w.length, crc]
-            )
+        for entry, crcs in zip(mine, res["crcs"]):
+            entry[3] += start
+            entry[5] = crcs
     return {
         "format": FORMAT,
         "version": FORMAT_VERSION,
         "world_size": plan.world_size,
         "chunk_bytes": CHUNK_BYTES,
-        "checksum": f"crc32 (zlib.crc32, IEEE 802.3 polynomial) per chunk of {CHUNK_BYTES} bytes of each box",
+        "checksum": ALGORITHM,
         "files": [rank_file(r) for r in range(plan.world_size)],
         "data_start": [res["data_start"] for res in results],
-        "tensors": tensors,
+        "header_crc": [res["header_crc"] for res in results],
+        "tensors": skel.tensors,
         "objects": [res["objects"] for res in results],
         "rank_fingerprints": plan.rank_fingerprints,
     }
 
 
-def _commit(prep: _Prepared, result: dict[str, Any] | str, on_commit: Callable[[], None] | None) -> None:
+def _commit(
+    prep: _Prepared,
+    result: dict[str, Any] | str,
+    on_commit: Callable[[], None] | None,
+    *,
+    in_caller: bool,
+    skeleton: ManifestSkeleton | None = None,
+) -> None:
     if prep.pg is None:
         results = [result]
     else:
@@ -262,9 +323,8 @@ def _commit(prep: _Prepared, result: dict[str, Any] | str, on_commit: Callable[[
             committed = False
             try:
                 assert prep.plan is not None
-                with gc_paused():
-                    manifest = build_manifest(prep.plan, results)  # type: ignore[arg-type]
-                    data = msgpack.packb(manifest, use_bin_type=True)
+                with gc_paused() if in_caller else contextlib.nullcontext():
+                    data = encode_manifest(build_manifest(prep.plan, results, skeleton))  # type: ignore[arg-type]
                 atomic_write(prep.fs, join(prep.path, MANIFEST), data)
                 committed = True
                 if on_commit is not None:
@@ -283,6 +343,10 @@ def _commit(prep: _Prepared, result: dict[str, Any] | str, on_commit: Callable[[
         raise CheckpointError(status[0])
 
 
+def _pool_for(sources: list[Source], budget: int) -> BufferPool:
+    return BufferPool(budget, pin=any(src.tensor.device.type == "cuda" for src in sources))
+
+
 def save(
     state_dict: MutableMapping[Any, Any],
     url: str,
@@ -290,13 +354,17 @@ def save(
     process_group: dist.ProcessGroup | None = None,
     plan_cache: PlanCache | None = None,
     on_commit: Callable[[], None] | None = None,
+    io_threads: int = DEFAULT_IO_THREADS,
+    host_budget_bytes: int = DEFAULT_HOST_BUDGET,
 ) -> None:
     """Save a nested state dict to the checkpoint directory ``url``; returns once it is committed.
 
     Leaves: ``torch.Tensor`` (replicated: written once), ``DTensor``, :class:`~omni_ckpt.FlatShard`,
-    :class:`~omni_ckpt.BoxShard`, and plain msgpack values (kept per rank). Collective over
-    ``process_group`` (default: the default group when initialised, else a single process); see the module
-    docstring for the exact collectives. ``plan_cache`` must be passed on all ranks or on none.
+    :class:`~omni_ckpt.BoxShard`, and plain msgpack values (kept per rank); :class:`~omni_ckpt.Placeholder`
+    subtrees are skipped. Collective over ``process_group`` (default: the default group when initialised,
+    else a single process); see the module docstring for the exact collectives. ``plan_cache`` must be
+    passed on all ranks or on none. Host tensors are written straight from their memory; device tensors
+    go through host buffers of at most ``host_budget_bytes``.
 
     Args:
         state_dict: nested dicts (str or int keys).
@@ -304,31 +372,46 @@ def save(
         process_group: the ranks saving together.
         plan_cache: reuse and update the cached save plan.
         on_commit: run on rank 0 right after the manifest is renamed into place.
+        io_threads: writer threads per rank (positional writes on a local disk).
+        host_budget_bytes: bytes of host staging buffers for device tensors.
 
     Raises:
-        CheckpointError: a rank failed (all ranks raise, naming it) or ``url`` is already committed.
+        CheckpointError: a rank failed, including a failed ``fsync`` or ``close`` (all ranks raise, naming it;
+            nothing is committed) or ``url`` is already committed.
         ValueError: the boxes of a tensor overlap or leave a region uncovered (tensor and region named).
     """
+    _check_budget(host_budget_bytes)
     prep = _prepare(state_dict, url, process_group, plan_cache)
     result: dict[str, Any] | str
     if prep.error is not None:
         result = prep.error
     else:
         try:
-            result = _write_rank(prep, (_as_bytes(t) for t in _lookup(prep)), lambda n: None)
+            with gc_paused():
+                sources = _sources(prep)
+                pool = _pool_for(sources, host_budget_bytes)
+                segments = plan_segments(prep.plan.writes[prep.rank], pool.piece_bytes)  # type: ignore[union-attr]
+                try:
+                    result = _write_rank(
+                        prep, sources, segments, pool=pool, stage_all=False, threads=io_threads
+                    )
+                finally:
+                    pool.close()
         except Exception as exc:
             result = f"{type(exc).__name__}: {exc}"
-    _commit(prep, result, on_commit)
+    _commit(prep, result, on_commit, in_caller=True)
 
 
-def save_ranks(states: list[MutableMapping[Any, Any]], url: str) -> None:
+def save_ranks(
+    states: list[MutableMapping[Any, Any]], url: str, *, io_threads: int = DEFAULT_IO_THREADS
+) -> None:
     """Save the states of ``len(states)`` ranks from one process, as if each rank had called :func:`save`.
 
     For offline conversion (build a sharded checkpoint for a layout without starting its processes) and for
     checking layouts: the same planner, writers and commit run, the plan exchange is a list.
 
     Raises:
-        CheckpointError, ValueError: as :func:`save`, naming the rank; ValueError: ``states`` is empty.
+        CheckpointError, ValueError, OSError: as :func:`save`, naming the rank; ValueError: ``states`` is empty.
     """
     if not states:
         raise ValueError("save_ranks: no rank states given")
@@ -342,8 +425,16 @@ def save_ranks(states: list[MutableMapping[Any, Any]], url: str) -> None:
     results = []
     for r, c in enumerate(collected):
         prep = _Prepared(fs, path, None, r, world, plan, c, None)
-        results.append(_write_rank(prep, (_as_bytes(t) for t in _lookup(prep)), lambda n: None))
-    atomic_write(fs, join(path, MANIFEST), msgpack.packb(build_manifest(plan, results), use_bin_type=True))
+        sources = _sources(prep)
+        pool = _pool_for(sources, DEFAULT_HOST_BUDGET)
+        segments = plan_segments(plan.writes[r], pool.piece_bytes)
+        try:
+            results.append(
+                _write_rank(prep, sources, segments, pool=pool, stage_all=False, threads=io_threads)
+            )
+        finally:
+            pool.close()
+    atomic_write(fs, join(path, MANIFEST), encode_manifest(build_manifest(plan, results)))
 
 
 class AsyncSaveHandle:
@@ -352,8 +443,7 @@ class AsyncSaveHandle:
     Attributes:
         staged: future resolved once every box is copied to host memory: training may change weights.
         done: future resolved once the checkpoint is committed and durable (raises the save's error).
-        peak_staged_bytes: most bytes held in host staging buffers at once (bounded by the budget, or by
-            the largest box when that alone exceeds it).
+        peak_staged_bytes: most bytes of host staging buffers in use at once (at most the budget).
     """
 
     def __init__(self) -> None:
@@ -367,82 +457,58 @@ class AsyncSaveHandle:
         self.done.result(timeout)
 
 
-def _stage_copy(t: torch.Tensor) -> np.ndarray:
-    t = t.detach()
-    host = torch.empty(t.shape, dtype=t.dtype, pin_memory=t.device.type == "cuda")
-    host.copy_(t)
-    return host.reshape(-1).view(torch.uint8).numpy()
+@dataclass
+class _Staging:
+    """What an async save prepares in the calling thread (collector paused, caller not yet busy), so the
+    background thread does only the copies, writes and checksums: per-box Python work there runs at half
+    speed behind a caller busy in Python, and its allocations set off full collections."""
+
+    sources: list[Source]
+    segments: list[Segment]
+    skeleton: ManifestSkeleton | None  # rank 0 only: it writes the manifest
 
 
 def _background(
-    prep: _Prepared, handle: AsyncSaveHandle, budget: int, on_commit: Callable[[], None] | None
+    prep: _Prepared,
+    staging: _Staging,
+    handle: AsyncSaveHandle,
+    pool: BufferPool,
+    threads: int,
+    on_commit: Callable[[], None] | None,
 ) -> None:
     result: dict[str, Any] | str
     if prep.error is not None:
         handle.staged.set_result(None)
         result = prep.error
     else:
-        cond = threading.Condition()
-        inflight = [0]
-        aborted = threading.Event()
-        # The writer starts once staging is complete or blocked on the budget, so it does not compete
-        # with the copies for cores and memory bandwidth while the caller is waiting for `staged`.
-        go = threading.Event()
-        staged_q: queue.Queue[np.ndarray | BaseException] = queue.Queue()
-
-        def release(n: int) -> None:
-            with cond:
-                inflight[0] -= n
-                cond.notify_all()
-
-        def stager() -> None:
-            try:
-                for t in _lookup(prep):
-                    n = t.numel() * t.element_size()
-                    with cond:
-                        if not (inflight[0] == 0 or inflight[0] + n <= budget):
-                            go.set()
-                        # A box larger than the budget is staged alone rather than never.
-                        cond.wait_for(
-                            lambda n=n: aborted.is_set() or inflight[0] == 0 or inflight[0] + n <= budget
-                        )
-                        if aborted.is_set():
-                            raise CheckpointError(f"rank {prep.rank}: staging stopped, the writer failed")
-                        inflight[0] += n
-                        handle.peak_staged_bytes = max(handle.peak_staged_bytes, inflight[0])
-                    staged_q.put(_stage_copy(t))
-                handle.staged.set_result(None)
-            except BaseException as exc:
-                handle.staged.set_exception(exc)
-                staged_q.put(exc)
-            finally:
-                go.set()
-
-        def buffers() -> Iterator[np.ndarray]:
-            go.wait()
-            while True:
-                item = staged_q.get()
-                if isinstance(item, BaseException):
-                    raise item
-                yield item
-
-        th = threading.Thread(target=stager, name="omni-ckpt-stage", daemon=True)
-        th.start()
         try:
-            result = _write_rank(prep, buffers(), release)
+            result = _write_rank(
+                prep,
+                staging.sources,
+                staging.segments,
+                pool=pool,
+                stage_all=True,
+                threads=threads,
+                on_staged=lambda: handle.staged.set_result(None),
+            )
         except Exception as exc:
             result = f"{type(exc).__name__}: {exc}"
-            with cond:
-                aborted.set()
-                cond.notify_all()
-        th.join()
+        finally:
+            handle.peak_staged_bytes = pool.peak_bytes
+            pool.close()
+            staging.sources.clear()  # the state's tensors are not referenced past staging
+    if not handle.staged.done():
+        handle.staged.set_exception(CheckpointError(f"rank {prep.rank}: staging stopped: {result}"))
     try:
-        _commit(prep, result, on_commit)
+        _commit(prep, result, on_commit, in_caller=False, skeleton=staging.skeleton)
         handle.done.set_result(None)
     except BaseException as exc:
-        if not handle.staged.done():
-            handle.staged.set_exception(exc)
         handle.done.set_exception(exc)
+
+
+def _check_budget(budget: int) -> None:
+    if budget <= 0:
+        raise ValueError(f"host_budget_bytes must be > 0, got {budget}")
 
 
 def async_save(
@@ -453,13 +519,15 @@ def async_save(
     plan_cache: PlanCache | None = None,
     on_commit: Callable[[], None] | None = None,
     host_budget_bytes: int = DEFAULT_HOST_BUDGET,
+    io_threads: int = DEFAULT_IO_THREADS,
 ) -> AsyncSaveHandle:
-    """Like :func:`save`, but stage to host memory and write in a background thread.
+    """Like :func:`save`, but stage to host memory and write in background threads.
 
-    Planning (its collectives) runs in the caller; copying boxes to host buffers, writing, and the commit
-    collectives run in the background. At most ``host_budget_bytes`` of staged, not yet written bytes
-    exist at a time (a single larger box is staged alone), so ``handle.staged`` may resolve only after
-    part of the data is written. Do not change the saved tensors before ``handle.staged`` resolves.
+    Planning (its collectives) runs in the caller; copying boxes into a pool of host buffers of at most
+    ``host_budget_bytes`` in all (boxes larger than one buffer are copied and written piece by piece),
+    writing (``io_threads`` writers), and the commit collectives run in the background. When the state is
+    larger than the budget, ``handle.staged`` resolves only once all but the last budget's worth of bytes
+    are written. Do not change the saved tensors before ``handle.staged`` resolves.
     Use a ``process_group`` that nothing else runs collectives on while the save is in flight (the
     :class:`~omni_ckpt.CheckpointManager` makes its own). A later save given the same ``plan_cache`` waits
     for this one's ``handle.done`` before its first collective; without a shared cache, do not start
@@ -468,12 +536,26 @@ def async_save(
     Raises:
         ValueError: ``host_budget_bytes <= 0``; planning errors as in :func:`save` (raised here).
     """
-    if host_budget_bytes <= 0:
-        raise ValueError(f"host_budget_bytes must be > 0, got {host_budget_bytes}")
+    _check_budget(host_budget_bytes)
     prep = _prepare(state_dict, url, process_group, plan_cache)
+    staging = _Staging([], [], None)
+    pool = BufferPool(host_budget_bytes)
+    if prep.error is None:
+        assert prep.plan is not None
+        try:
+            with gc_paused():
+                sources = _sources(prep)
+                pool = _pool_for(sources, host_budget_bytes)
+                segments = plan_segments(prep.plan.writes[prep.rank], pool.piece_bytes)
+                skeleton = manifest_skeleton(prep.plan) if prep.rank == 0 else None
+                staging = _Staging(sources, segments, skeleton)
+        except Exception as exc:
+            prep.error = f"{type(exc).__name__}: {exc}"
     handle = AsyncSaveHandle()
     handle._thread = threading.Thread(
-        target=_background, args=(prep, handle, host_budget_bytes, on_commit), name="omni-ckpt-save"
+        target=_background,
+        args=(prep, staging, handle, pool, io_threads, on_commit),
+        name="omni-ckpt-save",
     )
     handle._thread.start()
     if plan_cache is not None:

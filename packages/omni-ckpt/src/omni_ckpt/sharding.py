@@ -146,12 +146,23 @@ def is_tensor_leaf(value: object) -> bool:
     return isinstance(value, torch.Tensor | FlatShard | BoxShard)
 
 
-def describe(value: torch.Tensor | FlatShard | BoxShard) -> tuple[tuple[int, ...], torch.dtype, list[Piece]]:
+def describe(
+    value: torch.Tensor | FlatShard | BoxShard, full: dict[tuple[int, ...], Box] | None = None
+) -> tuple[tuple[int, ...], torch.dtype, list[Piece]]:
     """``(global_shape, dtype, pieces)`` of one state-dict leaf on this rank; empty boxes are dropped.
+    ``full`` memoises whole-tensor boxes by shape.
 
     Raises:
         ValueError: a DTensor whose placements are not boxes (see :func:`dtensor_box`).
     """
+    if type(value) is torch.Tensor:  # the common case first: a plain replicated tensor
+        shape = tuple(value.shape)
+        box = full.get(shape) if full is not None else None
+        if box is None:
+            box = Box.full(shape)
+            if full is not None:
+                full[shape] = box
+        return shape, value.dtype, [Piece(box, _plain(value))] if value.numel() else []
     if isinstance(value, FlatShard):
         local = _plain(value.local)
         pieces, pos = [], 0

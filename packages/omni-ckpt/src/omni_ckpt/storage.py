@@ -1,16 +1,38 @@
-"""fsspec helpers: open a checkpoint URL, write durably, rename atomically, read byte ranges."""
+"""fsspec helpers: open a checkpoint URL, write durably (errors reported, never swallowed), rename
+atomically, read byte ranges (``pread`` on local disks, ``cat_ranges`` on remote stores), coalescing close ones.
+
+Durability on a local disk is ``fsync`` of each file before it is closed and of its directory after an
+entry appears in it; an ``fsync`` or ``close`` error (EIO, ENOSPC...) raises, so a save fails and commits
+nothing instead of committing a manifest over data the kernel could not write back (PostgreSQL's
+"fsyncgate", 2018). Object stores have no ``fsync``: an object is durable once its ``close`` (the upload)
+returned without error, and that error raises too.
+"""
 
 from __future__ import annotations
 
-import contextlib
-import io
 import os
+from collections.abc import Sequence
 from typing import Any
 
 import fsspec
 from fsspec import AbstractFileSystem
+from fsspec.implementations.local import LocalFileSystem
 
-__all__ = ["CheckpointError", "atomic_write", "fsync_file", "join", "open_url", "read_ranges"]
+_IOV_MAX = 1024
+
+__all__ = [
+    "CheckpointError",
+    "FileSink",
+    "atomic_write",
+    "coalesce",
+    "fsync_dir",
+    "is_local",
+    "join",
+    "local_path",
+    "open_url",
+    "pread_into",
+    "read_spans",
+]
 
 
 class CheckpointError(RuntimeError):
@@ -27,77 +49,191 @@ def join(path: str, name: str) -> str:
     return f"{path}/{name}"
 
 
-def fsync_file(f: Any) -> None:
-    """Flush ``f`` to stable storage where the filesystem has a file descriptor (local disks)."""
-    f.flush()
-    with contextlib.suppress(AttributeError, OSError, io.UnsupportedOperation, ValueError):
-        os.fsync(f.fileno())
+def is_local(fs: AbstractFileSystem) -> bool:
+    """Whether ``fs`` is the local disk (file descriptors, ``pwrite``/``pread``, ``fsync``)."""
+    return isinstance(fs, LocalFileSystem)
 
 
-def _fsync_dir(fs: AbstractFileSystem, path: str) -> None:
-    if "file" not in fs.protocol and "local" not in fs.protocol:
-        return
-    with contextlib.suppress(OSError):
-        fd = os.open(os.path.dirname(path) or ".", os.O_RDONLY)
+def local_path(fs: AbstractFileSystem, path: str) -> str:
+    return fs._strip_protocol(path)
+
+
+def fsync_dir(path: str) -> None:
+    """``fsync`` the local directory ``path``, so the entries created or renamed in it are durable.
+
+    Raises:
+        OSError: the directory cannot be opened or synced.
+    """
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def atomic_write(fs: AbstractFileSystem, path: str, data: bytes) -> None:
+    """Write ``data`` to ``path.tmp``, make it durable, then rename it to ``path`` (and, on a local disk,
+    ``fsync`` the directory so the rename is durable too).
+
+    On object stores the rename is a copy of one object, which appears whole or not at all.
+
+    Raises:
+        OSError: a write, ``fsync``, ``close`` or rename failed; ``path`` is then not replaced.
+    """
+    tmp = path + ".tmp"
+    parent = path.rsplit("/", 1)[0]
+    fs.makedirs(parent, exist_ok=True)
+    sink = FileSink(fs, tmp)
+    try:
+        sink.write([memoryview(data)], 0)
+    except BaseException:
+        sink.abort()
+        raise
+    sink.finish(sync_dir=False)
+    fs.mv(tmp, path)
+    if is_local(fs):
+        fsync_dir(local_path(fs, parent))
+
+
+class FileSink:
+    """Positional writes into one new data file: ``pwritev`` on a local disk (any thread, any order),
+    an in-order stream elsewhere. :meth:`finish` makes it durable and raises on any error."""
+
+    def __init__(self, fs: AbstractFileSystem, path: str) -> None:
+        self.path = path
+        self.parallel = is_local(fs)
+        self._pos = 0
+        if self.parallel:
+            self._local = local_path(fs, path)
+            self._fd = os.open(self._local, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        else:
+            self._file = fs.open(path, "wb")
+
+    def write(self, views: Sequence[Any], offset: int) -> None:
+        """Write the buffers ``views`` back to back from byte ``offset``."""
+        if not self.parallel:
+            if offset != self._pos:
+                raise AssertionError(f"{self.path}: stream write at {offset}, expected {self._pos}")
+            for v in views:
+                self._file.write(v)
+                self._pos += memoryview(v).nbytes
+            return
+        for i in range(0, len(views), _IOV_MAX):
+            batch = [memoryview(v).cast("B") for v in views[i : i + _IOV_MAX]]
+            want = sum(len(v) for v in batch)
+            done = os.pwritev(self._fd, batch, offset)
+            if done < want:  # a short write (rare on regular files): finish it view by view
+                self._write_rest(batch, offset, done)
+            offset += want
+
+    def _write_rest(self, batch: list[memoryview], offset: int, done: int) -> None:
+        pos = 0
+        for v in batch:
+            end = pos + len(v)
+            while done < end:
+                n = os.pwrite(self._fd, v[done - pos :], offset + done)
+                if n <= 0:
+                    raise OSError(f"{self.path}: pwrite wrote nothing at byte {offset + done}")
+                done += n
+            pos = end
+
+    def finish(self, *, sync_dir: bool = True) -> None:
+        """``fsync`` and close the file, then (``sync_dir``) ``fsync`` its directory (local); close (remote).
+
+        Raises:
+            OSError: ``fsync`` or ``close`` failed: the data may not be on disk.
+        """
+        if not self.parallel:
+            self._file.close()
+            return
+        fd, self._fd = self._fd, -1
         try:
             os.fsync(fd)
         finally:
             os.close(fd)
+        if sync_dir:
+            fsync_dir(os.path.dirname(self._local) or ".")
+
+    def abort(self) -> None:
+        """Close after a failure, ignoring further errors (the original one is what gets reported)."""
+        try:
+            if self.parallel:
+                if self._fd >= 0:
+                    os.close(self._fd)
+                    self._fd = -1
+            else:
+                self._file.close()
+        except Exception:
+            pass
 
 
-def atomic_write(fs: AbstractFileSystem, path: str, data: bytes) -> None:
-    """Write ``data`` to ``path.tmp``, make it durable, then rename it to ``path``.
-
-    On object stores the rename is a copy of one object, which appears whole or not at all.
-    """
-    tmp = path + ".tmp"
-    fs.makedirs(path.rsplit("/", 1)[0], exist_ok=True)
-    with fs.open(tmp, "wb") as f:
-        f.write(data)
-        fsync_file(f)
-    fs.mv(tmp, path)
-    _fsync_dir(fs, path)
+def _check_full(path: str, lo: int, hi: int, got: int) -> None:
+    if got != hi - lo:
+        raise CheckpointError(f"{path}: truncated, wanted bytes [{lo}, {hi}) but the file ends at {lo + got}")
 
 
-def read_ranges(
-    fs: AbstractFileSystem,
-    path: str,
-    ranges: list[tuple[int, int]],
-    gap: int = 1 << 20,
-    max_read: int = 64 << 20,
-) -> list[memoryview]:
-    """Read byte ranges ``[start, end)`` of one file, coalescing ranges closer than ``gap`` bytes into
-    reads of at most ``max_read`` bytes (a single longer range is read alone).
-
-    Returns one memoryview per requested range, in the order given.
+def pread_into(fd: int, buf: memoryview, offset: int, path: str) -> None:
+    """Fill ``buf`` from byte ``offset`` of the open file ``fd`` (``os.preadv`` loops over short reads).
 
     Raises:
-        CheckpointError: the file is shorter than a range (truncated data file).
+        CheckpointError: the file ends first (truncated), naming ``path``.
     """
+    done, n = 0, len(buf)
+    while done < n:
+        got = os.preadv(fd, [buf[done:]], offset + done)
+        if got == 0:
+            _check_full(path, offset, offset + n, done)
+        done += got
+
+
+def coalesce(ranges: list[tuple[int, int]], gap: int, max_read: int) -> list[tuple[int, int, list[int]]]:
+    """Group byte ranges into reads ``(lo, hi, indices of the ranges inside)``: ranges closer than ``gap``
+    bytes share a read of at most ``max_read`` bytes (a longer single range is read alone)."""
     order = sorted(range(len(ranges)), key=lambda i: ranges[i])
-    out: list[memoryview | None] = [None] * len(ranges)
-    with fs.open(path, "rb") as f:
-        i = 0
-        while i < len(order):
-            lo, hi = ranges[order[i]]
-            j = i + 1
-            while j < len(order) and ranges[order[j]][0] <= hi + gap and ranges[order[j]][1] - lo <= max_read:
-                hi = max(hi, ranges[order[j]][1])
-                j += 1
-            f.seek(lo)
-            buf = bytearray(hi - lo)
-            got = f.readinto(buf) if hasattr(f, "readinto") else None
-            if got is None:
-                data = f.read(hi - lo)
-                got = len(data)
-                buf[:got] = data
-            if got != hi - lo:
-                raise CheckpointError(
-                    f"{path}: truncated, wanted bytes [{lo}, {hi}) but the file ends at {lo + got}"
-                )
-            view = memoryview(buf)
-            for k in order[i:j]:
-                a, b = ranges[k]
-                out[k] = view[a - lo : b - lo]
-            i = j
-    return out  # type: ignore[return-value]
+    groups: list[tuple[int, int, list[int]]] = []
+    i = 0
+    while i < len(order):
+        lo, hi = ranges[order[i]]
+        j = i + 1
+        while j < len(order) and ranges[order[j]][0] <= hi + gap and ranges[order[j]][1] - lo <= max_read:
+            hi = max(hi, ranges[order[j]][1])
+            j += 1
+        groups.append((lo, hi, order[i:j]))
+        i = j
+    return groups
+
+
+def read_spans(
+    fs: AbstractFileSystem, path: str, spans: list[tuple[int, int]], *, fd: int | None = None
+) -> list[memoryview]:
+    """The bytes of each ``[lo, hi)`` of one file: ``pread`` on a local disk (from ``fd`` when the file is
+    open already), one ``cat_ranges`` call (concurrent requests on async stores such as s3 or gcs) elsewhere.
+
+    Raises:
+        CheckpointError: the file is shorter than a span.
+    """
+    if not spans:
+        return []
+    if is_local(fs):
+        own = fd is None
+        if own:
+            fd = os.open(local_path(fs, path), os.O_RDONLY)
+        assert fd is not None
+        try:
+            out = []
+            for lo, hi in spans:
+                buf = memoryview(bytearray(hi - lo))
+                pread_into(fd, buf, lo, path)
+                out.append(buf)
+            return out
+        finally:
+            if own:
+                os.close(fd)
+    blobs: list[Any] = fs.cat_ranges([path] * len(spans), [a for a, _ in spans], [b for _, b in spans])
+    out = []
+    for (lo, hi), blob in zip(spans, blobs):
+        if isinstance(blob, BaseException):
+            raise CheckpointError(f"{path}: reading bytes [{lo}, {hi}) failed: {blob}")
+        _check_full(path, lo, hi, len(blob))
+        out.append(memoryview(blob if isinstance(blob, bytearray) else bytearray(blob)))  # writable for torch
+    return out

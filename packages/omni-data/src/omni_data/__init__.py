@@ -10,11 +10,20 @@ from omni_data.loader import PackedLoader, StepBatch, snapshot_async
 from omni_data.mixture import MixtureSchedule, MixtureStream, ScheduleUnit
 from omni_data.node import StatefulNode
 from omni_data.packing import HybridPacker, ModalitySpan, Overlong, OverlongSampleError, Pack, collate_packs
-from omni_data.payload import Payload, PayloadError, PayloadReader, UndecodablePayloadError
+from omni_data.payload import (
+    Payload,
+    PayloadError,
+    PayloadReader,
+    SkippedPayloadError,
+    UndecodablePayloadError,
+    UnreadablePayloadError,
+    to_rgb,
+)
 from omni_data.reorder import GroupedReorderer, PlanMismatchError, ReorderPlan, encoder_flops
 from omni_data.sample import MemberRef, Modality, SampleMeta
+from omni_data.skips import SkipLedger, skip_report
 from omni_data.source import EmptySourceError, LayoutMismatchError, WebDatasetSource
-from omni_data.tokens import AudioTokens, EncoderCost, ImageTokens, count_text_tokens
+from omni_data.tokens import AudioTokens, EncoderCost, ImageTokens, count_text_tokens, resampled_length
 from omni_data.workers import RoundRobinWorkers
 from omni_data.zero_redundancy import (
     FilteredStep,
@@ -51,9 +60,12 @@ __all__ = [
     "RoundRobinWorkers",
     "SampleMeta",
     "ScheduleUnit",
+    "SkipLedger",
+    "SkippedPayloadError",
     "StatefulNode",
     "StepBatch",
     "UndecodablePayloadError",
+    "UnreadablePayloadError",
     "WebDatasetSource",
     "ZeroRedundancyFilter",
     "collate_packs",
@@ -62,8 +74,11 @@ __all__ = [
     "encoder_flops",
     "encoder_microbatch_id",
     "encoder_microbatch_ids",
+    "resampled_length",
+    "skip_report",
     "snapshot_async",
     "split_encoder_microbatches",
     "text_members",
+    "to_rgb",
 ]
 __version__ = "0.1.0"

@@ -12,13 +12,13 @@ window of 10,000 draws track the schedule to well under 0.5 percentage points, w
 from __future__ import annotations
 
 import bisect
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from enum import StrEnum
 from typing import Any
 
 from torchdata.nodes import BaseNode
 
-from omni_data.node import StatefulNode
+from omni_data.node import StatefulNode, common, resplit_child
 from omni_data.sample import SampleMeta
 from omni_data.source import EmptySourceError
 
@@ -99,9 +99,15 @@ class MixtureSchedule:
 class MixtureStream(StatefulNode[SampleMeta]):
     """Interleaves sources by a :class:`MixtureSchedule` with smooth weighted round-robin.
 
-    The position the schedule reads is :attr:`step` (advanced by the consumer with :meth:`set_step`,
-    e.g. once per optimizer step by :class:`omni_data.loader.PackedLoader`) or :attr:`tokens` (expanded
-    tokens drawn so far). Both are state.
+    The position the schedule reads (:meth:`position`) is, for ``unit="step"``, the step at which the
+    next drawn sample is expected to be *trained*: :attr:`step` (advanced by the consumer with
+    :meth:`set_step`) plus :attr:`lookahead` steps, which :class:`~omni_data.loader.PackedLoader` sets to
+    the packer's backlog (samples drawn but not yet emitted). Without it, a packer with a look-ahead
+    buffer trains samples drawn under a phase several steps after that phase ended. For
+    ``unit="token"`` it is the *global* number of expanded tokens drawn: the DP-wide total at the last
+    synchronisation (:meth:`sync_tokens`, done by ``PackedLoader`` with a ``dp_group`` inside the
+    all-reduce it already runs every step) plus ``dp_size`` times this rank's tokens since, so every
+    DP rank switches phase at about the same global token count. All of it is state.
 
     A source that runs out ends the stream (``StopIteration``): weights are never zeroed behind the
     schedule's back. Make sources cycle (``epochs=None``) for endless mixing; :class:`PackedLoader`
@@ -125,14 +131,39 @@ class MixtureStream(StatefulNode[SampleMeta]):
         self.schedule = schedule
         self.names = list(schedule.sources)
         self.sources = [sources[n] for n in self.names]
+        self.lookahead: Callable[[], int] | None = None
         self.step = 0
         self.tokens = 0
+        self.synced = [0, 0, 1]  # [global tokens, this rank's tokens then, DP size]
         self.credit = [0.0] * len(self.names)
         self.counts = [0] * len(self.names)
+
+    def children(self) -> list[BaseNode[Any]]:
+        return list(self.sources)
 
     def set_step(self, step: int) -> None:
         """Set the training step the schedule reads (for ``unit="step"``)."""
         self.step = int(step)
+
+    def sync_tokens(self, global_tokens: int, local_tokens: int, dp_size: int) -> None:
+        """Record that the DP ranks had drawn ``global_tokens`` in total when this rank had drawn
+        ``local_tokens`` (for ``unit="token"``); ``dp_size`` ranks draw alike from then on."""
+        self.synced = [int(global_tokens), int(local_tokens), int(dp_size)]
+
+    def position(self) -> int:
+        """Where the schedule is read for the next draw: a step (expected training step of the sample) or
+        an estimate of the global token count."""
+        if self.schedule.unit is ScheduleUnit.STEP:
+            return self.step + (self.lookahead() if self.lookahead is not None else 0)
+        g, at, dp = self.synced
+        return g + dp * (self.tokens - at)
+
+    def phase(self) -> int:
+        """Index of the schedule phase the next draw is in (always 0 for an interpolated schedule, which
+        has no boundaries to keep)."""
+        if self.schedule.interpolate:
+            return 0
+        return bisect.bisect_right(self.schedule.positions, self.position()) - 1
 
     def reset(self, initial_state: dict[str, Any] | None = None) -> None:
         super().reset(initial_state)
@@ -141,21 +172,41 @@ class MixtureStream(StatefulNode[SampleMeta]):
             src.reset(st["sources"][name] if st else None)
         self.step = int(st.get("step", 0))
         self.tokens = int(st.get("tokens", 0))
+        self.synced = [int(x) for x in st.get("synced", [0, 0, 1])]
         self.credit = [float(x) for x in st.get("credit", [0.0] * len(self.names))]
         self.counts = [int(x) for x in st.get("counts", [0] * len(self.names))]
+
+    def load_resplit(self, states: Sequence[dict[str, Any]], rank: int, world_size: int) -> None:
+        """Resume under another DP size: each source re-splits the work of every old rank's reader of it;
+        the schedule goes on at the old ranks' common step and their total drawn tokens.
+
+        Raises:
+            LayoutMismatchError: the old ranks are at different steps, or a source cannot re-split.
+        """
+        states = list(states)
+        step = common(
+            states, "step", f"MixtureStream: {len(states)} old DP ranks -> rank {rank} of {world_size}"
+        )
+        for name, src in zip(self.names, self.sources):
+            resplit_child(src, [st["sources"][name] for st in states], rank, world_size)
+        super().reset(None)
+        self.step, self.tokens = step, 0
+        self.synced = [sum(int(st["tokens"]) for st in states), 0, world_size]
+        self.credit = [0.0] * len(self.names)
+        self.counts = [sum(int(st["counts"][i]) for st in states) for i in range(len(self.names))]
 
     def get_state(self) -> dict[str, Any]:
         return {
             "sources": {n: s.state_dict() for n, s in zip(self.names, self.sources)},
             "step": self.step,
             "tokens": self.tokens,
+            "synced": list(self.synced),
             "credit": list(self.credit),
             "counts": list(self.counts),
         }
 
     def next(self) -> SampleMeta:
-        pos = self.step if self.schedule.unit is ScheduleUnit.STEP else self.tokens
-        w = self.schedule.weights_at(pos)
+        w = self.schedule.weights_at(self.position())
         credit = self.credit
         for i, x in enumerate(w):
             credit[i] += x

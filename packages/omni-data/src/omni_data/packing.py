@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import bisect
 from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from enum import StrEnum
 from typing import Any
@@ -19,8 +20,10 @@ from typing import Any
 import torch
 from torchdata.nodes import BaseNode
 
-from omni_data.node import StatefulNode
+from omni_data.mixture import MixtureStream
+from omni_data.node import StatefulNode, resplit_child
 from omni_data.sample import Modality, SampleMeta
+from omni_data.skips import SkipLedger
 
 __all__ = ["HybridPacker", "ModalitySpan", "Overlong", "OverlongSampleError", "Pack", "collate_packs"]
 
@@ -137,7 +140,21 @@ def collate_packs(packs: list[Pack], *, pad_to: int | None = None) -> dict[str, 
 
 
 class HybridPacker(StatefulNode[Pack]):
-    """Streaming best-fit-decreasing packer with carry-over of open packs.
+    """Streaming best-fit-decreasing packer with carry-over of open packs and a pack-age bound.
+
+    Each round refills the buffer to ``buffer_size`` samples, places them largest first into the open pack
+    with the least free space that still fits, emits the fullest packs and carries at most
+    ``max_open_packs`` of the least full ones to the next round. A pack is carried at most
+    ``max_pack_age`` rounds: so a sample is emitted at the latest ``max_pack_age`` rounds after the round
+    that placed it, i.e. before ``(max_pack_age + 1) * buffer_size`` further samples are drawn (one buffer
+    to be placed, ``max_pack_age`` of carry). Without the bound a least-full pack can stay open for
+    tens of rounds and the loader trains on samples drawn under a mixture phase long gone (fill cost of
+    the bound: ``benchmarks/packing.py``).
+
+    Under a :class:`~omni_data.mixture.MixtureStream` the packer also closes a round early when the
+    mixture's phase changes (:meth:`MixtureStream.phase`), and flushes every open pack: samples drawn
+    under one phase are all emitted before any of the next, so a 1 -> 0 weight switch stops the old
+    source at the switch (up to the mixture's look-ahead estimate, see :class:`PackedLoader`).
 
     Args:
         source: upstream node of :class:`SampleMeta` (a source or a mixture).
@@ -145,12 +162,17 @@ class HybridPacker(StatefulNode[Pack]):
         buffer_size: samples gathered before each BFD round (the look-ahead), >= 1.
         overlong: policy for samples longer than ``max_seq_len`` (:class:`Overlong`).
         max_open_packs: least-full packs carried over to the next round (default ``max(1, buffer_size // 16)``).
+        max_pack_age: rounds a pack may be carried over before it is emitted however full (>= 0;
+            0 = no carry-over).
+        max_skipped_keys: keys of dropped over-long samples kept by name (counts are always complete).
 
     Counters in :attr:`stats`: ``samples``, ``packs``, ``tokens``, ``split`` (text samples split),
-    ``dropped_overlong`` (media, or any sample with ``overlong="drop"``).
+    ``dropped_overlong`` (media, or any sample with ``overlong="drop"``), ``phase_flushes``; dropped
+    samples are also in :attr:`ledger` (:class:`~omni_data.skips.SkipLedger`: per source, with keys).
 
     Raises:
-        ValueError: ``max_seq_len`` or ``buffer_size`` < 1, ``max_open_packs`` < 0, an unknown ``overlong``.
+        ValueError: ``max_seq_len`` or ``buffer_size`` < 1, ``max_open_packs`` or ``max_pack_age`` < 0,
+            an unknown ``overlong``.
         OverlongSampleError: (from ``next``) with ``overlong="error"``, naming the sample.
     """
 
@@ -162,6 +184,8 @@ class HybridPacker(StatefulNode[Pack]):
         *,
         overlong: Overlong | str = Overlong.SPLIT,
         max_open_packs: int | None = None,
+        max_pack_age: int = 1,
+        max_skipped_keys: int = 1000,
     ) -> None:
         super().__init__()
         if max_seq_len < 1 or buffer_size < 1:
@@ -170,41 +194,114 @@ class HybridPacker(StatefulNode[Pack]):
             )
         if max_open_packs is not None and max_open_packs < 0:
             raise ValueError(f"HybridPacker: max_open_packs must be >= 0, got {max_open_packs}")
+        if max_pack_age < 0:
+            raise ValueError(f"HybridPacker: max_pack_age must be >= 0 rounds, got {max_pack_age}")
         self.source = source
         self.max_seq_len = max_seq_len
         self.buffer_size = buffer_size
         self.overlong = Overlong(overlong)
         self.max_open_packs = max_open_packs if max_open_packs is not None else max(1, buffer_size // 16)
+        self.max_pack_age = max_pack_age
+        self.ledger = SkipLedger("packer", max_keys=max_skipped_keys)
         self._buffer: list[SampleMeta] = []
         self._open: list[Pack] = []
+        self._age: list[int] = []
+        self._arrival: list[int] = []  # draw index of each buffered sample
+        self._drawn: list[list[int]] = []  # [sum of draw indices, samples] of each open pack
         self._ready: deque[Pack] = deque()
         self._exhausted = False
+        self._phase: int | None = None
+        self._buffer_tokens = 0
+        self._open_free = 0  # free tokens in the open packs
         self.stats: dict[str, int] = {}
+
+    def children(self) -> list[BaseNode[Any]]:
+        return [self.source]
+
+    def _mixture(self) -> MixtureStream | None:
+        return self.source if isinstance(self.source, MixtureStream) else None
 
     def reset(self, initial_state: dict[str, Any] | None = None) -> None:
         super().reset(initial_state)
         self._ready.clear()
         if initial_state is None:
             self.source.reset(None)
-            self._buffer, self._open, self._exhausted = [], [], False
-            self.stats = dict.fromkeys(("samples", "packs", "tokens", "split", "dropped_overlong"), 0)
-            return
-        self.source.reset(initial_state["source"])
-        self._buffer = [SampleMeta.from_dict(d) for d in initial_state["buffer"]]
-        self._open = [Pack.from_dict(d) for d in initial_state["open"]]
-        self._ready.extend(Pack.from_dict(d) for d in initial_state["ready"])
-        self._exhausted = bool(initial_state["exhausted"])
-        self.stats = dict(initial_state["stats"])
+            self._buffer, self._open, self._age, self._exhausted, self._phase = [], [], [], False, None
+            self._arrival, self._drawn = [], []
+            self.stats = dict.fromkeys(_STATS, 0)
+            self.ledger.load_state_dict(None)
+        else:
+            self.source.reset(initial_state["source"])
+            self._buffer = [SampleMeta.from_dict(d) for d in initial_state["buffer"]]
+            self._open = [Pack.from_dict(d) for d in initial_state["open"]]
+            self._age = [int(a) for a in initial_state["open_age"]]
+            self._arrival = [int(a) for a in initial_state["arrival"]]
+            self._drawn = [[int(a), int(b)] for a, b in initial_state["drawn"]]
+            self._ready.extend(Pack.from_dict(d) for d in initial_state["ready"])
+            self._exhausted = bool(initial_state["exhausted"])
+            self._phase = initial_state.get("phase")
+            self.stats = {**dict.fromkeys(_STATS, 0), **initial_state["stats"]}
+            self.ledger.load_state_dict(initial_state.get("skipped"))
+        self._buffer_tokens = sum(s.num_tokens for s in self._buffer)
+        self._open_free = sum(self.max_seq_len - p.num_tokens for p in self._open)
 
     def get_state(self) -> dict[str, Any]:
         return {
             "source": self.source.state_dict(),
             "buffer": [s.to_dict() for s in self._buffer],
             "open": [p.to_dict() for p in self._open],
+            "open_age": list(self._age),
+            "arrival": list(self._arrival),
+            "drawn": [list(x) for x in self._drawn],
             "ready": [p.to_dict() for p in self._ready],
             "exhausted": self._exhausted,
+            "phase": self._phase,
             "stats": dict(self.stats),
+            "skipped": self.ledger.state_dict(),
         }
+
+    def load_resplit(
+        self,
+        states: Sequence[dict[str, Any]],
+        rank: int,
+        world_size: int,
+        *,
+        orphans: Sequence[SampleMeta] = (),
+    ) -> None:
+        """Resume under another DP size: the samples every old rank had drawn but not emitted (``orphans``
+        handed down from above, then each old rank's ready packs, open packs and buffer, in rank order)
+        are dealt round-robin over the new ranks into their buffers, and the source re-splits.
+
+        Raises:
+            LayoutMismatchError: the source cannot re-split (see its ``load_resplit``).
+        """
+        states = list(states)
+        pool = list(orphans)
+        for st in states:
+            for key in ("ready", "open"):
+                pool += [SampleMeta.from_dict(d) for p in st[key] for d in p["samples"]]
+            pool += [SampleMeta.from_dict(d) for d in st["buffer"]]
+        resplit_child(self.source, [st["source"] for st in states], rank, world_size)
+        super().reset(None)
+        self._ready.clear()
+        self._buffer = pool[rank::world_size]
+        self._arrival = [0] * len(self._buffer)
+        self._open, self._age, self._drawn, self._exhausted, self._phase = [], [], [], False, None
+        self.stats = dict.fromkeys(_STATS, 0)
+        self.ledger.load_state_dict(None)
+        if rank == 0:
+            for st in states:
+                self.stats = {k: v + int(st["stats"].get(k, 0)) for k, v in self.stats.items()}
+                self.ledger.merge(st["skipped"])
+        self._buffer_tokens = sum(s.num_tokens for s in self._buffer)
+        self._open_free = 0
+
+    def pending_packs(self) -> float:
+        """Packs that drawn samples not yet emitted will fill, so about where the next drawn sample lands:
+        the ready and open packs, plus the buffered tokens that do not fit the open packs' free space in
+        units of full packs (a lower bound on the packs they need)."""
+        spill = max(0, self._buffer_tokens - self._open_free)
+        return len(self._ready) + len(self._open) + spill / self.max_seq_len
 
     def next(self) -> Pack:
         while not self._ready:
@@ -217,8 +314,11 @@ class HybridPacker(StatefulNode[Pack]):
 
     def _admit(self, s: SampleMeta) -> None:
         n = s.num_tokens
+        seq = self.stats["samples"]
         if n <= self.max_seq_len:
             self._buffer.append(s)
+            self._arrival.append(seq)
+            self._buffer_tokens += n
             return
         if self.overlong is Overlong.ERROR:
             raise OverlongSampleError(
@@ -232,41 +332,68 @@ class HybridPacker(StatefulNode[Pack]):
                 self._buffer.append(
                     replace(s, text_tokens=b - a, shape=(b - a,), text_range=(base + a, base + b))
                 )
+                self._arrival.append(seq)
+            self._buffer_tokens += n
             return
         self.stats["dropped_overlong"] += 1
+        self.ledger.add(s.source, s.uid, f"over-long {s.modality} ({n} > {self.max_seq_len} tokens)")
 
     def _round(self) -> bool:
+        mix = self._mixture()
+        flush = False
         while not self._exhausted and len(self._buffer) < self.buffer_size:
+            if mix is not None:
+                phase = mix.phase()
+                if self._phase is not None and phase != self._phase and (self._buffer or self._open):
+                    flush = True  # the next draw is under another phase: emit everything drawn so far
+                    self.stats["phase_flushes"] += 1
+                    break
+                self._phase = phase
             try:
                 s = next(self.source)
             except StopIteration:
                 self._exhausted = True
                 break
-            self.stats["samples"] += 1
             self._admit(s)
+            self.stats["samples"] += 1
         if not self._buffer and not self._open:
             return False
         cap = self.max_seq_len
-        packs = self._open
+        packs, age, drawn = self._open, self._age, self._drawn
         free = [cap - p.num_tokens for p in packs]
         # sorted (free, pack index): bisect finds the tightest pack that fits in O(log P)
         order = sorted((f, i) for i, f in enumerate(free))
-        for s in sorted(self._buffer, key=lambda x: -x.num_tokens):  # stable: ties keep arrival order
-            n = s.num_tokens
+        by_size = sorted(range(len(self._buffer)), key=lambda k: -self._buffer[k].num_tokens)  # stable
+        for k in by_size:
+            s, n = self._buffer[k], self._buffer[k].num_tokens
             j = bisect.bisect_left(order, (n, -1))
             if j < len(order):
                 f, i = order.pop(j)
             else:
                 packs.append(Pack([], cap))
+                age.append(0)
+                drawn.append([0, 0])
                 f, i = cap, len(packs) - 1
             packs[i].samples.append(s)
+            drawn[i][0] += self._arrival[k]
+            drawn[i][1] += 1
             bisect.insort(order, (f - n, i))
-        self._buffer = []
-        # emit the fullest, carry the least full (unless the stream is over: flush everything)
-        keep = 0 if self._exhausted else self.max_open_packs
+        self._buffer, self._arrival, self._buffer_tokens = [], [], 0
+        # emit the fullest, carry the least full (unless the stream or the phase is over: flush all),
+        # and never carry a pack past max_pack_age rounds
+        keep = 0 if self._exhausted or flush else self.max_open_packs
         by_fill = [i for _, i in order]  # ascending free space = fullest first
         n_emit = max(0, len(packs) - keep)
         emit = set(by_fill[:n_emit]) | {i for f, i in order if f == 0}
-        self._ready.extend(packs[i] for i in sorted(emit))
+        emit |= {i for i, a in enumerate(age) if a >= self.max_pack_age}
+        # emitted in the order their samples were drawn on average: BFD creates packs largest sample
+        # first, so creation order would emit a round's image-heavy packs before its audio and text
+        self._ready.extend(packs[i] for i in sorted(emit, key=lambda i: (drawn[i][0] / drawn[i][1], i)))
         self._open = [p for i, p in enumerate(packs) if i not in emit]
+        self._age = [a + 1 for i, a in enumerate(age) if i not in emit]
+        self._drawn = [d for i, d in enumerate(drawn) if i not in emit]
+        self._open_free = sum(cap - p.num_tokens for p in self._open)
         return True
+
+
+_STATS = ("samples", "packs", "tokens", "split", "dropped_overlong", "phase_flushes")

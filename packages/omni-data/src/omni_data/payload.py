@@ -8,32 +8,53 @@ from __future__ import annotations
 
 import io
 import threading
+import time
 from collections import OrderedDict
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import fsspec
 import numpy as np
 import soundfile
+import soxr
 import torch
+from fsspec.implementations.local import LocalFileSystem
 from PIL import Image
 
 from omni_data.join import text_members
 from omni_data.sample import MemberRef, Modality, SampleMeta
-from omni_data.source import AUDIO_EXTS, IMAGE_EXTS
-from omni_data.tokens import TextTokenizer
+from omni_data.source import AUDIO_EXTS, IMAGE_EXTS, open_shard
+from omni_data.tokens import TextTokenizer, resampled_length
 
-__all__ = ["Payload", "PayloadError", "PayloadReader", "UndecodablePayloadError"]
+__all__ = [
+    "Payload",
+    "PayloadError",
+    "PayloadReader",
+    "SkippedPayloadError",
+    "UndecodablePayloadError",
+    "UnreadablePayloadError",
+    "to_rgb",
+]
 
 
 class PayloadError(RuntimeError):
     """A payload could not be read or decoded; the message names the sample key and shard URL."""
 
 
-class UndecodablePayloadError(PayloadError):
+class SkippedPayloadError(PayloadError):
+    """Bad *data*, not a bad setup: the :class:`~omni_data.zero_redundancy.ZeroRedundancyFilter` puts a
+    placeholder in the sample's place, counts it with its key and goes on."""
+
+
+class UndecodablePayloadError(SkippedPayloadError):
     """An image or audio member whose header passed the metadata pass but whose body does not decode
-    (or decodes to another size or rate than the metadata says): bad *data*, not a bad setup. The
-    :class:`~omni_data.zero_redundancy.ZeroRedundancyFilter` skips such a sample's payload and counts it."""
+    (or decodes to another size or length than the metadata says)."""
+
+
+class UnreadablePayloadError(SkippedPayloadError):
+    """A member whose bytes could not be read (an ``OSError`` other than a missing file) after the
+    reader's bounded retries."""
 
 
 @dataclass(slots=True)
@@ -42,14 +63,17 @@ class Payload:
 
     Attributes:
         meta: the sample's metadata.
-        pixels: ``[3, H, W]`` float32 in ``[0, 1]``, resized to ``meta.shape`` (images).
-        waveform: ``[num_samples]`` float32 mono in ``[-1, 1]`` (audio).
+        pixels: ``[3, H, W]`` float32 RGB in ``[0, 1]``, resized to ``meta.shape`` (images of any mode:
+            transparency composited over white, CMYK/palette/grey/16-bit converted).
+        waveform: ``[num_samples]`` float32 mono in ``[-1, 1]`` at ``meta.sample_rate`` (audio of any
+            channel count, averaged; of any rate, resampled with soxr).
         sample_rate: Hz (audio).
         text_ids: ``[meta.text_tokens]`` int64 token ids (text, or caption/transcript when a tokenizer
             is given), else ``None``.
-        error: ``None`` for a decoded payload; for a sample whose image/audio did not decode, why, and
-            ``pixels``/``waveform`` are zeros of the metadata's shape (a placeholder that keeps the pack
-            layout; mask the sample's loss). Set by :class:`~omni_data.zero_redundancy.ZeroRedundancyFilter`.
+        error: ``None`` for a decoded payload; for a sample whose image/audio could not be read or
+            decoded, why, and ``pixels``/``waveform`` are zeros of the metadata's shape (a placeholder
+            that keeps the pack layout; mask the sample's loss). Set by
+            :class:`~omni_data.zero_redundancy.ZeroRedundancyFilter`.
     """
 
     meta: SampleMeta
@@ -71,25 +95,79 @@ class Payload:
         return out
 
 
+def to_rgb(im: Image.Image) -> Image.Image:
+    """An RGB copy of a PIL image of any mode: transparency (RGBA, LA, PA, P or L with a transparent
+    colour) composited over white, 16/32-bit grey scaled to 8 bits, CMYK/YCbCr/palette/grey converted."""
+    if im.mode in ("I;16", "I;16L", "I;16B", "I;16N", "I"):
+        arr = np.asarray(im, dtype=np.float64)
+        top = 65535.0 if im.mode.startswith("I;16") or arr.max(initial=0) > 255 else 255.0
+        im = Image.fromarray(np.clip(np.rint(arr * (255.0 / top)), 0, 255).astype(np.uint8), "L")
+    elif im.mode == "F":
+        arr = np.asarray(im, dtype=np.float64)
+        im = Image.fromarray(np.clip(np.rint(arr * 255.0), 0, 255).astype(np.uint8), "L")
+    if im.mode in ("RGBA", "LA", "PA") or "transparency" in im.info:
+        rgba = im.convert("RGBA")
+        white = Image.new("RGBA", rgba.size, (255, 255, 255, 255))
+        return Image.alpha_composite(white, rgba).convert("RGB")
+    return im.convert("RGB")
+
+
+def _is_local(fs: Any) -> bool:
+    return isinstance(fs, LocalFileSystem)
+
+
 class PayloadReader:
     """Reads payload members by byte range through fsspec and decodes them.
 
-    Safe to share between threads (several filters' prefetch threads, or a prefetch thread and the main
-    thread): each thread keeps its own LRU of open shard handles, because a seek followed by a read on a
-    shared file object is not atomic, and two threads interleaving them read each other's bytes.
+    Safe to share between threads (several filters' decode pools, or a pool and the main thread): each
+    thread keeps its own LRU of open shard handles, because a seek followed by a read on a shared file
+    object is not atomic, and two threads interleaving them read each other's bytes.
+
+    Transient read errors (an ``OSError`` that is not a missing file, a permission or a directory) are
+    retried ``retries`` times with exponential backoff from ``backoff_s`` on a freshly opened handle;
+    after that :class:`UnreadablePayloadError`. For remote stores (any fsspec filesystem but the local
+    one, with ``batched="auto"``) :meth:`fetch` gets a whole step's members in one
+    ``fs.cat_ranges`` call, which async filesystems (s3, gcs, http) run concurrently.
 
     Args:
         tokenizer: turns ``txt`` members into ids; required to read text samples.
         max_open_files: open shard handles kept per thread (LRU).
+        retries: extra attempts after a transient read error, >= 0.
+        backoff_s: wait before the first retry, seconds (doubled each time).
+        batched: ``"auto"`` (``cat_ranges`` for non-local filesystems), ``"always"`` or ``"never"``.
+
+    Counters (:attr:`stats`, thread-safe): ``bytes``, ``retries``, ``batched_calls``, ``batched_ranges``.
     """
 
-    def __init__(self, tokenizer: TextTokenizer | None = None, *, max_open_files: int = 8) -> None:
+    def __init__(
+        self,
+        tokenizer: TextTokenizer | None = None,
+        *,
+        max_open_files: int = 8,
+        retries: int = 3,
+        backoff_s: float = 0.05,
+        batched: str = "auto",
+    ) -> None:
+        if retries < 0 or backoff_s < 0:
+            raise ValueError(f"PayloadReader: retries ({retries}) and backoff_s ({backoff_s}) must be >= 0")
+        if batched not in ("auto", "always", "never"):
+            raise ValueError(f"PayloadReader: batched must be 'auto', 'always' or 'never', got {batched!r}")
         self.tokenizer = tokenizer
         self.max_open_files = max_open_files
+        self.retries, self.backoff_s, self.batched = retries, backoff_s, batched
         self._local = threading.local()
-        self._lock = threading.Lock()  # guards _caches and bytes_read
+        self._lock = threading.Lock()  # guards _caches and stats
         self._caches: list[OrderedDict[str, Any]] = []
-        self.bytes_read = 0
+        self.stats = {"bytes": 0, "retries": 0, "batched_calls": 0, "batched_ranges": 0}
+
+    @property
+    def bytes_read(self) -> int:
+        return self.stats["bytes"]
+
+    def _count(self, **kw: int) -> None:
+        with self._lock:
+            for k, v in kw.items():
+                self.stats[k] += v
 
     def _files(self) -> OrderedDict[str, Any]:
         files = getattr(self._local, "files", None)
@@ -107,50 +185,139 @@ class PayloadReader:
             while files:
                 files.popitem()[1].close()
 
-    def read_bytes(self, ref: MemberRef) -> bytes:
-        """Raw bytes of one tar member (``ref.size`` bytes).
+    def _retrying(self, what: str, fn: Any) -> Any:
+        for attempt in range(self.retries + 1):
+            try:
+                return fn()
+            except (FileNotFoundError, PermissionError, IsADirectoryError):
+                raise
+            except OSError as e:
+                if attempt == self.retries:
+                    raise UnreadablePayloadError(
+                        f"{what}: {type(e).__name__}: {e} (after {self.retries} retries)"
+                    ) from e
+                self._count(retries=1)
+                time.sleep(self.backoff_s * 2**attempt)
+        raise AssertionError("unreachable")
+
+    def uses_batches(self, url: str) -> bool:
+        """Whether :meth:`fetch` batches reads of this shard's members (``batched`` and its filesystem)."""
+        if self.batched != "auto":
+            return self.batched == "always"
+        return not _is_local(fsspec.core.url_to_fs(url)[0])
+
+    def fetch(self, refs: Sequence[MemberRef]) -> dict[tuple[str, int], bytes]:
+        """The bytes of many members, ``{(url, offset): bytes}``, in one ``fs.cat_ranges`` call per
+        filesystem (retried as a whole on a transient error); pass it to :meth:`read` as ``fetched``.
 
         Raises:
-            PayloadError: the shard cannot be opened, or the member is cut short.
+            UnreadablePayloadError: the batch failed after the retries.
+            PayloadError: a shard is missing, or a member comes back short.
         """
-        files = self._files()
-        f = files.pop(ref.url, None)
-        if f is None:
+        out: dict[tuple[str, int], bytes] = {}
+        by_fs: dict[int, tuple[Any, list[tuple[str, MemberRef]]]] = {}
+        for ref in refs:
+            fs, path = fsspec.core.url_to_fs(ref.url)
+            by_fs.setdefault(id(fs), (fs, []))[1].append((path, ref))
+        for fs, items in by_fs.values():
+
+            def batch(fs: Any = fs, items: list[tuple[str, MemberRef]] = items) -> list[Any]:
+                got = fs.cat_ranges(
+                    [p for p, _ in items],
+                    [r.offset for _, r in items],
+                    [r.offset + r.size for _, r in items],
+                    on_error="return",
+                )
+                for g in got:
+                    if isinstance(g, BaseException):
+                        raise g
+                return got
+
             try:
-                f = fsspec.open(ref.url, "rb").open()
-            except (OSError, ValueError) as e:
-                raise PayloadError(f"{ref.url}: cannot open shard for member .{ref.ext}: {e}") from e
-            if len(files) >= self.max_open_files:
-                files.popitem(last=False)[1].close()
-        files[ref.url] = f
-        f.seek(ref.offset)
-        data = f.read(ref.size)
-        with self._lock:
-            self.bytes_read += len(data)
+                got = self._retrying(f"batched read of {len(items)} members", batch)
+            except FileNotFoundError as e:
+                raise PayloadError(f"batched read: shard missing: {e}") from e
+            self._count(batched_calls=1, batched_ranges=len(items))
+            for (_, ref), data in zip(items, got):
+                if len(data) != ref.size:
+                    raise PayloadError(
+                        f"{ref.url}: member .{ref.ext} at byte {ref.offset} cut short ({len(data)}/{ref.size})"
+                    )
+                out[(ref.url, ref.offset)] = data
+                self._count(bytes=len(data))
+        return out
+
+    def read_bytes(self, ref: MemberRef, fetched: Mapping[tuple[str, int], bytes] | None = None) -> bytes:
+        """Raw bytes of one tar member (``ref.size`` bytes), from ``fetched`` if it holds them.
+
+        Raises:
+            PayloadError: the shard cannot be opened (missing), or the member is cut short.
+            UnreadablePayloadError: a read kept failing after the retries.
+        """
+        if fetched is not None and (ref.url, ref.offset) in fetched:
+            return fetched[(ref.url, ref.offset)]
+        files = self._files()
+
+        def attempt() -> bytes:
+            f = files.pop(ref.url, None)
+            if f is None:
+                f = open_shard(ref.url)
+                if len(files) >= self.max_open_files:
+                    files.popitem(last=False)[1].close()
+            try:
+                f.seek(ref.offset)
+                data = f.read(ref.size)
+            except OSError:
+                f.close()  # a handle that failed mid-read is not reused
+                raise
+            files[ref.url] = f
+            return data
+
+        try:
+            data = self._retrying(f"{ref.url}: member .{ref.ext} at byte {ref.offset}", attempt)
+        except (FileNotFoundError, PermissionError, IsADirectoryError, ValueError) as e:
+            raise PayloadError(f"{ref.url}: cannot open shard for member .{ref.ext}: {e}") from e
+        self._count(bytes=len(data))
         if len(data) != ref.size:
             raise PayloadError(
                 f"{ref.url}: member .{ref.ext} at byte {ref.offset} cut short ({len(data)}/{ref.size})"
             )
         return data
 
-    def read(self, meta: SampleMeta) -> Payload:
-        """Read and decode ``meta``'s payload.
+    @staticmethod
+    def refs(meta: SampleMeta, *, media: bool = True, text: bool = True) -> list[MemberRef]:
+        """The members :meth:`read` reads for ``meta`` (its image or audio member, its ``txt``)."""
+        out = []
+        if media and meta.modality is not Modality.TEXT:
+            exts = IMAGE_EXTS if meta.modality is Modality.IMAGE else AUDIO_EXTS
+            ext = next((e for e in exts if e in meta.members), None)
+            if ext is not None:
+                out.append(meta.members[ext])
+        if text and "txt" in meta.members and meta.text_tokens:
+            out.extend(text_members(meta))  # every part of a joined document (omni_data.join)
+        return out
+
+    def read(self, meta: SampleMeta, fetched: Mapping[tuple[str, int], bytes] | None = None) -> Payload:
+        """Read and decode ``meta``'s payload (members from ``fetched`` where it holds them, see :meth:`fetch`).
 
         Raises:
             UndecodablePayloadError: the image/audio member does not decode, or decodes to another
-                size or sample rate than ``meta`` says.
+                size or length than ``meta`` says.
+            UnreadablePayloadError: a member read kept failing after the retries.
             PayloadError: a member is missing or cut short, the text does not match ``meta``, or a text
                 sample has no tokenizer.
         """
         try:
-            return self._read(meta)
+            return self._read(meta, fetched)
         except PayloadError:
             raise
         except Exception as e:
             url = next(iter(meta.members.values())).url if meta.members else "?"
             raise PayloadError(f"sample {meta.source}/{meta.key} in {url}: {type(e).__name__}: {e}") from e
 
-    def read_text_ids(self, meta: SampleMeta) -> torch.Tensor | None:
+    def read_text_ids(
+        self, meta: SampleMeta, fetched: Mapping[tuple[str, int], bytes] | None = None
+    ) -> torch.Tensor | None:
         """``[meta.text_tokens]`` int64 ids of the sample's text (caption, transcript or text), or ``None``
         when it has none (``meta.text_tokens == 0``) or there is no tokenizer. Reads only the ``txt`` member
         (every part of a joined document, :func:`omni_data.join.text_members`).
@@ -159,18 +326,18 @@ class PayloadReader:
             PayloadError: the member cannot be read or decoded, or gives another token count than ``meta``.
         """
         try:
-            return self._ids(meta)
+            return self._ids(meta, fetched)
         except PayloadError:
             raise
         except Exception as e:
             raise PayloadError(f"sample {meta.source}/{meta.key}: text: {type(e).__name__}: {e}") from e
 
-    def _ids(self, meta: SampleMeta) -> torch.Tensor | None:
+    def _ids(self, meta: SampleMeta, fetched: Mapping[tuple[str, int], bytes] | None) -> torch.Tensor | None:
         if "txt" not in meta.members or self.tokenizer is None or meta.text_tokens == 0:
             return None  # no text slots in the pack (e.g. the source counted captions without a tokenizer)
         ids = []  # a joined document (omni_data.join) has several txt parts: tokenized one by one
         for ref in text_members(meta):
-            ids += self.tokenizer.encode(self.read_bytes(ref).decode("utf-8")).ids
+            ids += self.tokenizer.encode(self.read_bytes(ref, fetched).decode("utf-8")).ids
         if meta.text_range is not None:
             ids = ids[meta.text_range[0] : meta.text_range[1]]
         if len(ids) != meta.text_tokens:  # a pack's layout was planned with meta.text_tokens slots
@@ -180,45 +347,43 @@ class PayloadReader:
             )
         return torch.tensor(ids, dtype=torch.int64)
 
-    def _read(self, meta: SampleMeta) -> Payload:
+    def _read(self, meta: SampleMeta, fetched: Mapping[tuple[str, int], bytes] | None) -> Payload:
         out = Payload(meta)
         if meta.modality is Modality.TEXT:
             if self.tokenizer is None:
                 raise PayloadError(f"sample {meta.source}/{meta.key}: reading text needs a tokenizer")
-            out.text_ids = self._ids(meta)
+            out.text_ids = self._ids(meta, fetched)
             return out
         if meta.text_tokens:
-            out.text_ids = self._ids(meta)
+            out.text_ids = self._ids(meta, fetched)
+        ref = self.refs(meta, text=False)[0]
+        data = self.read_bytes(ref, fetched)
+        where = f"sample {meta.source}/{meta.key} in {ref.url}"
         if meta.modality is Modality.IMAGE:
-            ext = next(e for e in IMAGE_EXTS if e in meta.members)
-            data = self.read_bytes(meta.members[ext])
             try:
                 with Image.open(io.BytesIO(data)) as im:
-                    rgb = im.convert("RGB").resize((meta.shape[2], meta.shape[1]), Image.Resampling.BICUBIC)
+                    rgb = to_rgb(im).resize((meta.shape[2], meta.shape[1]), Image.Resampling.BICUBIC)
             except Exception as e:  # PIL raises many types for a damaged body
-                raise UndecodablePayloadError(
-                    f"sample {meta.source}/{meta.key} in {meta.members[ext].url}: undecodable image: "
-                    f"{type(e).__name__}: {e}"
-                ) from e
+                raise UndecodablePayloadError(f"{where}: undecodable image: {type(e).__name__}: {e}") from e
             # HWC -> CHW in numpy on uint8: a torch permute-copy of float32 spins up intra-op threads
             chw = np.ascontiguousarray(np.asarray(rgb, dtype=np.uint8).transpose(2, 0, 1))
             out.pixels = torch.from_numpy(chw.astype(np.float32) * np.float32(1.0 / 255.0))
             return out
-        ext = next(e for e in AUDIO_EXTS if e in meta.members)
-        raw = self.read_bytes(meta.members[ext])
-        where = f"sample {meta.source}/{meta.key} in {meta.members[ext].url}"
         try:
-            data, rate = soundfile.read(io.BytesIO(raw), dtype="float32", always_2d=True)
+            wave, rate = soundfile.read(io.BytesIO(data), dtype="float32", always_2d=True)
         except Exception as e:  # libsndfile errors on a damaged body
             raise UndecodablePayloadError(f"{where}: undecodable audio: {type(e).__name__}: {e}") from e
-        out.waveform = torch.from_numpy(data.mean(axis=1).astype(np.float32))
-        out.sample_rate = int(rate)
-        if out.waveform.shape[0] != meta.shape[0]:
+        target = meta.sample_rate or int(rate)
+        want = resampled_length(wave.shape[0], int(rate), target) if wave.shape[0] else 0
+        if want != meta.shape[0]:
             raise UndecodablePayloadError(
-                f"{where}: {out.waveform.shape[0]} audio samples, metadata says {meta.shape[0]}"
+                f"{where}: {wave.shape[0]} audio samples at {rate} Hz give {want} at {target} Hz, "
+                f"metadata says {meta.shape[0]}"
             )
-        if meta.sample_rate is not None and out.sample_rate != meta.sample_rate:
-            raise UndecodablePayloadError(
-                f"{where}: {out.sample_rate} Hz, metadata says {meta.sample_rate} Hz"
-            )
+        mono = wave.mean(axis=1, dtype=np.float32)
+        if int(rate) != target:
+            mono = soxr.resample(mono, int(rate), target, quality="HQ")[:want]
+            mono = np.pad(mono, (0, want - mono.shape[0]))  # soxr's length may differ by one sample
+        out.waveform = torch.from_numpy(np.ascontiguousarray(mono, dtype=np.float32))
+        out.sample_rate = target
         return out

@@ -5,57 +5,115 @@ samples by WebDataset's key convention (``webdataset.tariterators.base_plus_ext`
 :class:`~omni_data.sample.SampleMeta` per sample. Only small members are read for metadata: ``key.json``
 (``width``/``height``, ``num_frames``/``sample_rate`` or ``duration_s``), ``key.txt`` when a tokenizer
 counts its tokens, the first bytes of an image (PIL parses the header lazily), and, when ``key.json``
-lacks the audio length, the first 4 KiB of a FLAC (its STREAMINFO) or the whole WAV/OGG (``soundfile.info``). Payloads are read later, where they are
-consumed (:class:`omni_data.payload.PayloadReader`).
+lacks the audio length, the first 4 KiB of a FLAC (its STREAMINFO) or the whole WAV/OGG
+(``soundfile.info``). Payloads are read later, where they are consumed
+(:class:`omni_data.payload.PayloadReader`).
 
 Splitting (paper §5.1, decentralized loaders): there are ``R = world_size * num_workers`` readers, reader
 ``r = rank * num_workers + worker``. With at least ``R`` shards, reader ``r`` reads shards ``r, r+R, ...``
 of the epoch's shard order; with fewer, every reader walks every shard's headers and keeps samples
 ``r, r+R, ...`` of the epoch's sample sequence. Either way each sample is read by exactly one reader.
 
-Bad data is skipped, never fatal, never silent: a member cut off by a truncated shard, an image whose
-header PIL cannot parse, audio ``soundfile`` cannot read, a sample missing its main member, an empty or
-unreadable shard. Each is counted per reason in :attr:`WebDatasetSource.skipped`, its key kept (up to
-``max_skipped_keys``), logged once. The resume position counts skipped samples, so resume stays exact.
+Re-splitting (another DP size or worker count): :meth:`WebDatasetSource.load_resplit` takes the states
+of *every* old reader, turns what each had left of its epochs into work items (a shard from a byte
+offset, or a walk keeping every ``m``-th sample), deals them out over the new readers, and starts the
+new split at the first epoch no old reader had begun. Every sample is read exactly once per epoch; a
+state that does not fit (another shard list, a missing reader) is refused before anything is read.
+
+Bad data is skipped, never fatal, never silent: a member cut off by a truncated shard (and the rest of
+the shard), a damaged tar header (the walk resynchronises at the next valid header; the samples on both
+sides of the damage are skipped), a damaged PAX record, a key that is not UTF-8, an image whose header
+PIL cannot parse, audio ``soundfile`` cannot read, a sample missing its main member, an empty or
+unreadable shard, and a read that keeps failing (an ``OSError`` is retried ``retries`` times with
+backoff, from the start of the sample, before the rest of the shard is given up). Each is counted per
+reason with its key in :attr:`WebDatasetSource.ledger` (:class:`~omni_data.skips.SkipLedger`) and logged
+once per reason. The resume position counts skipped samples, so resume stays exact.
 """
 
 from __future__ import annotations
 
 import io
+import itertools
 import json
-import logging
 import random
+import time
 from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import fsspec
 import soundfile
+from fsspec.implementations.memory import MemoryFile
 from PIL import Image
 from webdataset.shardlists import expand_urls
 from webdataset.tariterators import base_plus_ext
 
-from omni_data.node import StatefulNode
+from omni_data.node import LayoutMismatchError, StatefulNode
 from omni_data.sample import MemberRef, Modality, SampleMeta
-from omni_data.tar_index import TarHeaderError, TarMember, iter_members
-from omni_data.tokens import AudioTokens, EncoderCost, ImageTokens, TextTokenizer, count_text_tokens
+from omni_data.skips import SkipLedger
+from omni_data.tar_index import TarDamage, TarMember, iter_members
+from omni_data.tokens import (
+    AudioTokens,
+    EncoderCost,
+    ImageTokens,
+    TextTokenizer,
+    count_text_tokens,
+    resampled_length,
+)
 
 __all__ = ["AUDIO_EXTS", "IMAGE_EXTS", "EmptySourceError", "LayoutMismatchError", "WebDatasetSource"]
-
-logger = logging.getLogger(__name__)
 
 IMAGE_EXTS = ("jpg", "jpeg", "png", "webp")
 AUDIO_EXTS = ("flac", "wav", "ogg")
 _IMAGE_HEADER_BYTES = 1 << 16  # enough for PNG IHDR and JPEG SOF behind typical EXIF blocks
 _AUDIO_HEADER_BYTES = 1 << 12  # FLAC STREAMINFO (and any leading metadata blocks of test files)
 _INLINE_BYTES = 1 << 13  # json/txt and small members come with the header walk, no seek back
+_PERSISTENT = (FileNotFoundError, PermissionError, IsADirectoryError, NotADirectoryError)
+
+
+def open_shard(url: str) -> Any:
+    """A binary handle of its own on the shard at ``url`` (any fsspec URL).
+
+    fsspec's ``memory://`` hands every ``open`` the one shared buffer of the file (and seeks it to 0), so
+    two handles would move each other; there the bytes are copied into a private buffer.
+    """
+    f = fsspec.open(url, "rb").open()
+    if isinstance(f, MemoryFile):
+        return io.BytesIO(bytes(f.getbuffer()))
+    return f
 
 
 class EmptySourceError(RuntimeError):
     """A cycling source produced no usable sample in a whole epoch on this reader."""
 
 
-class LayoutMismatchError(ValueError):
-    """A state saved with one reader layout (ranks x workers) was loaded into another."""
+def _fresh_pos() -> dict[str, Any]:
+    return {"shard": 0, "offset": 0, "seq": 0, "sample_in_shard": 0, "damaged": None}
+
+
+@dataclass(slots=True)
+class _Walk:
+    """A reader's work in one epoch: ``shards`` (indices into the source's URL list) walked in order
+    from ``pos``, keeping samples whose epoch sequence number ``seq % mod == residue`` when ``split``
+    (else every sample). Shard-level damage is counted by the walk with ``shard_pos % mod == residue``."""
+
+    epoch: int
+    shards: list[int]
+    split: bool
+    mod: int
+    residue: int
+    pos: dict[str, Any]
+
+    def to_list(self) -> list[Any]:
+        return [self.epoch, list(self.shards), self.split, self.mod, self.residue, dict(self.pos)]
+
+    @classmethod
+    def from_list(cls, v: list[Any]) -> _Walk:
+        return cls(int(v[0]), [int(x) for x in v[1]], bool(v[2]), int(v[3]), int(v[4]), dict(v[5]))
+
+    @property
+    def started(self) -> bool:
+        return bool(self.pos["shard"] or self.pos["offset"])
 
 
 class WebDatasetSource(StatefulNode[SampleMeta]):
@@ -70,23 +128,24 @@ class WebDatasetSource(StatefulNode[SampleMeta]):
         image_tokens, audio_tokens: token accounting (:mod:`omni_data.tokens`).
         encoder_cost: FLOPs model of this modality's encoder (image: over ViT patches; audio: over
             subsampled frames).
+        sample_rate: audio only: the rate (Hz) the encoder takes. Clips at another rate are described as
+            resampled to it (``shape``, ``sample_rate`` and token counts after resampling, see
+            :func:`omni_data.tokens.resampled_length`); :class:`~omni_data.payload.PayloadReader`
+            resamples them. ``None``: keep each clip's own rate.
         rank, world_size: this rank's DP position (readers split data over DP ranks only; TP/PP peers of
             a DP rank hold the same metadata stream).
         worker, num_workers: this reader's worker slot within the rank. A slot is a partition of the data,
             not a process: :class:`~omni_data.workers.RoundRobinWorkers` runs a rank's slots in the
             calling thread (the metadata pass is cheap; payload decoding runs on the
-            :class:`~omni_data.zero_redundancy.ZeroRedundancyFilter`'s background thread). Slots let a
-            run change how it parallelises reading without changing which reader owns which sample.
+            :class:`~omni_data.zero_redundancy.ZeroRedundancyFilter`'s decode pool). Slots let a run
+            change how it parallelises reading without changing which reader owns which sample.
         shuffle_shards: shuffle the shard order each epoch with a private RNG seeded by ``(seed, epoch)``.
         seed: shuffle seed.
         epochs: epochs to run; ``None`` cycles forever (the epoch counter is in the state).
         max_skipped_keys: how many skipped keys to keep by name (the counts are always complete).
-        allow_resplit: accept a state saved under another reader layout (DP size or workers): the source
-            then starts the epoch after the saved one under the new split, and the samples of the saved
-            epoch it did not reach are counted in ``skipped["resplit: rest of epoch"]`` as one entry.
-            The re-split is exact only if every new reader loads a state of the same epoch (e.g. give
-            them all the state of the old reader that is furthest on): readers that start at different
-            epochs read different epochs' splits.
+        retries: extra attempts after an ``OSError`` while reading a shard (>= 0), from the start of the
+            sample being read; then the rest of the shard is skipped and counted.
+        backoff_s: wait before the first retry, seconds (doubled each time).
 
     Raises:
         ValueError: no URLs, an unknown modality, a text source without a tokenizer, or a bad split.
@@ -102,6 +161,7 @@ class WebDatasetSource(StatefulNode[SampleMeta]):
         image_tokens: ImageTokens | None = None,
         audio_tokens: AudioTokens | None = None,
         encoder_cost: EncoderCost | None = None,
+        sample_rate: int | None = None,
         rank: int = 0,
         world_size: int = 1,
         worker: int = 0,
@@ -110,7 +170,8 @@ class WebDatasetSource(StatefulNode[SampleMeta]):
         seed: int = 0,
         epochs: int | None = 1,
         max_skipped_keys: int = 1000,
-        allow_resplit: bool = False,
+        retries: int = 3,
+        backoff_s: float = 0.05,
     ) -> None:
         super().__init__()
         self.urls: list[str] = (
@@ -124,19 +185,42 @@ class WebDatasetSource(StatefulNode[SampleMeta]):
             raise ValueError(f"WebDatasetSource {self.name!r}: a text source needs a tokenizer")
         if not (0 <= rank < world_size and 0 <= worker < num_workers):
             raise ValueError(f"bad split: rank {rank} of {world_size}, worker {worker} of {num_workers}")
+        if sample_rate is not None and sample_rate < 1:
+            raise ValueError(
+                f"WebDatasetSource {self.name!r}: sample_rate must be >= 1 Hz, got {sample_rate}"
+            )
+        if retries < 0 or backoff_s < 0:
+            raise ValueError(
+                f"WebDatasetSource: retries ({retries}) and backoff_s ({backoff_s}) must be >= 0"
+            )
         self.tokenizer = tokenizer
         self.image_tokens = image_tokens or ImageTokens()
         self.audio_tokens = audio_tokens or AudioTokens()
         self.encoder_cost = encoder_cost or EncoderCost()
+        self.sample_rate = sample_rate
         self.rank, self.world_size, self.worker, self.num_workers = rank, world_size, worker, num_workers
         self.shuffle_shards, self.seed, self.epochs = shuffle_shards, seed, epochs
-        self.max_skipped_keys = max_skipped_keys
-        self.allow_resplit = allow_resplit
-        self.skipped: dict[str, int] = {}
-        self.skipped_keys: list[tuple[str, str]] = []
-        self._logged: set[str] = set()
+        self.retries, self.backoff_s = retries, backoff_s
+        self.ledger = SkipLedger(f"source {self.name!r}", max_keys=max_skipped_keys)
         self._it: Iterator[SampleMeta] | None = None
-        self._pos: dict[str, int] = {}
+        self._epoch = 0
+        self._own: _Walk | None = None  # the current epoch of this reader's own split
+        self._carry: list[_Walk] = []  # work handed over by a re-split, done first
+        self._walk: _Walk | None = None  # the walk being read
+
+    # --- counters --------------------------------------------------------------------------------
+    @property
+    def skipped(self) -> dict[str, int]:
+        """Reason -> count of what this source skipped."""
+        return self.ledger.of(self.name)[0]
+
+    @property
+    def skipped_keys(self) -> list[tuple[str, str]]:
+        """``(key, reason)`` of the first skipped items (shard-level ones as ``shard:URL[@byte]``)."""
+        return self.ledger.of(self.name)[1]
+
+    def _skip(self, key: str, reason: str) -> None:
+        self.ledger.add(self.name, key, reason)
 
     # --- split -----------------------------------------------------------------------------------
     @property
@@ -147,93 +231,196 @@ class WebDatasetSource(StatefulNode[SampleMeta]):
     def reader(self) -> int:
         return self.rank * self.num_workers + self.worker
 
+    @property
+    def layout(self) -> list[int]:
+        """``[world_size, num_workers, reader]``."""
+        return [self.world_size, self.num_workers, self.reader]
+
     def epoch_shards(self, epoch: int) -> list[str]:
         """Shard order of ``epoch`` (every reader computes the same one)."""
-        order = list(self.urls)
+        return [self.urls[i] for i in self._epoch_order(epoch)]
+
+    def _epoch_order(self, epoch: int) -> list[int]:
+        order = list(range(len(self.urls)))
         if self.shuffle_shards:
             random.Random(f"{self.seed}/{epoch}").shuffle(order)
         return order
 
-    def _my_shards(self, epoch: int) -> tuple[list[str], bool]:
-        order = self.epoch_shards(epoch)
-        if len(order) >= self.num_readers:
-            return order[self.reader :: self.num_readers], False
-        return order, True  # fewer shards than readers: split samples
+    def _plan(self, epoch: int, readers: int, reader: int) -> _Walk:
+        """Reader ``reader`` of ``readers``' walk of ``epoch`` under that split."""
+        order = self._epoch_order(epoch)
+        if len(order) >= readers:
+            return _Walk(epoch, order[reader::readers], False, readers, reader, _fresh_pos())
+        return _Walk(epoch, order, True, readers, reader, _fresh_pos())  # fewer shards than readers
 
     # --- state (torchdata.nodes conventions) -----------------------------------------------------
     def reset(self, initial_state: dict[str, Any] | None = None) -> None:
         super().reset(initial_state)
-        pos = {"epoch": 0, "shard": 0, "offset": 0, "seq": 0, "sample_in_shard": 0}
-        if initial_state is not None:
-            layout = initial_state["layout"]
-            self.skipped = dict(initial_state["skipped"])
-            self.skipped_keys = [(k, r) for k, r in initial_state["skipped_keys"]]
-            if layout == [self.world_size, self.num_workers, self.reader]:
-                pos = {k: int(initial_state[k]) for k in pos}
-            elif self.allow_resplit:
-                pos["epoch"] = int(initial_state["epoch"]) + (
-                    1 if int(initial_state["offset"]) or int(initial_state["shard"]) else 0
-                )
-                if pos["epoch"] != int(initial_state["epoch"]):
-                    self._skip(f"resplit@epoch{initial_state['epoch']}", "resplit: rest of epoch")
-            else:
-                raise LayoutMismatchError(
-                    f"source {self.name!r}: state saved by reader {layout[2]} of {layout[0]} ranks x {layout[1]} "
-                    f"workers, loaded into reader {self.reader} of {self.world_size} x {self.num_workers}; "
-                    "construct the source with allow_resplit=True to re-split at the next epoch"
-                )
-        self._pos = pos
+        self._carry = []
+        if initial_state is None:
+            self.ledger.load_state_dict(None)
+            self._epoch, pos = 0, _fresh_pos()
+        else:
+            self._check_layout(initial_state)
+            self.ledger.load_state_dict(initial_state["ledger"])
+            self._epoch = int(initial_state["epoch"])
+            pos = {**_fresh_pos(), **{k: initial_state[k] for k in _fresh_pos() if k in initial_state}}
+            self._carry = [_Walk.from_list(w) for w in initial_state.get("carry", [])]
+        self._own = self._plan(self._epoch, self.num_readers, self.reader)
+        self._own.pos = pos
         self._it = self._iterate()
 
+    def _check_layout(self, state: dict[str, Any]) -> None:
+        layout, shards = list(state["layout"]), int(state.get("shards", len(self.urls)))
+        if layout == self.layout and shards == len(self.urls):
+            return
+        raise LayoutMismatchError(
+            f"source {self.name!r}: state saved by reader {layout[2]} of {layout[0]} ranks x {layout[1]} "
+            f"workers over {shards} shards, loaded into reader {self.reader} of {self.world_size} ranks x "
+            f"{self.num_workers} workers over {len(self.urls)} shards; to change the layout pass every old "
+            "reader's state to load_resplit() (shards must not change)"
+        )
+
     def get_state(self) -> dict[str, Any]:
+        assert self._own is not None
         return {
-            **self._pos,
-            "layout": [self.world_size, self.num_workers, self.reader],
-            "skipped": dict(self.skipped),
-            "skipped_keys": [list(x) for x in self.skipped_keys],
+            "epoch": self._epoch,
+            **{k: self._own.pos[k] for k in _fresh_pos()},
+            "carry": [w.to_list() for w in self._carry],
+            "layout": self.layout,
+            "shards": len(self.urls),
+            "ledger": self.ledger.state_dict(),
         }
+
+    def load_resplit(
+        self, states: Sequence[dict[str, Any]], rank: int | None = None, world_size: int | None = None
+    ) -> None:
+        """Take this reader's share of the work left by *every* reader of another layout.
+
+        ``states`` are the :meth:`state_dict` of all old readers (any order; every old reader exactly
+        once). What each had left of its epochs (up to the first epoch none of them had begun) becomes
+        work items, dealt round-robin over the new readers (a sample-splitting walk is halved into two
+        with twice the stride while there are fewer items than readers); the new split starts after.
+        The skip counts of all old readers go to new reader 0 (so sums over readers stay right).
+
+        Args:
+            states: every old reader's state.
+            rank, world_size: the new DP position, if the caller knows it (checked against the source's).
+
+        Raises:
+            LayoutMismatchError: the states do not cover one layout's readers exactly once, another shard
+                list, or ``rank``/``world_size`` disagree with this source's; nothing is read.
+        """
+        if (rank is not None and rank != self.rank) or (
+            world_size is not None and world_size != self.world_size
+        ):
+            raise LayoutMismatchError(
+                f"source {self.name!r}: load_resplit for rank {rank} of {world_size}, but the source is "
+                f"rank {self.rank} of {self.world_size}"
+            )
+        old = _old_layout(self.name, states, len(self.urls), self.layout)
+        readers = old[0][0] * old[0][1]
+        work: list[list[_Walk]] = [[] for _ in range(readers)]
+        begun = 0
+        for st in states:
+            r = int(st["layout"][2])
+            own = self._plan(int(st["epoch"]), readers, r)
+            own.pos = {**_fresh_pos(), **{k: st[k] for k in _fresh_pos() if k in st}}
+            work[r] = [_Walk.from_list(w) for w in st.get("carry", [])] + [own]
+            begun = max(begun, own.epoch + (1 if own.started else 0))
+        items: list[_Walk] = []
+        for r in range(readers):
+            for w in work[r]:
+                if w is work[r][-1]:  # the old reader's own split: the rest of its epoch and later ones
+                    for e in range(w.epoch, begun):
+                        if self.epochs is not None and e >= self.epochs:
+                            break
+                        walk = w if e == w.epoch else self._plan(e, readers, r)
+                        items += _by_shard(walk)
+                else:
+                    items += _by_shard(w)
+        n = self.num_readers
+        while len(items) < n and any(w.split for w in items):
+            k = max((i for i, w in enumerate(items) if w.split), key=lambda i: -items[i].mod)
+            w = items.pop(k)
+            items[k:k] = [
+                _Walk(w.epoch, w.shards, True, 2 * w.mod, w.residue, dict(w.pos)),
+                _Walk(w.epoch, w.shards, True, 2 * w.mod, w.residue + w.mod, dict(w.pos)),
+            ]
+        super().reset(None)
+        self.ledger.load_state_dict(None)
+        if self.reader == 0:
+            for st in states:
+                self.ledger.merge(st["ledger"])
+        self._carry = items[self.reader :: n]
+        self._epoch = begun
+        self._own = self._plan(begun, n, self.reader)
+        self._it = self._iterate()
 
     def next(self) -> SampleMeta:
         assert self._it is not None
         return next(self._it)
 
     # --- iteration -------------------------------------------------------------------------------
-    def _skip(self, key: str, reason: str) -> None:
-        self.skipped[reason] = self.skipped.get(reason, 0) + 1
-        if len(self.skipped_keys) < self.max_skipped_keys:
-            self.skipped_keys.append((key, reason))
-        if reason not in self._logged:
-            self._logged.add(reason)
-            logger.warning(
-                "source %r: skipping %s (%s); further skips counted in .skipped", self.name, key, reason
-            )
-
     def _iterate(self) -> Iterator[SampleMeta]:
-        pos = self._pos
-        while self.epochs is None or pos["epoch"] < self.epochs:
-            shards, split_samples = self._my_shards(pos["epoch"])
-            whole_epoch = pos["shard"] == 0 and pos["offset"] == 0
+        while self._carry:
+            yield from self._run(self._carry[0])
+            self._carry.pop(0)
+        while self.epochs is None or self._epoch < self.epochs:
+            own = self._own
+            assert own is not None
+            whole_epoch = not own.started
             kept = 0
-            while pos["shard"] < len(shards):
-                # with split samples every reader walks every shard: one of them counts shard-level damage
-                counts = not split_samples or pos["shard"] % self.num_readers == self.reader
-                for meta in self._iterate_shard(shards[pos["shard"]], split_samples, counts):
-                    kept += 1
-                    yield meta
-                pos.update(shard=pos["shard"] + 1, offset=0, sample_in_shard=0)
+            for meta in self._run(own):
+                kept += 1
+                yield meta
             if self.epochs is None and whole_epoch and kept == 0:
                 raise EmptySourceError(
                     f"source {self.name!r}: reader {self.reader} of {self.num_readers} found no usable sample in "
-                    f"a whole epoch ({len(shards)} shards); skipped: {self.skipped}"
+                    f"a whole epoch ({len(own.shards)} shards); skipped: {self.skipped}"
                 )
-            pos.update(epoch=pos["epoch"] + 1, shard=0, offset=0, seq=0, sample_in_shard=0)
+            self._epoch += 1
+            self._own = self._plan(self._epoch, self.num_readers, self.reader)
 
-    def _iterate_shard(self, url: str, split_samples: bool, counts: bool = True) -> Iterator[SampleMeta]:
-        pos = self._pos
+    def _run(self, walk: _Walk) -> Iterator[SampleMeta]:
+        self._walk = walk
+        pos = walk.pos
+        while pos["shard"] < len(walk.shards):
+            url = self.urls[walk.shards[pos["shard"]]]
+            # with split samples every reader walks every shard: one of them counts shard-level damage
+            counts = not walk.split or pos["shard"] % walk.mod == walk.residue
+            yield from self._retrying(url, counts)
+            pos.update(shard=pos["shard"] + 1, offset=0, sample_in_shard=0, damaged=None)
+
+    def _retrying(self, url: str, counts: bool) -> Iterator[SampleMeta]:
+        """The shard's samples; an ``OSError`` restarts the walk at the current sample (the resume point,
+        so nothing is read twice) up to ``retries`` times, then the rest of the shard is skipped."""
+        pos = self._walk.pos if self._walk is not None else {}
+        for attempt in range(self.retries + 1):
+            try:
+                yield from self._iterate_shard(url, counts)
+                return
+            except _PERSISTENT as e:
+                if pos["offset"] == 0 and counts:
+                    self._skip(f"shard:{url}", f"unreadable shard ({type(e).__name__})")
+                return
+            except OSError as e:
+                if attempt == self.retries:
+                    self._skip(
+                        f"shard:{url}@{pos['offset']}",
+                        f"read error, rest of shard skipped ({type(e).__name__} after {self.retries} retries)",
+                    )
+                    return
+                time.sleep(self.backoff_s * 2**attempt)
+
+    def _iterate_shard(self, url: str, counts: bool) -> Iterator[SampleMeta]:
+        walk = self._walk
+        assert walk is not None
+        pos = walk.pos
         skip_shard = self._skip if counts else lambda key, reason: None
         try:
-            f = fsspec.open(url, "rb").open()
-        except (OSError, ValueError) as e:
+            f = open_shard(url)
+        except ValueError as e:  # fsspec: an unknown protocol or a malformed URL
             if pos["offset"] == 0:
                 skip_shard(f"shard:{url}", f"unreadable shard ({type(e).__name__})")
             return
@@ -245,27 +432,32 @@ class WebDatasetSource(StatefulNode[SampleMeta]):
             start = pos["offset"]
             members: dict[str, TarMember] = {}
             cur_key: str | None = None
+            damaged = {pos["damaged"]} if pos["damaged"] is not None else set()
+            poison = False  # the first sample after a resynchronisation lost members too
             any_sample = start > 0
-            walk = iter_members(f, start, size, inline=_INLINE_BYTES)
             side = _SideFile(url)
             try:
-                while True:
-                    try:
-                        info = next(walk, None)
-                    except TarHeaderError as e:
-                        info = None
-                        # a header right after a member cut by truncation is the same damage: that member
-                        # is counted (as "truncated member") when its sample finishes
-                        if not any(m.offset + m.size > size for m in members.values()):
-                            skip_shard(f"shard:{url}@{e.offset}", "corrupt tar header")
+                for info in itertools.chain(iter_members(f, start, size, inline=_INLINE_BYTES), [None]):
+                    if isinstance(info, TarDamage):
+                        # the members between the bad header and the next good one are lost: they belonged
+                        # to the sample being read, to samples in between, or to the next one
+                        skip_shard(f"shard:{url}@{info.offset}", "damaged tar header")
+                        if cur_key is not None:
+                            damaged.add(cur_key)
+                        poison = True
+                        continue
                     key, ext = (None, None) if info is None else base_plus_ext(info.name)
                     if info is not None and (key is None or key.startswith("__")):
                         continue
+                    if poison and info is not None:
+                        damaged.add(key)
+                        poison = False
                     if cur_key is not None and key != cur_key:
                         any_sample = True
-                        meta = self._finish(url, cur_key, members, size, side, split_samples)
+                        meta = self._finish(url, cur_key, members, size, side, cur_key in damaged)
                         # resume point: the header of the next sample's first member (or the shard's end)
                         pos["offset"] = size if info is None else info.header
+                        pos["damaged"] = key if key in damaged else None
                         pos["sample_in_shard"] += 1
                         pos["seq"] += 1
                         if meta is not None:
@@ -277,14 +469,26 @@ class WebDatasetSource(StatefulNode[SampleMeta]):
                     members[ext.lower()] = info
             finally:
                 side.close()
+            if any(m.offset + m.size > size for m in members.values()):
+                skip_shard(f"shard:{url}@{size}", "shard cut off (the samples after the cut are lost)")
             if not any_sample:
                 skip_shard(f"shard:{url}", "empty shard")
 
     def _finish(
-        self, url: str, key: str, members: dict[str, TarMember], size: int, side: _SideFile, split: bool
+        self, url: str, key: str, members: dict[str, TarMember], size: int, side: _SideFile, damaged: bool
     ) -> SampleMeta | None:
-        seq = self._pos["seq"]
-        if split and seq % self.num_readers != self.reader:
+        walk = self._walk
+        assert walk is not None
+        if walk.split and walk.pos["seq"] % walk.mod != walk.residue:
+            return None
+        try:
+            key.encode("utf-8")
+        except UnicodeEncodeError:
+            shown = key.encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace")
+            self._skip(shown, "key is not UTF-8")
+            return None
+        if damaged:
+            self._skip(key, "damaged tar header")
             return None
         refs = {ext: MemberRef(url, m.offset, m.size, ext) for ext, m in members.items()}
         for ref in refs.values():
@@ -293,7 +497,7 @@ class WebDatasetSource(StatefulNode[SampleMeta]):
                 return None
         side.inline = {ext: m.data for ext, m in members.items() if m.data is not None}
         try:
-            return self._meta(key, refs, side)
+            return self._meta(key, refs, side, walk.epoch)
         except _SkipSample as s:
             self._skip(key, s.reason)
             return None
@@ -307,7 +511,7 @@ class WebDatasetSource(StatefulNode[SampleMeta]):
         f.seek(ref.offset)
         return f.read(n)
 
-    def _meta(self, key: str, refs: dict[str, MemberRef], f: Any) -> SampleMeta:
+    def _meta(self, key: str, refs: dict[str, MemberRef], f: Any, epoch: int) -> SampleMeta:
         info: dict[str, Any] = {}
         if "json" in refs:
             try:
@@ -329,9 +533,7 @@ class WebDatasetSource(StatefulNode[SampleMeta]):
                 raise _SkipSample("missing .txt")
             if text_tokens == 0:
                 raise _SkipSample("empty text")
-            return SampleMeta(
-                key, self.name, m, 0, text_tokens, 0.0, (text_tokens,), refs, None, self._pos["epoch"]
-            )
+            return SampleMeta(key, self.name, m, 0, text_tokens, 0.0, (text_tokens,), refs, None, epoch)
         if m is Modality.IMAGE:
             ext = next((e for e in IMAGE_EXTS if e in refs), None)
             if ext is None:
@@ -340,27 +542,17 @@ class WebDatasetSource(StatefulNode[SampleMeta]):
             rh, rw = self.image_tokens.resize(h, w)
             tokens = self.image_tokens.tokens(h, w)
             flops = self.encoder_cost.flops(self.image_tokens.patches(h, w))
-            return SampleMeta(
-                key, self.name, m, tokens, text_tokens, flops, (3, rh, rw), refs, None, self._pos["epoch"]
-            )
+            return SampleMeta(key, self.name, m, tokens, text_tokens, flops, (3, rh, rw), refs, None, epoch)
         ext = next((e for e in AUDIO_EXTS if e in refs), None)
         if ext is None:
             raise _SkipSample("missing audio member")
         num_samples, rate = self._audio_len(info, refs[ext], f)
+        if self.sample_rate is not None and rate != self.sample_rate:
+            num_samples, rate = resampled_length(num_samples, rate, self.sample_rate), self.sample_rate
         tokens = self.audio_tokens.tokens(num_samples, rate)
         flops = self.encoder_cost.flops(tokens)
         return SampleMeta(
-            key,
-            self.name,
-            m,
-            tokens,
-            text_tokens,
-            flops,
-            (num_samples,),
-            refs,
-            None,
-            self._pos["epoch"],
-            rate,
+            key, self.name, m, tokens, text_tokens, flops, (num_samples,), refs, None, epoch, rate
         )
 
     def _image_size(self, info: dict[str, Any], ref: MemberRef, f: Any) -> tuple[int, int]:
@@ -400,6 +592,44 @@ class WebDatasetSource(StatefulNode[SampleMeta]):
         return n, r
 
 
+def _by_shard(walk: _Walk) -> list[_Walk]:
+    """A shard-splitting walk as one item per remaining shard (so they can be dealt out separately);
+    a sample-splitting walk stays whole (its sequence numbers run across shards)."""
+    if walk.split:
+        return [walk] if walk.pos["shard"] < len(walk.shards) else []
+    k = walk.pos["shard"]
+    out = []
+    for i, s in enumerate(walk.shards[k:]):
+        pos = dict(walk.pos) if i == 0 else _fresh_pos()
+        pos["shard"] = 0
+        out.append(_Walk(walk.epoch, [s], False, 1, 0, pos))
+    return out
+
+
+def _old_layout(name: str, states: Sequence[dict[str, Any]], shards: int, new: list[int]) -> list[list[int]]:
+    """The old readers' layouts, checked: one layout, every reader exactly once, the same shard count."""
+    layouts = [list(st["layout"]) for st in states]
+    if not layouts:
+        raise LayoutMismatchError(f"source {name!r}: load_resplit needs the old readers' states, got none")
+    world, workers = layouts[0][0], layouts[0][1]
+    desc = f"old layout {world} ranks x {workers} workers, new {new[0]} ranks x {new[1]} workers"
+    if any(lay[:2] != [world, workers] for lay in layouts):
+        raise LayoutMismatchError(
+            f"source {name!r}: states of different layouts {sorted({tuple(x[:2]) for x in layouts})}"
+        )
+    if sorted(lay[2] for lay in layouts) != list(range(world * workers)):
+        raise LayoutMismatchError(
+            f"source {name!r}: {desc}: need the state of each of the {world * workers} old readers once, "
+            f"got readers {sorted(lay[2] for lay in layouts)}"
+        )
+    bad = sorted({int(st.get("shards", shards)) for st in states} - {shards})
+    if bad:
+        raise LayoutMismatchError(
+            f"source {name!r}: {desc}: states over {bad} shards, the source has {shards}"
+        )
+    return layouts
+
+
 class _SideFile:
     """A second handle on the shard, opened on first use, for members not read inline by the header walk
     (which must keep its own file position)."""
@@ -411,7 +641,7 @@ class _SideFile:
 
     def open(self) -> Any:
         if self._f is None:
-            self._f = fsspec.open(self.url, "rb").open()
+            self._f = open_shard(self.url)
         return self._f
 
     def close(self) -> None:

@@ -13,7 +13,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import BinaryIO
 
-__all__ = ["TarHeaderError", "TarMember", "iter_members"]
+__all__ = ["TarDamage", "TarHeaderError", "TarMember", "iter_members"]
 
 BLOCK = 512
 _ZERO = bytes(BLOCK)
@@ -40,6 +40,16 @@ class TarMember:
     data: bytes | None = None
 
 
+@dataclass(frozen=True, slots=True)
+class TarDamage:
+    """A damaged stretch of the archive: ``offset`` = byte of the bad header, ``resumed`` = byte of the
+    next valid header the walk went on from (``None``: nothing valid followed), ``message`` = what."""
+
+    offset: int
+    resumed: int | None
+    message: str
+
+
 def _number(field: bytes, at: int) -> int:
     if field and field[0] & 0x80:  # GNU base-256 (sizes and offsets are never negative)
         return int.from_bytes(bytes([field[0] & 0x7F]) + field[1:], "big")
@@ -50,19 +60,40 @@ def _number(field: bytes, at: int) -> int:
         raise TarHeaderError(f"bad octal number {field!r}", at) from None
 
 
-def _pax(data: bytes) -> dict[str, str]:
+def _pax(data: bytes, at: int) -> dict[str, str]:
+    """PAX extended-header records ``"<len> <key>=<value>\\n"``.
+
+    Raises:
+        TarHeaderError: a record whose length or keyword does not parse.
+    """
     out: dict[str, str] = {}
     i = 0
-    while i < len(data):
-        sp = data.index(b" ", i)
-        n = int(data[i:sp])
-        key, _, value = data[sp + 1 : i + n - 1].partition(b"=")
-        out[key.decode("utf-8")] = value.decode("utf-8", "surrogateescape")
-        i += n
+    try:
+        while i < len(data):
+            if not data[i:].strip(b"\0"):
+                break  # zero padding after the last record
+            sp = data.index(b" ", i)
+            n = int(data[i:sp])
+            if n <= sp - i or i + n > len(data) or data[i + n - 1 : i + n] != b"\n":
+                raise ValueError(f"record length {n} does not fit")
+            key, _, value = data[sp + 1 : i + n - 1].partition(b"=")
+            out[key.decode("utf-8")] = value.decode("utf-8", "surrogateescape")
+            i += n
+    except (ValueError, UnicodeDecodeError) as e:
+        raise TarHeaderError(f"damaged PAX extended header ({e})", at) from None
     return out
 
 
-def iter_members(f: BinaryIO, start: int, end: int, *, inline: int = 0) -> Iterator[TarMember]:
+def _valid_header(block: bytes) -> bool:
+    if len(block) < BLOCK or block == _ZERO or block[257:262] != b"ustar":
+        return False
+    try:
+        return _number(block[148:156], 0) == sum(block[:148]) + 256 + sum(block[156:])
+    except TarHeaderError:
+        return False
+
+
+def iter_members(f: BinaryIO, start: int, end: int, *, inline: int = 0) -> Iterator[TarMember | TarDamage]:
     """Regular-file members of the tar in ``f`` from header offset ``start``; ``end`` = file size.
 
     Stops at the end-of-archive zero block or at ``end``. A member whose data runs past ``end`` is still
@@ -70,8 +101,11 @@ def iter_members(f: BinaryIO, start: int, end: int, *, inline: int = 0) -> Itera
     read on the way (sequential reads are far cheaper than a seek back later). The caller must not move
     ``f`` while iterating (read other members through another handle).
 
-    Raises:
-        TarHeaderError: a damaged header, or a header cut off by the end of the file.
+    Damage does not end the walk: a header with a bad checksum or number is reported as a
+    :class:`TarDamage` and the walk resynchronises at the next block that is a valid ustar header; a
+    PAX extended header whose records do not parse is reported and skipped together with the member it
+    describes (its name and size are not to be trusted). A header cut off by the end of the file is
+    reported and ends the walk. Read errors (``OSError``) propagate.
     """
     here = -1  # where f is; skipping short gaps by reading avoids a seek per header
 
@@ -90,46 +124,83 @@ def iter_members(f: BinaryIO, start: int, end: int, *, inline: int = 0) -> Itera
         here += len(b)
         return b
 
+    def resync(pos: int) -> int | None:
+        """First block-aligned offset after ``pos`` holding a valid header, or ``None``."""
+        at = pos + BLOCK
+        while at < end:
+            goto(at)
+            chunk = read(min(64 * BLOCK, end - at))
+            for k in range(0, len(chunk) - BLOCK + 1, BLOCK):
+                if _valid_header(chunk[k : k + BLOCK]):
+                    return at + k
+            if len(chunk) < BLOCK:
+                return None
+            at += len(chunk) - len(chunk) % BLOCK
+        return None
+
     pos = start
     long_name: str | None = None
     pax: dict[str, str] = {}
     chain = start
+    skip_next = False  # the member after a damaged PAX header
     while pos < end:
         goto(pos)
         block = read(BLOCK)
         if len(block) < BLOCK:
             if block.strip(b"\0"):
-                raise TarHeaderError("header cut off", pos)
+                yield TarDamage(pos, None, "header cut off by the end of the file")
             return
         if block == _ZERO:
             return
-        stored = _number(block[148:156], pos)
-        if stored != sum(block[:148]) + 256 + sum(block[156:]):
-            raise TarHeaderError("header checksum mismatch", pos)
-        kind = block[156:157]
-        size = _number(block[124:136], pos)
-        data = pos + BLOCK
-        nxt = data + -(-size // BLOCK) * BLOCK
-        if kind in (b"x", b"L", b"g"):
-            payload = read(size)
-            if len(payload) < size:
-                raise TarHeaderError("extended header cut off", pos)
-            if kind == b"x":
-                pax = _pax(payload)
-            elif kind == b"L":
-                long_name = payload.split(b"\0", 1)[0].decode("utf-8", "surrogateescape")
-            pos = nxt
-            continue
-        name = block[:100].split(b"\0", 1)[0].decode("utf-8", "surrogateescape")
-        if block[257:262] == b"ustar":
-            prefix = block[345:500].split(b"\0", 1)[0].decode("utf-8", "surrogateescape")
-            if prefix:
-                name = f"{prefix}/{name}"
-        name = pax.get("path", long_name or name)
-        if "size" in pax:
-            size = int(pax["size"])
+        try:
+            stored = _number(block[148:156], pos)
+            if stored != sum(block[:148]) + 256 + sum(block[156:]):
+                raise TarHeaderError("header checksum mismatch", pos)
+            kind = block[156:157]
+            size = _number(block[124:136], pos)
+            data = pos + BLOCK
             nxt = data + -(-size // BLOCK) * BLOCK
-        if kind in (b"0", b"\0", b"7"):
+            if kind in (b"x", b"L", b"g"):
+                payload = read(size)
+                if len(payload) < size:
+                    yield TarDamage(pos, None, "extended header cut off by the end of the file")
+                    return
+                if kind == b"x":
+                    pax = _pax(payload, pos)
+                elif kind == b"L":
+                    long_name = payload.split(b"\0", 1)[0].decode("utf-8", "surrogateescape")
+                pos = nxt
+                continue
+            name = block[:100].split(b"\0", 1)[0].decode("utf-8", "surrogateescape")
+            if block[257:262] == b"ustar":
+                prefix = block[345:500].split(b"\0", 1)[0].decode("utf-8", "surrogateescape")
+                if prefix:
+                    name = f"{prefix}/{name}"
+            name = pax.get("path", long_name or name)
+            if "size" in pax:
+                try:
+                    size = int(pax["size"])
+                except ValueError:
+                    raise TarHeaderError(f"bad PAX size {pax['size']!r}", chain) from None
+                nxt = data + -(-size // BLOCK) * BLOCK
+        except TarHeaderError as e:
+            if pax or long_name is not None or block[156:157] == b"x":
+                # a PAX/GNU header that does not parse: the member it describes follows; skip it too
+                pax, long_name = {}, None
+                if block[156:157] == b"x" and _valid_header(block):
+                    skip_next = True
+                    pos = chain = pos + BLOCK + -(-_number(block[124:136], pos) // BLOCK) * BLOCK
+                    yield TarDamage(e.offset, pos, str(e))
+                    continue
+            resumed = resync(pos)
+            yield TarDamage(e.offset, resumed, str(e))
+            if resumed is None:
+                return
+            pos = chain = resumed
+            continue
+        if skip_next:
+            skip_next = False
+        elif kind in (b"0", b"\0", b"7"):
             body = None
             if size <= inline and data + size <= end:
                 body = read(size)

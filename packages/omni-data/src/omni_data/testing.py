@@ -1,25 +1,46 @@
 """Small real WebDataset shards and a tiny BPE tokenizer, for tests, examples and benchmarks.
 
 Shards are written with ``webdataset.ShardWriter`` through fsspec (so ``memory://`` works too); images
-are real PNGs (PIL), audio real FLAC/WAV (soundfile), text real UTF-8.
+are real PNGs (PIL), audio real FLAC/WAV/OGG (soundfile), text real UTF-8.
+
+:class:`FlakyFileSystem` reproduces read errors in the middle of a shard (the webdataset #142 class of
+fault: a network store dropping a connection): local files whose reads fail with ``EIO`` at a chosen
+byte, a chosen number of times (transient) or always, as a sidecar file says (see :func:`flaky_url`).
 """
 
 from __future__ import annotations
 
+import errno
 import io
 import json
+import math
+import os
 import random
+import threading
 from collections.abc import Iterable, Iterator
 from typing import Any
 
 import fsspec
 import numpy as np
 import soundfile
-import webdataset as wds
+from fsspec.implementations.local import LocalFileSystem
 from PIL import Image
 from tokenizers import Tokenizer, models, pre_tokenizers, trainers
 
-__all__ = ["audio_samples", "image_samples", "text_samples", "train_tiny_bpe", "write_shards"]
+from omni_data.node import StatefulNode
+from omni_data.sample import Modality, SampleMeta
+from omni_data.write import write_shards
+
+__all__ = [
+    "FlakyFileSystem",
+    "SyntheticSource",
+    "audio_samples",
+    "flaky_url",
+    "image_samples",
+    "text_samples",
+    "train_tiny_bpe",
+    "write_shards",
+]
 
 _WORDS = [
     "the",
@@ -121,31 +142,6 @@ def text_samples(
         yield {"__key__": f"{prefix}{i:06d}", "txt": _sentence(rng, rng.randint(*words))}
 
 
-def write_shards(pattern: str, samples: Iterable[dict[str, Any]], *, per_shard: int) -> list[str]:
-    """Write ``samples`` to tar shards named ``pattern % i`` (any fsspec URL) with ``webdataset.ShardWriter``.
-
-    Returns:
-        The shard URLs written, in order.
-    """
-    urls: list[str] = []
-    files: list[Any] = []
-
-    def opener(url: str) -> Any:
-        urls.append(url)
-        files.append(fsspec.open(url, "wb").open())
-        return files[-1]
-
-    writer = wds.ShardWriter(pattern, maxcount=per_shard, verbose=0, opener=opener)
-    try:
-        for s in samples:
-            writer.write(s)
-    finally:
-        writer.close()
-        for f in files:  # ShardWriter leaves files from an opener open; memory:// commits on close
-            f.close()
-    return urls
-
-
 def train_tiny_bpe(texts: Iterable[str] | None = None, *, vocab_size: int = 300) -> Tokenizer:
     """A byte-level BPE ``tokenizers.Tokenizer`` trained on ``texts`` (default: this module's word list)."""
     tok = Tokenizer(models.BPE(unk_token="[UNK]"))
@@ -156,3 +152,99 @@ def train_tiny_bpe(texts: Iterable[str] | None = None, *, vocab_size: int = 300)
     corpus = list(texts) if texts is not None else [" ".join(_WORDS)] * 4 + list(_WORDS)
     tok.train_from_iterator(corpus, trainer=trainer)
     return tok
+
+
+class _FlakyFile(io.RawIOBase):
+    """A read-only view of a local file whose reads covering byte ``at`` raise ``OSError(EIO)`` while the
+    sidecar's ``failures`` count is above 0 (each failure decrements it)."""
+
+    def __init__(self, path: str, faults: str) -> None:
+        super().__init__()
+        self._f = open(path, "rb")  # noqa: SIM115 - closed in close()
+        self._faults = faults
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
+        return self._f.seek(offset, whence)
+
+    def tell(self) -> int:
+        return self._f.tell()
+
+    def readinto(self, b: Any) -> int:
+        start = self._f.tell()
+        with open(self._faults) as fh:
+            plan = json.load(fh)
+        if plan["failures"] > 0 and start <= plan["at"] < start + max(1, len(b)):
+            plan["failures"] -= 1
+            tmp = f"{self._faults}.{os.getpid()}.{threading.get_ident()}"
+            with open(tmp, "w") as fh:
+                json.dump(plan, fh)
+            os.replace(tmp, self._faults)  # atomic: readers on other threads never see half a file
+            raise OSError(errno.EIO, f"injected I/O error at byte {plan['at']}")
+        return self._f.readinto(b)
+
+    def close(self) -> None:
+        self._f.close()
+        super().close()
+
+
+class FlakyFileSystem(LocalFileSystem):
+    """``flaky://`` URLs: local files; one with a ``<path>.faults`` sidecar (``{"at": byte, "failures": n}``)
+    fails reads that cover byte ``at`` with ``OSError(EIO)`` ``n`` times, then reads normally."""
+
+    protocol = "flaky"
+
+    def _open(self, path: str, mode: str = "rb", block_size: Any = None, **kwargs: Any) -> Any:
+        path = self._strip_protocol(path)
+        faults = f"{path}.faults"
+        if mode == "rb" and os.path.exists(faults):
+            return io.BufferedReader(_FlakyFile(path, faults), buffer_size=512)
+        return super()._open(path, mode, block_size=block_size, **kwargs)
+
+
+def flaky_url(path: str, *, at: int, failures: int) -> str:
+    """Make reads of ``path`` through its returned ``flaky://`` URL fail at byte ``at``, ``failures`` times
+    (registers :class:`FlakyFileSystem` with fsspec)."""
+    fsspec.register_implementation("flaky", FlakyFileSystem, clobber=True)
+    with open(f"{path}.faults", "w") as fh:
+        json.dump({"at": int(at), "failures": int(failures)}, fh)
+    return f"flaky://{os.path.abspath(path)}"
+
+
+class SyntheticSource(StatefulNode[SampleMeta]):
+    """Endless metadata of one source, no shards: sample ``i`` (keys ``{name}1, {name}2, ...``) has a
+    token count log-uniform in ``tokens = (lo, hi)`` drawn from a private RNG seeded by ``(seed, i)``
+    (exactly ``lo`` when ``lo == hi``); media samples get that many media tokens and 8 text tokens, text
+    samples that many text tokens. Resumable by its counter."""
+
+    def __init__(
+        self, name: str, modality: Modality | str = "text", tokens: tuple[int, int] = (10, 10), seed: int = 0
+    ) -> None:
+        super().__init__()
+        self.name, self.modality, self.tokens, self.seed, self.i = name, Modality(modality), tokens, seed, 0
+
+    def reset(self, initial_state: dict[str, Any] | None = None) -> None:
+        super().reset(initial_state)
+        self.i = 0 if initial_state is None else int(initial_state["i"])
+
+    def get_state(self) -> dict[str, Any]:
+        return {"i": self.i}
+
+    def next(self) -> SampleMeta:
+        lo, hi = self.tokens
+        n = (
+            lo
+            if lo == hi
+            else int(math.exp(random.Random(f"{self.seed}/{self.i}").uniform(math.log(lo), math.log(hi))))
+        )
+        self.i += 1
+        text = self.modality is Modality.TEXT
+        media, txt = (0, n) if text else (n, 8)
+        return SampleMeta(
+            f"{self.name}{self.i}", self.name, self.modality, media, txt, 0.0 if text else 1.0, (n,)
+        )

@@ -15,7 +15,14 @@ import math
 from dataclasses import dataclass
 from typing import Protocol
 
-__all__ = ["AudioTokens", "EncoderCost", "ImageTokens", "TextTokenizer", "count_text_tokens"]
+__all__ = [
+    "AudioTokens",
+    "EncoderCost",
+    "ImageTokens",
+    "TextTokenizer",
+    "count_text_tokens",
+    "resampled_length",
+]
 
 
 class TextTokenizer(Protocol):
@@ -82,6 +89,13 @@ class ImageTokens:
     def tokens(self, height: int, width: int) -> int:
         """LLM tokens after the patch merger."""
         return self.patches(height, width) // (self.merge * self.merge)
+
+
+def resampled_length(num_samples: int, rate: int, target: int) -> int:
+    """Samples of a clip of ``num_samples`` at ``rate`` Hz after resampling to ``target`` Hz:
+    ``round(num_samples * target / rate)`` (half up, integer arithmetic), at least 1. The metadata
+    pass and the reader both use it, so token counts match the decoded waveform exactly."""
+    return max(1, (num_samples * target + rate // 2) // rate)
 
 
 @dataclass(frozen=True, slots=True)

@@ -10,19 +10,27 @@ Resumability: the filter prefetches ``prefetch`` steps ahead; those pre-filtered
 are the "DP0 buffer" of the paper and are saved in :meth:`ZeroRedundancyFilter.state_dict`. On load
 they are restored and re-filtered, so the resumed run reads exactly the same split.
 
-Bad data: an image or audio whose header passed the metadata pass but whose body does not decode
-(:class:`~omni_data.payload.UndecodablePayloadError`) cannot leave its pack (every rank planned the pack
-from metadata), so its payload is replaced by zeros of the metadata's shape with ``Payload.error`` set,
-counted in :attr:`ZeroRedundancyFilter.skipped` with its key and logged once; the run goes on and resume
-stays exact (the same sample gets the same placeholder). Any other :class:`PayloadError` (a setup problem:
-another tokenizer, a shard changed under the run) is raised on every TP rank.
+Parallel decode: payloads are read and decoded by a pool of ``decode_workers`` threads the filter owns
+(torchdata.nodes ``ParallelMapper`` conventions: ``num_workers`` threads, results in order). PIL,
+libsndfile (via cffi), soxr and numpy release the GIL while they decode, resize and resample, so threads
+scale (``benchmarks/loader.py``). Every sample's result goes back to its slot of the step, so the output
+is the same for any worker count, resume stays exact, and nothing draws from a global RNG. For remote
+stores one ``fs.cat_ranges`` call per step fetches every member first (:meth:`PayloadReader.fetch`).
+
+Bad data: an image or audio whose header passed the metadata pass but whose body does not decode or
+cannot be read (:class:`~omni_data.payload.SkippedPayloadError`) cannot leave its pack (every rank
+planned the pack from metadata), so its payload is replaced by zeros of the metadata's shape with
+``Payload.error`` set, counted in :attr:`ZeroRedundancyFilter.ledger` (scope ``"payload"``) with its key
+and logged once per source and reason; the run goes on and resume stays exact (the same sample gets the
+same placeholder). Any other :class:`PayloadError` (a setup problem: another tokenizer, a shard changed
+under the run) is raised on every TP rank.
 """
 
 from __future__ import annotations
 
-import logging
+import weakref
 from collections import deque
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
@@ -33,8 +41,15 @@ import torch.distributed as dist
 from omni_data.loader import PackedLoader, StepBatch
 from omni_data.node import StatefulNode
 from omni_data.packing import Pack
-from omni_data.payload import Payload, PayloadError, PayloadReader, UndecodablePayloadError
+from omni_data.payload import (
+    Payload,
+    PayloadError,
+    PayloadReader,
+    SkippedPayloadError,
+    UnreadablePayloadError,
+)
 from omni_data.sample import Modality, SampleMeta
+from omni_data.skips import SkipLedger
 from omni_parallel import karmarkar_karp
 
 __all__ = [
@@ -46,7 +61,6 @@ __all__ = [
     "split_encoder_microbatches",
 ]
 
-logger = logging.getLogger(__name__)
 
 SampleIndex = tuple[int, int]
 """``(pack index in the step, sample index in the pack)``."""
@@ -163,7 +177,8 @@ class ZeroRedundancyFilter(StatefulNode[FilteredStep]):
             must use the same value as the saved one to read the same split.
         reader: decodes payloads (needs a tokenizer for text ids).
         tp_group: this rank's TP group; only its rank 0 reads. ``None``: no TP, this rank reads.
-        prefetch: steps of metadata pulled ahead; their payloads are read on a background thread.
+        prefetch: steps of metadata pulled ahead; their payloads are read in the background.
+        decode_workers: threads that read and decode payloads (>= 1).
         read_text: this rank builds LLM inputs (the first stage): also read the token ids of every
             sample of the step (``FilteredStep.text_ids``); only ``txt`` members are read for that.
         max_skipped_keys: how many placeholder sample keys to keep by name (counts are always complete).
@@ -175,12 +190,18 @@ class ZeroRedundancyFilter(StatefulNode[FilteredStep]):
         text_share: with ``read_text``, the ``(pack, sample)`` whose text ids this rank reads (the samples
             whose tokens it holds: hybrid DP/CP); ``text_ids`` is ``None`` for the others. ``None``: all.
 
-    Counters: :attr:`skipped` (reason -> samples whose payload was replaced by a placeholder) and
-    :attr:`skipped_keys` (``(uid, reason)``), on the rank that read them (TP rank 0); part of the state.
+    Counters: :attr:`ledger` (:class:`~omni_data.skips.SkipLedger`, scope ``"payload"``: per source,
+    reason and key, samples whose payload was replaced by a placeholder), on the rank that read them (TP
+    rank 0); part of the state. :attr:`skipped` / :attr:`skipped_keys` are its flat views.
+    :func:`omni_data.skips.skip_report` on the filter gathers these and every upstream node's skips.
+
+    Owns its decode threads: :meth:`close` (or leaving a ``with`` block) stops them; ``reset`` /
+    ``load_state_dict`` cancel reads in flight and wait for running ones before the new state reads.
 
     Raises:
         ValueError: ``microbatches`` or ``slices`` < 1, a ``consumes`` id outside
-            ``1 .. microbatches * slices``, or ``read_text`` with a reader that has no tokenizer.
+            ``1 .. microbatches * slices``, ``decode_workers`` < 1, or ``read_text`` with a reader that
+            has no tokenizer.
         PayloadError: (from ``next``) a payload failed for a reason other than undecodable media.
     """
 
@@ -197,6 +218,7 @@ class ZeroRedundancyFilter(StatefulNode[FilteredStep]):
         read_text: bool = False,
         max_skipped_keys: int = 1000,
         balance: bool = True,
+        decode_workers: int = 1,
         share: Callable[[list[Pack], dict[int, list[SampleIndex]]], dict[int, list[SampleIndex]]]
         | None = None,
         text_share: Callable[[list[Pack]], Collection[SampleIndex]] | None = None,
@@ -212,6 +234,8 @@ class ZeroRedundancyFilter(StatefulNode[FilteredStep]):
                 f"ZeroRedundancyFilter: consumes {bad} outside the encoder microbatches "
                 f"1..{microbatches * slices} ({microbatches} microbatches x {slices} slices, numbered from 1)"
             )
+        if decode_workers < 1:
+            raise ValueError(f"ZeroRedundancyFilter: decode_workers must be >= 1, got {decode_workers}")
         if read_text and reader.tokenizer is None:
             raise ValueError("ZeroRedundancyFilter: read_text=True needs a PayloadReader with a tokenizer")
         self.loader = loader
@@ -223,22 +247,47 @@ class ZeroRedundancyFilter(StatefulNode[FilteredStep]):
         self.prefetch = max(0, prefetch)
         self.read_text = read_text
         self.share, self.text_share = share, text_share
-        self._pending: deque[tuple[StepBatch, Future[_Read] | None]] = deque()
-        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="omni-data-read")
+        self.decode_workers = decode_workers
+        self._pending: deque[tuple[StepBatch, _Reads | None]] = deque()
+        self._pool = ThreadPoolExecutor(max_workers=decode_workers, thread_name_prefix="omni-data-decode")
+        # the pool's threads stop even if the filter is dropped without close()
+        self._finalizer = weakref.finalize(self, self._pool.shutdown, wait=False, cancel_futures=True)
         self.samples_read = 0
-        self.max_skipped_keys = max_skipped_keys
-        self.skipped: dict[str, int] = {}
-        self.skipped_keys: list[tuple[str, str]] = []
-        self._logged: set[str] = set()
+        self.ledger = SkipLedger("ZeroRedundancyFilter", scope="payload", max_keys=max_skipped_keys)
+
+    @property
+    def skipped(self) -> dict[str, int]:
+        """Reason -> placeholder count, over all sources."""
+        out: dict[str, int] = {}
+        for by_reason in self.ledger.counts.values():
+            for reason, n in by_reason.items():
+                out[reason] = out.get(reason, 0) + n
+        return out
+
+    @property
+    def skipped_keys(self) -> list[tuple[str, str]]:
+        """``(uid, reason)`` of the first placeholders."""
+        return [(k, r) for _, k, r in self.ledger.keys]
+
+    def children(self) -> list[Any]:
+        return [self.loader]
+
+    def _drain(self) -> None:
+        """Cancel the reads in flight and wait for the running ones."""
+        for _, reads in self._pending:
+            if reads is not None:
+                reads.cancel()
+        for _, reads in self._pending:
+            if reads is not None:
+                reads.wait()
+        self._pending.clear()
 
     def close(self) -> None:
-        """Stop the prefetch thread: pending reads are cancelled, a running one is waited for. The filter
+        """Stop the decode threads: pending reads are cancelled, running ones are waited for. The filter
         cannot be iterated afterwards. Also called on leaving a ``with`` block."""
-        for _, fut in self._pending:
-            if fut is not None:
-                fut.cancel()
-        self._pending.clear()
+        self._drain()
         self._pool.shutdown(wait=True, cancel_futures=True)
+        self._finalizer.detach()
 
     def __enter__(self) -> ZeroRedundancyFilter:
         return self
@@ -271,60 +320,87 @@ class ZeroRedundancyFilter(StatefulNode[FilteredStep]):
         return [batch.packs[p].samples[i] for e in sorted(self.consumes & set(mbs)) for p, i in mbs[e]]
 
     def _enqueue(self, batch: StepBatch) -> None:
-        fut = None
+        reads = None
         if self._reads:
-            fut = self._pool.submit(self._read, batch)
-        self._pending.append((batch, fut))
+            metas = self._mine(batch)
+            texted = set(self._texted(batch.packs))
+            texts = [batch.packs[p].samples[i] for p, i in sorted(texted)]
+            refs = [r for m in metas for r in self.reader.refs(m)] + [
+                r for s in texts for r in self.reader.refs(s, media=False)
+            ]
+            fetched = None
+            if refs and self.reader.uses_batches(refs[0].url):
+                fetched = self._pool.submit(self.reader.fetch, refs)  # FIFO: runs before the decodes
+            reads = _Reads(
+                [self._pool.submit(self._read_one, m, fetched) for m in metas],
+                [
+                    self._pool.submit(
+                        self._read_text, p.samples, [(k, i) in texted for i in range(len(p.samples))], fetched
+                    )
+                    for k, p in enumerate(batch.packs)
+                ]
+                if self.read_text
+                else [],
+                fetched,
+            )
+        self._pending.append((batch, reads))
 
-    def _read_one(self, meta: SampleMeta) -> Payload:
+    def _read_one(self, meta: SampleMeta, fetched: Future[_Fetched] | None) -> Payload:
+        data = None if fetched is None else fetched.result()
         try:
-            return self.reader.read(meta)
-        except UndecodablePayloadError as e:
-            p = Payload.placeholder(meta, str(e))
-            p.text_ids = self.reader.read_text_ids(meta) if meta.text_tokens else None
+            return self.reader.read(meta, data)
+        except SkippedPayloadError as e:
+            kind = "unreadable" if isinstance(e, UnreadablePayloadError) else "undecodable"
+            p = Payload.placeholder(meta, f"{kind} {meta.modality} payload: {e}")
+            p.text_ids = self.reader.read_text_ids(meta, data) if meta.text_tokens else None
             return p
 
-    def _skip(self, p: Payload) -> None:
-        reason = f"undecodable {p.meta.modality} payload"
-        self.skipped[reason] = self.skipped.get(reason, 0) + 1
-        if len(self.skipped_keys) < self.max_skipped_keys:
-            self.skipped_keys.append((p.meta.uid, reason))
-        if reason not in self._logged:
-            self._logged.add(reason)
-            logger.warning("%s; zeros in its place, further ones counted in .skipped", p.error)
+    def _read_text(
+        self, samples: list[SampleMeta], wanted: list[bool], fetched: Future[_Fetched] | None
+    ) -> list[Any]:
+        data = None if fetched is None else fetched.result()
+        return [self.reader.read_text_ids(s, data) if w else None for s, w in zip(samples, wanted)]
 
-    def _read(self, batch: StepBatch) -> _Read:
-        payloads = [self._read_one(m) for m in self._mine(batch)]
-        text: list[list[torch.Tensor | None]] = []
-        if self.read_text:
-            text = [[None] * len(p.samples) for p in batch.packs]
-            for p, i in self._texted(batch.packs):
-                text[p][i] = self.reader.read_text_ids(batch.packs[p].samples[i])
-        return payloads, text
+    def _skip(self, p: Payload) -> None:
+        self.ledger.add(p.meta.source, p.meta.uid, (p.error or "").split(":", 1)[0])
 
     def reset(self, initial_state: dict[str, Any] | None = None) -> None:
         super().reset(initial_state)
-        for _, fut in self._pending:
-            if fut is not None:
-                fut.cancel()
-        for _, fut in self._pending:  # a read already running finishes before the new state reads
-            if fut is not None and not fut.cancelled():
-                fut.exception()
-        self._pending.clear()
+        self._drain()  # a read already running finishes before the new state reads
         self.loader.reset(None if initial_state is None else initial_state["loader"])
         st = initial_state or {}
-        self.skipped = dict(st.get("skipped", {}))
-        self.skipped_keys = [(k, r) for k, r in st.get("skipped_keys", [])]
+        self.ledger.load_state_dict(st.get("ledger"))
         if initial_state is not None:
             for d in initial_state["pending"]:  # the pre-filtered buffer: re-filter exactly as before
                 self._enqueue(StepBatch.from_dict(d))
+
+    def load_resplit(self, states: Sequence[dict[str, Any]], rank: int, world_size: int) -> None:
+        """Resume as DP rank ``rank`` of ``world_size`` from the states of *every* old DP rank (at this
+        rank's pipeline and TP position: their metadata is the same at every position, only the payload
+        skip counts differ). The pre-filtered steps of all old ranks are broken back into samples and
+        redistributed with the packers' buffers (:meth:`PackedLoader.load_resplit`); payload skip counts
+        go to new rank 0.
+
+        Raises:
+            LayoutMismatchError: the states cannot be re-split exactly; nothing is read.
+        """
+        states = list(states)
+        self._drain()
+        orphans = [
+            s for st in states for d in st["pending"] for p in StepBatch.from_dict(d).packs for s in p.samples
+        ]
+        self.loader.load_resplit([st["loader"] for st in states], rank, world_size, orphans=orphans)
+        super().reset(None)
+        self.ledger.load_state_dict(None)
+        if rank == 0:
+            for st in states:
+                self.ledger.merge(st["ledger"])
 
     def get_state(self) -> dict[str, Any]:
         return {
             "loader": self.loader.state_dict(),
             "pending": [b.to_dict() for b, _ in self._pending],
-            "skipped": dict(self.skipped),
-            "skipped_keys": [list(x) for x in self.skipped_keys],
+            "ledger": self.ledger.state_dict(),
         }
 
     def next(self) -> FilteredStep:
@@ -335,10 +411,10 @@ class ZeroRedundancyFilter(StatefulNode[FilteredStep]):
                 break
         if not self._pending:
             raise StopIteration
-        batch, fut = self._pending.popleft()
+        batch, reads = self._pending.popleft()
         mbs = self.select(batch.packs)
         metas = self._mine(batch)
-        payloads, text_ids = self._broadcast(batch, metas, fut)
+        payloads, text_ids = self._broadcast(batch, metas, reads)
         if self._reads:
             self.samples_read += len(metas)
             for p in payloads:
@@ -358,14 +434,14 @@ class ZeroRedundancyFilter(StatefulNode[FilteredStep]):
         return FilteredStep(batch.step, batch.packs, mbs, out, text_ids)
 
     def _broadcast(
-        self, batch: StepBatch, metas: list[SampleMeta], fut: Future[_Read] | None
+        self, batch: StepBatch, metas: list[SampleMeta], reads: _Reads | None
     ) -> tuple[list[Payload], list[list[torch.Tensor | None]]]:
         error = ""
         payloads: list[Payload] = []
         text: list[list[torch.Tensor | None]] = []
-        if fut is not None:
+        if reads is not None:
             try:
-                payloads, text = fut.result()
+                payloads, text = reads.result()
             except PayloadError as e:
                 error = str(e)
         if self.tp_group is None:
@@ -418,7 +494,33 @@ class ZeroRedundancyFilter(StatefulNode[FilteredStep]):
         return out, text
 
 
-_Read = tuple[list[Payload], list[list[torch.Tensor | None]]]
+_Fetched = dict[tuple[str, int], bytes]
+
+
+@dataclass(slots=True)
+class _Reads:
+    """The decode pool's futures of one step: one per payload, one per pack's text ids."""
+
+    payloads: list[Future[Payload]]
+    text: list[Future[list[torch.Tensor | None]]]
+    fetched: Future[_Fetched] | None
+
+    def _all(self) -> list[Future[Any]]:
+        return ([self.fetched] if self.fetched is not None else []) + self.payloads + self.text
+
+    def cancel(self) -> None:
+        for f in self._all():
+            f.cancel()
+
+    def wait(self) -> None:
+        for f in self._all():
+            if not f.cancelled():
+                f.exception()
+
+    def result(self) -> tuple[list[Payload], list[list[torch.Tensor | None]]]:
+        """Results in order; the first error (in order) is raised after every read finished."""
+        self.wait()
+        return [f.result() for f in self.payloads], [f.result() for f in self.text]
 
 
 def _put_ids(buf: torch.Tensor, at: int, ids: torch.Tensor | None, n: int) -> int:

@@ -165,6 +165,11 @@ _KV, _DKV = 0, 1  # P2P tags: K/V blocks and the travelling K/V gradients (both 
 class _RingAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, group, layout, causal, scale):  # type: ignore[override]
+        with torch.autocast(q.device.type, enabled=False):  # the scores and softmax stay in `acc`
+            return _RingAttention._forward(ctx, q, k, v, group, layout, causal, scale)
+
+    @staticmethod
+    def _forward(ctx, q, k, v, group, layout, causal, scale):
         ring = _Ring(group)
         hkv, rep = k.shape[1], q.shape[1] // k.shape[1]
         acc = torch.float32 if q.dtype in (torch.bfloat16, torch.float16) else q.dtype
@@ -195,6 +200,11 @@ class _RingAttention(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):  # type: ignore[override]
+        with torch.autocast(grad.device.type, enabled=False):
+            return _RingAttention._backward(ctx, grad)
+
+    @staticmethod
+    def _backward(ctx, grad):
         q, k, v, out, lse, valid = ctx.saved_tensors
         ring, layout, scale = _Ring(ctx.group), ctx.layout, ctx.scale
         hkv, rep = k.shape[1], q.shape[1] // k.shape[1]

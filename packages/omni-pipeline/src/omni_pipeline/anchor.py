@@ -11,7 +11,6 @@ code is not edited: the anchor only needs the boundary.
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -34,12 +33,13 @@ class EncoderParallelConfig:
         zero_stage: 0-2: every rank holds full encoder parameters and the executor all-reduces their
             gradients over the encoder DP group; 3: the encoders are FSDP2-sharded (``fully_shard``) and
             reduce their own gradients, so the executor leaves them alone.
-        activation_offload: keep encoder activations saved for backward in host memory
-            (``torch.autograd.graph.save_on_cpu``) between an encoder forward and its backward.
+
+    Activation offload is not the anchor's: the model's blocks choose it themselves (omni-train's
+    ``train.offload`` wraps encoder and LLM blocks alike in saved-tensor hooks), so one mechanism serves
+    both.
     """
 
     zero_stage: int = 0
-    activation_offload: bool = False
 
     def __post_init__(self) -> None:
         if self.zero_stage not in (0, 1, 2, 3):
@@ -136,11 +136,6 @@ class EncoderAnchor:
         for m in self.encoders.values():
             yield from m.parameters()
 
-    def _saved_tensors(self) -> contextlib.AbstractContextManager:
-        if self.parallel.activation_offload:
-            return torch.autograd.graph.save_on_cpu(pin_memory=torch.cuda.is_available())
-        return contextlib.nullcontext()
-
     def forward(self, e: int, encoder_fn: Callable[[int, Any], torch.Tensor], inputs: Any) -> torch.Tensor:
         """Run encoder microbatch ``e``: ``encoder_fn(e, inputs) -> Tensor[tokens_e, hidden]``; keep its
         output for :meth:`backward`.
@@ -148,8 +143,7 @@ class EncoderAnchor:
         Raises:
             ValueError: the output has more than ``data.max_seq_len`` tokens (dim 0).
         """
-        with self._saved_tensors():
-            out = encoder_fn(e, inputs)
+        out = encoder_fn(e, inputs)
         if not isinstance(out, torch.Tensor):
             raise TypeError(
                 f"rank {self.stage}, EF{e}: encoder_fn must return a Tensor, got {type(out).__name__}"

@@ -1,14 +1,75 @@
-"""Cost model for the pipeline simulator: seconds per action, bytes per transfer and per stored activation."""
+"""Cost model for the pipeline simulator: seconds per action, bytes per transfer and per stored activation.
+
+Two layers: a :class:`CostModel` holds the seconds of one step's actions (per stage, per LLM action or
+per encoder microbatch) and the P2P and memory sizes; optionally it also holds :class:`TokenCost`
+coefficients (``coefficients``, e.g. fitted from a run's records by :func:`omni_pipeline.calibrate.
+fit_cost_model`) from which :meth:`CostModel.for_step` predicts the seconds of a new step's actions from
+their token counts (:class:`ActionTokens`).
+"""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from omni_pipeline.actions import Action, ActionKind
 
-__all__ = ["CostModel"]
+__all__ = ["ActionTokens", "CostModel", "TokenCost", "cost_key"]
+
+
+def cost_key(kind: ActionKind | str, stage: int | None, module: str) -> str:
+    """Key of a :class:`TokenCost` in ``CostModel.coefficients``: ``"F0:llm"`` (stage 0 forward of the
+    LLM), ``"B1:llm"``, ``"EF:image"`` (encoder forward of the image tower), ``"EB:audio"``."""
+    return f"{ActionKind(kind)}{'' if stage is None else stage}:{module}"
+
+
+@dataclass(frozen=True)
+class TokenCost:
+    """Seconds of one module's share of an action from its token counts:
+    ``base_s + per_token_s * tokens + per_token_sq_s * tokens_sq`` when the module has tokens, else 0.
+
+    ``tokens_sq`` is the quadratic (attention) term's token count, e.g. ``T**2`` for dense masked attention
+    over a pack of ``T`` tokens, or the sum of squared document lengths for varlen attention; whoever
+    records and whoever predicts must use the same definition (see :class:`ActionTokens`).
+
+    Raises:
+        ValueError: a negative or non-finite coefficient.
+    """
+
+    base_s: float = 0.0
+    per_token_s: float = 0.0
+    per_token_sq_s: float = 0.0
+
+    def __post_init__(self) -> None:
+        for name in ("base_s", "per_token_s", "per_token_sq_s"):
+            v = getattr(self, name)
+            if not (v >= 0 and math.isfinite(v)):
+                raise ValueError(f"TokenCost.{name} must be finite and >= 0, got {v!r}")
+
+    def seconds(self, tokens: float, tokens_sq: float) -> float:
+        """Predicted seconds for ``tokens`` tokens and ``tokens_sq`` quadratic-term tokens (0 if no tokens)."""
+        if tokens <= 0:
+            return 0.0
+        return self.base_s + self.per_token_s * tokens + self.per_token_sq_s * tokens_sq
+
+
+@dataclass(frozen=True)
+class ActionTokens:
+    """Token counts of one action, per module: ``{module: (tokens, tokens_sq)}``.
+
+    LLM actions have one module, ``"llm"`` (tokens of the microbatch's pack on that stage); encoder
+    actions one per tower that ran (``"image"``: ViT patches before the merge, ``"audio"``: frames after
+    subsampling, or whatever unit the recorder used). ``tokens_sq``: see :class:`TokenCost`.
+    """
+
+    modules: Mapping[str, tuple[float, float]]
+
+    @classmethod
+    def single(cls, module: str, tokens: float, tokens_sq: float | None = None) -> ActionTokens:
+        """One module; ``tokens_sq`` defaults to ``tokens**2`` (dense attention over one sequence)."""
+        return cls({module: (float(tokens), float(tokens**2 if tokens_sq is None else tokens_sq))})
 
 
 def _per_stage(value: float | Sequence[float], stage: int, name: str) -> float:
@@ -38,6 +99,15 @@ class CostModel:
         encoder_stored_bytes: ``{e: bytes}`` the encoder holds from its forward to its backward.
         tokens_per_microbatch: LLM tokens in one microbatch (for throughput in tokens/s).
         data_parallel: DP replicas running the same pipeline; throughput is scaled by it.
+        llm_action_s: ``{Action: seconds}`` of individual LLM actions (F/B of one stage and microbatch),
+            overriding ``llm_forward_s`` / ``llm_backward_s`` for those actions (per-microbatch token
+            counts differ; :meth:`for_step` fills it).
+        dispatch_s: seconds a rank spends between two consecutive actions outside any compute or P2P
+            wait (Python dispatch, posting receives); an action starts no earlier than the previous
+            action's end plus this.
+        step_overhead_s: seconds per step outside the pipeline's actions (data preparation not overlapped,
+            gradient reduction, optimizer); added to the makespan in ``SimulationResult.step_time_s``.
+        coefficients: ``{cost_key(kind, stage, module): TokenCost}`` for :meth:`predict` / :meth:`for_step`.
 
     Raises:
         ValueError: a negative duration, size or latency, a bandwidth <= 0, or ``data_parallel < 1``
@@ -56,6 +126,10 @@ class CostModel:
     encoder_stored_bytes: Mapping[int, float] = field(default_factory=dict)
     tokens_per_microbatch: float = 0.0
     data_parallel: int = 1
+    llm_action_s: Mapping[Action, float] = field(default_factory=dict)
+    dispatch_s: float = 0.0
+    step_overhead_s: float = 0.0
+    coefficients: Mapping[str, TokenCost] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         errors: list[str] = []
@@ -69,11 +143,21 @@ class CostModel:
             "encoder_backward_s",
             "encoder_output_bytes",
             "encoder_stored_bytes",
+            "llm_action_s",
         ):
             bad = {e: v for e, v in (getattr(self, name) or {}).items() if not v >= 0}
             if bad:
                 errors.append(f"{name} must be >= 0, got {bad}")
-        for name in ("p2p_latency_s", "llm_activation_bytes", "tokens_per_microbatch"):
+        bad_llm = [a for a in self.llm_action_s if a.kind not in (ActionKind.FORWARD, ActionKind.BACKWARD)]
+        if bad_llm:
+            errors.append(f"llm_action_s holds only LLM F/B actions, got {[str(a) for a in bad_llm]}")
+        for name in (
+            "p2p_latency_s",
+            "llm_activation_bytes",
+            "tokens_per_microbatch",
+            "dispatch_s",
+            "step_overhead_s",
+        ):
             if not getattr(self, name) >= 0:
                 errors.append(f"{name} must be >= 0, got {getattr(self, name)!r}")
         if not self.p2p_bandwidth_Bps > 0:
@@ -85,6 +169,8 @@ class CostModel:
 
     def duration(self, a: Action) -> float:
         """Seconds ``a`` computes."""
+        if a in self.llm_action_s:
+            return float(self.llm_action_s[a])
         if a.kind == ActionKind.FORWARD:
             return _per_stage(self.llm_forward_s, a.stage, "llm_forward_s")
         if a.kind == ActionKind.BACKWARD:
@@ -117,3 +203,59 @@ class CostModel:
         if a.kind == ActionKind.ENCODER_FORWARD:
             return float(self.encoder_stored_bytes.get(a.microbatch, 0.0))
         return 0.0
+
+    def predict(self, kind: ActionKind | str, stage: int | None, tokens: ActionTokens) -> float:
+        """Seconds of an action of ``kind`` on ``stage`` (``None`` for encoder actions) from its token
+        counts: the sum over its modules of ``coefficients[cost_key(kind, stage, module)].seconds(...)``.
+
+        Raises:
+            KeyError: a module with tokens has no coefficients for this kind and stage (names the key and
+                the keys there are).
+        """
+        total = 0.0
+        for module, (n, n_sq) in tokens.modules.items():
+            if n <= 0:
+                continue
+            key = cost_key(kind, stage, module)
+            if key not in self.coefficients:
+                raise KeyError(
+                    f"CostModel.predict: no coefficients for {key!r} (have {sorted(self.coefficients)})"
+                )
+            total += self.coefficients[key].seconds(n, n_sq)
+        return total
+
+    def for_step(
+        self,
+        num_stages: int,
+        llm_tokens: Mapping[int, ActionTokens],
+        encoder_tokens: Mapping[int, ActionTokens],
+        **sizes,
+    ) -> CostModel:
+        """This model with every action of one step timed from its token counts.
+
+        Args:
+            num_stages: LLM stages.
+            llm_tokens: ``{k: ActionTokens}`` per LLM microbatch ``k`` (from 1); every stage's F and B of
+                ``k`` are predicted from it.
+            encoder_tokens: ``{e: ActionTokens}`` per encoder microbatch.
+            **sizes: other :class:`CostModel` fields to replace as well (byte sizes, ``tokens_per_microbatch``).
+
+        Returns:
+            a :class:`CostModel` with ``llm_action_s``, ``encoder_forward_s`` and ``encoder_backward_s``
+            filled (the coefficients kept).
+
+        Raises:
+            KeyError: as :meth:`predict`.
+        """
+        F, B = ActionKind.FORWARD, ActionKind.BACKWARD
+        llm = {
+            Action(kind, k - 1, s): self.predict(kind, s, toks)
+            for k, toks in llm_tokens.items()
+            for s in range(num_stages)
+            for kind in (F, B)
+        }
+        ef = {e: self.predict(ActionKind.ENCODER_FORWARD, None, t) for e, t in encoder_tokens.items()}
+        eb = {e: self.predict(ActionKind.ENCODER_BACKWARD, None, t) for e, t in encoder_tokens.items()}
+        return dataclasses.replace(
+            self, llm_action_s=llm, encoder_forward_s=ef, encoder_backward_s=eb, **sizes
+        )

@@ -9,6 +9,8 @@
   each rank runs its slice at the latest point from which it still finishes before stage 0 needs it, and
   its backward at the earliest point after the gradient has returned. "When" is estimated from the LLM-only schedule timed with a cost model (unit costs F=1, B=2 by
   default); a point after which the rank would wait on stage 0's forward itself is never chosen.
+* ``planned`` (beyond the paper; :mod:`omni_pipeline.planner`) - rank and slots searched by simulation
+  under a per-rank activation-memory cap, starting from the best of the three above.
 """
 
 from __future__ import annotations
@@ -41,6 +43,7 @@ class PlacementPolicy(StrEnum):
     PREPEND_FIRST_STAGE = "prepend_first_stage"
     ISOLATED = "isolated"
     UNIFORM_ON_DEMAND = "uniform_on_demand"
+    PLANNED = "planned"
 
 
 def _inputs(schedule: Schedule, encoder_inputs: Mapping[int, Sequence[int]]) -> dict[int, list[int]]:
@@ -147,6 +150,13 @@ def prepend_first_stage(schedule: Schedule, encoder_inputs: Mapping[int, Sequenc
             microbatch < 1, or one encoder microbatch twice (same for every policy).
     """
     enc = _inputs(schedule, encoder_inputs)
+    return _build(schedule, enc, _prepend_placed(schedule, enc))
+
+
+Placed = list[tuple[int, int, int, int]]
+
+
+def _prepend_placed(schedule: Schedule, enc: Mapping[int, Sequence[int]]) -> Placed:
     prog = schedule.program_view[0]
     index = {a: i for i, a in enumerate(prog)}
     placed = []
@@ -157,7 +167,7 @@ def prepend_first_stage(schedule: Schedule, encoder_inputs: Mapping[int, Sequenc
             bs += 1
         for e in es:
             placed += [(0, fs, 1, e), (0, bs, 0, -e)]
-    return _build(schedule, enc, placed)
+    return placed
 
 
 def isolated(
@@ -170,6 +180,12 @@ def isolated(
     """Encoder work split over all ranks (:func:`split_over_ranks`, ``fixed_ranks`` as there); every
     forward before the rank's first LLM action, every backward after its last one."""
     enc = _inputs(schedule, encoder_inputs)
+    return _build(schedule, enc, _isolated_placed(schedule, enc, encoder_costs, fixed_ranks))
+
+
+def _isolated_placed(
+    schedule: Schedule, enc: Mapping[int, Sequence[int]], encoder_costs, fixed_ranks: bool
+) -> Placed:
     ranks = split_over_ranks(enc, schedule.num_ranks, encoder_costs, fixed_ranks=fixed_ranks)
     programs = schedule.program_view
     placed = []
@@ -177,7 +193,7 @@ def isolated(
         for e in es:
             r = ranks[e]
             placed += [(r, 0, 1, e), (r, len(programs[r]), 0, -e)]
-    return _build(schedule, enc, placed)
+    return placed
 
 
 def uniform_on_demand(
@@ -215,12 +231,39 @@ def uniform_on_demand(
             microbatch < 1, or one encoder microbatch twice.
     """
     enc = _inputs(schedule, encoder_inputs)
-    costs = costs or CostModel()
+    return _build(schedule, enc, _uniform_placed(schedule, enc, costs or CostModel(), fixed_ranks))
+
+
+def feasible_slots(schedule: Schedule, rank: int, k: int) -> tuple[list[int], list[int]]:
+    """Where on ``rank`` the encoder work of LLM microbatch ``k`` (from 1) may go (``DataFlow.validate``'s
+    rules), as slots (indices into the rank's LLM program; ``len`` = the end).
+
+    Returns:
+        ``(forward slots, backward slots)``: forwards at slots whose previous action does not wait on
+        stage 0's forward of ``k``; backwards at slots from which no later action is needed by stage 0's
+        backward of ``k``; both only at addressable points (under virtual stages, before the rank's
+        first-stage actions or at the end).
+    """
+    prog = schedule.program_view[rank]
+    _, where, clock = schedule.analysis
+    f0, b0 = Action(F, k - 1, 0), Action(B, k - 1, 0)
+    n = len(prog)
+    s_max = next((i for i in range(n) if happens_before(where, clock, f0, prog[i])), n)
+    s_min = next((i + 1 for i in range(n - 1, -1, -1) if happens_before(where, clock, prog[i], b0)), 0)
+    return (
+        [s for s in range(s_max + 1) if _addressable(prog, rank, s)],
+        [s for s in range(s_min, n + 1) if _addressable(prog, rank, s)],
+    )
+
+
+def _uniform_placed(
+    schedule: Schedule, enc: Mapping[int, Sequence[int]], costs: CostModel, fixed_ranks: bool
+) -> Placed:
     ranks = split_over_ranks(
         enc, schedule.num_ranks, costs.encoder_forward_s or None, fixed_ranks=fixed_ranks
     )
     programs = schedule.program_view
-    order, where, clock = schedule.analysis
+    order = schedule.analysis[0]
     llm_only = CostModel(
         llm_forward_s=costs.llm_forward_s,
         llm_backward_s=costs.llm_backward_s,
@@ -236,19 +279,8 @@ def uniform_on_demand(
         window: dict[int, tuple[list[int], list[int]]] = {}
         for e in es:
             r = ranks[e]
-            prog = programs[r]
-            n = len(prog)
             if r not in window:
-                # forward: slots whose previous action does not wait on stage 0's forward f0
-                s_max = next((i for i in range(n) if happens_before(where, clock, f0, prog[i])), n)
-                # backward: slots from which no later action is needed by stage 0's backward b0
-                s_min = next(
-                    (i + 1 for i in range(n - 1, -1, -1) if happens_before(where, clock, prog[i], b0)), 0
-                )
-                window[r] = (
-                    [s for s in range(s_max + 1) if _addressable(prog, r, s)],
-                    [s for s in range(s_min, n + 1) if _addressable(prog, r, s)],
-                )
+                window[r] = feasible_slots(schedule, r, k)
             f_cands, b_cands = window[r]
             comm = 0.0 if r == 0 else costs.transfer_s(costs.encoder_output_bytes.get(e, 0.0))
             need = start[f0] - comm - costs.duration(Action(ActionKind.ENCODER_FORWARD, e))
@@ -258,7 +290,7 @@ def uniform_on_demand(
             back_at = end[b0] + comm
             bs = next((s for s in b_cands if t_slot[r][s] >= back_at - 1e-12), b_cands[-1])
             placed += [(r, fs, 1, e), (r, bs, 0, -e)]
-    return _build(schedule, enc, placed)
+    return placed
 
 
 def place(
@@ -268,14 +300,23 @@ def place(
     costs: CostModel | None = None,
     *,
     fixed_ranks: bool = False,
+    memory_cap_bytes: float | Mapping[int, float] | None = None,
 ) -> DataFlow:
-    """Run the named placement policy; ``fixed_ranks`` goes to ``isolated`` / ``uniform_on_demand``
-    (``prepend_first_stage`` always runs every encoder microbatch on rank 0).
+    """Run the named placement policy; ``fixed_ranks`` goes to ``isolated`` / ``uniform_on_demand`` /
+    ``planned`` (``prepend_first_stage`` always runs every encoder microbatch on rank 0);
+    ``memory_cap_bytes`` (per-rank peak stored activations) only to ``planned``
+    (:func:`omni_pipeline.planner.planned`).
 
     Raises:
         ValueError: unknown policy name.
     """
     policy = PlacementPolicy(policy)
+    if policy == PlacementPolicy.PLANNED:
+        from omni_pipeline.planner import planned  # the planner starts from this module's baselines
+
+        return planned(
+            schedule, encoder_inputs, costs, memory_cap_bytes=memory_cap_bytes, fixed_ranks=fixed_ranks
+        )
     if policy == PlacementPolicy.PREPEND_FIRST_STAGE:
         return prepend_first_stage(schedule, encoder_inputs)
     if policy == PlacementPolicy.ISOLATED:

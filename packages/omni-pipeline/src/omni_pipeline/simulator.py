@@ -1,8 +1,12 @@
 """Discrete-event simulation of one training step of a schedule + data flow over a cost model.
 
-Each pipeline rank runs its program in order; an action starts when the rank is free and every input has
-arrived (same rank: at the producer's end; another rank: producer's end + latency + bytes / bandwidth).
-Communication overlaps compute (its own stream) and links do not contend. Memory: a forward's stored
+Each pipeline rank runs its program in order; an action starts when the rank is free (the previous
+action's end plus ``CostModel.dispatch_s``) and every input has arrived (same rank: at the producer's end;
+another rank: producer's end + latency + bytes / bandwidth). Communication overlaps compute (its own
+stream, receives posted before they are needed) and links do not contend. This is what
+``omni_pipeline.executor`` does: 1F1B programs in order, encoder outputs sent to stage 0 (whose receives
+are posted at the step's start), LLM receives posted one action ahead, sends asynchronous. The step
+time adds ``CostModel.step_overhead_s`` (work outside the pipeline) to the makespan. Memory: a forward's stored
 activations count from its start to the end of its backward; encoder outputs count on stage 0's rank from
 their arrival to the end of stage 0's backward of the consuming microbatch.
 
@@ -14,7 +18,7 @@ laptop.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -25,7 +29,7 @@ from omni_pipeline.graph import execution_order, llm_encoder_deps
 from omni_pipeline.schedules import Schedule
 from omni_pipeline.trace import TimelineEvent, plot_timeline, write_chrome_trace
 
-__all__ = ["SimulationResult", "action_times", "simulate"]
+__all__ = ["SimulationResult", "action_times", "peak_activation_bytes", "simulate"]
 
 
 @dataclass
@@ -35,10 +39,11 @@ class SimulationResult:
     Attributes:
         timelines: ``{rank: [TimelineEvent, ...]}`` in execution order (seconds).
         makespan_s: seconds from the first action's start to the last action's end.
+        step_time_s: ``makespan_s + CostModel.step_overhead_s``: the predicted wall time of a whole step.
         bubble_fraction: ``{rank: idle seconds / makespan}``; idle = neither LLM nor encoder compute runs
             on the rank (so encoder work placed in a pipeline bubble fills it).
         peak_activation_bytes: ``{rank: peak bytes of stored activations}``.
-        throughput_tokens_per_s: ``tokens_per_microbatch * microbatches * data_parallel / makespan``.
+        throughput_tokens_per_s: ``tokens_per_microbatch * microbatches * data_parallel / step_time_s``.
         encoder_busy_s: ``{rank: seconds of encoder work}``.
     """
 
@@ -48,6 +53,7 @@ class SimulationResult:
     peak_activation_bytes: dict[int, float]
     throughput_tokens_per_s: float
     encoder_busy_s: dict[int, float]
+    step_time_s: float = 0.0
 
     @property
     def mean_bubble_fraction(self) -> float:
@@ -89,8 +95,10 @@ def action_times(
     start: dict[Action, float] = {}
     end: dict[Action, float] = {}
     free = dict.fromkeys(programs, 0.0)
+    started: set[int] = set()
     for r, a in order:
-        t = free[r]
+        t = free[r] + (costs.dispatch_s if r in started else 0.0)
+        started.add(r)
         for d in deps(a):
             arrive = end[d]
             if rank_of[d] != r:
@@ -105,6 +113,42 @@ def action_times(
         if a.kind == ActionKind.ENCODER_FORWARD
     }
     return rank_of, start, end, arrival
+
+
+def peak_activation_bytes(
+    programs: Mapping[int, Sequence[Action]],
+    start: Mapping[Action, float],
+    end: Mapping[Action, float],
+    arrival: Mapping[Action, float],
+    encoder_consumer: Mapping[int, int],
+    costs: CostModel,
+) -> dict[int, float]:
+    """Peak stored-activation bytes per rank from :func:`action_times`' output.
+
+    A forward's stored activations count from its start to the end of its backward; an encoder output
+    counts on stage 0's rank from its arrival to the end of stage 0's backward of the consuming microbatch
+    (``encoder_consumer``: ``{e: torch index}``). At equal times frees come before allocations.
+    """
+    mem_events: dict[int, list[tuple[float, float]]] = {r: [] for r in programs}
+    for r, a in ((r, a) for r, prog in programs.items() for a in prog):
+        if a.kind == ActionKind.FORWARD:
+            b = Action.unchecked(ActionKind.BACKWARD, a.microbatch, a.stage)
+            mem_events[r] += [(start[a], costs.stored_bytes(a)), (end[b], -costs.stored_bytes(a))]
+        elif a.kind == ActionKind.ENCODER_FORWARD:
+            b = Action.unchecked(ActionKind.ENCODER_BACKWARD, a.microbatch)
+            mem_events[r] += [(start[a], costs.stored_bytes(a)), (end[b], -costs.stored_bytes(a))]
+            if a.microbatch in encoder_consumer:
+                out = float(costs.encoder_output_bytes.get(a.microbatch, 0.0))
+                grad_done = end[Action.unchecked(ActionKind.BACKWARD, encoder_consumer[a.microbatch], 0)]
+                mem_events[0] += [(arrival[a], out), (grad_done, -out)]
+    peak: dict[int, float] = {}
+    for r, evs in mem_events.items():
+        level = top = 0.0
+        for _, delta in sorted(evs, key=lambda x: (x[0], x[1])):  # frees before allocations at a tie
+            level += delta
+            top = max(top, level)
+        peak[r] = top
+    return peak
 
 
 def simulate(schedule: Schedule, flow: DataFlow | None, costs: CostModel) -> SimulationResult:
@@ -124,7 +168,7 @@ def simulate(schedule: Schedule, flow: DataFlow | None, costs: CostModel) -> Sim
     """
     programs = flow.programs(schedule) if flow is not None else schedule.programs()
     consumer = flow.encoder_consumer if flow is not None else {}
-    rank_of, start, end, arrival = action_times(programs, schedule.num_stages, consumer, costs)
+    _, start, end, arrival = action_times(programs, schedule.num_stages, consumer, costs)
     makespan = max(end.values(), default=0.0)
     timelines = {
         r: [
@@ -135,31 +179,15 @@ def simulate(schedule: Schedule, flow: DataFlow | None, costs: CostModel) -> Sim
     }
     busy = {r: sum(end[a] - start[a] for a in prog) for r, prog in programs.items()}
     enc_busy = {r: sum(end[a] - start[a] for a in prog if a.kind.is_encoder) for r, prog in programs.items()}
-    mem_events: dict[int, list[tuple[float, float]]] = {r: [] for r in programs}
-    for a, r in rank_of.items():
-        if a.kind == ActionKind.FORWARD:
-            b = Action(ActionKind.BACKWARD, a.microbatch, a.stage)
-            mem_events[r] += [(start[a], costs.stored_bytes(a)), (end[b], -costs.stored_bytes(a))]
-        elif a.kind == ActionKind.ENCODER_FORWARD:
-            b = Action(ActionKind.ENCODER_BACKWARD, a.microbatch)
-            mem_events[r] += [(start[a], costs.stored_bytes(a)), (end[b], -costs.stored_bytes(a))]
-            if a.microbatch in consumer:
-                out = float(costs.encoder_output_bytes.get(a.microbatch, 0.0))
-                grad_done = end[Action(ActionKind.BACKWARD, consumer[a.microbatch], 0)]
-                mem_events[0] += [(arrival[a], out), (grad_done, -out)]
-    peak: dict[int, float] = {}
-    for r, evs in mem_events.items():
-        level = top = 0.0
-        for _, delta in sorted(evs, key=lambda x: (x[0], x[1])):  # frees before allocations at a tie
-            level += delta
-            top = max(top, level)
-        peak[r] = top
+    peak = peak_activation_bytes(programs, start, end, arrival, consumer, costs)
+    step_time = makespan + costs.step_overhead_s
     tokens = costs.tokens_per_microbatch * schedule.num_microbatches * costs.data_parallel
     return SimulationResult(
         timelines=timelines,
         makespan_s=makespan,
+        step_time_s=step_time,
         bubble_fraction={r: (1.0 - busy[r] / makespan) if makespan > 0 else 0.0 for r in programs},
         peak_activation_bytes=peak,
-        throughput_tokens_per_s=tokens / makespan if makespan > 0 else 0.0,
+        throughput_tokens_per_s=tokens / step_time if step_time > 0 else 0.0,
         encoder_busy_s=enc_busy,
     )

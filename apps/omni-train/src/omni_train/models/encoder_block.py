@@ -66,6 +66,9 @@ class EncoderBlock(nn.Module):
     Returns:
         ``[T, dim]``.
 
+    The two residual branches are methods, :meth:`attention_branch` and :meth:`mlp_branch`, so selective
+    recompute (``omni_train.parallelize.apply_ac``, ``train.recompute_modules``) can checkpoint either.
+
     Raises:
         ValueError: ``dim`` not divisible by ``n_heads``.
     """
@@ -94,10 +97,20 @@ class EncoderBlock(nn.Module):
     def forward(
         self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None, cu_seqlens: torch.Tensor
     ) -> torch.Tensor:
+        x = x + self.attention_branch(x, rope, cu_seqlens)
+        return x + self.mlp_branch(x)
+
+    def attention_branch(
+        self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None, cu_seqlens: torch.Tensor
+    ) -> torch.Tensor:
+        """``proj(attention(qkv(ln1(x))))``: ``[T, dim] -> [T, dim]``."""
         t = x.shape[0]
         q, k, v = self.qkv(self.ln1(x)).view(t, 3, self.n_heads, self.head_dim).unbind(1)
         if rope is not None:
             q, k = apply_rope(q, *rope), apply_rope(k, *rope)
         a = varlen_attention(q, k, v, cu_seqlens, causal=False)
-        x = x + self.proj(a.reshape(t, -1))
-        return x + self.fc2(activation(self.fc1(self.ln2(x)), self.act))
+        return self.proj(a.reshape(t, -1))
+
+    def mlp_branch(self, x: torch.Tensor) -> torch.Tensor:
+        """``fc2(act(fc1(ln2(x))))``: ``[T, dim] -> [T, dim]``."""
+        return self.fc2(activation(self.fc1(self.ln2(x)), self.act))

@@ -126,7 +126,11 @@ class SwiGLU(nn.Module):
 
 
 class Block(nn.Module):
-    """Pre-norm decoder block: ``x + attn(norm(x))`` then ``x + mlp(norm(x))``."""
+    """Pre-norm decoder block: ``x + attn(norm(x))`` then ``x + mlp(norm(x))``.
+
+    The two residual branches are methods, :meth:`attention_branch` and :meth:`mlp_branch`, so selective
+    recompute (``omni_train.parallelize.apply_ac``, ``train.recompute_modules``) can checkpoint either.
+    """
 
     def __init__(self, cfg: LLMConfig, sp_group: dist.ProcessGroup | None = None) -> None:
         super().__init__()
@@ -138,8 +142,18 @@ class Block(nn.Module):
     def forward(
         self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], cu_seqlens: torch.Tensor
     ) -> torch.Tensor:
-        x = x + self.attn(self.attn_norm(x), rope, cu_seqlens)
-        return x + self.mlp(self.mlp_norm(x))
+        x = x + self.attention_branch(x, rope, cu_seqlens)
+        return x + self.mlp_branch(x)
+
+    def attention_branch(
+        self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], cu_seqlens: torch.Tensor
+    ) -> torch.Tensor:
+        """``attn(attn_norm(x))``: ``[T, dim] -> [T, dim]``."""
+        return self.attn(self.attn_norm(x), rope, cu_seqlens)
+
+    def mlp_branch(self, x: torch.Tensor) -> torch.Tensor:
+        """``mlp(mlp_norm(x))``: ``[T, dim] -> [T, dim]``."""
+        return self.mlp(self.mlp_norm(x))
 
 
 def _init_(module: nn.Module, gen: torch.Generator, std: float) -> None:

@@ -1,0 +1,167 @@
+"""``omni_train.activation_memory`` and the recompute/offload switches of ``omni_train.parallelize``.
+
+Reference for the measurement: the autograd graph itself. After a forward, every tensor autograd holds
+for backward is an attribute ``_saved_*`` of some node of the graph; their distinct storages (parameters
+excluded) summed are what :class:`ActivationMemory` must report as the peak (nothing is freed before
+backward). Selective recompute and offload are checked, in float64, to give bit-identical outputs and
+gradients, and to move or drop exactly the bytes they claim to.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from omni_train.activation_memory import ActivationMemory
+from omni_train.encoders import Encoders
+from omni_train.models import AudioConfig, LLMConfig, LLMStage, ViTConfig
+from omni_train.parallelize import apply_ac, apply_offload
+
+D = torch.float64
+CFG = LLMConfig(vocab_size=40, dim=16, n_layers=2, n_heads=2, n_kv_heads=1, ffn_dim=24)
+LENGTHS = [5, 9, 2]
+
+
+def _model() -> tuple[LLMStage, Encoders]:
+    vit = ViTConfig(dim=16, n_layers=1, n_heads=2)
+    audio = AudioConfig(dim=16, n_layers=1, n_heads=2, n_mels=16)
+    return LLMStage(CFG, 0, 1, seed=2).to(D), Encoders(vit, audio, CFG.dim, seed=2).to(D)
+
+
+def _inputs():
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, CFG.vocab_size, (sum(LENGTHS),), generator=g)
+    pos = torch.cat([torch.arange(n) for n in LENGTHS])
+    cu = torch.tensor([0, *torch.tensor(LENGTHS).cumsum(0).tolist()])
+    return ids, pos, cu
+
+
+def _graph_saved_bytes(root: torch.Tensor, params: list[torch.Tensor]) -> int:
+    """Bytes of the distinct storages the autograd graph of ``root`` saved for backward."""
+    skip = {p.untyped_storage().data_ptr() for p in params}
+    seen: dict[int, int] = {}
+    stack, visited = [root.grad_fn], set()
+    while stack:
+        node = stack.pop()
+        if node is None or node in visited:
+            continue
+        visited.add(node)
+        for attr in dir(node):
+            if not attr.startswith("_saved_"):
+                continue
+            value = getattr(node, attr)
+            for t in value if isinstance(value, tuple | list) else (value,):
+                if isinstance(t, torch.Tensor):
+                    s = t.untyped_storage()
+                    if s.data_ptr() not in skip:
+                        seen[s.data_ptr()] = s.nbytes()
+        stack.extend(fn for fn, _ in node.next_functions)
+    return sum(seen.values())
+
+
+def _step(stage: LLMStage, memory: ActivationMemory, *, walk_graph: bool = False):
+    """Forward under ``memory.track()``, the graph's own count (``walk_graph``: reading a checkpointed
+    node's saved tensors would recompute it), backward; logits and every gradient."""
+    stage.zero_grad(set_to_none=True)
+    memory.start_step()
+    with memory.track():
+        out = stage(*_inputs())
+        loss = (out * torch.linspace(-1, 1, out.shape[-1], dtype=D)).sum()
+        in_graph = _graph_saved_bytes(loss, list(stage.parameters())) if walk_graph else None
+        peaks = memory.peaks()
+        loss.backward()
+    grads = {n: p.grad.clone() for n, p in stage.named_parameters()}
+    return out.detach(), grads, in_graph, peaks
+
+
+def test_peak_equals_what_the_autograd_graph_saved_and_is_released_by_backward():
+    stage, _ = _model()
+    memory = ActivationMemory([stage], torch.device("cpu"))
+    _, _, in_graph, peaks = _step(stage, memory, walk_graph=True)
+    assert in_graph > 0 and peaks.activation_bytes == in_graph
+    assert peaks.offloaded_bytes == 0 and peaks.allocated_bytes is None
+    memory.start_step()  # everything saved was freed by backward: nothing is live any more
+    assert memory.peaks().activation_bytes == 0
+
+    # one storage saved three times (x * x saves x twice, a view of x once) counts once
+    x = torch.randn(1000, dtype=D, requires_grad=True)
+    memory.start_step()
+    with memory.track():
+        y = (x * x).sum() + x.view(10, 100).sin().sum()
+    assert memory.peaks().activation_bytes == 8000 == _graph_saved_bytes(y, [])
+
+
+def test_selective_recompute_and_offload_are_exact_and_move_the_bytes_they_claim():
+    plain, _ = _model()
+    out, grads, _, plain_peaks = _step(plain, ActivationMemory([plain], torch.device("cpu")))
+    saved = plain_peaks.activation_bytes
+    results = {}
+    for name, modules, offload in (
+        ("block", (), False),
+        ("attention", ("attention",), False),
+        ("mlp", ("mlp",), False),
+        ("attention+offload", ("attention",), True),
+        ("offload", None, True),
+    ):
+        stage, encoders = _model()
+        names = [n for n, _ in stage.named_parameters()]
+        memory = ActivationMemory([stage, encoders], torch.device("cpu"))
+        if modules is not None:
+            apply_ac(stage, encoders, ["llm", "image"], modules)
+        if offload:
+            apply_offload(stage, encoders, ["llm", "audio"], memory)
+        assert [n for n, _ in stage.named_parameters()] == names
+        out_x, grads_x, _, peaks = _step(stage, memory)
+        torch.testing.assert_close(out_x, out, rtol=0, atol=0, msg=name)
+        for n, g in grads.items():
+            torch.testing.assert_close(grads_x[n], g, rtol=0, atol=0, msg=f"{name}: {n}")
+        results[name] = peaks
+    kept = {k: p.activation_bytes for k, p in results.items()}
+    # whole blocks keep least; each branch alone keeps less than nothing recomputed, more than blocks
+    assert kept["block"] < kept["attention"] < saved and kept["block"] < kept["mlp"] < saved, (kept, saved)
+    assert kept["attention"] + kept["mlp"] < saved + kept["block"] * 2
+    # offload: block activations leave the kept count (on CPU, uncopied: the same bytes, now offloaded)
+    off = results["offload"]
+    assert off.offloaded_bytes > 0 and off.activation_bytes < saved / 2
+    assert off.activation_bytes + off.offloaded_bytes >= saved
+    both = results["attention+offload"]
+    assert both.offloaded_bytes < off.offloaded_bytes and both.activation_bytes == off.activation_bytes
+
+
+def test_encoder_blocks_recompute_and_offload_exactly():
+    _, plain = _model()
+    _, ac = _model()
+    stage, _ = _model()
+    memory = ActivationMemory([ac], torch.device("cpu"))
+    apply_ac(stage, ac, ["image", "audio"], ["attention", "mlp"])
+    apply_offload(stage, ac, ["image", "audio"], memory)
+    g = torch.Generator().manual_seed(3)
+    patches = torch.randn(32, 3 * 14 * 14, dtype=D, generator=g)
+    grids = torch.tensor([[4, 4], [2, 8]])
+    outs = []
+    for enc in (plain, ac):
+        tower = enc.towers["image"]
+        memory.start_step()
+        with memory.track():
+            y = tower(patches, grids)
+            y.pow(2).sum().backward()
+        outs.append((y.detach(), {n: p.grad.clone() for n, p in tower.named_parameters()}))
+    assert memory.peaks().offloaded_bytes > 0
+    torch.testing.assert_close(outs[1][0], outs[0][0], rtol=0, atol=0)
+    for n, grad in outs[0][1].items():
+        torch.testing.assert_close(outs[1][1][n], grad, rtol=0, atol=0, msg=n)
+
+
+def test_parameters_are_never_counted():
+    lin = nn.Linear(64, 64).double()
+    memory = ActivationMemory([lin], torch.device("cpu"))
+    x = torch.randn(3, 64, dtype=D, requires_grad=True)
+    memory.start_step()
+    with memory.track():
+        y = lin(x)
+    # addmm saves the input (for d weight) and the weight (for d input); only the input is an activation
+    assert (
+        memory.peaks().activation_bytes
+        == x.untyped_storage().nbytes()
+        == _graph_saved_bytes(y, list(lin.parameters()))
+    )

@@ -1,0 +1,343 @@
+"""Measured per-action records of real pipeline steps: what the trainer writes, what calibration reads.
+
+One JSON object per line (JSONL) in ``<run dir>/actions.jsonl`` (:data:`RECORDS_FILE`), each with a
+``"type"``:
+
+* ``"action"`` (:class:`ActionRecord`): one compute action of one step on one pipeline rank: ``kind``
+  (``F``/``B``/``EF``/``EB``), ``stage`` (LLM actions; ``null`` for encoder actions), ``microbatch``
+  (torch's 0-based index for LLM actions, the encoder microbatch id ``e >= 1`` for encoder actions, as
+  :class:`~omni_pipeline.actions.Action`), ``tokens`` / ``tokens_sq`` per module (``{"llm": T}``,
+  ``{"image": patches, "audio": frames}``; see :class:`~omni_pipeline.cost.TokenCost`), ``start_s`` /
+  ``end_s`` from the executor's step start, and ``wait_s``: seconds the rank blocked on receives between
+  the previous action's end and this action's start.
+* ``"p2p"`` (:class:`P2PRecord`): one point-to-point message: ``src`` / ``dst`` pipeline ranks, ``what``
+  (``activation``, ``gradient``, ``encoder_output``, ``encoder_gradient``), ``microbatch``, ``bytes``,
+  ``wait_s`` (the receiver's blocked time) and ``transfer_s`` (send posted to receive complete on one
+  clock, e.g. ``time.perf_counter`` on one host; only meaningful when the receiver blocked, else
+  ``null``).
+* ``"step"`` (:class:`StepRecord`): one step on one rank: ``step_s`` (wall time of the whole training
+  step, data to optimizer) and ``actions_end_s`` (end of the rank's last action, from the executor's
+  step start).
+
+Run directories are untrusted input: lines are bounded in length and count, every field is type-checked,
+and an error names the file, the line and the field.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Iterable, Mapping
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from omni_pipeline.actions import Action, ActionKind, flow_index
+from omni_pipeline.cost import ActionTokens
+from omni_pipeline.trace import TimelineEvent
+
+__all__ = [
+    "RECORDS_FILE",
+    "ActionRecord",
+    "P2PRecord",
+    "RecordError",
+    "RecordWriter",
+    "RunRecords",
+    "StepRecord",
+    "action_records",
+    "read_records",
+]
+
+RECORDS_FILE = "actions.jsonl"
+MAX_LINE_BYTES = 1 << 20
+MAX_LINES = 10_000_000
+P2P_KINDS = ("activation", "gradient", "encoder_output", "encoder_gradient")
+
+
+class RecordError(ValueError):
+    """A records file is malformed; the message names the file, the line and the field."""
+
+
+@dataclass(frozen=True)
+class ActionRecord:
+    """One measured compute action (see the module docstring for the fields' units)."""
+
+    step: int
+    rank: int
+    kind: str
+    stage: int | None
+    microbatch: int
+    tokens: Mapping[str, int]
+    tokens_sq: Mapping[str, int]
+    start_s: float
+    end_s: float
+    wait_s: float = 0.0
+
+    @property
+    def seconds(self) -> float:
+        """Compute seconds: ``end_s - start_s``."""
+        return self.end_s - self.start_s
+
+    @property
+    def action(self) -> Action:
+        """The :class:`~omni_pipeline.actions.Action` this record measured."""
+        return Action(ActionKind(self.kind), self.microbatch, self.stage)
+
+
+@dataclass(frozen=True)
+class P2PRecord:
+    """One measured point-to-point message (see the module docstring)."""
+
+    step: int
+    src: int
+    dst: int
+    what: str
+    microbatch: int
+    bytes: int
+    wait_s: float
+    transfer_s: float | None = None
+
+
+@dataclass(frozen=True)
+class StepRecord:
+    """One step on one rank: whole-step wall seconds and the end of its last pipeline action."""
+
+    step: int
+    rank: int
+    step_s: float
+    actions_end_s: float
+
+
+@dataclass
+class RunRecords:
+    """Everything a records file holds, by type, in file order."""
+
+    actions: list[ActionRecord] = field(default_factory=list)
+    p2p: list[P2PRecord] = field(default_factory=list)
+    steps: list[StepRecord] = field(default_factory=list)
+
+    def add(self, record: ActionRecord | P2PRecord | StepRecord) -> None:
+        {ActionRecord: self.actions, P2PRecord: self.p2p, StepRecord: self.steps}[type(record)].append(record)
+
+    def from_step(self, first: int) -> RunRecords:
+        """Only the records of steps ``>= first`` (e.g. to drop warm-up steps)."""
+        return RunRecords(
+            [r for r in self.actions if r.step >= first],
+            [r for r in self.p2p if r.step >= first],
+            [r for r in self.steps if r.step >= first],
+        )
+
+    @property
+    def step_ids(self) -> list[int]:
+        """Sorted distinct steps with any record."""
+        return sorted({r.step for r in (*self.actions, *self.p2p, *self.steps)})
+
+
+def action_records(
+    step: int,
+    timeline: Iterable[TimelineEvent],
+    llm_tokens: Mapping[int, ActionTokens],
+    encoder_tokens: Mapping[int, ActionTokens],
+    waits: Mapping[str, float] | None = None,
+) -> list[ActionRecord]:
+    """Records of one step from a rank's timeline (``PipelineExecutor``'s ``StepResult.timeline`` or a
+    simulated one) and the step's token counts.
+
+    Args:
+        step: the training step.
+        timeline: the rank's events (``TimelineEvent.action`` like ``"0F1"`` or ``"EF3"``).
+        llm_tokens: ``{k: ActionTokens}`` per LLM microbatch ``k`` (from 1).
+        encoder_tokens: ``{e: ActionTokens}`` per encoder microbatch.
+        waits: ``{action: seconds}`` the rank blocked on receives before each action (missing: 0).
+
+    Raises:
+        KeyError: an action whose microbatch has no token counts.
+    """
+    out = []
+    for ev in timeline:
+        a = Action.parse(ev.action)
+        toks = encoder_tokens[a.microbatch] if a.kind.is_encoder else llm_tokens[flow_index(a.microbatch)]
+        tokens = {m: int(n) for m, (n, _) in toks.modules.items()}
+        tokens_sq = {m: int(sq) for m, (_, sq) in toks.modules.items()}
+        wait = float((waits or {}).get(ev.action, 0.0))
+        out.append(
+            ActionRecord(
+                step,
+                ev.rank,
+                str(a.kind),
+                a.stage,
+                a.microbatch,
+                tokens,
+                tokens_sq,
+                ev.start_s,
+                ev.end_s,
+                wait,
+            )
+        )
+    return out
+
+
+_TYPES = {"action": ActionRecord, "p2p": P2PRecord, "step": StepRecord}
+_NAMES = {v: k for k, v in _TYPES.items()}
+
+
+def _to_json(record: ActionRecord | P2PRecord | StepRecord) -> str:
+    return json.dumps({"type": _NAMES[type(record)], **asdict(record)}, sort_keys=True)
+
+
+class RecordWriter:
+    """Appends records to a JSONL file (one per line, flushed per :meth:`write` call).
+
+    Args:
+        path: the file (parent directories are created); appended to if it exists.
+    """
+
+    def __init__(self, path: str | Path) -> None:
+        self.path = Path(path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._f = self.path.open("a", encoding="utf-8")
+
+    def write(self, records: Iterable[ActionRecord | P2PRecord | StepRecord]) -> None:
+        """Append ``records`` and flush."""
+        for r in records:
+            self._f.write(_to_json(r) + "\n")
+        self._f.flush()
+
+    def close(self) -> None:
+        self._f.close()
+
+    def __enter__(self) -> RecordWriter:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _int(obj: Mapping[str, Any], name: str, where: str, *, optional: bool = False) -> int | None:
+    v = obj.get(name)
+    if v is None and optional:
+        return None
+    if not isinstance(v, int) or isinstance(v, bool):
+        raise RecordError(f"{where}: field {name!r} must be an integer, got {v!r}")
+    return v
+
+
+def _float(obj: Mapping[str, Any], name: str, where: str, *, optional: bool = False) -> float | None:
+    v = obj.get(name)
+    if v is None and optional:
+        return None
+    if not isinstance(v, int | float) or isinstance(v, bool) or not math.isfinite(v):
+        raise RecordError(f"{where}: field {name!r} must be a finite number, got {v!r}")
+    return float(v)
+
+
+def _counts(obj: Mapping[str, Any], name: str, where: str) -> dict[str, int]:
+    v = obj.get(name)
+    if not isinstance(v, dict) or len(v) > 64:
+        raise RecordError(f"{where}: field {name!r} must be an object {{module: count}}, got {v!r}")
+    out = {}
+    for k, n in v.items():
+        if not isinstance(n, int) or isinstance(n, bool) or n < 0:
+            raise RecordError(f"{where}: {name}[{k!r}] must be an integer >= 0, got {n!r}")
+        out[str(k)] = n
+    return out
+
+
+def _parse(obj: Any, where: str) -> ActionRecord | P2PRecord | StepRecord:
+    if not isinstance(obj, dict):
+        raise RecordError(f"{where}: expected a JSON object, got {type(obj).__name__}")
+    kind = obj.get("type")
+    if kind not in _TYPES:
+        raise RecordError(f"{where}: field 'type' must be one of {sorted(_TYPES)}, got {kind!r}")
+    cls = _TYPES[kind]
+    allowed = {"type", *cls.__dataclass_fields__}
+    unknown = sorted(set(obj) - allowed)
+    if unknown:
+        raise RecordError(f"{where}: unknown field {unknown[0]!r} in a {kind!r} record")
+    if cls is ActionRecord:
+        k = obj.get("kind")
+        if k not in ("F", "B", "EF", "EB"):
+            raise RecordError(f"{where}: field 'kind' must be F, B, EF or EB, got {k!r}")
+        stage = _int(obj, "stage", where, optional=True)
+        if (stage is None) != (k in ("EF", "EB")):
+            raise RecordError(
+                f"{where}: {k} records {'must not' if k in ('EF', 'EB') else 'must'} have a stage"
+            )
+        rec = ActionRecord(
+            step=_int(obj, "step", where),
+            rank=_int(obj, "rank", where),
+            kind=k,
+            stage=stage,
+            microbatch=_int(obj, "microbatch", where),
+            tokens=_counts(obj, "tokens", where),
+            tokens_sq=_counts(obj, "tokens_sq", where),
+            start_s=_float(obj, "start_s", where),
+            end_s=_float(obj, "end_s", where),
+            wait_s=_float(obj, "wait_s", where) if "wait_s" in obj else 0.0,
+        )
+        try:
+            rec.action  # noqa: B018 - checks stage / microbatch numbering
+        except ValueError as exc:
+            raise RecordError(f"{where}: {exc}") from None
+        if rec.end_s < rec.start_s or rec.wait_s < 0:
+            raise RecordError(
+                f"{where}: end_s < start_s or wait_s < 0 ({rec.start_s}, {rec.end_s}, {rec.wait_s})"
+            )
+        return rec
+    if cls is P2PRecord:
+        what = obj.get("what")
+        if what not in P2P_KINDS:
+            raise RecordError(f"{where}: field 'what' must be one of {list(P2P_KINDS)}, got {what!r}")
+        rec = P2PRecord(
+            step=_int(obj, "step", where),
+            src=_int(obj, "src", where),
+            dst=_int(obj, "dst", where),
+            what=what,
+            microbatch=_int(obj, "microbatch", where),
+            bytes=_int(obj, "bytes", where),
+            wait_s=_float(obj, "wait_s", where),
+            transfer_s=_float(obj, "transfer_s", where, optional=True),
+        )
+        if rec.bytes < 0 or rec.wait_s < 0 or (rec.transfer_s is not None and rec.transfer_s < 0):
+            raise RecordError(f"{where}: bytes, wait_s and transfer_s must be >= 0")
+        return rec
+    rec = StepRecord(
+        step=_int(obj, "step", where),
+        rank=_int(obj, "rank", where),
+        step_s=_float(obj, "step_s", where),
+        actions_end_s=_float(obj, "actions_end_s", where),
+    )
+    if rec.step_s < 0 or rec.actions_end_s < 0:
+        raise RecordError(f"{where}: step_s and actions_end_s must be >= 0")
+    return rec
+
+
+def read_records(path: str | Path) -> RunRecords:
+    """Read a records file (or ``<dir>/actions.jsonl`` when ``path`` is a directory).
+
+    Raises:
+        FileNotFoundError: no such file (names it).
+        RecordError: a line that is too long, not JSON, or a record with a missing, unknown or mistyped
+            field; more than ``MAX_LINES`` lines (names the file, line and field).
+    """
+    p = Path(path)
+    if p.is_dir():
+        p = p / RECORDS_FILE
+    if not p.is_file():
+        raise FileNotFoundError(f"records file {p} does not exist")
+    out = RunRecords()
+    with p.open("rb") as f:
+        for n, raw in enumerate(f, start=1):
+            where = f"{p}:{n}"
+            if n > MAX_LINES:
+                raise RecordError(f"{where}: more than {MAX_LINES} records")
+            if len(raw) > MAX_LINE_BYTES:
+                raise RecordError(f"{where}: line longer than {MAX_LINE_BYTES} bytes")
+            if not raw.strip():
+                continue
+            try:
+                obj = json.loads(raw)
+            except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+                raise RecordError(f"{where}: not JSON: {exc}") from None
+            out.add(_parse(obj, where))
+    return out
