@@ -518,6 +518,7 @@ def validate(cfg: RunConfig, nproc: int) -> None:
         )
     if cfg.checkpoint.every < 0 or cfg.checkpoint.keep_last < 1:
         raise ConfigError("checkpoint.every: must be >= 0 and checkpoint.keep_last >= 1")
+    _validate_schedule_and_memory(cfg)
 
 
 def _validate_cp(cfg: RunConfig) -> None:
@@ -540,7 +541,6 @@ def _validate_cp(cfg: RunConfig) -> None:
                 f"data.sources[{i}].join_tokens: joins text documents only, must be >= 0 "
                 f"(got {src.join_tokens} on a {src.modality} source)"
             )
-    _validate_schedule_and_memory(cfg)
 
 
 def _validate_schedule_and_memory(cfg: RunConfig) -> None:
