@@ -107,13 +107,22 @@ def balance_rows(seed: int = 0) -> list[dict]:
     return rows
 
 
+HYBRID_SETTINGS = ((8, 4, 32768), (16, 8, 32768), (32, 8, 65536))  # (dp_cp, microbatches, tokens per rank)
+
+
+def lognormal_lengths(rng: random.Random, budget: float) -> list[int]:
+    """Sample lengths (tokens), lognormal(9.0, 1.3) clipped to 1K-128K, drawn until they sum to ``budget``."""
+    lengths: list[int] = []
+    while sum(lengths) < budget:
+        lengths.append(int(min(max(rng.lognormvariate(9.0, 1.3), 1024), 131072)))
+    return lengths
+
+
 def hybrid_rows(seed: int = 1) -> list[dict]:
     rows = []
     rng = random.Random(seed)
-    for dp_cp, mbs, cap in ((8, 4, 32768), (16, 8, 32768), (32, 8, 65536)):
-        lengths: list[int] = []
-        while sum(lengths) < 0.6 * dp_cp * mbs * cap:
-            lengths.append(int(min(max(rng.lognormvariate(9.0, 1.3), 1024), 131072)))
+    for dp_cp, mbs, cap in HYBRID_SETTINGS:
+        lengths = lognormal_lengths(rng, 0.6 * dp_cp * mbs * cap)
         t0 = time.perf_counter()
         plan = plan_hybrid_cp(lengths, dp_cp, cap, num_microbatches=mbs)
         dt = time.perf_counter() - t0

@@ -62,7 +62,16 @@ def test_each_validation_error_names_its_field(tmp_path, data):
     assert _bad(
         cfg, nproc=2, parallel__tp=2, parallel__pp=1, model__llm__n_heads=1, model__llm__n_kv_heads=1
     ).startswith("model.llm.n_heads")
-    assert _bad(cfg, nproc=4, parallel__cp=2).startswith("parallel.cp: 2 is not supported")
+    validate(dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, cp=2)), 4)  # CP is wired
+    assert _bad(cfg, nproc=8, parallel__cp=2, parallel__tp=2).startswith("parallel.cp: context parallelism")
+    assert _bad(
+        cfg, nproc=2, parallel__cp=2, parallel__ulysses=1, parallel__pp=1, train__compile=True
+    ).startswith("train.compile")
+    assert _bad(cfg, parallel__hybrid_cp=True).startswith("parallel.hybrid_cp: needs dp * cp >= 2")
+    joined = [
+        dataclasses.replace(s, join_tokens=64 if s.modality == "image" else 0) for s in cfg.data.sources
+    ]
+    assert _bad(cfg, data__sources=joined).startswith("data.sources[0].join_tokens")
     srcs = [dataclasses.replace(s) for s in cfg.data.sources]
     srcs[1] = dataclasses.replace(srcs[1], urls=str(tmp_path / "nothing-*.tar"))
     msg = _bad(cfg, data__sources=srcs)

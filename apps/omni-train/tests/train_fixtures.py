@@ -47,8 +47,12 @@ def make_dataset(
     n_text: int = 40,
     seed: int = 0,
     damage_images: bool = False,
+    text_words_lognormal: tuple[float, float] | None = None,
 ) -> dict:
     """Write shards and a tokenizer under ``root``; return their paths and patterns.
+
+    ``text_words_lognormal``: ``(mu, sigma)`` of a lognormal word count per text sample (3 to 400 words,
+    a long-tailed length mix); default two sentences of 5-29 words.
 
     ``damage_images``: every PNG's body is bit-flipped after its first 80 bytes (the IHDR header still
     parses, so metadata and packs are the same as without; decoding the pixels fails).
@@ -95,7 +99,10 @@ def make_dataset(
             )
     with wds.ShardWriter(str(root / "text-%03d.tar"), maxcount=max(1, n_text // 2), verbose=0) as w:
         for i in range(n_text):
-            t = " ".join(_sentence(rng, int(rng.integers(5, 30))) for _ in range(2))
+            if text_words_lognormal is None:
+                t = " ".join(_sentence(rng, int(rng.integers(5, 30))) for _ in range(2))
+            else:
+                t = _sentence(rng, int(np.clip(rng.lognormal(*text_words_lognormal), 3, 400)))
             texts.append(t)
             w.write({"__key__": f"txt{i:04d}", "txt": t})
     tok = Tokenizer(models.BPE())

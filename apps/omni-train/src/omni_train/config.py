@@ -21,6 +21,7 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
+from omni_parallel import CPAttention
 from omni_train.models.audio import AudioConfig
 from omni_train.models.llm import LLMConfig
 from omni_train.models.vit import ViTConfig
@@ -124,13 +125,16 @@ class SourceConfig:
     """One WebDataset source. ``urls``: a glob or brace pattern, absolute, an fsspec URL
     (``scheme://...``), or relative to the folder of the config file (:func:`data_root`; the bundled
     configs' to the bundled data directory ``omni_train/data``). ``min_pixels`` / ``max_pixels`` (image sources): this source's resize bounds
-    instead of ``[model.vit]``'s, as datasets of different resolutions have (a recipe's image-size mix)."""
+    instead of ``[model.vit]``'s, as datasets of different resolutions have (a recipe's image-size mix). ``join_tokens`` (text sources, 0 = off): the consecutive passages of
+    one document (keys ``<doc>-000``, ``<doc>-001``, ...) are joined into documents of up to this many
+    tokens (``omni_data.JoinDocuments``: whole plays for a long-context recipe)."""
 
     name: str
     modality: str
     urls: str
     min_pixels: int | None = None
     max_pixels: int | None = None
+    join_tokens: int = 0
 
 
 @dataclass
@@ -156,7 +160,8 @@ class DataConfig:
         reorder_group_size: DP replicas per reordering group of the decentralised grouped reordering
             across DP (``omni_train.encoder_parallel``, paper §5.1); must divide ``parallel.dp``; 1 turns
             it off; ``None`` (default): the replicas whose ranks share this rank's node
-            (``LOCAL_WORLD_SIZE``, else every replica). Active only with ``parallel.reorder``.
+            (``LOCAL_WORLD_SIZE``, else every replica). Active only with ``parallel.reorder`` and
+            without CP (under ``parallel.cp`` > 1 or ``hybrid_cp`` it is 1).
     """
 
     sources: list[SourceConfig]
@@ -189,13 +194,20 @@ class ParallelConfigSection:
             their gradients and optimizer state over every rank (the gathered parameters stay allocated
             between steps); 3: parameters too.
         encoder_sp: encoder sequence-parallel size (``omni_train.encoder_parallel``): 1, or the LLM's
-            sequence-parallel size (``ulysses`` or ``cp``), whose group it then shares. With an LLM SP
+            Ulysses size, whose group it then shares (under CP, ``omni_train.cp_sharding`` splits each
+            encoder microbatch's samples over the CP ranks; reordering across DP is then off). With an LLM SP
             group the samples of each encoder microbatch are spread over it (each encoded once, short
             ones whole on single ranks balanced by cost); with ``encoder_sp`` > 1, images of more than
             ``long_threshold`` LLM tokens are also split along the sequence over the group, Ulysses
             inside the ViT's attention.
         long_threshold: tokens (after the patch merge: the LLM tokens an image fills) above which an
             image is long (split over the encoder SP group); >= 1.
+        cp_attention: attention of context-parallel groups: ``"allgather"`` (K/V all-gathered) or
+            ``"ring"`` (K/V passed around the ring, overlapped with compute; less memory per rank).
+        hybrid_cp: hybrid DP/CP (``omni_train.cp_sharding``): the ``dp * cp`` ranks of a stage share
+            packs of ``dp * cp * data.max_seq_len`` tokens; per pack ``omni_parallel.plan_hybrid_cp``
+            keeps short samples whole on single ranks and CP-shards long ones over the smallest aligned
+            block that fits ``data.max_seq_len`` tokens per rank. Works with ``pp > 1``.
         schedule: the LLM pipeline schedule (:class:`PipelineSchedule`; ``omni_train.pipeline``).
         virtual_stages: LLM stages per pipeline rank (``>= 1``): the layers are split over
             ``pp * virtual_stages`` stages and rank ``r`` holds stages ``r, r + pp, ...``. More than 1
@@ -211,6 +223,8 @@ class ParallelConfigSection:
     reorder: bool = True
     encoder_forward_share: float = 0.3
     encoder_zero: int = 0
+    cp_attention: CPAttention = CPAttention.ALLGATHER
+    hybrid_cp: bool = False
     schedule: PipelineSchedule = PipelineSchedule.ONE_F_ONE_B
     virtual_stages: int = 1
     encoder_sp: int = 1
@@ -512,11 +526,7 @@ def validate(cfg: RunConfig, nproc: int) -> None:
             raise ConfigError(
                 f"model.llm.{name}: {getattr(llm, name)} is not divisible by parallel.tp {par.tp}"
             )
-    if par.cp > 1:
-        raise ConfigError(
-            f"parallel.cp: {par.cp} is not supported by omni-train's LLM (no context-parallel attention "
-            "wired); use parallel.ulysses for sequence parallelism"
-        )
+    _validate_cp(cfg)
     # Ulysses pads heads that sp does not divide (omni_parallel.ulysses), so no head-count check here.
     if par.ulysses > 1 and par.tp > 1:
         raise ConfigError(
@@ -610,11 +620,11 @@ def validate(cfg: RunConfig, nproc: int) -> None:
             f"parallel.encoder_zero: {par.encoder_zero} is not one of 0 (encoders whole on every rank), "
             "2 (gradients and optimizer state sharded) or 3 (parameters too)"
         )
-    llm_sp = max(par.ulysses, par.cp)
-    if par.encoder_sp < 1 or (par.encoder_sp > 1 and par.encoder_sp != llm_sp):
+    if par.encoder_sp < 1 or (par.encoder_sp > 1 and par.encoder_sp != par.ulysses):
         raise ConfigError(
-            f"parallel.encoder_sp: {par.encoder_sp} must be 1 or the LLM sequence-parallel size "
-            f"(ulysses {par.ulysses}, cp {par.cp}), whose group the encoders share"
+            f"parallel.encoder_sp: {par.encoder_sp} must be 1 or the LLM's Ulysses size "
+            f"(parallel.ulysses {par.ulysses}), whose group the encoders share (under CP the CP ranks "
+            "split each encoder microbatch's samples instead: omni_train.cp_sharding)"
         )
     if par.long_threshold < 1:
         raise ConfigError(f"parallel.long_threshold: must be >= 1 token, got {par.long_threshold}")
@@ -626,6 +636,35 @@ def validate(cfg: RunConfig, nproc: int) -> None:
     if cfg.train.profile_steps < 0:
         raise ConfigError(f"train.profile_steps: must be >= 0, got {cfg.train.profile_steps}")
     _validate_schedule_and_memory(cfg)
+
+
+def _validate_cp(cfg: RunConfig) -> None:
+    """CP and hybrid DP/CP: what the trainer's CP path (``omni_train.cp_sharding``) supports."""
+    par = cfg.parallel
+    if (par.cp > 1 or par.hybrid_cp) and par.tp > 1:
+        raise ConfigError(
+            f"parallel.cp: context parallelism together with parallel.tp {par.tp} is not supported yet"
+        )
+    if (par.cp > 1 or par.hybrid_cp) and cfg.train.compile:
+        raise ConfigError("train.compile: not supported with context parallelism (parallel.cp > 1) yet")
+    g = cfg.data.reorder_group_size
+    if (par.cp > 1 or par.hybrid_cp) and g is not None and g > 1 and par.reorder:
+        raise ConfigError(
+            f"data.reorder_group_size: {g} with context parallelism (parallel.cp {par.cp}, hybrid_cp "
+            f"{par.hybrid_cp}): the CP ranks already balance each encoder microbatch; reordering across DP "
+            "is not combined with CP, set it to 1"
+        )
+    if par.hybrid_cp and (par.ulysses > 1 or par.dp * par.cp < 2):
+        raise ConfigError(
+            f"parallel.hybrid_cp: needs dp * cp >= 2 ranks per stage to share (got dp {par.dp} x cp "
+            f"{par.cp}) and no parallel.ulysses"
+        )
+    for i, src in enumerate(cfg.data.sources):
+        if src.join_tokens < 0 or (src.join_tokens and src.modality != "text"):
+            raise ConfigError(
+                f"data.sources[{i}].join_tokens: joins text documents only, must be >= 0 "
+                f"(got {src.join_tokens} on a {src.modality} source)"
+            )
 
 
 def _validate_schedule_and_memory(cfg: RunConfig) -> None:

@@ -32,6 +32,7 @@ from omni_data import (
     EncoderCost,
     HybridPacker,
     ImageTokens,
+    JoinDocuments,
     MixtureSchedule,
     MixtureStream,
     Modality,
@@ -112,9 +113,10 @@ def encoder_imbalance(load: dict[int, list[float]]) -> float | None:
 
 def build_sources(
     cfg: RunConfig, tokenizer: Tokenizer, *, dp_rank: int, dp_size: int
-) -> dict[str, WebDatasetSource]:
+) -> dict[str, BaseNode[SampleMeta]]:
     """One :class:`WebDatasetSource` per ``[[data.sources]]`` entry, split over ``dp_size`` DP ranks, with
-    the encoders' token accounting and FLOP costs and, for audio, the encoder's sample rate."""
+    the encoders' token accounting and FLOP costs and, for audio, the encoder's sample rate; a text source
+    with ``join_tokens`` is wrapped in :class:`~omni_data.JoinDocuments`."""
     m = cfg.model
     vit, aud = m.vit, m.audio
     image_tokens = (
@@ -141,7 +143,7 @@ def build_sources(
                 min_pixels=src.min_pixels if src.min_pixels is not None else tokens.min_pixels,
                 max_pixels=src.max_pixels if src.max_pixels is not None else tokens.max_pixels,
             )
-        sources[src.name] = WebDatasetSource(
+        sources[src.name] = source = WebDatasetSource(
             expand_urls(src.urls, root),
             modality=modality,
             name=src.name,
@@ -157,6 +159,8 @@ def build_sources(
             seed=cfg.train.seed,
             epochs=None,
         )
+        if src.join_tokens:
+            sources[src.name] = JoinDocuments(source, src.join_tokens)
     return sources
 
 
@@ -170,6 +174,9 @@ def build_step_stream(
     consumes: set[int],
     read_text: bool,
     tp_group=None,
+    share=None,
+    text_share=None,
+    pack_tokens: int | None = None,
     sources: Mapping[str, BaseNode[SampleMeta]] | None = None,
 ) -> ZeroRedundancyFilter:
     """The per-step stream of this rank (see the module docstring); call ``reset()`` or
@@ -178,6 +185,10 @@ def build_step_stream(
     Args:
         consumes: encoder microbatch ids this pipeline rank runs (from the data flow).
         read_text: this rank builds LLM inputs or labels (first or last stage): read every sample's text.
+        share, text_share: the zero-redundancy filter's narrowing of encoder microbatches and text reads
+            to this rank's part (CP: ``omni_train.cp_sharding.CPSharding``); ``None``: everything.
+        pack_tokens: pack capacity; default ``data.max_seq_len`` (hybrid DP/CP: the stage's ranks share
+            packs of ``dp * cp * max_seq_len`` tokens).
         sources: metadata streams by source name in place of :func:`build_sources`' shards (e.g.
             ``omni_data.testing.SyntheticSource`` to measure the mixture the trainer's packs hold).
     """
@@ -185,12 +196,13 @@ def build_step_stream(
         sources = build_sources(cfg, tokenizer, dp_rank=dp_rank, dp_size=dp_size)
     schedule = mixture_schedule(cfg)
     d = cfg.data
+    capacity = pack_tokens or d.max_seq_len
     if d.packing is Packing.HYBRID:
         mixture = MixtureStream(dict(sources), schedule)
-        packer = HybridPacker(mixture, d.max_seq_len, d.buffer_size, max_pack_age=d.max_pack_age)
+        packer = HybridPacker(mixture, capacity, d.buffer_size, max_pack_age=d.max_pack_age)
     else:
         per_source = {
-            n: HybridPacker(s, d.max_seq_len, d.buffer_size, max_pack_age=d.max_pack_age)
+            n: HybridPacker(s, capacity, d.buffer_size, max_pack_age=d.max_pack_age)
             for n, s in sources.items()
         }
         # The mixture draws whole single-modality packs by the schedule's weights.
@@ -207,4 +219,6 @@ def build_step_stream(
         read_text=read_text,
         balance=cfg.parallel.reorder,
         decode_workers=d.decode_workers,
+        share=share,
+        text_share=text_share,
     )

@@ -13,6 +13,13 @@ of ``sp`` with a padding document that has no targets), its global RoPE position
 long-short SP over the stage's SP group, resharding into the LLM layout): each encoder microbatch's
 samples are encoded once, spread over the SP ranks, and SP rank ``u`` of stage 0 receives exactly the
 media rows of its chunk, which it scatters into its placeholder slots.
+
+CP and hybrid DP/CP (``cp``, :mod:`omni_train.cp_sharding`): each rank holds its head-tail share of every
+pack (or, hybrid, its whole samples and its shares of the long ones), the RoPE positions of those tokens,
+and a :class:`~omni_parallel.CPSequence` in place of ``cu_seqlens``; its encoder microbatches are its share
+of each slice, and their embeddings reach their tokens through ``CPSharding.deliver_media`` (the CP path of
+``omni_parallel.reshard_to_llm``); :mod:`omni_train.encoder_parallel` then only runs the encoders on
+that share (no reordering across DP, no encoder SP under CP).
 """
 
 from __future__ import annotations
@@ -36,6 +43,7 @@ from omni_train.batch import (
     ulysses_chunk,
     ulysses_layout,
 )
+from omni_train.cp_sharding import CPSharding
 from omni_train.data_pipeline import undecodable_samples
 from omni_train.encoder_parallel import EncoderParallel, EncoderWork, SequenceLayout
 from omni_train.loss import microbatch_loss
@@ -89,6 +97,9 @@ class StepBuilder:
         dp_group: the DP group (sums the step's target count); ``None`` for dp=1.
         parallel: the encoders' groups and layout (:class:`~omni_train.encoder_parallel.EncoderParallel`);
             default: none (no SP, no reordering across DP).
+        cp: this rank's CP / hybrid DP/CP layout; ``None`` without CP.
+        cp_group: the ranks of a stage that share the packs under ``cp`` (the CP group, or dp_cp for
+            hybrid DP/CP): they share which samples failed to decode.
     """
 
     def __init__(
@@ -107,7 +118,10 @@ class StepBuilder:
         pp_group: dist.ProcessGroup | None = None,
         dp_group: dist.ProcessGroup | None = None,
         parallel: EncoderParallel | None = None,
+        cp: CPSharding | None = None,
+        cp_group: dist.ProcessGroup | None = None,
     ) -> None:
+        self.cp, self.cp_group = cp, cp_group
         self.schedule, self.flow, self.encoders = schedule, flow, encoders
         self.placeholders = dict(placeholders)
         self.llm_dim, self.dtype, self.device = llm_dim, dtype, device
@@ -124,8 +138,10 @@ class StepBuilder:
         if self.builds_text:
             for k, (pack, row) in enumerate(zip(packs, fs.text_ids), start=1):
                 ids = {s.uid: t for s, t in zip(pack.samples, row) if t is not None}
+                if self.cp is not None:
+                    ids = self.cp.fill_unread(pack, ids)
                 mb = build_llm_microbatch(pack, ids, self.placeholders, {i for p, i in masked if p == k - 1})
-                mbs[k] = ulysses_chunk(mb, self.sp, self.sp_rank) if self.sp > 1 else mb
+                mbs[k] = self._local_microbatch(mb, pack)
         positions = {
             e: torch.tensor(self.parallel.slots(packs, items), dtype=torch.int64)
             for e, items in fs.microbatches.items()
@@ -138,13 +154,24 @@ class StepBuilder:
         plan = StepPlan(
             self.schedule,
             self.flow,
-            llm_shapes={k: (-(-p.num_tokens // self.sp), self.llm_dim) for k, p in enumerate(packs, start=1)},
+            llm_shapes={k: (self._local_tokens(p), self.llm_dim) for k, p in enumerate(packs, start=1)},
             encoder_shapes={e: (int(pos.numel()), self.llm_dim) for e, pos in positions.items()},
             dtype=self.dtype,
         )
         return StepInputs(
             fs.step, packs, mbs, masked, max(1, int(targets)), positions, fs.payloads, plan, work
         )
+
+    def _local_microbatch(self, mb: LLMMicrobatch, pack: Pack) -> LLMMicrobatch:
+        """This rank's part of a whole-pack microbatch: its Ulysses chunk or its CP share."""
+        if self.cp is not None:
+            return self.cp.microbatch(mb, pack)
+        return ulysses_chunk(mb, self.sp, self.sp_rank) if self.sp > 1 else mb
+
+    def _local_tokens(self, pack: Pack) -> int:
+        if self.cp is not None:
+            return self.cp.local(pack).tokens
+        return -(-pack.num_tokens // self.sp)
 
     def functions(self, inputs: StepInputs) -> StepFunctions:
         """The executor's callables for ``inputs`` (closures over it)."""
@@ -153,6 +180,8 @@ class StepBuilder:
             mb = inputs.microbatches[k]
             es = [e for e in self.flow.encoder_inputs[k] if e in outs]
             media = torch.cat([outs[e] for e in es]) if es else None
+            if self.cp is not None:
+                return self._cp_first_stage_input(inputs, k, media)
             # Each output already holds exactly this SP rank's rows (encoder_parallel's resharding).
             pos = torch.cat([inputs.media_positions[e] for e in es]).to(self.device) if es else None
             dev = self.device
@@ -162,6 +191,9 @@ class StepBuilder:
             if stage == 0:
                 return {}
             pack = inputs.packs[k - 1]
+            if self.cp is not None:
+                pos = torch.tensor(self.cp.local(pack).position, dtype=torch.int64, device=self.device)
+                return {"position_ids": pos, "cu_seqlens": self.cp.sequence(pack)}
             cu = torch.zeros(len(pack.samples) + 1, dtype=torch.int64)
             cu[1:] = torch.cumsum(torch.tensor(pack.seqlens, dtype=torch.int64), 0)
             pos = pack.position_ids
@@ -182,6 +214,19 @@ class StepBuilder:
 
         return StepFunctions(first_stage_input, loss, encode, stage_kwargs)
 
+    def _cp_first_stage_input(self, inputs: StepInputs, k: int, media: torch.Tensor | None) -> tuple:
+        """Stage 0's input under CP: this rank's tokens, RoPE positions and CP sequence, and the media
+        embeddings of its tokens (delivered from the ranks that encoded them)."""
+        assert self.cp is not None
+        mb, pack, dev = inputs.microbatches[k], inputs.packs[k - 1], self.device
+        embeds, rows = None, None
+        if pack.spans:
+            positions = self.cp.rank_positions(inputs.packs, k)
+            mine = media if media is not None else torch.zeros(0, self.llm_dim, dtype=self.dtype, device=dev)
+            embeds, rows = self.cp.deliver_media(pack, mine, positions)
+            rows = rows.to(dev)
+        return mb.input_ids.to(dev), mb.position_ids.to(dev), self.cp.sequence(pack), embeds, rows
+
     def _undecodable(self, fs: FilteredStep) -> frozenset[tuple[int, int]]:
         """``(pack, sample)`` whose payload failed to decode on any rank of this pipeline: only the rank
         that ran the sample's encoder microbatch knows, the last stage needs it (labels), every stage
@@ -194,6 +239,8 @@ class StepBuilder:
             flags[offsets[p] + i] = 1
         if self.pp_group is not None:
             dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.pp_group)
+        if self.cp_group is not None:  # CP ranks of a stage decode different shares of the packs
+            dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.cp_group)
         return frozenset(
             (p, i)
             for p in range(len(fs.packs))

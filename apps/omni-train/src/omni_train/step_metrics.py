@@ -84,6 +84,12 @@ class StepMetrics:
         self.rank, self.world = ps.rank, ps.world_size
         self.pp, self.pp_rank = ps.size("pp"), ps.local_rank("pp")
         self.dp, self.tp_rank, self.sp_rank = ps.size("dp"), ps.local_rank("tp"), ps.local_rank("ulysses")
+        # CP ranks hold the same packs: one counts them. Hybrid DP/CP: every rank of a stage holds the
+        # same (dp * cp times larger) packs, one data replica in all.
+        hybrid = cfg.parallel.hybrid_cp
+        self.counts_packs = ps.local_rank("dp_cp" if hybrid else "cp") == 0
+        self.replicas = 1 if hybrid else self.dp
+        self.pack_tokens = cfg.data.max_seq_len * (ps.size("dp_cp") if hybrid else 1)
 
     def reduce(self, inputs: StepInputs, result: StepResult, wall: float) -> dict[str, Any]:
         """One all-reduce over the world (collective): per-rank wall/busy seconds, and (from pipeline rank
@@ -99,7 +105,7 @@ class StepMetrics:
             for i, mod in enumerate(MODALITIES):
                 vec[2 * n + 1 + i] = sum(m[f"ce_{mod}"] for m in result.metrics.values())
                 vec[2 * n + 1 + len(MODALITIES) + i] = sum(m[f"n_{mod}"] for m in result.metrics.values())
-        if self.pp_rank == 0 and self.tp_rank == 0 and self.sp_rank == 0:
+        if self.pp_rank == 0 and self.tp_rank == 0 and self.sp_rank == 0 and self.counts_packs:
             vec[-3] = sum(p.num_tokens for p in packs)
             vec[-2] = sum(len(p.samples) for p in packs)
             vec[-1] = len(inputs.masked)
@@ -168,7 +174,7 @@ class StepMetrics:
             "tokens_per_s": row["tokens"] / step_s,
             "samples_per_s": row["samples"] / step_s,
             "skipped_payloads": row["skipped_payloads"],
-            "packing_fill": sum(p.num_tokens for p in packs) / (len(packs) * self.cfg.data.max_seq_len),
+            "packing_fill": sum(p.num_tokens for p in packs) / (len(packs) * self.pack_tokens),
             "encoder_imbalance_before_reorder": before,
             "encoder_imbalance_after_reorder": after,
             "mfu": flops / step_s / (self.peak_flops * self.world),
@@ -202,7 +208,7 @@ class StepMetrics:
                     attention_flops([seq], ec.dim, ec.n_layers, causal=False),
                 )
         total += model_flops(self.llm_matmul, sum(p.num_tokens for p in inputs.packs), 0.0)
-        return total * self.dp  # every DP replica runs as much work as this one (estimated from it)
+        return total * self.replicas  # every DP replica runs as much work as this one (estimated from it)
 
 
 def _max_over_mean(values: list[float]) -> float | None:

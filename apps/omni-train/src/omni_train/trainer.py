@@ -68,6 +68,7 @@ from omni_pipeline import (
 from omni_train.activation_memory import ActivationMemory
 from omni_train.checkpointing import TrainCheckpoint
 from omni_train.config import RunConfig, bundled_data_dir
+from omni_train.cp_sharding import CPSharding, build_cp_sharding
 from omni_train.data_pipeline import build_step_stream
 from omni_train.encoder_parallel import (
     EncoderParallel,
@@ -183,6 +184,7 @@ class Trainer:
         """Schedule, data flow and the loader (which reads only what the flow runs on this rank)."""
         cfg, par = self.cfg, self.cfg.parallel
         microbatches = cfg.data.microbatches
+        self.sharding = self._build_cp_sharding()
         encoder_inputs = encoder_microbatch_ids(microbatches, self.pp)
         # Equal planned costs per encoder microbatch: the loader's split already balances them
         # (Karmarkar-Karp). fixed_ranks pins slice j of every LLM microbatch to pipeline rank j for the
@@ -192,9 +194,7 @@ class Trainer:
             par.placement, self.schedule, encoder_inputs, CostModel(encoder_forward_s=share), fixed_ranks=True
         )
         tp_or_sp = self.ps.group("tp") if self.tp > 1 else (self.ps.group("ulysses") if self.sp > 1 else None)
-        self.stream = build_step_stream(
-            cfg,
-            self.tokenizer,
+        options: dict[str, Any] = dict(
             dp_rank=self.ps.local_rank("dp"),
             dp_size=self.dp,
             dp_group=self.ps.group("dp") if self.dp > 1 else None,
@@ -204,6 +204,44 @@ class Trainer:
             # (validation refuses tp > 1 with ulysses > 1).
             tp_group=tp_or_sp,
         )
+        self.stream = build_step_stream(cfg, self.tokenizer, **(options | self._cp_stream_options()))
+
+    def _build_cp_sharding(self) -> CPSharding | None:
+        """CP or hybrid DP/CP layout (``omni_train.cp_sharding``; collective: hybrid creates sub-groups)."""
+        cfg, par = self.cfg, self.cfg.parallel
+        return build_cp_sharding(
+            self.ps,
+            cp=par.cp,
+            hybrid=par.hybrid_cp,
+            method=par.cp_attention,
+            max_tokens=cfg.data.max_seq_len,
+            attention_len=6 * self.llm_cfg.dim,
+            microbatches=cfg.data.microbatches,
+            slices=self.pp,
+            balance=par.reorder,
+        )
+
+    def _pack_tokens(self) -> int:
+        """Pack capacity: ``data.max_seq_len``, or under hybrid DP/CP the stage's share of ranks times it."""
+        hybrid = self.sharding is not None and self.sharding.hybrid
+        return self.cfg.data.max_seq_len * (self.sharding.size if hybrid else 1)
+
+    def _cp_stream_options(self) -> dict[str, Any]:
+        """The loader under CP: each CP rank reads only the media it encodes; hybrid DP/CP ranks of a stage
+        share one stream of ``dp * cp`` times larger packs and read only the text of their samples."""
+        sh = self.sharding
+        if sh is None:
+            return {}
+        if not sh.hybrid:
+            return {"share": sh.share}
+        return {
+            "share": sh.share,
+            "text_share": sh.text_share,
+            "pack_tokens": self._pack_tokens(),
+            "dp_rank": 0,
+            "dp_size": 1,
+            "dp_group": None,
+        }
 
     def _build_executor(self) -> None:
         """The encoder anchor, the step builder and the executor over this rank's groups."""
@@ -211,7 +249,7 @@ class Trainer:
         anchor = EncoderAnchor(
             dict(self.encoders.towers.items()),
             EncoderParallelConfig(zero_stage=cfg.parallel.encoder_zero),
-            EncoderDataConfig(max_seq_len=cfg.data.max_seq_len * cfg.data.microbatches),
+            EncoderDataConfig(max_seq_len=self._pack_tokens() * cfg.data.microbatches),
         )
         self.builder = StepBuilder(
             schedule=self.schedule,
@@ -228,8 +266,10 @@ class Trainer:
             sp=self.sp,
             sp_rank=self.ps.local_rank("ulysses"),
             pp_group=self.ps.group("pp") if self.pp > 1 else None,
-            dp_group=self.ps.group("dp") if self.dp > 1 else None,
+            dp_group=self.ps.group("dp") if self.dp > 1 and not self.cfg.parallel.hybrid_cp else None,
             parallel=self._encoder_parallel(),
+            cp=self.sharding,
+            cp_group=self._cp_group(),
         )
         self.groups = pipeline_groups(self.ps)
         self.executor = PipelineExecutor(
@@ -241,6 +281,12 @@ class Trainer:
             reduce_gradients=self._reduce_gradients,
         )
 
+    def _cp_group(self) -> dist.ProcessGroup | None:
+        """The ranks of a stage that share its packs under CP: the CP group, or dp_cp for hybrid DP/CP."""
+        if self.sharding is None:
+            return None
+        return self.ps.group("dp_cp" if self.sharding.hybrid else "cp")
+
     def _encoder_parallel(self) -> EncoderParallel:
         """The encoders' groups (:mod:`omni_train.encoder_parallel`; collective: every rank creates the
         reordering groups): the stage's LLM sequence group, and the reordering group across DP of
@@ -250,13 +296,16 @@ class Trainer:
         self.reorder_group_size = size if size is not None else default_reorder_group_size(self.ps)
         if not par.reorder:
             self.reorder_group_size = 1
+        if self.sharding is not None:
+            # CP: cp_sharding splits each encoder microbatch over the CP ranks and delivers the outputs
+            # (validation refuses encoder_sp and reordering groups > 1 with CP).
+            self.reorder_group_size = 1
         group = reorder_groups(self.ps, self.reorder_group_size)
-        name, mode = ("cp", ReshardMode.CP) if par.cp > 1 else ("ulysses", ReshardMode.ULYSSES)
-        sp = self.ps.size(name)
+        sp = self.ps.size("ulysses")
         return EncoderParallel(
-            SequenceLayout(mode if sp > 1 else None, sp),
-            sp_group=self.ps.group(name) if sp > 1 else None,
-            sp_rank=self.ps.local_rank(name),
+            SequenceLayout(ReshardMode.ULYSSES if sp > 1 else None, sp),
+            sp_group=self.ps.group("ulysses") if sp > 1 else None,
+            sp_rank=self.ps.local_rank("ulysses"),
             encoder_sp=par.encoder_sp,
             long_threshold=par.long_threshold,
             reorder_group=group,

@@ -5,6 +5,7 @@ give every rank of a DP rank the same step *metadata*; :class:`ZeroRedundancyFil
 only the payloads this pipeline rank encodes, and :class:`GroupedReorderer` balances them across a group.
 """
 
+from omni_data.join import JoinDocuments, document_part, text_members
 from omni_data.loader import PackedLoader, StepBatch, snapshot_async
 from omni_data.mixture import MixtureSchedule, MixtureStream, ScheduleUnit
 from omni_data.node import StatefulNode
@@ -40,6 +41,7 @@ __all__ = [
     "GroupedReorderer",
     "HybridPacker",
     "ImageTokens",
+    "JoinDocuments",
     "LayoutMismatchError",
     "MemberRef",
     "MixtureSchedule",
@@ -68,6 +70,7 @@ __all__ = [
     "ZeroRedundancyFilter",
     "collate_packs",
     "count_text_tokens",
+    "document_part",
     "encoder_flops",
     "encoder_microbatch_id",
     "encoder_microbatch_ids",
@@ -75,6 +78,7 @@ __all__ = [
     "skip_report",
     "snapshot_async",
     "split_encoder_microbatches",
+    "text_members",
     "to_rgb",
 ]
 __version__ = "0.1.0"

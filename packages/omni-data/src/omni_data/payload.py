@@ -22,6 +22,7 @@ import torch
 from fsspec.implementations.local import LocalFileSystem
 from PIL import Image
 
+from omni_data.join import text_members
 from omni_data.sample import MemberRef, Modality, SampleMeta
 from omni_data.source import AUDIO_EXTS, IMAGE_EXTS, open_shard
 from omni_data.tokens import TextTokenizer, resampled_length
@@ -293,7 +294,7 @@ class PayloadReader:
             if ext is not None:
                 out.append(meta.members[ext])
         if text and "txt" in meta.members and meta.text_tokens:
-            out.append(meta.members["txt"])
+            out.extend(text_members(meta))  # every part of a joined document (omni_data.join)
         return out
 
     def read(self, meta: SampleMeta, fetched: Mapping[tuple[str, int], bytes] | None = None) -> Payload:
@@ -318,7 +319,8 @@ class PayloadReader:
         self, meta: SampleMeta, fetched: Mapping[tuple[str, int], bytes] | None = None
     ) -> torch.Tensor | None:
         """``[meta.text_tokens]`` int64 ids of the sample's text (caption, transcript or text), or ``None``
-        when it has none (``meta.text_tokens == 0``) or there is no tokenizer. Reads only the ``txt`` member.
+        when it has none (``meta.text_tokens == 0``) or there is no tokenizer. Reads only the ``txt`` member
+        (every part of a joined document, :func:`omni_data.join.text_members`).
 
         Raises:
             PayloadError: the member cannot be read or decoded, or gives another token count than ``meta``.
@@ -333,7 +335,9 @@ class PayloadReader:
     def _ids(self, meta: SampleMeta, fetched: Mapping[tuple[str, int], bytes] | None) -> torch.Tensor | None:
         if "txt" not in meta.members or self.tokenizer is None or meta.text_tokens == 0:
             return None  # no text slots in the pack (e.g. the source counted captions without a tokenizer)
-        ids = self.tokenizer.encode(self.read_bytes(meta.members["txt"], fetched).decode("utf-8")).ids
+        ids = []  # a joined document (omni_data.join) has several txt parts: tokenized one by one
+        for ref in text_members(meta):
+            ids += self.tokenizer.encode(self.read_bytes(ref, fetched).decode("utf-8")).ids
         if meta.text_range is not None:
             ids = ids[meta.text_range[0] : meta.text_range[1]]
         if len(ids) != meta.text_tokens:  # a pack's layout was planned with meta.text_tokens slots

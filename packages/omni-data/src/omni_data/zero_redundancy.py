@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import weakref
 from collections import deque
-from collections.abc import Collection, Sequence
+from collections.abc import Callable, Collection, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
@@ -182,6 +182,13 @@ class ZeroRedundancyFilter(StatefulNode[FilteredStep]):
         read_text: this rank builds LLM inputs (the first stage): also read the token ids of every
             sample of the step (``FilteredStep.text_ids``); only ``txt`` members are read for that.
         max_skipped_keys: how many placeholder sample keys to keep by name (counts are always complete).
+        share: narrows every encoder microbatch to the samples *this rank* encodes, when several ranks of
+            one pipeline rank split its encoder microbatches (context-parallel ranks each encoding part
+            of the media): ``share(packs, {e: [(pack, sample)]}) -> {e: [(pack, sample)]}``, a pure
+            function of the metadata (every rank must compute the same split). ``FilteredStep.microbatches``
+            and ``payloads`` then hold this rank's part; ``None``: the whole encoder microbatch.
+        text_share: with ``read_text``, the ``(pack, sample)`` whose text ids this rank reads (the samples
+            whose tokens it holds: hybrid DP/CP); ``text_ids`` is ``None`` for the others. ``None``: all.
 
     Counters: :attr:`ledger` (:class:`~omni_data.skips.SkipLedger`, scope ``"payload"``: per source,
     reason and key, samples whose payload was replaced by a placeholder), on the rank that read them (TP
@@ -212,6 +219,9 @@ class ZeroRedundancyFilter(StatefulNode[FilteredStep]):
         max_skipped_keys: int = 1000,
         balance: bool = True,
         decode_workers: int = 1,
+        share: Callable[[list[Pack], dict[int, list[SampleIndex]]], dict[int, list[SampleIndex]]]
+        | None = None,
+        text_share: Callable[[list[Pack]], Collection[SampleIndex]] | None = None,
     ) -> None:
         super().__init__()
         if microbatches < 1 or slices < 1:
@@ -236,6 +246,7 @@ class ZeroRedundancyFilter(StatefulNode[FilteredStep]):
         self.tp_group = tp_group
         self.prefetch = max(0, prefetch)
         self.read_text = read_text
+        self.share, self.text_share = share, text_share
         self.decode_workers = decode_workers
         self._pending: deque[tuple[StepBatch, _Reads | None]] = deque()
         self._pool = ThreadPoolExecutor(max_workers=decode_workers, thread_name_prefix="omni-data-decode")
@@ -289,8 +300,20 @@ class ZeroRedundancyFilter(StatefulNode[FilteredStep]):
         return self.tp_group is None or dist.get_rank(self.tp_group) == 0
 
     def select(self, packs: list[Pack]) -> dict[int, list[SampleIndex]]:
-        """All encoder microbatches of a step (:func:`split_encoder_microbatches` with ``balance``)."""
-        return split_encoder_microbatches(packs, self.microbatches, self.slices, balance=self.balance)
+        """All encoder microbatches of a step (:func:`split_encoder_microbatches` with ``balance``), each
+        narrowed to this rank's part by ``share`` when one is given."""
+        mbs = split_encoder_microbatches(packs, self.microbatches, self.slices, balance=self.balance)
+        return mbs if self.share is None else self.share(packs, mbs)
+
+    def _texted(self, packs: list[Pack]) -> list[SampleIndex]:
+        """The ``(pack, sample)`` whose text ids this rank reads, in pack order (with ``read_text``)."""
+        if not self.read_text:
+            return []
+        every = [(p, i) for p, pack in enumerate(packs) for i in range(len(pack.samples))]
+        if self.text_share is None:
+            return every
+        wanted = set(self.text_share(packs))
+        return [x for x in every if x in wanted]
 
     def _mine(self, batch: StepBatch) -> list[SampleMeta]:
         mbs = self.select(batch.packs)
@@ -300,7 +323,8 @@ class ZeroRedundancyFilter(StatefulNode[FilteredStep]):
         reads = None
         if self._reads:
             metas = self._mine(batch)
-            texts = [s for p in batch.packs for s in p.samples] if self.read_text else []
+            texted = set(self._texted(batch.packs))
+            texts = [batch.packs[p].samples[i] for p, i in sorted(texted)]
             refs = [r for m in metas for r in self.reader.refs(m)] + [
                 r for s in texts for r in self.reader.refs(s, media=False)
             ]
@@ -309,7 +333,12 @@ class ZeroRedundancyFilter(StatefulNode[FilteredStep]):
                 fetched = self._pool.submit(self.reader.fetch, refs)  # FIFO: runs before the decodes
             reads = _Reads(
                 [self._pool.submit(self._read_one, m, fetched) for m in metas],
-                [self._pool.submit(self._read_text, p.samples, fetched) for p in batch.packs]
+                [
+                    self._pool.submit(
+                        self._read_text, p.samples, [(k, i) in texted for i in range(len(p.samples))], fetched
+                    )
+                    for k, p in enumerate(batch.packs)
+                ]
                 if self.read_text
                 else [],
                 fetched,
@@ -326,9 +355,11 @@ class ZeroRedundancyFilter(StatefulNode[FilteredStep]):
             p.text_ids = self.reader.read_text_ids(meta, data) if meta.text_tokens else None
             return p
 
-    def _read_text(self, samples: list[SampleMeta], fetched: Future[_Fetched] | None) -> list[Any]:
+    def _read_text(
+        self, samples: list[SampleMeta], wanted: list[bool], fetched: Future[_Fetched] | None
+    ) -> list[Any]:
         data = None if fetched is None else fetched.result()
-        return [self.reader.read_text_ids(s, data) for s in samples]
+        return [self.reader.read_text_ids(s, data) if w else None for s, w in zip(samples, wanted)]
 
     def _skip(self, p: Payload) -> None:
         self.ledger.add(p.meta.source, p.meta.uid, (p.error or "").split(":", 1)[0])
@@ -425,7 +456,8 @@ class ZeroRedundancyFilter(StatefulNode[FilteredStep]):
         if status[0]:
             raise PayloadError(f"TP rank 0 failed to read: {status[0]}")
         errors: dict[int, str] = status[1]
-        all_samples = [s for p in batch.packs for s in p.samples] if self.read_text else []
+        texted = self._texted(batch.packs)
+        all_samples = [batch.packs[p].samples[i] for p, i in texted]
         # buffer sizes follow from metadata alone, so every TP rank allocates the same
         nf = sum(_float_numel(m) for m in metas)
         ni = sum(2 + m.text_tokens for m in metas) + sum(1 + s.text_tokens for s in all_samples)
@@ -440,8 +472,8 @@ class ZeroRedundancyFilter(StatefulNode[FilteredStep]):
                     fa += x.numel()
                 ibuf[ia] = p.sample_rate or 0
                 ia = _put_ids(ibuf, ia + 1, p.text_ids, m.text_tokens)
-            for s, ids in zip(all_samples, (t for row in text for t in row)):
-                ia = _put_ids(ibuf, ia, ids, s.text_tokens)
+            for s, (p, i) in zip(all_samples, texted):
+                ia = _put_ids(ibuf, ia, text[p][i], s.text_tokens)
         dist.broadcast(fbuf, src=src, group=self.tp_group)
         dist.broadcast(ibuf, src=src, group=self.tp_group)
         if self._reads:
@@ -458,13 +490,9 @@ class ZeroRedundancyFilter(StatefulNode[FilteredStep]):
             p.sample_rate = int(ibuf[ia]) or None
             p.text_ids, ia = _get_ids(ibuf, ia + 1, m.text_tokens)
             out.append(p)
-        text = []
-        for pack in batch.packs if self.read_text else []:
-            row = []
-            for s in pack.samples:
-                ids, ia = _get_ids(ibuf, ia, s.text_tokens)
-                row.append(ids)
-            text.append(row)
+        text = [[None] * len(p.samples) for p in batch.packs] if self.read_text else []
+        for s, (p, i) in zip(all_samples, texted):
+            text[p][i], ia = _get_ids(ibuf, ia, s.text_tokens)
         return out, text
 
 

@@ -12,9 +12,22 @@ from omni_parallel.context_parallel import (
     shard_for_cp,
     unshard_from_cp,
 )
-from omni_parallel.hybrid_cp import HybridCPPlan, HybridCPSlot, hybrid_cp_load, plan_hybrid_cp
+from omni_parallel.hybrid_cp import (
+    CPAttention,
+    CPSequence,
+    HybridCPPlan,
+    HybridCPSlot,
+    LocalSegment,
+    LocalSequence,
+    cp_sequence_attention,
+    hybrid_cp_blocks,
+    hybrid_cp_load,
+    local_sequence,
+    plan_hybrid_cp,
+)
 from omni_parallel.long_short import LongShortPlan, Piece, plan_long_short
 from omni_parallel.reshard import ReshardMode, ReshardPlan, reshard_to_llm
+from omni_parallel.ring_attention import ring_attention
 from omni_parallel.state import EncoderLayout, EncoderState, ParallelState, mesh_device_type
 from omni_parallel.topology import GROUP_NAMES, ParallelConfig, mesh_axes, rank_groups
 from omni_parallel.ulysses import padded_heads, ulysses_attention
@@ -28,11 +41,15 @@ from omni_parallel.varlen import (
 
 __all__ = [
     "GROUP_NAMES",
+    "CPAttention",
     "CPLayout",
+    "CPSequence",
     "EncoderLayout",
     "EncoderState",
     "HybridCPPlan",
     "HybridCPSlot",
+    "LocalSegment",
+    "LocalSequence",
     "LongShortPlan",
     "ParallelConfig",
     "ParallelState",
@@ -45,9 +62,12 @@ __all__ = [
     "as_cu_seqlens",
     "context_parallel_attention",
     "cp_layout",
+    "cp_sequence_attention",
     "cu_seqlens_from_lengths",
+    "hybrid_cp_blocks",
     "hybrid_cp_load",
     "karmarkar_karp",
+    "local_sequence",
     "lpt",
     "masked_attention",
     "mesh_axes",
@@ -58,6 +78,7 @@ __all__ = [
     "plan_long_short",
     "rank_groups",
     "reshard_to_llm",
+    "ring_attention",
     "shard_for_cp",
     "ulysses_attention",
     "unshard_from_cp",

@@ -12,12 +12,30 @@ microbatch count per rank, which is why it refuses PP > 1).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from enum import StrEnum
 
-from omni_parallel.varlen import _tokens
+import torch
+import torch.distributed as dist
 
-__all__ = ["HybridCPPlan", "HybridCPSlot", "hybrid_cp_load", "plan_hybrid_cp"]
+from omni_parallel.context_parallel import context_parallel_attention, cp_layout
+from omni_parallel.ring_attention import ring_attention
+from omni_parallel.varlen import _tokens, varlen_attention
+
+__all__ = [
+    "CPAttention",
+    "CPSequence",
+    "HybridCPPlan",
+    "HybridCPSlot",
+    "LocalSegment",
+    "LocalSequence",
+    "cp_sequence_attention",
+    "hybrid_cp_blocks",
+    "hybrid_cp_load",
+    "local_sequence",
+    "plan_hybrid_cp",
+]
 
 
 def hybrid_cp_load(length: int, cp: int = 1, attention_len: int = 16384) -> float:
@@ -180,3 +198,171 @@ def plan_hybrid_cp(
         loads=tuple(tuple(row) for row in loads),
         tokens=tuple(tuple(row) for row in tokens),
     )
+
+
+# -- a rank's local sequence under a plan, and attention over it ------------------------------------------
+
+
+class CPAttention(StrEnum):
+    """How a CP group computes attention: ``allgather`` (K/V all-gathered,
+    :func:`~omni_parallel.context_parallel.context_parallel_attention`) or ``ring`` (K/V passed around
+    the ring, :func:`~omni_parallel.ring_attention.ring_attention`)."""
+
+    ALLGATHER = "allgather"
+    RING = "ring"
+
+
+@dataclass(frozen=True)
+class LocalSegment:
+    """Rows ``[start, start + rows)`` of a rank's local sequence: documents of global (unpadded)
+    boundaries ``cu_seqlens``, whole on this rank (``cp == 1``: plain varlen attention) or head-tail
+    sharded over the aligned block of dp_cp ranks ``[first, first + cp)`` (``cp > 1``)."""
+
+    start: int
+    rows: int
+    cu_seqlens: tuple[int, ...]
+    first: int
+    cp: int
+
+
+@dataclass(frozen=True)
+class LocalSequence:
+    """What one dp_cp rank holds of one pack (one microbatch) under hybrid DP/CP slots.
+
+    Attributes:
+        source: ``[tokens_local]`` index into the pack of each local token, -1 for CP padding.
+        position: ``[tokens_local]`` position of each local token inside its document (RoPE).
+        segments: the local rows in order: first the samples whole on this rank (one segment, if any),
+            then one segment per CP block holding this rank, ordered by ``(cp, first)``, which every rank
+            shares, so the collectives of overlapping blocks run in one global order (no deadlock).
+    """
+
+    source: tuple[int, ...]
+    position: tuple[int, ...]
+    segments: tuple[LocalSegment, ...]
+
+    @property
+    def tokens(self) -> int:
+        return len(self.source)
+
+
+def local_sequence(lengths: Sequence[int], slots: Sequence[HybridCPSlot], rank: int) -> LocalSequence:
+    """dp_cp rank ``rank``'s share of a pack whose sample ``s.sample`` (of length ``lengths[s.sample]``)
+    runs on ranks ``[s.first, s.first + s.cp)``: whole samples keep pack order, a CP block's samples are
+    laid out head-tail over the block (:func:`~omni_parallel.context_parallel.cp_layout`). Pure.
+
+    Args:
+        lengths: ``[samples]`` tokens per sample of the pack, in pack order.
+        slots: one :class:`HybridCPSlot` per sample (``microbatch`` is not read).
+        rank: the dp_cp rank.
+
+    Raises:
+        ValueError: a sample without exactly one slot, or a slot's block not aligned to its CP size.
+    """
+    by_sample = {s.sample: s for s in slots}
+    if sorted(by_sample) != list(range(len(lengths))) or len(slots) != len(lengths):
+        raise ValueError(f"local_sequence: {len(slots)} slots for {len(lengths)} samples (one each)")
+    for s in slots:
+        if s.cp < 1 or s.first % s.cp or s.first < 0:
+            raise ValueError(
+                f"local_sequence: sample {s.sample}: block at {s.first} not aligned to cp {s.cp}"
+            )
+    offset = [0]
+    for n in lengths:
+        offset.append(offset[-1] + _tokens("lengths", n))
+    source: list[int] = []
+    position: list[int] = []
+    segments: list[LocalSegment] = []
+    whole = [i for i in range(len(lengths)) if by_sample[i].cp == 1 and by_sample[i].first == rank]
+    if whole:
+        cu = [0]
+        for i in whole:
+            source.extend(range(offset[i], offset[i + 1]))
+            position.extend(range(lengths[i]))
+            cu.append(cu[-1] + lengths[i])
+        segments.append(LocalSegment(0, len(source), tuple(cu), rank, 1))
+    blocks = sorted({(s.cp, s.first) for s in slots if s.cp > 1 and s.first <= rank < s.first + s.cp})
+    for cp, first in blocks:
+        docs = [i for i in range(len(lengths)) if (by_sample[i].cp, by_sample[i].first) == (cp, first)]
+        cu = [0]
+        for i in docs:
+            cu.append(cu[-1] + lengths[i])
+        layout = cp_layout(cu, cp)
+        doc_of = [d for d, i in enumerate(docs) for _ in range(lengths[i])]
+        start = len(source)
+        for j in layout.source[rank - first]:
+            source.append(-1 if j < 0 else offset[docs[doc_of[j]]] + j - cu[doc_of[j]])
+        position.extend(layout.position[rank - first])
+        segments.append(LocalSegment(start, len(source) - start, tuple(cu), first, cp))
+    return LocalSequence(tuple(source), tuple(position), tuple(segments))
+
+
+def hybrid_cp_blocks(dp_cp_size: int) -> dict[int, list[list[int]]]:
+    """Every aligned block of every CP size a plan over ``dp_cp_size`` ranks may use: ``{cp: [[first, ...,
+    first + cp - 1], ...]}`` for each divisor ``cp > 1`` (dp_cp indices), the sub-groups to create once
+    at startup. Raises ``ValueError`` if ``dp_cp_size`` < 1."""
+    if not isinstance(dp_cp_size, int) or dp_cp_size < 1:
+        raise ValueError(f"hybrid_cp_blocks: dp_cp_size must be a positive int, got {dp_cp_size!r}")
+    return {
+        c: [list(range(f, f + c)) for f in range(0, dp_cp_size, c)]
+        for c in range(2, dp_cp_size + 1)
+        if dp_cp_size % c == 0
+    }
+
+
+@dataclass(frozen=True)
+class CPSequence:
+    """A rank's local sequence bound to process groups: what an attention layer needs under CP or hybrid
+    DP/CP (passed where a plain varlen layer takes ``cu_seqlens``).
+
+    Attributes:
+        segments: :class:`LocalSegment` s covering the local rows in order.
+        groups: ``{(cp, first): ProcessGroup}`` for every CP block among the segments.
+        method: :class:`CPAttention` of the CP blocks.
+    """
+
+    segments: tuple[LocalSegment, ...]
+    groups: Mapping[tuple[int, int], dist.ProcessGroup]
+    method: CPAttention = CPAttention.ALLGATHER
+
+    @property
+    def tokens(self) -> int:
+        return self.segments[-1].start + self.segments[-1].rows if self.segments else 0
+
+
+def cp_sequence_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    seq: CPSequence,
+    *,
+    causal: bool = True,
+    scale: float | None = None,
+) -> torch.Tensor:
+    """Attention over a rank's local sequence: plain varlen attention on its whole samples, CP attention
+    (all-gather or ring, ``seq.method``) over each CP block's group.
+
+    Args:
+        q: ``[tokens_local, heads_q, head_dim]``; k, v: ``[tokens_local, heads_kv, head_dim]``.
+        seq: the layout and groups; every rank of a block calls with the block's same segment.
+
+    Returns:
+        ``[tokens_local, heads_q, head_dim]`` (CP padding rows zero).
+
+    Raises:
+        ValueError: ``q`` rows differ from ``seq``'s, or a CP block has no group.
+    """
+    if q.shape[0] != seq.tokens:
+        raise ValueError(f"q has {q.shape[0]} local tokens, the CP sequence {seq.tokens}")
+    outs = []
+    for s in seq.segments:
+        sl = slice(s.start, s.start + s.rows)
+        if s.cp == 1:
+            outs.append(varlen_attention(q[sl], k[sl], v[sl], s.cu_seqlens, causal=causal, scale=scale))
+            continue
+        group = seq.groups.get((s.cp, s.first))
+        if group is None:
+            raise ValueError(f"CP block of {s.cp} ranks at {s.first} has no process group")
+        attend = ring_attention if CPAttention(seq.method) is CPAttention.RING else context_parallel_attention
+        outs.append(attend(q[sl], k[sl], v[sl], group, cu_seqlens=s.cu_seqlens, causal=causal, scale=scale))
+    return torch.cat(outs) if outs else q.new_zeros(q.shape)

@@ -25,6 +25,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from omni_parallel.hybrid_cp import CPSequence, cp_sequence_attention
 from omni_parallel.ulysses import ulysses_attention
 from omni_parallel.varlen import varlen_attention
 from omni_pipeline.split import stage_slices
@@ -78,6 +79,10 @@ class Attention(nn.Module):
     With ``sp_group`` (Ulysses sequence parallelism, size ``sp``) ``x`` is this rank's contiguous
     ``1/sp`` chunk of the packed sequence and ``cu_seqlens`` are the whole sequence's; attention runs
     through :func:`omni_parallel.ulysses.ulysses_attention` (all-to-all tokens <-> heads).
+
+    Context parallelism: ``cu_seqlens`` is an :class:`omni_parallel.CPSequence` (this rank's tokens of a
+    pack: whole documents and head-tail CP shares with their groups), attention runs through
+    :func:`omni_parallel.cp_sequence_attention` (all-gather or ring K/V).
     """
 
     def __init__(self, cfg: LLMConfig, sp_group: dist.ProcessGroup | None = None) -> None:
@@ -90,7 +95,7 @@ class Attention(nn.Module):
         self.wo = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.dim, bias=False)
 
     def forward(
-        self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], cu_seqlens: torch.Tensor
+        self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], cu_seqlens: torch.Tensor | CPSequence
     ) -> torch.Tensor:
         t = x.shape[0]
         # Head counts come from the projections' outputs, not the config: under tensor parallelism each
@@ -98,7 +103,9 @@ class Attention(nn.Module):
         q = apply_rope(self.wq(x).view(t, -1, self.head_dim), *rope)
         k = apply_rope(self.wk(x).view(t, -1, self.head_dim), *rope)
         v = self.wv(x).view(t, -1, self.head_dim)
-        if self.sp_group is not None:
+        if isinstance(cu_seqlens, CPSequence):
+            out = cp_sequence_attention(q, k, v, cu_seqlens, causal=True)
+        elif self.sp_group is not None:
             out = ulysses_attention(q, k, v, self.sp_group, cu_seqlens=cu_seqlens, causal=True)
         else:
             out = varlen_attention(q, k, v, cu_seqlens, causal=True)
@@ -174,7 +181,8 @@ class LLMStage(nn.Module):
 
     Ulysses (``sp_group`` of size ``sp``): ``T`` is this rank's chunk (``T_packed / sp`` tokens),
     ``position_ids`` its global positions, ``cu_seqlens`` the whole packed sequence's, and media
-    positions local to the chunk.
+    positions local to the chunk. CP: ``T`` is this rank's tokens, ``position_ids`` their in-document
+    positions, ``cu_seqlens`` an :class:`omni_parallel.CPSequence`, media positions local rows.
 
     Raises:
         ValueError: ``tie_embeddings`` with more than one stage (the embedding and the LM head would live
@@ -232,7 +240,9 @@ class LLMStage(nn.Module):
     ) -> torch.Tensor:
         if self.is_first:
             h = self.tok_embeddings(x)
-            if media_embeds is not None and media_positions is not None and media_positions.numel():
+            # No numel() shortcut: under CP the embeddings come out of a collective (a resharding
+            # all-reduce) whose backward every CP rank must join, also one whose tokens hold no media.
+            if media_embeds is not None and media_positions is not None:
                 if media_embeds.shape != (media_positions.numel(), self.cfg.dim):
                     raise ValueError(
                         f"media_embeds {tuple(media_embeds.shape)} does not match "
