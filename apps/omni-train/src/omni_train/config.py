@@ -194,12 +194,15 @@ class ParallelConfigSection:
             their gradients and optimizer state over every rank (the gathered parameters stay allocated
             between steps); 3: parameters too.
         encoder_sp: encoder sequence-parallel size (``omni_train.encoder_parallel``): 1, or the LLM's
-            Ulysses size, whose group it then shares (under CP, ``omni_train.cp_sharding`` splits each
-            encoder microbatch's samples over the CP ranks; reordering across DP is then off). With an LLM SP
-            group the samples of each encoder microbatch are spread over it (each encoded once, short
-            ones whole on single ranks balanced by cost); with ``encoder_sp`` > 1, images of more than
-            ``long_threshold`` LLM tokens are also split along the sequence over the group, Ulysses
-            inside the ViT's attention.
+            sequence-parallel size, whose group it then shares: ``ulysses``, or ``cp`` under plain CP
+            (not ``hybrid_cp``). With an LLM SP group the samples of each encoder microbatch are spread
+            over it (each encoded once, short ones whole on single ranks balanced by cost); with
+            ``encoder_sp`` > 1, images of more than ``long_threshold`` LLM tokens are also split along the
+            sequence over the group, Ulysses inside the ViT's attention. Under CP with ``encoder_sp`` 1,
+            ``omni_train.cp_sharding`` splits each encoder microbatch's samples whole over the CP ranks
+            (each reads only its own); with ``encoder_sp = cp`` the CP ranks run long-short SP and the
+            outputs reach the head-tail layout by ``reshard_to_llm``'s all-reduce. Reordering across DP
+            is off under CP either way.
         long_threshold: tokens (after the patch merge: the LLM tokens an image fills) above which an
             image is long (split over the encoder SP group); >= 1.
         cp_attention: attention of context-parallel groups: ``"allgather"`` (K/V all-gathered) or
@@ -620,11 +623,12 @@ def validate(cfg: RunConfig, nproc: int) -> None:
             f"parallel.encoder_zero: {par.encoder_zero} is not one of 0 (encoders whole on every rank), "
             "2 (gradients and optimizer state sharded) or 3 (parameters too)"
         )
-    if par.encoder_sp < 1 or (par.encoder_sp > 1 and par.encoder_sp != par.ulysses):
+    sp_size = par.ulysses if par.ulysses > 1 else (par.cp if not par.hybrid_cp else 1)
+    if par.encoder_sp < 1 or (par.encoder_sp > 1 and par.encoder_sp != sp_size):
         raise ConfigError(
-            f"parallel.encoder_sp: {par.encoder_sp} must be 1 or the LLM's Ulysses size "
-            f"(parallel.ulysses {par.ulysses}), whose group the encoders share (under CP the CP ranks "
-            "split each encoder microbatch's samples instead: omni_train.cp_sharding)"
+            f"parallel.encoder_sp: {par.encoder_sp} must be 1 or the LLM's sequence-parallel size, whose "
+            f"group the encoders share: parallel.ulysses ({par.ulysses}) or, for plain CP, parallel.cp "
+            f"({par.cp}; not with parallel.hybrid_cp {par.hybrid_cp}, whose CP blocks change per pack)"
         )
     if par.long_threshold < 1:
         raise ConfigError(f"parallel.long_threshold: must be >= 1 token, got {par.long_threshold}")
