@@ -124,3 +124,22 @@ def test_manifest_jsonl_and_errors(folder, tmp_path):
     with pytest.raises(ValueError, match="not a folder"):
         write_dataset(tmp_path / "nope", str(tmp_path / "x"))
     assert main([str(tmp_path / "empty"), str(tmp_path / "y")]) == 2
+
+
+def test_a_modality_whose_every_file_is_skipped_gets_no_shard(folder, tmp_path):
+    d = tmp_path / "in"
+    (d / "sub").mkdir(parents=True)
+    (d / "sub" / "hello.ogg").write_bytes((folder / "words" / "hello.ogg").read_bytes())
+    (d / "sub" / "hello.txt").write_text("hello")
+    (d / "broken.png").write_bytes((folder / "broken.png").read_bytes())
+    (d / "sub" / "bad.png").write_bytes((folder / "pal.png").read_bytes())
+    (d / "sub" / "bad.txt").write_bytes(b"caption \xff not utf-8")
+    report = write_dataset(d, str(tmp_path / "out"))
+    # no empty image shard for a config to point a source at: only the audio was written
+    assert dict(report.samples) == {"audio": 1} and set(report.shards) == {"audio"}
+    assert sorted(p.name for p in (tmp_path / "out").glob("*.tar")) == ["audio-000000.tar"]
+    # every skipped file is named relative to the input folder, whatever the reason
+    assert report.skipped == {
+        "undecodable image (UnidentifiedImageError)": ["broken.png"],
+        "text is not UTF-8": ["sub/bad.txt"],
+    }

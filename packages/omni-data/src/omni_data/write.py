@@ -30,6 +30,7 @@ from __future__ import annotations
 import argparse
 import csv
 import io
+import itertools
 import json
 import os
 import re
@@ -124,11 +125,11 @@ def _key(stem: str, taken: set[str]) -> str:
     return out
 
 
-def _read_text(path: Path, report: WriteReport) -> str | None:
+def _read_text(path: Path, report: WriteReport, name: str) -> str | None:
     try:
         return path.read_bytes().decode("utf-8").strip()
     except UnicodeDecodeError:
-        report.skip(str(path), "text is not UTF-8")
+        report.skip(name, "text is not UTF-8")
         return None
 
 
@@ -152,7 +153,7 @@ def _from_folder(root: Path, report: WriteReport) -> Iterator[_Item]:
             if txt is not None:
                 report.skip(str(txt.relative_to(root)), "text without a media file of the same name")
             continue
-        text = _read_text(txt, report) if txt is not None else None
+        text = _read_text(txt, report, str(txt.relative_to(root))) if txt is not None else None
         if txt is not None and text is None:
             continue
         extra: dict[str, Any] = {}
@@ -281,7 +282,10 @@ def write_dataset(
     fsspec.core.url_to_fs(out)[0].makedirs(out, exist_ok=True)
     for modality, group in sorted(groups.items()):
         samples = (s for s in (_encode(it, modality, report) for it in group) if s is not None)
-        counted = _counting(samples, report.samples, str(modality))
+        first = next(samples, None)
+        if first is None:  # every file of it was skipped (named in the report): no empty shard, no source
+            continue
+        counted = _counting(itertools.chain([first], samples), report.samples, str(modality))
         report.shards[str(modality)] = write_shards(
             f"{out}/{modality}-%06d.tar", counted, per_shard=per_shard
         )
