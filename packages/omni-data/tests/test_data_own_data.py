@@ -143,3 +143,14 @@ def test_a_modality_whose_every_file_is_skipped_gets_no_shard(folder, tmp_path):
         "undecodable image (UnidentifiedImageError)": ["broken.png"],
         "text is not UTF-8": ["sub/bad.txt"],
     }
+
+
+def test_a_csv_manifest_with_a_byte_order_mark_keeps_its_path_column(folder, tmp_path):
+    # A spreadsheet's "CSV UTF-8" starts with a BOM: read as part of the first column's name, it hid the
+    # `path` column, and every image row silently became a text sample of its caption.
+    man = folder / "sheet.csv"
+    man.write_bytes(b"\xef\xbb\xbfpath,caption\r\npal.png,a palette picture\r\n")
+    report = write_dataset(None, str(tmp_path / "m"), manifest=man)
+    assert dict(report.samples) == {"image": 1} and report.skipped == {}
+    (m,) = list(WebDatasetSource(report.shards["image"], modality="image"))
+    assert m.key == "pal" and m.shape == (3, 56, 84)

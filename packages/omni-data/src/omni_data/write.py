@@ -173,7 +173,7 @@ def _from_folder(root: Path, report: WriteReport) -> Iterator[_Item]:
 
 def _from_manifest(manifest: Path, report: WriteReport) -> Iterator[_Item]:
     root = manifest.parent
-    raw = manifest.read_bytes().decode("utf-8")
+    raw = manifest.read_bytes().decode("utf-8-sig")  # spreadsheets save "CSV UTF-8" with a BOM
     if manifest.suffix.lower() == ".csv":
         rows: Iterable[dict[str, Any]] = csv.DictReader(io.StringIO(raw))
     elif manifest.suffix.lower() in (".jsonl", ".ndjson"):
