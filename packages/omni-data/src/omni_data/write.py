@@ -19,7 +19,8 @@ resamples to the encoder's rate and averages channels), plus ``"path"`` (where i
 fields of the sidecar json. Keys are the relative path without extension, with ``/`` as ``__`` and
 characters outside ``[A-Za-z0-9_-]`` as ``_`` (WebDataset keys cannot hold dots), made unique.
 ``OUT/manifest.json`` lists the shards, counts per modality and every file skipped, by reason (a file
-that does not decode, text that is not UTF-8, a caption without media).
+that does not decode, text that is not UTF-8, a caption without media, a file of another type). Files
+under ``OUT`` are not read when ``OUT`` lies inside the input folder.
 
 Source: WebDataset's shard format (``webdataset.ShardWriter``), through fsspec (``OUT`` may be any
 fsspec URL).
@@ -133,10 +134,20 @@ def _read_text(path: Path, report: WriteReport, name: str) -> str | None:
         return None
 
 
-def _from_folder(root: Path, report: WriteReport) -> Iterator[_Item]:
-    files = sorted(p for p in root.rglob("*") if p.is_file() and not p.name.startswith("."))
+def _from_folder(root: Path, report: WriteReport, skip_dir: Path | None = None) -> Iterator[_Item]:
+    """Samples of the folder ``root``; files under ``skip_dir`` (the output, when inside it) are not read."""
+    files = sorted(
+        p
+        for p in root.rglob("*")
+        if p.is_file()
+        and not p.name.startswith(".")
+        and (skip_dir is None or not p.resolve().is_relative_to(skip_dir))
+    )
     by_stem: dict[Path, list[Path]] = {}
     for p in files:
+        if _modality_of(p) is None and p.suffix.lower() not in (".txt", ".json"):
+            report.skip(str(p.relative_to(root)), "not an image, audio, .txt or .json file")
+            continue
         by_stem.setdefault(p.with_suffix(""), []).append(p)
     taken: set[str] = set()
     media_stems = {s for s, ps in by_stem.items() if any(_modality_of(p) for p in ps)}
@@ -273,7 +284,9 @@ def write_dataset(
         root = Path(source)
         if not root.is_dir():
             raise ValueError(f"write_dataset: {root} is not a folder (give a folder, or --manifest FILE)")
-        items = list(_from_folder(root, report))
+        local = "://" not in out or out.startswith("file://")
+        skip_dir = Path(out.removeprefix("file://")).resolve() if local else None
+        items = list(_from_folder(root, report, skip_dir))
     groups: dict[Modality, list[_Item]] = {}
     for it in items:
         modality = (_modality_of(it.path) if it.path is not None else None) or Modality.TEXT
