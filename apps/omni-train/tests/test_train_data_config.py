@@ -68,6 +68,17 @@ def test_no_shards_error_says_where_it_looked(tmp_path, data):
     bad = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, sources=srcs))
     with pytest.raises(ConfigError, match=r"1 shards of .* do not exist \(first: .*/shards/audio-002\.tar"):
         validate(bad, 2)
+    for folder in ("shards", ""):  # a folder, or the config's own folder, is not a shard
+        srcs[1] = dataclasses.replace(srcs[1], urls=folder)
+        bad = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, sources=srcs))
+        with pytest.raises(ConfigError, match=r"data.sources\[1\].urls: no shards match"):
+            validate(bad, 2)
+    mix = [dataclasses.replace(m) for m in cfg.data.mixture]
+    for w in (float("nan"), float("inf")):
+        mix[0] = dataclasses.replace(mix[0], weights={**mix[0].weights, "text": w})
+        bad = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, mixture=mix))
+        with pytest.raises(ConfigError, match=r"data.mixture\[0\].weights: weights must be finite"):
+            validate(bad, 2)
 
 
 def test_loader_options_reach_omni_data(tmp_path, data):

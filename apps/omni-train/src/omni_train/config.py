@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import glob
+import math
 import os
 import re
 import tomllib
@@ -473,7 +474,7 @@ def expand_urls(pattern: str, root: str | os.PathLike[str] | None = None) -> lis
         local = str(Path(root if root is not None else bundled_data_dir()) / local)
     if "{" in local:
         return [local]
-    return sorted(glob.glob(local))
+    return sorted(p for p in glob.glob(local) if os.path.isfile(p))  # a folder is not a shard
 
 
 def _missing_shards(pattern: str, root: Path) -> str | None:
@@ -600,8 +601,11 @@ def validate(cfg: RunConfig, nproc: int) -> None:
         bad = sorted(set(ph.weights) - set(names))
         if bad:
             raise ConfigError(f"data.mixture[{i}].weights: unknown source {bad[0]!r} (sources: {names})")
-        if any(w < 0 for w in ph.weights.values()) or sum(ph.weights.values()) <= 0:
-            raise ConfigError(f"data.mixture[{i}].weights: weights must be >= 0 with a positive sum")
+        if any(not math.isfinite(w) or w < 0 for w in ph.weights.values()) or sum(ph.weights.values()) <= 0:
+            raise ConfigError(
+                f"data.mixture[{i}].weights: weights must be finite and >= 0 with a positive sum, got "
+                f"{dict(ph.weights)}"
+            )
         if i < len(data.mixture) - 1:
             if ph.until_step is None or ph.until_step <= last:
                 raise ConfigError(f"data.mixture[{i}].until_step: phases need increasing until_step values")
