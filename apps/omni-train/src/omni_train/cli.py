@@ -19,6 +19,7 @@ import time
 from pathlib import Path
 
 from omni_train.config import (
+    RESUME_MAY_CHANGE,
     ConfigError,
     Packing,
     Placement,
@@ -224,13 +225,15 @@ def _check_resume(cfg: RunConfig, out: Path) -> None:
     except (ValueError, ConfigError) as exc:
         raise ConfigError(f"--resume: {path} is not a run config ({exc})") from None
     steps = committed_steps(out)
-    diffs = resume_differences(saved, cfg, weights_only=bool(steps) and steps[-1] == 0)
+    weights_only = bool(steps) and steps[-1] == 0
+    diffs = resume_differences(saved, cfg, weights_only=weights_only)
     if diffs:
+        may = ", ".join(f if "." in f else f + ".*" for f in RESUME_MAY_CHANGE if f != "name")
+        allowed = "anything but model.* from a weights-only step 0" if weights_only else f"only: {may}"
         raise ConfigError(
             f"--resume: the config differs from the run's {path} in fields a resume cannot change: "
             + "; ".join(diffs)
-            + " (a resume may change only: train.steps, checkpoint.*, optim.*, train.compile, "
-            "train.recompute, train.profile_steps)"
+            + f" (a resume may change {allowed})"
         )
 
 
@@ -250,12 +253,12 @@ def resolve_run(args: argparse.Namespace) -> tuple[RunConfig, int, Path]:
         raise ConfigError(f"--max-restarts: must be >= 0, got {args.max_restarts}")
     if args.nproc is not None:
         nproc = args.nproc
+        if nproc < 1:
+            raise ConfigError(f"--nproc: must be >= 1, got {nproc}")
     elif "WORLD_SIZE" in os.environ and "RANK" in os.environ:
         nproc = int(os.environ["WORLD_SIZE"])  # under torchrun the world is already decided
     else:
-        nproc = cfg.parallel.world_size
-    if nproc < 1:
-        raise ConfigError(f"--nproc: must be >= 1, got {nproc}")
+        nproc = cfg.parallel.world_size  # a size below 1 is named by validate (parallel.pp, ...)
     validate(cfg, nproc)
     if args.out is not None:
         out = Path(args.out)
