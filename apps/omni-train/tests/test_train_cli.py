@@ -12,7 +12,7 @@ import pytest
 from train_fixtures import make_dataset, write_config
 
 from omni_train.cli import main, parse_args, resolve_run
-from omni_train.config import RESUME_MAY_CHANGE, load_config, resume_differences
+from omni_train.config import RESUME_MAY_CHANGE, bundled_data_dir, load_config, resume_differences
 from omni_train.metrics import ema, loss_figure
 
 
@@ -110,6 +110,11 @@ def test_print_config_shows_the_resolved_config_as_toml_that_reads_back_equal(tm
     assert main(["run", *argv, "--print-config"]) == 0
     printed = capsys.readouterr().out
     assert printed.startswith("# omni-train run --print-config: ") and "lr = 0.001" in printed
+    # a bundled config's relative urls resolve against the bundled data, not where the copy is saved
+    assert f"# relative data.sources urls resolve against {tmp_path} (make them absolute" in printed
+    capsys.readouterr()
+    assert main(["run", "--out", str(tmp_path / "r"), "--print-config"]) == 0
+    assert f"resolve against {bundled_data_dir()} (make them absolute" in capsys.readouterr().out
     (tmp_path / "printed.toml").write_text(printed)
     again, resolved = load_config(str(tmp_path / "printed.toml")), _resolve(*argv)[0]
     again.source = resolved.source = ""
@@ -154,7 +159,9 @@ def test_resume_checks_the_runs_config_before_any_worker_starts(tmp_path, data, 
     _resolve(*base[1:], "--parallel.pp", "1", "--parallel.dp", "2", "--data.max_seq_len", "64")
     assert main([*base, "--model.llm.n_layers", "3"]) == 2
     err = capsys.readouterr().err
-    assert "model.llm.n_layers: 2 -> 3" in err and "may change anything but model.* from a weights-only" in err
+    assert (
+        "model.llm.n_layers: 2 -> 3" in err and "may change anything but model.* from a weights-only" in err
+    )
 
 
 def test_resume_differences_compare_every_field_outside_the_allowed_set(data, tmp_path):

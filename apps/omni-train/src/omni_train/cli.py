@@ -25,6 +25,7 @@ from omni_train.config import (
     Placement,
     RunConfig,
     config_from_dict,
+    data_root,
     field_paths,
     load_config,
     resume_differences,
@@ -302,6 +303,9 @@ def _run(args: argparse.Namespace) -> int:
     if args.print_config:
         print(
             f"# omni-train run --print-config: {cfg.source}, overrides applied, valid for {nproc} processes"
+        )
+        print(
+            f"# relative data.sources urls resolve against {data_root(cfg)} (make them absolute in a copy saved elsewhere)"
         )
         print(to_toml(cfg), end="")
         return 0
