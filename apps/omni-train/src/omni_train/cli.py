@@ -238,6 +238,13 @@ def _check_resume(cfg: RunConfig, out: Path) -> None:
         )
 
 
+def _refuse_file(out: Path, flag: str, what: str) -> None:
+    """Raise :class:`ConfigError` if ``out`` or a folder above it is a file (``mkdir`` would fail there)."""
+    blocker = next((p for p in (out, *out.parents) if p.exists() and not p.is_dir()), None)
+    if blocker is not None:
+        raise ConfigError(f"{flag}: {blocker} is a file, not a directory; name {what}")
+
+
 def resolve_run(args: argparse.Namespace) -> tuple[RunConfig, int, Path]:
     """Apply the command-line overrides to the config and validate it.
 
@@ -273,9 +280,7 @@ def resolve_run(args: argparse.Namespace) -> tuple[RunConfig, int, Path]:
         out = Path("runs") / f"{cfg.name}-{os.environ['TORCHELASTIC_RUN_ID']}"
     else:
         out = Path("runs") / f"{cfg.name}-{time.strftime('%Y%m%d-%H%M%S')}"
-    blocker = next((p for p in (out, *out.parents) if p.exists() and not p.is_dir()), None)
-    if blocker is not None:
-        raise ConfigError(f"--out: {blocker} is a file, not a directory; name a run directory")
+    _refuse_file(out, "--out", "a run directory")
     if args.resume and not (out / "checkpoints").is_dir():
         raise ConfigError(f"--resume: {out} holds no checkpoints directory")
     # A worker that torchrun restarted resumes (see trainer.worker_main); anything else must not train
@@ -365,6 +370,7 @@ def _import_hf(args: argparse.Namespace) -> int:
     cfg = load_config(args.config)
     validate(cfg, cfg.parallel.world_size)
     out = Path(args.out) if args.out else Path("runs") / f"{cfg.name}-hf-{time.strftime('%Y%m%d-%H%M%S')}"
+    _refuse_file(out, "--out", "a run directory")
     report = import_hf(args.dirs, cfg, out)
     for family, folder in report.folders.items():
         ignored = report.ignored.get(family, [])
@@ -386,6 +392,7 @@ def _import_hf(args: argparse.Namespace) -> int:
 def _export_hf(args: argparse.Namespace) -> int:
     from omni_train.hf.convert import export_hf
 
+    _refuse_file(Path(args.out), "export-hf OUT", "a folder for the Hugging Face folders")
     report = export_hf(args.run_dir, args.out, step=args.step, max_shard_bytes=args.max_shard_bytes)
     for family, folder in report.folders.items():
         print(f"omni-train: step {report.step} {family} -> {folder}", file=sys.stderr)
