@@ -12,7 +12,7 @@ import pytest
 from train_fixtures import make_dataset, write_config
 
 from omni_train.cli import main, parse_args, resolve_run
-from omni_train.config import RESUME_MAY_CHANGE, load_config, resume_differences
+from omni_train.config import RESUME_MAY_CHANGE, bundled_data_dir, load_config, resume_differences
 from omni_train.metrics import ema, loss_figure
 
 
@@ -71,6 +71,8 @@ def test_every_field_is_overridable_and_equals_the_same_value_in_the_toml(tmp_pa
         (["--data.sources[7].urls", "x"], "data.sources[7]: index out of range (the config has 3 items)"),
         (["--train.dtype", "float16"], "train.dtype: 'float16' is not one of ['float32', 'float64', 'bfloat16']"),
         (["--parallel.pp", "3", "--nproc", "2"], "parallel: pp*dp*tp*cp*ulysses = 3*1*1*1*1 = 3 does not match the process count 2"),
+        (["--parallel.pp", "0"], "parallel.pp: must be >= 1, got 0"),  # not '--nproc: ... got 0'
+        (["--nproc", "0"], "--nproc: must be >= 1, got 0"),
         (["--optim.lr.warm", "1"], "optim.lr: is a value, it has no field 'warm'"),
         (["--data.mixture[0].weights", "{ image = 1"], "data.mixture[0].weights: expected a table as a TOML value"),
     ],
@@ -108,6 +110,11 @@ def test_print_config_shows_the_resolved_config_as_toml_that_reads_back_equal(tm
     assert main(["run", *argv, "--print-config"]) == 0
     printed = capsys.readouterr().out
     assert printed.startswith("# omni-train run --print-config: ") and "lr = 0.001" in printed
+    # a bundled config's relative urls resolve against the bundled data, not where the copy is saved
+    assert f"# relative data.sources urls resolve against {tmp_path} (make them absolute" in printed
+    capsys.readouterr()
+    assert main(["run", "--out", str(tmp_path / "r"), "--print-config"]) == 0
+    assert f"resolve against {bundled_data_dir()} (make them absolute" in capsys.readouterr().out
     (tmp_path / "printed.toml").write_text(printed)
     again, resolved = load_config(str(tmp_path / "printed.toml")), _resolve(*argv)[0]
     again.source = resolved.source = ""
@@ -141,6 +148,8 @@ def test_resume_checks_the_runs_config_before_any_worker_starts(tmp_path, data, 
     err = capsys.readouterr().err
     assert "--resume: the config differs from the run's" in err
     assert "model.llm.dim: 32 -> 64" in err and "parallel.placement: 'uniform_on_demand' -> 'isolated'" in err
+    # the message lists what a resume may change: RESUME_MAY_CHANGE, not a copy of it
+    assert "train.recompute_modules, train.offload, checkpoint.*, optim.*)" in err, err
     # what a resume may change: the length, the checkpoint cadence, the optimizer and its schedule
     cfg, _, _ = _resolve(*base[1:], "--max-steps", "9", "--checkpoint.every", "3", "--optim.lr", "1e-4")
     assert (cfg.train.steps, cfg.checkpoint.every, cfg.optim.lr) == (9, 3, 1e-4)
@@ -149,7 +158,10 @@ def test_resume_checks_the_runs_config_before_any_worker_starts(tmp_path, data, 
     _fake_run(run, load_config(str(p)), [0])
     _resolve(*base[1:], "--parallel.pp", "1", "--parallel.dp", "2", "--data.max_seq_len", "64")
     assert main([*base, "--model.llm.n_layers", "3"]) == 2
-    assert "model.llm.n_layers: 2 -> 3" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert (
+        "model.llm.n_layers: 2 -> 3" in err and "may change anything but model.* from a weights-only" in err
+    )
 
 
 def test_resume_differences_compare_every_field_outside_the_allowed_set(data, tmp_path):

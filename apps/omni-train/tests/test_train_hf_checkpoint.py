@@ -236,6 +236,15 @@ def test_import_mismatch_and_unexportable_config_are_named(tmp_path, capsys):
     assert any("model.audio.stem" in r for r in report.skipped["audio"])
     assert any(n.startswith("encoders.towers.image.") for n in report.not_exported)
 
+    # an output naming a file (or lying under one) is refused by name, exit 2, not a NotADirectoryError
+    (tmp_path / "f").write_text("x")
+    assert main(["export-hf", str(tmp_path / "seeded"), str(tmp_path / "f")]) == 2
+    assert f"export-hf OUT: {tmp_path / 'f'} is a file, not a directory" in capsys.readouterr().err
+    assert (
+        main(["import-hf", str(hf["llm"]), "--config", str(plain), "--out", str(tmp_path / "f" / "run")]) == 2
+    )
+    assert f"--out: {tmp_path / 'f'} is a file, not a directory" in capsys.readouterr().err
+
 
 def _fresh_and_resumed(rank, world_size, cfg, fresh, resumed):
     from omni_train.trainer import Trainer

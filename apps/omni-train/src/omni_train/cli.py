@@ -19,11 +19,13 @@ import time
 from pathlib import Path
 
 from omni_train.config import (
+    RESUME_MAY_CHANGE,
     ConfigError,
     Packing,
     Placement,
     RunConfig,
     config_from_dict,
+    data_root,
     field_paths,
     load_config,
     resume_differences,
@@ -224,14 +226,23 @@ def _check_resume(cfg: RunConfig, out: Path) -> None:
     except (ValueError, ConfigError) as exc:
         raise ConfigError(f"--resume: {path} is not a run config ({exc})") from None
     steps = committed_steps(out)
-    diffs = resume_differences(saved, cfg, weights_only=bool(steps) and steps[-1] == 0)
+    weights_only = bool(steps) and steps[-1] == 0
+    diffs = resume_differences(saved, cfg, weights_only=weights_only)
     if diffs:
+        may = ", ".join(f if "." in f else f + ".*" for f in RESUME_MAY_CHANGE if f != "name")
+        allowed = "anything but model.* from a weights-only step 0" if weights_only else f"only: {may}"
         raise ConfigError(
             f"--resume: the config differs from the run's {path} in fields a resume cannot change: "
             + "; ".join(diffs)
-            + " (a resume may change only: train.steps, checkpoint.*, optim.*, train.compile, "
-            "train.recompute, train.profile_steps)"
+            + f" (a resume may change {allowed})"
         )
+
+
+def _refuse_file(out: Path, flag: str, what: str) -> None:
+    """Raise :class:`ConfigError` if ``out`` or a folder above it is a file (``mkdir`` would fail there)."""
+    blocker = next((p for p in (out, *out.parents) if p.exists() and not p.is_dir()), None)
+    if blocker is not None:
+        raise ConfigError(f"{flag}: {blocker} is a file, not a directory; name {what}")
 
 
 def resolve_run(args: argparse.Namespace) -> tuple[RunConfig, int, Path]:
@@ -250,12 +261,12 @@ def resolve_run(args: argparse.Namespace) -> tuple[RunConfig, int, Path]:
         raise ConfigError(f"--max-restarts: must be >= 0, got {args.max_restarts}")
     if args.nproc is not None:
         nproc = args.nproc
+        if nproc < 1:
+            raise ConfigError(f"--nproc: must be >= 1, got {nproc}")
     elif "WORLD_SIZE" in os.environ and "RANK" in os.environ:
         nproc = int(os.environ["WORLD_SIZE"])  # under torchrun the world is already decided
     else:
-        nproc = cfg.parallel.world_size
-    if nproc < 1:
-        raise ConfigError(f"--nproc: must be >= 1, got {nproc}")
+        nproc = cfg.parallel.world_size  # a size below 1 is named by validate (parallel.pp, ...)
     validate(cfg, nproc)
     if args.out is not None:
         out = Path(args.out)
@@ -269,9 +280,7 @@ def resolve_run(args: argparse.Namespace) -> tuple[RunConfig, int, Path]:
         out = Path("runs") / f"{cfg.name}-{os.environ['TORCHELASTIC_RUN_ID']}"
     else:
         out = Path("runs") / f"{cfg.name}-{time.strftime('%Y%m%d-%H%M%S')}"
-    blocker = next((p for p in (out, *out.parents) if p.exists() and not p.is_dir()), None)
-    if blocker is not None:
-        raise ConfigError(f"--out: {blocker} is a file, not a directory; name a run directory")
+    _refuse_file(out, "--out", "a run directory")
     if args.resume and not (out / "checkpoints").is_dir():
         raise ConfigError(f"--resume: {out} holds no checkpoints directory")
     # A worker that torchrun restarted resumes (see trainer.worker_main); anything else must not train
@@ -299,6 +308,9 @@ def _run(args: argparse.Namespace) -> int:
     if args.print_config:
         print(
             f"# omni-train run --print-config: {cfg.source}, overrides applied, valid for {nproc} processes"
+        )
+        print(
+            f"# relative data.sources urls resolve against {data_root(cfg)} (make them absolute in a copy saved elsewhere)"
         )
         print(to_toml(cfg), end="")
         return 0
@@ -358,6 +370,7 @@ def _import_hf(args: argparse.Namespace) -> int:
     cfg = load_config(args.config)
     validate(cfg, cfg.parallel.world_size)
     out = Path(args.out) if args.out else Path("runs") / f"{cfg.name}-hf-{time.strftime('%Y%m%d-%H%M%S')}"
+    _refuse_file(out, "--out", "a run directory")
     report = import_hf(args.dirs, cfg, out)
     for family, folder in report.folders.items():
         ignored = report.ignored.get(family, [])
@@ -379,6 +392,7 @@ def _import_hf(args: argparse.Namespace) -> int:
 def _export_hf(args: argparse.Namespace) -> int:
     from omni_train.hf.convert import export_hf
 
+    _refuse_file(Path(args.out), "export-hf OUT", "a folder for the Hugging Face folders")
     report = export_hf(args.run_dir, args.out, step=args.step, max_shard_bytes=args.max_shard_bytes)
     for family, folder in report.folders.items():
         print(f"omni-train: step {report.step} {family} -> {folder}", file=sys.stderr)
