@@ -12,8 +12,7 @@ modelled balance of hybrid DP/CP, in one run.
      paper's §7 case): most packs hold ~1K-token passages, about one in four a whole ~10K-token play,
      whose attention costs ~6x more.
 
-   Rows whose config field does not exist yet are reported as skipped, with the field named;
-   ``peak_activation_bytes_per_rank`` comes from the trainer's metrics (null while it does not log it).
+   ``peak_activation_bytes_per_rank`` comes from the trainer's metrics.
 2. **Attention alone**, one 16K-token pack at cp=2: bytes saved for backward per rank (counted with
    ``torch.autograd.graph.saved_tensors_hooks``) and forward + backward seconds, all-gather vs ring.
 3. **Hybrid DP/CP vs plain CP, modelled** (``omni_parallel.hybrid_cp_load``): max/mean load over
@@ -92,7 +91,7 @@ def _variants(cfg) -> list[dict[str, Any]]:
 
 
 def _apply(cfg, changes: dict[str, dict[str, Any]]):
-    """``cfg`` with the changes, or the name of the first config field that does not exist (yet). A value
+    """``cfg`` with the changes (KeyError naming a field that does not exist). A value
     is cast to the field's type where the field is an enum, or a switch (a list of families -> on)."""
     for section, fields in changes.items():
         sub = getattr(cfg, section)
@@ -100,7 +99,7 @@ def _apply(cfg, changes: dict[str, dict[str, Any]]):
         values = {}
         for key, value in fields.items():
             if key not in known:
-                return f"{section}.{key}"
+                raise KeyError(f"{section}.{key}: no such config field")
             f = known[key]
             default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
             if isinstance(default, bool) and isinstance(value, list):
@@ -119,9 +118,6 @@ def _world(rank: int, world_size: int, cfg, variants, root: str) -> dict[str, An
     runs: dict[str, Any] = {}
     for v in variants:
         c = _apply(cfg, v["changes"])
-        if isinstance(c, str):
-            runs[v["name"]] = {"skipped": f"needs config field {c}"}
-            continue
         validate(c, world_size)
         out = Path(root) / v["name"].replace(" ", "_").replace(",", "").replace("=", "")
         Trainer(c, out, resume=False).run()
@@ -279,9 +275,6 @@ def main() -> None:
     )
     print(f"{'variant':<24}{'tokens/s':>10}{'vs base':>9}{'peak act MiB/rank':>19}{'vs base':>9}  base")
     for r in rows:
-        if "skipped" in r:
-            print(f"{r['variant']:<24}{'skipped: ' + r['skipped']:>47}")
-            continue
         peak = r["peak_activation_bytes_per_rank"]
         peak_s = "/".join(f"{p / 2**20:.0f}" for p in peak) if peak else "n/a"
         ratio = f"{r['tokens_per_s_vs_base']:.2f}x" if "tokens_per_s_vs_base" in r else "-"
