@@ -210,10 +210,7 @@ def _hybrid_rows(seed: int = 1) -> list[dict[str, Any]]:
 def _summarise(variants, runs, warmup: int) -> list[dict[str, Any]]:
     rows = []
     for v in variants:
-        got = runs.get(v["name"])
-        if isinstance(got, dict):
-            rows.append({"variant": v["name"], "base": v["base"], **got})
-            continue
+        got = runs[v["name"]]
         counted = got[warmup:] or got
         peaks = [m.get("peak_activation_bytes_per_rank") for m in counted]
         peak = None
