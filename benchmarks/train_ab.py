@@ -24,6 +24,7 @@ from pathlib import Path
 
 from omni_parallel.testing import run_world
 from omni_train.config import MixturePhase, Placement, load_config
+from omni_train.metrics import tokens_per_s
 
 VARIANTS = [
     ("prepend_first_stage, reorder off", Placement.PREPEND_FIRST_STAGE, False),
@@ -78,12 +79,12 @@ def main() -> None:
     for (name, _, reorder), runs in zip(VARIANTS, metrics):
         ms = runs[0]
         counted = [m for run in runs for m in run[args.warmup :]]
-        per_run = [statistics.mean(m["tokens_per_s"] for m in run[args.warmup :]) for run in runs]
+        per_run = [tokens_per_s(run[args.warmup :]) for run in runs]
         imbalance_key = "encoder_imbalance_after_reorder" if reorder else "encoder_imbalance_before_reorder"
         rows.append(
             {
                 "variant": name,
-                "tokens_per_s": statistics.mean(m["tokens_per_s"] for m in counted),
+                "tokens_per_s": tokens_per_s(counted),
                 "tokens_per_s_per_run": per_run,
                 "step_time_s": statistics.mean(m["step_time_s"] for m in counted),
                 "idle_s_per_rank": [
