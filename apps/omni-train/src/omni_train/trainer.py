@@ -25,7 +25,13 @@ Per rank (DESIGN.md, apps/omni-train; MegaScale-Omni §3-§5; ARCHITECTURE.md dr
   over float32 master parameters (:func:`omni_train.parallelize.apply_mixed_precision`).
 * Each step: the loader's step -> :class:`~omni_train.step_inputs.StepInputs` (a value; the executor's
   callables close over it) -> executor step -> gradient clipping -> AdamW (:mod:`omni_train.optim`) ->
-  metrics (:mod:`omni_train.step_metrics`) -> checkpoint (:mod:`omni_train.checkpointing`).
+  metrics (:mod:`omni_train.step_metrics`) -> checkpoint (:mod:`omni_train.checkpointing`). A step's
+  wall clock runs from the end of the previous step's metrics reduction, so the previous checkpoint save
+  counts in it; where it went, per rank and phase, is ``time_s_per_rank`` in ``metrics.jsonl``.
+* Per-action records: every compute action of every step (from the executor's timeline, with its token
+  counts in :func:`omni_train.simulate.action_tokens`'s convention), the receives waited for and each
+  step's wall time go to ``<run>/actions.jsonl`` (:mod:`omni_pipeline.records`; the first DP replica's
+  pipeline, gathered on rank 0), which ``omni-train simulate --calibration`` fits a cost model from.
 * Bad data: a sample whose image/audio body did not decode (omni-data's zero placeholder,
   ``Payload.error``) keeps its place in its pack; its targets are masked and it is counted per step
   (``skipped_payloads``). Everything the loader skipped (metadata and payloads) is reduced over the ranks
@@ -57,12 +63,16 @@ from omni_data.zero_redundancy import FilteredStep
 from omni_parallel import ParallelConfig, ParallelState, ReshardMode, mesh_device_type
 from omni_parallel.encoder_zero import state_bytes
 from omni_pipeline import (
+    RECORDS_FILE,
     CostModel,
     EncoderAnchor,
     EncoderDataConfig,
     EncoderParallelConfig,
     PipelineExecutor,
+    RecordWriter,
+    StepRecord,
     StepResult,
+    action_records,
     place,
 )
 from omni_train.activation_memory import ActivationMemory
@@ -93,6 +103,7 @@ from omni_train.parallelize import (
 )
 from omni_train.pipeline import build_rank_stages, build_schedule
 from omni_train.profiling import StepProfiler
+from omni_train.simulate import action_tokens
 from omni_train.skip_metrics import SkipMetrics
 from omni_train.step_inputs import StepBuilder, StepInputs
 from omni_train.step_metrics import StepMetrics, memory_metrics
@@ -352,10 +363,11 @@ class Trainer:
             of = os.environ.get("TORCHELASTIC_MAX_RESTARTS", "?")
             print(f"omni-train: restarted ({restarts} of {of}), resuming from step {start}", file=sys.stderr)
         logger = MetricsLogger(self.out, total, start, enabled=self.rank == 0)
+        records = self._record_writer(start)
         if self.rank == 0:
             (self.out / "config.json").write_text(json.dumps(cfg.to_dict(), indent=2))
             (self.out / "dataflow.json").write_text(self.flow.to_json())
-        t_run, last = time.perf_counter(), None
+        t_run, last, checkpoint_s = time.perf_counter(), None, 0.0
         prof = StepProfiler(
             self.out,
             self.rank,
@@ -364,9 +376,12 @@ class Trainer:
             total_steps=total,
             device=self.device,
         ).start()
+        t0 = time.perf_counter()
         for step in range(start, total):
-            t0 = time.perf_counter()
-            inputs = self.builder.build(self._loader_step(step))
+            t = time.perf_counter()
+            fs = self._loader_step(step)
+            inputs = self.builder.build(fs)
+            data_s = time.perf_counter() - t
             lr = self._start_step(step)
             self.memory.start_step()
             with self.memory.track():
@@ -375,26 +390,72 @@ class Trainer:
                     inputs.encoder_work,
                     functions=self.builder.functions(inputs),
                     gather_timelines=step == total - 1,
+                    step=step,
                 )
             if after_backward is not None:
                 after_backward(step, inputs, result)
+            t = time.perf_counter()
             grad_norm = self._clip()
             self.optimizer.step()
-            row = self.metrics.reduce(inputs, result, time.perf_counter() - t0)
+            optimizer_s = time.perf_counter() - t
+            wall = time.perf_counter() - t0
+            phases = {"data": data_s, "optimizer": optimizer_s, "checkpoint": checkpoint_s}
+            row = self.metrics.reduce(inputs, result, wall, phases)
+            # the next step's clock starts here: the logging and checkpoint below count in it
+            t0 = time.perf_counter()
+            self._write_records(records, step, fs, inputs, result, wall)
             memory = memory_metrics(self.memory.peaks(), self.rank, self.world)
             skipped = self.skips.step()
             if self.rank == 0:
                 logger.log(step, {**self.metrics.row(inputs, row, lr, grad_norm), **memory, **skipped})
             last = result if step == total - 1 else last
+            checkpoint_s = 0.0
             if self.checkpoint.due(step + 1):
+                t = time.perf_counter()
                 self.checkpoint.save(step + 1)
+                checkpoint_s = time.perf_counter() - t
             prof.step()
         prof.stop()
         self.checkpoint.close()
         logger.close()
+        if records is not None:
+            records.close()
         summary = self._finish(last, time.perf_counter() - t_run, start) if self.rank == 0 else {}
         dist.barrier()
         return summary
+
+    def _record_writer(self, start: int) -> RecordWriter | None:
+        """Rank 0: the writer of ``actions.jsonl``, cut back to the steps before ``start`` (a resumed run
+        then holds one history, as ``metrics.jsonl``); other ranks: ``None``."""
+        if self.rank != 0:
+            return None
+        path = self.out / RECORDS_FILE
+        if path.exists():
+            kept = [line for line in path.read_text().splitlines() if json.loads(line)["step"] < start]
+            path.write_text("".join(line + "\n" for line in kept))
+        return RecordWriter(path)
+
+    def _write_records(
+        self,
+        writer: RecordWriter | None,
+        step: int,
+        fs: FilteredStep,
+        inputs: StepInputs,
+        result: StepResult,
+        wall: float,
+    ) -> None:
+        """This step's per-action, receive and step records of every pipeline rank, gathered over the
+        pipeline group (collective over it) and written by rank 0 (the first DP replica's pipeline)."""
+        llm, enc = action_tokens(self.cfg, inputs.packs, fs.microbatches)
+        mine: list[Any] = action_records(step, result.timeline, llm, enc, result.waits)
+        end = max((ev.end_s for ev in result.timeline), default=0.0)
+        mine += [*result.p2p, StepRecord(step, self.pp_rank, wall, end)]
+        gathered = [mine]
+        if self.pp > 1:
+            gathered = [None] * self.pp
+            dist.all_gather_object(gathered, mine, group=self.ps.group("pp"))
+        if writer is not None:
+            writer.write(r for rank in gathered for r in rank)
 
     def _fresh_start(self) -> int:
         self.stream.reset()
