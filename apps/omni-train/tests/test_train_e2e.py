@@ -1,7 +1,8 @@
 """End to end: the trainer on a tiny config and real-format data, over real processes.
 
-* placements and reordering: ``uniform_on_demand``, ``prepend_first_stage`` and reordering off give the
-  same losses, and the same as one process running the whole model (pp=1), step for step;
+* placements and reordering: ``uniform_on_demand``, ``prepend_first_stage``, ``isolated``, ``planned`` and
+  reordering off give the same losses, and the same as one process running the whole model (pp=1), step
+  for step;
 * the CLI: a 2-process run writes metrics, TensorBoard events, both PNGs, a committed checkpoint and (with
   ``--profile``) a torch.profiler trace per rank naming the trainer's phases; a run killed with SIGKILL
   mid-training and resumed with ``--resume`` reproduces the uninterrupted losses exactly; the automatic
@@ -60,6 +61,7 @@ def test_placements_reordering_and_single_process_agree(tmp_path):
         ("prepend", {"placement": Placement.PREPEND_FIRST_STAGE}),
         ("reorder-off", {"reorder": False}),
         ("isolated", {"placement": Placement.ISOLATED}),
+        ("planned", {"placement": Placement.PLANNED}),
     ]
     # these see other data (one modality per pack; DP ranks read disjoint shards): they must run and learn
     others = [("per-modality", {"packing": "per_modality"}), ("pp1-dp2", {"pp": 1, "dp": 2})]

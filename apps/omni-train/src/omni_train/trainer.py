@@ -74,10 +74,11 @@ from omni_pipeline import (
     StepResult,
     action_records,
     place,
+    stage_costs,
 )
 from omni_train.activation_memory import ActivationMemory
 from omni_train.checkpointing import TrainCheckpoint
-from omni_train.config import RunConfig, bundled_data_dir
+from omni_train.config import Placement, RunConfig, bundled_data_dir
 from omni_train.cp_sharding import CPSharding, build_cp_sharding
 from omni_train.data_pipeline import build_step_stream
 from omni_train.encoder_parallel import (
@@ -101,7 +102,7 @@ from omni_train.parallelize import (
     pipeline_groups,
     training_dtypes,
 )
-from omni_train.pipeline import build_rank_stages, build_schedule
+from omni_train.pipeline import build_rank_stages, build_schedule, layer_costs, stage_split
 from omni_train.profiling import StepProfiler
 from omni_train.simulate import action_tokens
 from omni_train.skip_metrics import SkipMetrics
@@ -174,8 +175,9 @@ class Trainer:
         self.llm_cfg = m.llm_config(self.tokenizer.get_vocab_size())
         self.dtype, self.compute_dtype = training_dtypes(train.dtype)  # parameters, forward/backward
         sp_group = self.ps.group("ulysses") if self.sp > 1 else None
+        self.split = stage_split(self.cfg.parallel, self.llm_cfg, self.cfg.data.max_seq_len)
         self.stage = build_rank_stages(
-            self.llm_cfg, self.schedule, self.pp_rank, seed=m.seed, sp_group=sp_group
+            self.llm_cfg, self.schedule, self.pp_rank, seed=m.seed, sp_group=sp_group, split=self.split
         )
         self.stage.to(self.device, self.dtype)
         self.encoders = Encoders(m.vit, m.audio, self.llm_cfg.dim, seed=m.seed).to(self.device, self.dtype)
@@ -199,11 +201,20 @@ class Trainer:
         encoder_inputs = encoder_microbatch_ids(microbatches, self.pp)
         # Equal planned costs per encoder microbatch: the loader's split already balances them
         # (Karmarkar-Karp). fixed_ranks pins slice j of every LLM microbatch to pipeline rank j for the
-        # whole run, which the zero-redundancy loader needs before any payload is read.
+        # whole run, which the zero-redundancy loader needs before any payload is read; "planned" then
+        # searches only the slots, by simulating this cost model.
         share = {e: par.encoder_forward_share for es in encoder_inputs.values() for e in es}
-        self.flow = place(
-            par.placement, self.schedule, encoder_inputs, CostModel(encoder_forward_s=share), fixed_ranks=True
-        )
+        costs = CostModel(encoder_forward_s=share)
+        if par.placement == Placement.PLANNED:
+            # the planner also sees how the stages differ (modelled FLOPs of each stage's layers, embedding,
+            # head and loss), relative to the mean stage; the paper's policies keep their own model
+            block, first, last = layer_costs(self.llm_cfg, cfg.data.max_seq_len)
+            stage = stage_costs(
+                self.split, [block] * self.llm_cfg.n_layers, first_stage_extra=first, last_stage_extra=last
+            )
+            rel = [c * len(stage) / sum(stage) for c in stage]
+            costs = CostModel(encoder_forward_s=share, llm_forward_s=rel, llm_backward_s=[2 * c for c in rel])
+        self.flow = place(par.placement, self.schedule, encoder_inputs, costs, fixed_ranks=True)
         tp_or_sp = self.ps.group("tp") if self.tp > 1 else (self.ps.group("ulysses") if self.sp > 1 else None)
         options: dict[str, Any] = dict(
             dp_rank=self.ps.local_rank("dp"),
