@@ -14,9 +14,9 @@ see ``p2p``; which group and tag each one uses is decided in one place, ``_Wires
   traffic can never be matched with LLM activations even on a backend that ignores tags (NCCL). Without
   ``encoder_p2p`` they share ``pp`` on a disjoint tag range, which only a tag-honouring backend (gloo)
   keeps apart. Stage 0 posts every encoder-output receive when the step starts and each encoder rank
-  posts its gradient receives then too; LLM receives are posted one action ahead; sends are waited for at
-  the end of the step. On each group, the messages between two ranks are sent and received in the same
-  order, which is all a tag-blind backend needs.
+  posts its gradient receives then too; LLM receives are posted one action ahead, before the encoder
+  actions at that boundary run; sends are waited for at the end of the step. On each group, the messages
+  between two ranks are sent and received in the same order, which is all a tag-blind backend needs.
 
 Timing (one clock, ``time.perf_counter``, from the step's start): each action's compute is the
 timeline's event; the time it blocked on receives before its compute started is ``StepResult.waits``
@@ -271,9 +271,11 @@ class _StepRun:
         run_llm = {F: self.llm_forward, B: self.llm_backward}
         self.post_step_receives()
         for j, a in enumerate(self.actions):
-            self.run_encoders(a)
+            # posted before the boundary's encoder actions run, so a neighbour's message can land while
+            # they compute (rank 1's first input arrives during its warm-up encoder forwards)
             self.post_llm_receive(j)
             self.post_llm_receive(j + 1)
+            self.run_encoders(a)
             run_llm[a.kind](a)
         self.run_encoders(None)
         self.wires.wait_sends()
