@@ -7,7 +7,8 @@
   ``--profile``) a torch.profiler trace per rank naming the trainer's phases; a run killed with SIGKILL
   mid-training and resumed with ``--resume`` reproduces the uninterrupted losses exactly; the automatic
   restart in between is reported in two lines, without a traceback; ``--resume`` of the finished run says
-  so and changes nothing, and with a larger ``--max-steps`` trains on from where it ended.
+  so and changes nothing, and with a larger ``--max-steps`` trains on from where it ended; ``actions.jsonl``
+  holds one record per rank and step after the restarts, as ``metrics.jsonl`` holds one line per step.
 """
 
 import dataclasses
@@ -24,6 +25,7 @@ import pytest
 from train_fixtures import make_dataset, write_config
 
 from omni_parallel.testing import run_world
+from omni_pipeline import read_records
 from omni_train.config import Placement, load_config
 
 pytestmark = pytest.mark.slow
@@ -165,6 +167,9 @@ def test_cli_run_outputs_restart_and_sigkill_resume_are_exact(tmp_path):
     out, _ = p.communicate(timeout=300)
     assert p.returncode == 0, out
     assert _losses(b) == _losses(a)  # step for step, bit for bit
+    # actions.jsonl is cut back on every resume as metrics.jsonl is: one history, one record per rank/step
+    steps = sorted((r.step, r.rank) for r in read_records(b).steps)
+    assert steps == [(i, r) for i in range(16) for r in (0, 1)]
 
     # The finished run: --resume says so and leaves it alone; a larger --max-steps trains on.
     summary = (a / "summary.json").read_text()

@@ -319,6 +319,8 @@ def test_schedule_validation_names_the_fields(cfg):
     assert config_from_dict(raw).parallel.stage_layers == "auto"
     raw["parallel"]["stage_layers"] = [3, 1]
     assert config_from_dict(raw).parallel.stage_layers == [3, 1]
+    for text, want in (("auto", "auto"), ("[2, 1]", [2, 1]), ("none", None)):  # --parallel.stage_layers
+        assert load_config("omni-heavy", [("parallel.stage_layers", text)]).parallel.stage_layers == want
     raw = cfg.to_dict()
     raw["parallel"]["schedule"] = "zb"
     with pytest.raises(ConfigError, match=r"^parallel\.schedule: 'zb' is not one of"):

@@ -784,6 +784,8 @@ def _parse_value(tp: Any, text: str | None, where: str) -> Any:
     flag (``--train.compile``), true for a bool field."""
     alternatives = typing.get_args(tp) if typing.get_origin(tp) in (typing.Union, types.UnionType) else ()
     tp, optional = _unwrap(tp)
+    if optional and text is not None and text.lower() in ("none", "null"):
+        return None
     if text is not None and str in alternatives and not text.lstrip().startswith("["):
         return text  # a list-or-string field given a word (parallel.stage_layers auto)
     if text is None:

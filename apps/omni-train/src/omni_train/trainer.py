@@ -437,12 +437,30 @@ class Trainer:
 
     def _record_writer(self, start: int) -> RecordWriter | None:
         """Rank 0: the writer of ``actions.jsonl``, cut back to the steps before ``start`` (a resumed run
-        then holds one history, as ``metrics.jsonl``); other ranks: ``None``."""
+        then holds one history, as ``metrics.jsonl``); other ranks: ``None``.
+
+        A last line cut short (the run was killed while writing it) is of a step after the last
+        checkpoint (records are written before the step's checkpoint) and goes with them.
+
+        Raises:
+            ValueError: a line before the last is not a JSON record (names the file and line).
+        """
         if self.rank != 0:
             return None
         path = self.out / RECORDS_FILE
         if path.exists():
-            kept = [line for line in path.read_text().splitlines() if json.loads(line)["step"] < start]
+            lines, kept = path.read_text().splitlines(), []
+            for n, line in enumerate(lines, start=1):
+                try:
+                    step = json.loads(line)["step"]
+                except (ValueError, KeyError, TypeError):
+                    if n == len(lines):
+                        break
+                    raise ValueError(
+                        f"{path}:{n}: not a record of a step; cannot resume its records"
+                    ) from None
+                if step < start:
+                    kept.append(line)
             path.write_text("".join(line + "\n" for line in kept))
         return RecordWriter(path)
 
