@@ -68,6 +68,18 @@ def test_each_validation_error_names_its_field(tmp_path, data):
         cfg, nproc=2, parallel__cp=2, parallel__ulysses=1, parallel__pp=1, train__compile=True
     ).startswith("train.compile")
     assert _bad(cfg, parallel__hybrid_cp=True).startswith("parallel.hybrid_cp: needs dp * cp >= 2")
+    # encoder SP shares the LLM's sequence group: Ulysses, or plain CP (hybrid DP/CP's blocks change per pack)
+    cp2 = dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, cp=2, encoder_sp=2))
+    validate(cp2, 4)
+    assert _bad(cfg, nproc=4, parallel__cp=2, parallel__encoder_sp=4).startswith(
+        "parallel.encoder_sp: 4 must be 1 or the LLM's sequence-parallel size"
+    )
+    assert _bad(cfg, nproc=4, parallel__cp=2, parallel__hybrid_cp=True, parallel__encoder_sp=2).startswith(
+        "parallel.encoder_sp: 2 must be 1 or the LLM's sequence-parallel size"
+    )
+    assert _bad(
+        cfg, nproc=8, parallel__cp=2, parallel__dp=2, parallel__encoder_sp=2, data__reorder_group_size=2
+    ).startswith("data.reorder_group_size: 2 with context parallelism")
     joined = [
         dataclasses.replace(s, join_tokens=64 if s.modality == "image" else 0) for s in cfg.data.sources
     ]

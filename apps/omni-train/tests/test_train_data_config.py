@@ -7,15 +7,18 @@ import dataclasses
 import os
 import shutil
 import tomllib
+from collections import Counter
 from pathlib import Path
 
 import pytest
 from tokenizers import Tokenizer
 from train_fixtures import make_dataset, write_config
 
+from omni_data.write import WriteReport
 from omni_train.cli import main
 from omni_train.config import ConfigError, bundled_data_dir, data_root, load_config, validate
 from omni_train.data_pipeline import build_sources, build_step_stream
+from omni_train.make_shards import data_toml
 
 
 @pytest.fixture(scope="module")
@@ -65,6 +68,17 @@ def test_no_shards_error_says_where_it_looked(tmp_path, data):
     bad = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, sources=srcs))
     with pytest.raises(ConfigError, match=r"1 shards of .* do not exist \(first: .*/shards/audio-002\.tar"):
         validate(bad, 2)
+    for folder in ("shards", ""):  # a folder, or the config's own folder, is not a shard
+        srcs[1] = dataclasses.replace(srcs[1], urls=folder)
+        bad = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, sources=srcs))
+        with pytest.raises(ConfigError, match=r"data.sources\[1\].urls: no shards match"):
+            validate(bad, 2)
+    mix = [dataclasses.replace(m) for m in cfg.data.mixture]
+    for w in (float("nan"), float("inf")):
+        mix[0] = dataclasses.replace(mix[0], weights={**mix[0].weights, "text": w})
+        bad = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, mixture=mix))
+        with pytest.raises(ConfigError, match=r"data.mixture\[0\].weights: weights must be finite"):
+            validate(bad, 2)
 
 
 def test_loader_options_reach_omni_data(tmp_path, data):
@@ -104,3 +118,15 @@ def test_make_shards_prints_source_lines_and_names_bad_input(tmp_path, capsys):
     assert main(["make-shards", str(tmp_path / "none"), str(out)]) == 2
     err = capsys.readouterr().err
     assert "configuration error: make-shards: " in err and f"{tmp_path / 'none'} is not a folder" in err
+
+
+def test_make_shards_weights_keep_a_small_modality():
+    report = WriteReport(
+        shards={"audio": ["s/audio-000000.tar"], "image": ["s/image-000000.tar"]},
+        samples=Counter(audio=2999, image=1),
+    )
+    data = tomllib.loads(data_toml(report, "/data/s"))
+    (phase,) = data["data"]["mixture"]
+    # the weights are the sample shares (3,000 samples: the one image is drawn as often as any clip)
+    assert phase["weights"] == pytest.approx({"audio": 2999 / 3000, "image": 1 / 3000}, rel=1e-3)
+    assert [s["urls"] for s in data["data"]["sources"]] == ["/data/s/audio-*.tar", "/data/s/image-*.tar"]

@@ -12,7 +12,8 @@ streams side by side):
 * sparse media: a step where no rank has any media and steps where one rank has media and another none
   (ZeRO-3 and reordering must still join every collective: a hang fails after ``timeout_s``, naming ranks).
 
-The CP path of the delivery is tested directly in ``test_train_encoder_delivery.py``.
+The CP path of the delivery is tested directly in ``test_train_encoder_delivery.py`` and in the trainer at
+cp=2 with long images in ``test_train_cp_encoder_sp.py``.
 
 Checkpointing with all of it on (dp=2 x ulysses=2, reordering across both replicas, ZeRO-3, long-short
 SP): a worker SIGKILLs itself mid-run (its peers are killed with it), the run resumes from the last

@@ -5,7 +5,9 @@ Oracles: the waveform against the analytic sines at 16 kHz, the pixels against a
 computed here in float64, the metadata against the written json and ``soundfile.info``."""
 
 import json
+import shutil
 import tarfile
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -48,6 +50,10 @@ def folder(tmp_path_factory):
     (d / "orphan.txt").write_text("no media of this name")
     (d / "broken.png").write_bytes(b"\x89PNG\r\n\x1a\n" + b"\0" * 40)
     return d
+
+
+def _copy(folder, tmp_path):
+    return Path(shutil.copytree(folder, tmp_path / "copy"))
 
 
 def test_folder_to_shards_to_16k_mono_rgb(folder, tmp_path, capsys):
@@ -113,7 +119,7 @@ def test_manifest_jsonl_and_errors(folder, tmp_path):
         {"text": "just some text"},
         {"path": "missing.png", "text": "x"},
     ]
-    man = folder / "list.jsonl"
+    man = _copy(folder, tmp_path) / "list.jsonl"  # a copy: the fixture folder stays as the others expect
     man.write_text("\n".join(json.dumps(r) for r in rows))
     report = write_dataset(None, str(tmp_path / "m"), manifest=man)
     assert dict(report.samples) == {"audio": 1, "image": 1, "text": 1}
@@ -124,3 +130,44 @@ def test_manifest_jsonl_and_errors(folder, tmp_path):
     with pytest.raises(ValueError, match="not a folder"):
         write_dataset(tmp_path / "nope", str(tmp_path / "x"))
     assert main([str(tmp_path / "empty"), str(tmp_path / "y")]) == 2
+
+
+def test_a_modality_whose_every_file_is_skipped_gets_no_shard(folder, tmp_path):
+    d = tmp_path / "in"
+    (d / "sub").mkdir(parents=True)
+    (d / "sub" / "hello.ogg").write_bytes((folder / "words" / "hello.ogg").read_bytes())
+    (d / "sub" / "hello.txt").write_text("hello")
+    (d / "broken.png").write_bytes((folder / "broken.png").read_bytes())
+    (d / "sub" / "bad.png").write_bytes((folder / "pal.png").read_bytes())
+    (d / "sub" / "bad.txt").write_bytes(b"caption \xff not utf-8")
+    report = write_dataset(d, str(tmp_path / "out"))
+    # no empty image shard for a config to point a source at: only the audio was written
+    assert dict(report.samples) == {"audio": 1} and set(report.shards) == {"audio"}
+    assert sorted(p.name for p in (tmp_path / "out").glob("*.tar")) == ["audio-000000.tar"]
+    # every skipped file is named relative to the input folder, whatever the reason
+    assert report.skipped == {
+        "undecodable image (UnidentifiedImageError)": ["broken.png"],
+        "text is not UTF-8": ["sub/bad.txt"],
+    }
+
+
+def test_a_csv_manifest_with_a_byte_order_mark_keeps_its_path_column(folder, tmp_path):
+    # A spreadsheet's "CSV UTF-8" starts with a BOM: read as part of the first column's name, it hid the
+    # `path` column, and every image row silently became a text sample of its caption.
+    man = _copy(folder, tmp_path) / "sheet.csv"
+    man.write_bytes(b"\xef\xbb\xbfpath,caption\r\npal.png,a palette picture\r\n")
+    report = write_dataset(None, str(tmp_path / "m"), manifest=man)
+    assert dict(report.samples) == {"image": 1} and report.skipped == {}
+    (m,) = list(WebDatasetSource(report.shards["image"], modality="image"))
+    assert m.key == "pal" and m.shape == (3, 56, 84)
+
+
+def test_unknown_files_are_named_and_an_output_folder_inside_the_input_is_not_read(folder, tmp_path):
+    d = _copy(folder, tmp_path)
+    (d / "words" / "hello.mp4").write_bytes(b"\0" * 64)  # not a format the loader reads
+    (d / "notes.pdf").write_bytes(b"%PDF-1.4")
+    first = write_dataset(d, str(d / "shards"))
+    assert first.skipped["not an image, audio, .txt or .json file"] == ["notes.pdf", "words/hello.mp4"]
+    # the README's layout: the shards inside the input folder; a second run does not read them back
+    again = write_dataset(d, str(d / "shards"))
+    assert again.to_dict() == first.to_dict()

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import glob
+import math
 import os
 import re
 import tomllib
@@ -197,12 +198,15 @@ class ParallelConfigSection:
             their gradients and optimizer state over every rank (the gathered parameters stay allocated
             between steps); 3: parameters too.
         encoder_sp: encoder sequence-parallel size (``omni_train.encoder_parallel``): 1, or the LLM's
-            Ulysses size, whose group it then shares (under CP, ``omni_train.cp_sharding`` splits each
-            encoder microbatch's samples over the CP ranks; reordering across DP is then off). With an LLM SP
-            group the samples of each encoder microbatch are spread over it (each encoded once, short
-            ones whole on single ranks balanced by cost); with ``encoder_sp`` > 1, images of more than
-            ``long_threshold`` LLM tokens are also split along the sequence over the group, Ulysses
-            inside the ViT's attention.
+            sequence-parallel size, whose group it then shares: ``ulysses``, or ``cp`` under plain CP
+            (not ``hybrid_cp``). With an LLM SP group the samples of each encoder microbatch are spread
+            over it (each encoded once, short ones whole on single ranks balanced by cost); with
+            ``encoder_sp`` > 1, images of more than ``long_threshold`` LLM tokens are also split along the
+            sequence over the group, Ulysses inside the ViT's attention. Under CP with ``encoder_sp`` 1,
+            ``omni_train.cp_sharding`` splits each encoder microbatch's samples whole over the CP ranks
+            (each reads only its own); with ``encoder_sp = cp`` the CP ranks run long-short SP and the
+            outputs reach the head-tail layout by ``reshard_to_llm``'s all-reduce. Reordering across DP
+            is off under CP either way.
         long_threshold: tokens (after the patch merge: the LLM tokens an image fills) above which an
             image is long (split over the encoder SP group); >= 1.
         cp_attention: attention of context-parallel groups: ``"allgather"`` (K/V all-gathered) or
@@ -482,7 +486,7 @@ def expand_urls(pattern: str, root: str | os.PathLike[str] | None = None) -> lis
         local = str(Path(root if root is not None else bundled_data_dir()) / local)
     if "{" in local:
         return [local]
-    return sorted(glob.glob(local))
+    return sorted(p for p in glob.glob(local) if os.path.isfile(p))  # a folder is not a shard
 
 
 def _missing_shards(pattern: str, root: Path) -> str | None:
@@ -609,8 +613,11 @@ def validate(cfg: RunConfig, nproc: int) -> None:
         bad = sorted(set(ph.weights) - set(names))
         if bad:
             raise ConfigError(f"data.mixture[{i}].weights: unknown source {bad[0]!r} (sources: {names})")
-        if any(w < 0 for w in ph.weights.values()) or sum(ph.weights.values()) <= 0:
-            raise ConfigError(f"data.mixture[{i}].weights: weights must be >= 0 with a positive sum")
+        if any(not math.isfinite(w) or w < 0 for w in ph.weights.values()) or sum(ph.weights.values()) <= 0:
+            raise ConfigError(
+                f"data.mixture[{i}].weights: weights must be finite and >= 0 with a positive sum, got "
+                f"{dict(ph.weights)}"
+            )
         if i < len(data.mixture) - 1:
             if ph.until_step is None or ph.until_step <= last:
                 raise ConfigError(f"data.mixture[{i}].until_step: phases need increasing until_step values")
@@ -632,11 +639,12 @@ def validate(cfg: RunConfig, nproc: int) -> None:
             f"parallel.encoder_zero: {par.encoder_zero} is not one of 0 (encoders whole on every rank), "
             "2 (gradients and optimizer state sharded) or 3 (parameters too)"
         )
-    if par.encoder_sp < 1 or (par.encoder_sp > 1 and par.encoder_sp != par.ulysses):
+    sp_size = par.ulysses if par.ulysses > 1 else (par.cp if not par.hybrid_cp else 1)
+    if par.encoder_sp < 1 or (par.encoder_sp > 1 and par.encoder_sp != sp_size):
         raise ConfigError(
-            f"parallel.encoder_sp: {par.encoder_sp} must be 1 or the LLM's Ulysses size "
-            f"(parallel.ulysses {par.ulysses}), whose group the encoders share (under CP the CP ranks "
-            "split each encoder microbatch's samples instead: omni_train.cp_sharding)"
+            f"parallel.encoder_sp: {par.encoder_sp} must be 1 or the LLM's sequence-parallel size, whose "
+            f"group the encoders share: parallel.ulysses ({par.ulysses}) or, for plain CP, parallel.cp "
+            f"({par.cp}; not with parallel.hybrid_cp {par.hybrid_cp}, whose CP blocks change per pack)"
         )
     if par.long_threshold < 1:
         raise ConfigError(f"parallel.long_threshold: must be >= 1 token, got {par.long_threshold}")

@@ -34,6 +34,22 @@ the buffers, and each rank takes its head-tail chunks; embeddings of whole sampl
 rank's rows. Blocks are visited in ``(cp, first)`` order on every rank (collectives of overlapping blocks
 never interleave differently), a rank with no media in a block still joins its all-reduce (a microbatch
 may hold fewer images than CP ranks).
+
+Long-short SP under CP (``parallel.encoder_sp = cp``, plain CP only): :meth:`owners` keeps samples whole,
+so it cannot split a long image. Rather than grow a second long-short planner here, the trainer hands the
+encoders to :class:`omni_train.encoder_parallel.EncoderParallel` with
+``SequenceLayout(ReshardMode.CP, cp)`` over the CP group, the path Ulysses takes: its layout,
+:func:`omni_parallel.cp_layout` of the whole pack, is this class's plain-CP :meth:`local` (one block
+``[0, C)`` through :func:`omni_parallel.local_sequence` maps every row to the same pack position; the
+trainer test checks it on every pack), so its outputs are this rank's rows in local-slot order and stage 0
+scatters them into its slots; :meth:`deliver_media` and :meth:`share` are not used. Images above
+``parallel.long_threshold`` are split along the sequence over the CP ranks (Ulysses attention in the
+ViT), the rest go whole to single CP ranks balanced by encoder FLOPs
+(:func:`omni_parallel.plan_long_short`), and the rows reach the head-tail layout by ``reshard_to_llm``'s
+CP all-reduce. Every CP rank needs the long images' pixels, so the loader reads whole encoder
+microbatches on CP rank 0 and broadcasts them to its CP peers (the zero-redundancy filter's
+``tp_group``), as for Ulysses: each payload is still read and decoded once, then sent. Hybrid DP/CP keeps
+``encoder_sp`` 1: its CP blocks change per pack, and a fixed SP group cannot follow them.
 """
 
 from __future__ import annotations
@@ -87,6 +103,10 @@ class CPSharding:
         attention_len: hybrid only: the plan's cost model (``omni_parallel.hybrid_cp_load``), the sample
             length at which attention costs as much as the rest of the model (about ``6 * dim``).
         raised_caps: hybrid only: packs planned above ``max_tokens`` per rank (see :meth:`_plan`).
+        encoder_sp: plain CP only: ``cp`` when the encoders run long-short SP over the CP group
+            (``parallel.encoder_sp``; see "Long-short SP under CP" in the module docstring): the loader
+            then reads whole encoder microbatches (not :meth:`share`) and the encoder outputs arrive in
+            this rank's local layout (not through :meth:`deliver_media`); 1 otherwise.
     """
 
     size: int
@@ -100,6 +120,7 @@ class CPSharding:
     max_tokens: int = 0
     attention_len: int = 16384
     raised_caps: int = 0
+    encoder_sp: int = 1
     _cache: dict[tuple[int, ...], tuple[tuple[HybridCPSlot, ...], LocalSequence]] = field(
         default_factory=dict, repr=False
     )
@@ -314,9 +335,20 @@ def build_cp_sharding(
     microbatches: int,
     slices: int,
     balance: bool,
+    encoder_sp: int = 1,
 ) -> CPSharding | None:
     """The run's :class:`CPSharding` (``None`` without CP). Collective for ``hybrid``: every rank creates
-    every CP sub-group (all aligned blocks of each CP size of every stage's dp_cp group) in one order."""
+    every CP sub-group (all aligned blocks of each CP size of every stage's dp_cp group) in one order.
+
+    ``encoder_sp``: 1, or (plain CP only) ``cp``: long-short SP of the encoders over the CP group.
+
+    Raises:
+        ValueError: ``encoder_sp`` neither 1 nor ``cp``, or > 1 with ``hybrid``.
+    """
+    if encoder_sp != 1 and (hybrid or encoder_sp != cp):
+        raise ValueError(
+            f"encoder_sp {encoder_sp}: must be 1 or, under plain CP (not hybrid DP/CP), the CP size {cp}"
+        )
     method = CPAttention(method)
     common = dict(method=method, microbatches=microbatches, slices=slices, balance=balance)
     if hybrid:
@@ -330,5 +362,5 @@ def build_cp_sharding(
             size, rank, groups, hybrid=True, max_tokens=max_tokens, attention_len=attention_len, **common
         )
     if cp > 1:
-        return CPSharding(cp, ps.local_rank("cp"), {(cp, 0): ps.group("cp")}, **common)
+        return CPSharding(cp, ps.local_rank("cp"), {(cp, 0): ps.group("cp")}, encoder_sp=encoder_sp, **common)
     return None

@@ -45,7 +45,8 @@ def data_toml(report: WriteReport, out: str, *, config_dir: Path | None = None) 
             f'urls = "{Path(folder).as_posix() if "://" not in folder else folder}/{modality}-*.tar"',
             "",
         ]
-        weights.append(f"{modality} = {report.samples[modality] / total:.3f}")
+        # 4 significant digits, not decimals: a small modality (1 of 3,000) keeps a non-zero weight
+        weights.append(f"{modality} = {float(f'{report.samples[modality] / total:.4g}')!r}")
     lines += ["[[data.mixture]]", f"weights = {{ {', '.join(weights)} }}", ""]
     return "\n".join(lines)
 

@@ -19,7 +19,9 @@ pack (or, hybrid, its whole samples and its shares of the long ones), the RoPE p
 and a :class:`~omni_parallel.CPSequence` in place of ``cu_seqlens``; its encoder microbatches are its share
 of each slice, and their embeddings reach their tokens through ``CPSharding.deliver_media`` (the CP path of
 ``omni_parallel.reshard_to_llm``); :mod:`omni_train.encoder_parallel` then only runs the encoders on
-that share (no reordering across DP, no encoder SP under CP).
+that share (no reordering across DP). With ``parallel.encoder_sp = cp`` (plain CP) the encoders instead
+run long-short SP over the CP group like Ulysses, and each output already holds the rows of this CP
+rank's head-tail slots, scattered there as under Ulysses.
 """
 
 from __future__ import annotations
@@ -180,10 +182,11 @@ class StepBuilder:
             mb = inputs.microbatches[k]
             es = [e for e in self.flow.encoder_inputs[k] if e in outs]
             media = torch.cat([outs[e] for e in es]) if es else None
-            if self.cp is not None:
-                return self._cp_first_stage_input(inputs, k, media)
-            # Each output already holds exactly this SP rank's rows (encoder_parallel's resharding).
+            # With an encoder SP group each output already holds exactly this rank's rows, in its local
+            # slots (encoder_parallel's resharding): Ulysses chunk, or CP head-tail share.
             pos = torch.cat([inputs.media_positions[e] for e in es]).to(self.device) if es else None
+            if self.cp is not None:
+                return self._cp_first_stage_input(inputs, k, media, pos)
             dev = self.device
             return mb.input_ids.to(dev), mb.position_ids.to(dev), mb.cu_seqlens.to(dev), media, pos
 
@@ -214,13 +217,18 @@ class StepBuilder:
 
         return StepFunctions(first_stage_input, loss, encode, stage_kwargs)
 
-    def _cp_first_stage_input(self, inputs: StepInputs, k: int, media: torch.Tensor | None) -> tuple:
+    def _cp_first_stage_input(
+        self, inputs: StepInputs, k: int, media: torch.Tensor | None, slots: torch.Tensor | None
+    ) -> tuple:
         """Stage 0's input under CP: this rank's tokens, RoPE positions and CP sequence, and the media
-        embeddings of its tokens (delivered from the ranks that encoded them)."""
+        embeddings of its tokens: delivered from the ranks that encoded them (``CPSharding.deliver_media``)
+        or, with encoder SP over the CP group, already resharded into its local ``slots``."""
         assert self.cp is not None
         mb, pack, dev = inputs.microbatches[k], inputs.packs[k - 1], self.device
         embeds, rows = None, None
-        if pack.spans:
+        if self.cp.encoder_sp > 1:
+            embeds, rows = media, slots
+        elif pack.spans:
             positions = self.cp.rank_positions(inputs.packs, k)
             mine = media if media is not None else torch.zeros(0, self.llm_dim, dtype=self.dtype, device=dev)
             embeds, rows = self.cp.deliver_media(pack, mine, positions)

@@ -241,6 +241,7 @@ class Trainer:
             microbatches=cfg.data.microbatches,
             slices=self.pp,
             balance=par.reorder,
+            encoder_sp=par.encoder_sp if par.cp > 1 and not par.hybrid_cp else 1,
         )
 
     def _pack_tokens(self) -> int:
@@ -254,6 +255,10 @@ class Trainer:
         sh = self.sharding
         if sh is None:
             return {}
+        if sh.encoder_sp > 1:
+            # Long-short SP over the CP group: every CP rank needs the long images' pixels, so CP rank 0
+            # reads whole encoder microbatches and broadcasts them to its CP peers, as for Ulysses.
+            return {"tp_group": self.ps.group("cp")}
         if not sh.hybrid:
             return {"share": sh.share}
         return {
@@ -319,15 +324,18 @@ class Trainer:
         if not par.reorder:
             self.reorder_group_size = 1
         if self.sharding is not None:
-            # CP: cp_sharding splits each encoder microbatch over the CP ranks and delivers the outputs
-            # (validation refuses encoder_sp and reordering groups > 1 with CP).
+            # CP: no reordering across DP (validation refuses reordering groups > 1 with CP).
             self.reorder_group_size = 1
         group = reorder_groups(self.ps, self.reorder_group_size)
-        sp = self.ps.size("ulysses")
+        sp, mode, name = self.ps.size("ulysses"), ReshardMode.ULYSSES, "ulysses"
+        if self.sharding is not None:
+            # encoder_sp = cp: long-short SP over the CP group in its head-tail layout (cp_sharding's
+            # module docstring); else cp_sharding splits and delivers, the encoders see no SP group.
+            sp, mode, name = self.sharding.encoder_sp, ReshardMode.CP, "cp"
         return EncoderParallel(
-            SequenceLayout(ReshardMode.ULYSSES if sp > 1 else None, sp),
-            sp_group=self.ps.group("ulysses") if sp > 1 else None,
-            sp_rank=self.ps.local_rank("ulysses"),
+            SequenceLayout(mode if sp > 1 else None, sp),
+            sp_group=self.ps.group(name) if sp > 1 else None,
+            sp_rank=self.ps.local_rank(name) if sp > 1 else 0,
             encoder_sp=par.encoder_sp,
             long_threshold=par.long_threshold,
             reorder_group=group,

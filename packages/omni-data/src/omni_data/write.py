@@ -19,7 +19,8 @@ resamples to the encoder's rate and averages channels), plus ``"path"`` (where i
 fields of the sidecar json. Keys are the relative path without extension, with ``/`` as ``__`` and
 characters outside ``[A-Za-z0-9_-]`` as ``_`` (WebDataset keys cannot hold dots), made unique.
 ``OUT/manifest.json`` lists the shards, counts per modality and every file skipped, by reason (a file
-that does not decode, text that is not UTF-8, a caption without media).
+that does not decode, text that is not UTF-8, a caption without media, a file of another type). Files
+under ``OUT`` are not read when ``OUT`` lies inside the input folder.
 
 Source: WebDataset's shard format (``webdataset.ShardWriter``), through fsspec (``OUT`` may be any
 fsspec URL).
@@ -30,6 +31,7 @@ from __future__ import annotations
 import argparse
 import csv
 import io
+import itertools
 import json
 import os
 import re
@@ -124,18 +126,28 @@ def _key(stem: str, taken: set[str]) -> str:
     return out
 
 
-def _read_text(path: Path, report: WriteReport) -> str | None:
+def _read_text(path: Path, report: WriteReport, name: str) -> str | None:
     try:
         return path.read_bytes().decode("utf-8").strip()
     except UnicodeDecodeError:
-        report.skip(str(path), "text is not UTF-8")
+        report.skip(name, "text is not UTF-8")
         return None
 
 
-def _from_folder(root: Path, report: WriteReport) -> Iterator[_Item]:
-    files = sorted(p for p in root.rglob("*") if p.is_file() and not p.name.startswith("."))
+def _from_folder(root: Path, report: WriteReport, skip_dir: Path | None = None) -> Iterator[_Item]:
+    """Samples of the folder ``root``; files under ``skip_dir`` (the output, when inside it) are not read."""
+    files = sorted(
+        p
+        for p in root.rglob("*")
+        if p.is_file()
+        and not p.name.startswith(".")
+        and (skip_dir is None or not p.resolve().is_relative_to(skip_dir))
+    )
     by_stem: dict[Path, list[Path]] = {}
     for p in files:
+        if _modality_of(p) is None and p.suffix.lower() not in (".txt", ".json"):
+            report.skip(str(p.relative_to(root)), "not an image, audio, .txt or .json file")
+            continue
         by_stem.setdefault(p.with_suffix(""), []).append(p)
     taken: set[str] = set()
     media_stems = {s for s, ps in by_stem.items() if any(_modality_of(p) for p in ps)}
@@ -152,7 +164,7 @@ def _from_folder(root: Path, report: WriteReport) -> Iterator[_Item]:
             if txt is not None:
                 report.skip(str(txt.relative_to(root)), "text without a media file of the same name")
             continue
-        text = _read_text(txt, report) if txt is not None else None
+        text = _read_text(txt, report, str(txt.relative_to(root))) if txt is not None else None
         if txt is not None and text is None:
             continue
         extra: dict[str, Any] = {}
@@ -172,7 +184,7 @@ def _from_folder(root: Path, report: WriteReport) -> Iterator[_Item]:
 
 def _from_manifest(manifest: Path, report: WriteReport) -> Iterator[_Item]:
     root = manifest.parent
-    raw = manifest.read_bytes().decode("utf-8")
+    raw = manifest.read_bytes().decode("utf-8-sig")  # spreadsheets save "CSV UTF-8" with a BOM
     if manifest.suffix.lower() == ".csv":
         rows: Iterable[dict[str, Any]] = csv.DictReader(io.StringIO(raw))
     elif manifest.suffix.lower() in (".jsonl", ".ndjson"):
@@ -272,7 +284,9 @@ def write_dataset(
         root = Path(source)
         if not root.is_dir():
             raise ValueError(f"write_dataset: {root} is not a folder (give a folder, or --manifest FILE)")
-        items = list(_from_folder(root, report))
+        local = "://" not in out or out.startswith("file://")
+        skip_dir = Path(out.removeprefix("file://")).resolve() if local else None
+        items = list(_from_folder(root, report, skip_dir))
     groups: dict[Modality, list[_Item]] = {}
     for it in items:
         modality = (_modality_of(it.path) if it.path is not None else None) or Modality.TEXT
@@ -281,7 +295,10 @@ def write_dataset(
     fsspec.core.url_to_fs(out)[0].makedirs(out, exist_ok=True)
     for modality, group in sorted(groups.items()):
         samples = (s for s in (_encode(it, modality, report) for it in group) if s is not None)
-        counted = _counting(samples, report.samples, str(modality))
+        first = next(samples, None)
+        if first is None:  # every file of it was skipped (named in the report): no empty shard, no source
+            continue
+        counted = _counting(itertools.chain([first], samples), report.samples, str(modality))
         report.shards[str(modality)] = write_shards(
             f"{out}/{modality}-%06d.tar", counted, per_shard=per_shard
         )

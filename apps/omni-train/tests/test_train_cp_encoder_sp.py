@@ -1,0 +1,64 @@
+"""Long-short SP of the encoders over the CP group (``parallel.encoder_sp = parallel.cp``, issue 17's "CP
+reshard path") in the trainer, against one float64 process: losses and every gradient of every step within
+1e-10 (``train_reference``).
+
+cp=2 on 2 gloo processes, ``long_threshold`` 2 merged tokens: every image above it is split along the
+sequence over both CP ranks (Ulysses attention inside the ViT), audio and small images go whole to one CP
+rank balanced by cost, and the rows reach each rank's head-tail slots by ``reshard_to_llm``'s CP
+all-reduce. The run must really split: some encoder microbatch holds a long image and some a short
+sample, and both CP ranks receive media rows. The encoders' layout (``SequenceLayout(ReshardMode.CP, 2)``)
+must be the LLM's plain-CP layout (``CPSharding.local``) on every pack, or embeddings would land on the
+wrong tokens.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from train_fixtures import make_dataset, write_config
+from train_reference import assert_runs_match, capture_run, reference_run, with_parallel
+
+from omni_parallel.testing import run_world
+from omni_train.config import load_config, validate
+
+pytestmark = pytest.mark.slow
+
+
+def _check_step(trainer, step, inputs, out):
+    sh, par = trainer.sharding, trainer.builder.parallel
+    rank = sh.rank
+    for pack in inputs.packs:
+        if list(par.layout.sources(pack)[rank]) != list(sh.local(pack).source):
+            out["layout_mismatch"].append((step, pack.seqlens))
+    for work in inputs.encoder_work.values():
+        out["long"] += len(work.long)
+        out["short"] += len(work.short)
+    out["media_rows"] += sum(int(p.numel()) for p in inputs.media_positions.values())
+
+
+def _cp_world(rank, world_size, cfg, root):
+    validate(cfg, world_size)
+    seen = {"layout_mismatch": [], "long": 0, "short": 0, "media_rows": 0}
+    got = capture_run(cfg, Path(root), on_inputs=lambda t, s, i: _check_step(t, s, i, seen))
+    return got, seen
+
+
+def _reference(rank, world_size, cfg, root):
+    return reference_run(cfg, Path(root), 1)
+
+
+def test_cp2_encoder_sp2_long_images_match_one_process(tmp_path):
+    data = make_dataset(tmp_path / "data", n_image=12, n_audio=6, n_text=20)
+    cfg = load_config(
+        str(write_config(tmp_path / "c.toml", data, steps=2, every=0, pp=1, extra='dtype = "float64"'))
+    )
+    want = run_world(_reference, 1, args=(cfg, str(tmp_path / "ref")), timeout_s=300)[0]
+    par = with_parallel(cfg, cp=2, encoder_sp=2, long_threshold=2)
+    results = run_world(_cp_world, 2, args=(par, str(tmp_path / "cp2")), timeout_s=300)
+    assert_runs_match(results[0][0], want, "cp2-encoder_sp2")
+    for rank, (_, seen) in enumerate(results):
+        assert not seen["layout_mismatch"], f"rank {rank}: encoder layout is not the LLM's CP layout"
+        assert seen["long"] > 0, f"rank {rank}: no image was long (split over the CP group)"
+        assert seen["media_rows"] > 0, f"rank {rank}: received no media rows"
+    assert sum(seen["short"] for _, seen in results) > 0, "no sample went whole to one CP rank"
