@@ -58,7 +58,7 @@ def step_phases(result: StepResult, wall: float, measured: dict[str, float]) -> 
     """One rank's step wall time by :data:`PHASES`: ``data`` (loader step, decode and the step's input
     building, its collectives included), ``encoder`` / ``llm`` (seconds inside encoder / LLM actions of
     the executor's timeline), ``p2p_wait`` (blocked on receives, ``StepResult.waits``), ``grad_reduce``
-    (``StepResult.reduce_s``), ``optimizer`` (clipping and the AdamW step), ``checkpoint`` (the save
+    (``StepResult.reduce_s``: the gradient collectives, waiting there for the slowest rank included), ``optimizer`` (clipping and the AdamW step), ``checkpoint`` (the save
     after the previous step), from ``measured`` where the executor does not know them; ``other`` is
     ``wall`` minus the rest (dispatch, sends, loss broadcast, metrics), so the phases sum to ``wall``."""
     out = dict.fromkeys(PHASES, 0.0)
