@@ -45,7 +45,7 @@ def _report(rows: list[dict], summary: dict, window: int) -> dict:
     return {
         "final_loss": rows[-1]["loss"],
         f"mean_loss_last_{window}": sum(r["loss"] for r in tail) / len(tail),
-        "mean_tokens_per_s": summary["mean_tokens_per_s"],
+        "tokens_per_s": summary["tokens_per_s"],
         "wall_s": summary["wall_s_this_process"],
         "peak_activation_bytes_per_rank": summary.get("peak_activation_bytes_per_rank"),
     }
@@ -76,7 +76,7 @@ def main() -> None:
     result["final_loss_rel_diff"] = abs(b16["final_loss"] - f32["final_loss"]) / f32["final_loss"]
     result[f"{key}_rel_diff"] = abs(b16[key] - f32[key]) / f32[key]
     result["within_2pct"] = result["final_loss_rel_diff"] <= 0.02 and result[f"{key}_rel_diff"] <= 0.02
-    result["bf16_tokens_per_s_ratio"] = b16["mean_tokens_per_s"] / f32["mean_tokens_per_s"]
+    result["bf16_tokens_per_s_ratio"] = b16["tokens_per_s"] / f32["tokens_per_s"]
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
     print(json.dumps(result, indent=2))

@@ -31,6 +31,7 @@ from pathlib import Path
 
 from omni_parallel.testing import run_world
 from omni_train.config import load_config
+from omni_train.metrics import tokens_per_s
 
 # (layout, variant, [parallel] fields, [data] fields); the first variant of each layout is its baseline
 VARIANTS = [
@@ -107,7 +108,7 @@ def main() -> None:
             "encoder_flops_max_over_mean": _mean(
                 [m["encoder_flops_imbalance_after_dp_reorder"] for m in counted]
             ),
-            "tokens_per_s": statistics.mean(m["tokens_per_s"] for m in counted),
+            "tokens_per_s": tokens_per_s(counted),
             "reorder_mib_per_step": statistics.mean(m["reorder_bytes"] for m in counted) / 2**20,
             "encoder_param_optimizer_bytes_per_rank": held,
             "losses": [m["loss"] for m in runs[0]],

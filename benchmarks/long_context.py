@@ -45,6 +45,7 @@ from balance import HYBRID_SETTINGS, lognormal_lengths  # benchmarks/ is on sys.
 from omni_parallel import hybrid_cp_load, plan_hybrid_cp
 from omni_parallel.testing import run_world
 from omni_train.config import MixturePhase, SourceConfig, load_config
+from omni_train.metrics import tokens_per_s
 
 FAMILIES = ["llm", "image", "audio"]
 
@@ -221,7 +222,7 @@ def _summarise(variants, runs, warmup: int) -> list[dict[str, Any]]:
             {
                 "variant": v["name"],
                 "base": v["base"],
-                "tokens_per_s": statistics.mean(m["tokens_per_s"] for m in counted),
+                "tokens_per_s": tokens_per_s(counted),
                 "step_time_s": statistics.mean(m["step_time_s"] for m in counted),
                 "peak_activation_bytes_per_rank": peak,
                 "losses": [m["loss"] for m in got],

@@ -1,16 +1,33 @@
-"""A/B of the trainer's switches on the bundled data: placement x reordering, in one run.
+"""A/B of the trainer's encoder placement on the bundled data: every placement x reordering, in one run.
 
-Runs the real trainer (``omni-tiny`` recipe, 2 processes, pp=2, gloo on CPU) for a few steps per variant
-in one 2-rank world and prints, per variant, tokens/s and the per-rank idle seconds per step (wall time
-minus time inside pipeline actions), as ratios against the baseline measured in the same run:
-``prepend_first_stage`` with reordering off (encoders on stage 0, as Megatron-LM / torchtitan do).
-The first ``--warmup`` steps of each variant are not counted. By default the recipe's last (encoder-heavy)
-mixture phase is used from step 0 (``--mixture all`` keeps every phase), so that encoder work is present
-in the measured steps. Also checks that every variant saw the same
-losses (same data, same math). Writes ``benchmarks/results/train_ab.json``.
+Runs the real trainer (``omni-heavy`` by default: 2 processes, pp=2, gloo on CPU) for a few steps per
+variant in one 2-rank world: every placement policy (the paper's ``prepend_first_stage``, ``isolated``,
+``uniform_on_demand`` and our ``planned``) with reordering on and off. Each repeat starts at a different
+variant (rotated order), so slow drift of a machine does not always favour the same one. The first
+``--warmup`` steps of every run are not counted.
 
-    uv run python benchmarks/train_ab.py [--steps 16] [--warmup 4] [--repeats 3] [--config omni-tiny]
-        [--mixture last|all]
+Per variant (one JSON row each): ``tokens_per_s`` (the counted steps' tokens over their summed wall time;
+``tokens_per_s_per_run`` per repeat), ``step_time_s`` (mean), ``simulated_step_time_s``: the simulator's
+prediction for the same steps and the flow the run used, from a cost model fitted on that run's own
+``actions.jsonl`` (``omni-train simulate --calibration``; mean over the repeats), ``idle_s_per_rank``
+(wall minus time inside pipeline actions, mean per step), ``time_s_per_rank`` (mean seconds per step in
+each phase of ``metrics.jsonl``'s breakdown), ``peak_activation_bytes_per_rank`` (measured saved
+activations, maximum over the counted steps) beside ``simulated_stage0_peak_activation_bytes``. Ratios are
+against ``prepend_first_stage`` with reordering off (encoders on stage 0, as Megatron-LM / torchtitan do),
+measured in the same run. Also checks that every variant saw the same losses (same data, same math).
+
+Mixture: by default one image:text share for every step (``--share``, default 9:1, the recipe's
+image-heavy phase; no audio), so the measured steps have the encoder load asked for; ``--mixture all``
+keeps the config's phases. ``--sweep`` runs the image shares 1:9, 5:5 and 9:1 (every placement, reordering
+on) and prints throughput per share per policy and each policy's drop from 1:9 to 9:1.
+
+Run time on 2 otherwise idle cores (``omni-heavy``): the default (8 variants x 2 repeats x 10 steps) and
+``--sweep`` (3 shares x 4 placements x 2 repeats x 10 steps) each take about 4-7 minutes (steps and
+repeats were cut to stay under 8); ``--quick`` (2 steps, 1 repeat, 4 microbatches) is a smoke run of
+well under a minute of training. Do not record numbers measured beside other load.
+
+    uv run python benchmarks/train_ab.py [--config omni-heavy] [--json PATH] [--steps 10] [--warmup 3]
+        [--repeats 2] [--share 9:1 | --mixture all] [--sweep] [--quick]
 """
 
 from __future__ import annotations
@@ -23,113 +40,169 @@ import tempfile
 from pathlib import Path
 
 from omni_parallel.testing import run_world
-from omni_train.config import MixturePhase, Placement, load_config
+from omni_train.config import MixturePhase, Placement, RunConfig, load_config
+from omni_train.metrics import read_metrics, tokens_per_s
+from omni_train.simulate import simulate_config
+from omni_train.step_metrics import PHASES
 
-VARIANTS = [
-    ("prepend_first_stage, reorder off", Placement.PREPEND_FIRST_STAGE, False),
-    ("prepend_first_stage, reorder on", Placement.PREPEND_FIRST_STAGE, True),
-    ("isolated, reorder on", Placement.ISOLATED, True),
-    ("uniform_on_demand, reorder off", Placement.UNIFORM_ON_DEMAND, False),
-    ("uniform_on_demand, reorder on", Placement.UNIFORM_ON_DEMAND, True),
-]
+BASELINE = (Placement.PREPEND_FIRST_STAGE, False)
+SWEEP_SHARES = ("1:9", "5:5", "9:1")
 
 
-def _run_variants(rank: int, world_size: int, cfg, root: str, repeats: int) -> list | None:
+def _share_mixture(share: str) -> list[MixturePhase]:
+    image, text = (float(x) for x in share.split(":"))
+    return [MixturePhase({"image": image, "audio": 0.0, "text": text})]
+
+
+def _variants(sweep: bool) -> list[tuple[Placement, bool]]:
+    if sweep:
+        return [(p, True) for p in Placement]
+    return [(p, r) for p in Placement for r in (False, True)]
+
+
+def _name(placement: Placement, reorder: bool) -> str:
+    return f"{placement}, reorder {'on' if reorder else 'off'}"
+
+
+def _run_variants(rank: int, world_size: int, cfgs: list[RunConfig], root: str, repeats: int) -> None:
+    """Train every config ``repeats`` times in rotated order; run ``i`` of repeat ``rep`` in
+    ``root/r<rep>v<i>``."""
     from omni_train.trainer import Trainer
 
-    # out[variant][repeat] = that run's metrics rows. Each repeat starts at a different variant, so slow
-    # drift of a shared machine (other load, caches, clocks) does not always favour the same variant.
-    out: list[list[list[dict]]] = [[] for _ in VARIANTS]
     for rep in range(repeats):
-        for j in range(len(VARIANTS)):
-            i = (rep + j) % len(VARIANTS)
-            _, placement, reorder = VARIANTS[i]
-            par = dataclasses.replace(cfg.parallel, placement=placement, reorder=reorder)
-            run = Path(root) / f"r{rep}v{i}"
-            Trainer(dataclasses.replace(cfg, parallel=par), run, resume=False).run()
-            if rank == 0:
-                out[i].append([json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()])
-    return out if rank == 0 else None
+        for j in range(len(cfgs)):
+            i = (rep + j) % len(cfgs)
+            Trainer(cfgs[i], Path(root) / f"r{rep}v{i}", resume=False).run()
+
+
+def _mean_lists(lists: list[list[float]]) -> list[float]:
+    return [statistics.mean(xs) for xs in zip(*lists)]
+
+
+def _row(cfg: RunConfig, runs: list[Path], warmup: int, steps: int) -> dict:
+    """One variant's row from its repeats' run directories (metrics and a calibrated simulation each)."""
+    metrics = [read_metrics(run / "metrics.jsonl") for run in runs]
+    counted = [m for ms in metrics for m in ms[warmup:]]
+    simulated, sim_peak0 = [], []
+    for run in runs:
+        simulate_config(
+            cfg,
+            out_dir=run / "sim",
+            calibration=run,
+            steps=steps - warmup,
+            first_step=warmup,
+            plots=False,
+        )
+        as_run = json.loads((run / "sim" / "simulate.json").read_text())["results"]["as run"]
+        simulated.append(as_run["step_time_s"])
+        sim_peak0.append(as_run["stage0_peak_activation_bytes"])
+    peaks = [m["peak_activation_bytes_per_rank"] for m in counted]
+    return {
+        "variant": _name(cfg.parallel.placement, cfg.parallel.reorder),
+        "placement": str(cfg.parallel.placement),
+        "reorder": cfg.parallel.reorder,
+        "tokens_per_s": tokens_per_s(counted),
+        "tokens_per_s_per_run": [tokens_per_s(ms[warmup:]) for ms in metrics],
+        "step_time_s": statistics.mean(m["step_time_s"] for m in counted),
+        "simulated_step_time_s": statistics.mean(simulated),
+        "simulated_step_time_s_per_run": simulated,
+        "idle_s_per_rank": _mean_lists([m["idle_s_per_rank"] for m in counted]),
+        "time_s_per_rank": {p: _mean_lists([m["time_s_per_rank"][p] for m in counted]) for p in PHASES},
+        "peak_activation_bytes_per_rank": [max(col) for col in zip(*peaks)],
+        "simulated_stage0_peak_activation_bytes": max(sim_peak0),
+        "losses": [m["loss"] for m in metrics[0]],
+    }
+
+
+def _measure(cfg: RunConfig, args, root: Path) -> list[dict]:
+    """Every variant of ``cfg`` (``args.repeats`` rotated repeats in one 2-process world) -> rows."""
+    variants = _variants(args.sweep)
+    cfgs = [
+        dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, placement=p, reorder=r))
+        for p, r in variants
+    ]
+    run_world(_run_variants, cfg.parallel.world_size, args=(cfgs, str(root), args.repeats), timeout_s=3600)
+    return [
+        _row(c, [root / f"r{rep}v{i}" for rep in range(args.repeats)], args.warmup, args.steps)
+        for i, c in enumerate(cfgs)
+    ]
+
+
+def _print_table(rows: list[dict]) -> None:
+    base = next((r for r in rows if (r["placement"], r["reorder"]) == BASELINE), rows[0])
+    print(
+        f"{'variant':<34}{'tokens/s':>10}{'vs base':>9}{'runs min-max':>14}{'step s':>9}{'sim s':>8}"
+        f"{'sim/meas':>9}  idle s/step per rank  peak act MiB per rank"
+    )
+    for r in rows:
+        idle = " ".join(f"{x:.3f}" for x in r["idle_s_per_rank"])
+        peak = " ".join(f"{x / 2**20:.1f}" for x in r["peak_activation_bytes_per_rank"])
+        runs = r["tokens_per_s_per_run"]
+        print(
+            f"{r['variant']:<34}{r['tokens_per_s']:>10.0f}{r['tokens_per_s'] / base['tokens_per_s']:>8.2f}x"
+            f"{min(runs):>8.0f}-{max(runs):<5.0f}{r['step_time_s']:>9.3f}{r['simulated_step_time_s']:>8.3f}"
+            f"{r['simulated_step_time_s'] / r['step_time_s']:>9.2f}  {idle:<21}  {peak}"
+        )
+    worst = max(abs(a - b) / abs(b) for r in rows for a, b in zip(r["losses"], base["losses"]))
+    print(f"largest relative loss difference between variants over all steps: {worst:.2e}")
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--config", default="omni-tiny")
-    ap.add_argument("--steps", type=int, default=16)
-    ap.add_argument("--warmup", type=int, default=4)
-    ap.add_argument("--mixture", choices=["last", "all"], default="last")
-    ap.add_argument("--repeats", type=int, default=3, help="runs per variant, in rotated order")
+    ap.add_argument("--config", default="omni-heavy")
+    ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--repeats", type=int, default=2, help="runs per variant, in rotated order")
+    ap.add_argument("--share", default="9:1", help="image:text share of every step (no audio)")
+    ap.add_argument("--mixture", choices=["share", "all"], default="share")
+    ap.add_argument("--sweep", action="store_true", help=f"image shares {', '.join(SWEEP_SHARES)}")
+    ap.add_argument("--quick", action="store_true", help="smoke run: 2 steps, 1 repeat, 4 microbatches")
+    ap.add_argument("--json", default=None, help="output path (default benchmarks/results/train_ab.json)")
     args = ap.parse_args()
     cfg = load_config(args.config)
-    mixture = (
-        cfg.data.mixture if args.mixture == "all" else [MixturePhase(dict(cfg.data.mixture[-1].weights))]
-    )
+    data = cfg.data
+    if args.quick:
+        args.steps, args.warmup, args.repeats = 2, 1, 1
+        data = dataclasses.replace(data, microbatches=min(4, data.microbatches))
     cfg = dataclasses.replace(
         cfg,
-        data=dataclasses.replace(cfg.data, mixture=mixture),
+        data=data,
         train=dataclasses.replace(cfg.train, steps=args.steps),
         checkpoint=dataclasses.replace(cfg.checkpoint, every=0),
     )
-    with tempfile.TemporaryDirectory() as root:
-        metrics = run_world(
-            _run_variants, cfg.parallel.world_size, args=(cfg, root, args.repeats), timeout_s=3600
-        )[0]
-    rows = []
-    for (name, _, reorder), runs in zip(VARIANTS, metrics):
-        ms = runs[0]
-        counted = [m for run in runs for m in run[args.warmup :]]
-        per_run = [statistics.mean(m["tokens_per_s"] for m in run[args.warmup :]) for run in runs]
-        imbalance_key = "encoder_imbalance_after_reorder" if reorder else "encoder_imbalance_before_reorder"
-        rows.append(
-            {
-                "variant": name,
-                "tokens_per_s": statistics.mean(m["tokens_per_s"] for m in counted),
-                "tokens_per_s_per_run": per_run,
-                "step_time_s": statistics.mean(m["step_time_s"] for m in counted),
-                "idle_s_per_rank": [
-                    statistics.mean(m["idle_s_per_rank"][r] for m in counted)
-                    for r in range(len(counted[0]["idle_s_per_rank"]))
-                ],
-                # steps without encoder work (text only) have no imbalance (null)
-                "encoder_imbalance": statistics.mean(
-                    [x for m in counted if (x := m[imbalance_key]) is not None] or [float("nan")]
-                ),
-                "losses": [m["loss"] for m in ms],
-            }
-        )
-    base = rows[0]
-    print(
-        f"trainer A/B: {cfg.name} (mixture: {args.mixture}), {cfg.parallel.world_size} processes, {args.repeats} runs x "
-        f"{args.steps} steps per variant in rotated order "
-        f"({args.warmup} warm-up steps not counted); baseline = {base['variant']}"
-    )
-    print(
-        f"{'variant':<36}{'tokens/s':>10}{'vs base':>9}{'runs min-max':>14}{'step s':>9}{'enc imbal':>10}"
-        "  idle s/step per rank"
-    )
-    for r in rows:
-        idle = "  ".join(f"r{i} {x:.3f}" for i, x in enumerate(r["idle_s_per_rank"]))
+    if args.warmup >= args.steps:
+        ap.error(f"--warmup {args.warmup} leaves no counted step of --steps {args.steps}")
+    shares = SWEEP_SHARES if args.sweep else (args.share if args.mixture == "share" else None,)
+    result = {
+        "config": cfg.name,
+        "steps": args.steps,
+        "warmup": args.warmup,
+        "repeats": args.repeats,
+        "sweep": args.sweep,
+        "rows": [],
+    }
+    for share in shares:
+        mixture = _share_mixture(share) if share is not None else cfg.data.mixture
+        c = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, mixture=mixture))
+        with tempfile.TemporaryDirectory() as root:
+            rows = _measure(c, args, Path(root))
         print(
-            f"{r['variant']:<36}{r['tokens_per_s']:>10.0f}{r['tokens_per_s'] / base['tokens_per_s']:>8.2f}x"
-            f"{min(r['tokens_per_s_per_run']):>8.0f}-{max(r['tokens_per_s_per_run']):<5.0f}"
-            f"{r['step_time_s']:>9.3f}{r['encoder_imbalance']:>10.2f}  {idle}"
+            f"\ntrainer A/B: {cfg.name}, image:text {share or '(config phases)'}, "
+            f"{cfg.parallel.world_size} processes, {args.repeats} runs x {args.steps} steps per variant in "
+            f"rotated order ({args.warmup} warm-up steps not counted)"
         )
-    worst = max(abs(a - b) / abs(b) for r in rows for a, b in zip(r["losses"], base["losses"]))
-    print(f"largest relative loss difference between variants over all steps: {worst:.2e}")
-    out = Path(__file__).resolve().parent / "results" / "train_ab.json"
-    out.parent.mkdir(exist_ok=True)
-    out.write_text(
-        json.dumps(
-            {
-                "config": cfg.name,
-                "steps": args.steps,
-                "warmup": args.warmup,
-                "repeats": args.repeats,
-                "rows": rows,
-            },
-            indent=2,
-        )
-    )
+        _print_table(rows)
+        result["rows"] += [{"share": share, **r} for r in rows]
+    if args.sweep:
+        print("\nthroughput (tokens/s) per image:text share, reordering on")
+        print(f"{'placement':<22}" + "".join(f"{s:>10}" for s in SWEEP_SHARES) + f"{'drop 1:9 -> 9:1':>18}")
+        for p in Placement:
+            got = {r["share"]: r["tokens_per_s"] for r in result["rows"] if r["placement"] == str(p)}
+            drop = 1 - got[SWEEP_SHARES[-1]] / got[SWEEP_SHARES[0]]
+            print(f"{p!s:<22}" + "".join(f"{got[s]:>10.0f}" for s in SWEEP_SHARES) + f"{100 * drop:>17.1f}%")
+    out = Path(args.json) if args.json else Path(__file__).resolve().parent / "results" / "train_ab.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2))
 
 
 if __name__ == "__main__":

@@ -94,7 +94,7 @@ def report(out_dir: Path) -> tuple[str, bool]:
         losses = [s.get("first_mean_loss"), s.get("last_mean_loss")]
         if s.get("steps") and all(isinstance(x, float) and math.isfinite(x) for x in losses):
             detail = (f"{s['steps']} steps, loss {losses[0]:.3f} -> {losses[1]:.3f} (window {s['window']}), "
-                      f"{s['mean_tokens_per_s']:.0f} tokens/s, checkpoints {s['checkpoints']}")  # fmt: skip
+                      f"{s['tokens_per_s']:.0f} tokens/s, checkpoints {s['checkpoints']}")  # fmt: skip
             row("trainer, pp=1, 1 process, bf16", "PASS", detail, "train")
         else:
             row("trainer, pp=1, 1 process, bf16", "FAIL", f"{s.get('steps')} steps, losses {losses}", "train")

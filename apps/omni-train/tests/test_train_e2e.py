@@ -1,12 +1,14 @@
 """End to end: the trainer on a tiny config and real-format data, over real processes.
 
-* placements and reordering: ``uniform_on_demand``, ``prepend_first_stage`` and reordering off give the
-  same losses, and the same as one process running the whole model (pp=1), step for step;
+* placements and reordering: ``uniform_on_demand``, ``prepend_first_stage``, ``isolated``, ``planned`` and
+  reordering off give the same losses, and the same as one process running the whole model (pp=1), step
+  for step;
 * the CLI: a 2-process run writes metrics, TensorBoard events, both PNGs, a committed checkpoint and (with
   ``--profile``) a torch.profiler trace per rank naming the trainer's phases; a run killed with SIGKILL
   mid-training and resumed with ``--resume`` reproduces the uninterrupted losses exactly; the automatic
   restart in between is reported in two lines, without a traceback; ``--resume`` of the finished run says
-  so and changes nothing, and with a larger ``--max-steps`` trains on from where it ended.
+  so and changes nothing, and with a larger ``--max-steps`` trains on from where it ended; ``actions.jsonl``
+  holds one record per rank and step after the restarts, as ``metrics.jsonl`` holds one line per step.
 """
 
 import dataclasses
@@ -23,6 +25,7 @@ import pytest
 from train_fixtures import make_dataset, write_config
 
 from omni_parallel.testing import run_world
+from omni_pipeline import read_records
 from omni_train.config import Placement, load_config
 
 pytestmark = pytest.mark.slow
@@ -60,6 +63,7 @@ def test_placements_reordering_and_single_process_agree(tmp_path):
         ("prepend", {"placement": Placement.PREPEND_FIRST_STAGE}),
         ("reorder-off", {"reorder": False}),
         ("isolated", {"placement": Placement.ISOLATED}),
+        ("planned", {"placement": Placement.PLANNED}),
     ]
     # these see other data (one modality per pack; DP ranks read disjoint shards): they must run and learn
     others = [("per-modality", {"packing": "per_modality"}), ("pp1-dp2", {"pp": 1, "dp": 2})]
@@ -163,6 +167,9 @@ def test_cli_run_outputs_restart_and_sigkill_resume_are_exact(tmp_path):
     out, _ = p.communicate(timeout=300)
     assert p.returncode == 0, out
     assert _losses(b) == _losses(a)  # step for step, bit for bit
+    # actions.jsonl is cut back on every resume as metrics.jsonl is: one history, one record per rank/step
+    steps = sorted((r.step, r.rank) for r in read_records(b).steps)
+    assert steps == [(i, r) for i in range(16) for r in (0, 1)]
 
     # The finished run: --resume says so and leaves it alone; a larger --max-steps trains on.
     summary = (a / "summary.json").read_text()

@@ -62,6 +62,12 @@ MEMORY = [
 RESUME = [("1f1b", "f64", {}, {"steps": 1}), ("resumed", "f64", INTER, {"resume": True, "dir": "1f1b"})]
 BF16 = [("float32", "f32", {}, {}), ("bfloat16", "f32", {}, {"dtype": "bfloat16"})]
 SINGLE = [("pp1", "f64", {"pp": 1}, {}), ("pp1-interleaved", "f64", {"pp": 1, **INTER}, {})]
+# layer splits other than the default [2, 2]: explicit (with the planned placement) and cost-balanced
+SPLITS = [
+    ("1f1b-planned-3-1", "f64", {"placement": "planned", "stage_layers": [3, 1]}, {}),
+    ("interleaved-planned-explicit", "f64", {**INTER, "placement": "planned", "stage_layers": [1] * 4}, {}),
+    ("1f1b-auto", "f64", {"stage_layers": "auto"}, {}),
+]
 
 
 def _variant(cfg, par: dict, train: dict):
@@ -123,6 +129,7 @@ def _run(rank, world_size, cfgs, variants, root):
             "wire": trainer.builder.dtype,
             "schedule": type(trainer.schedule).__name__,
             "stages": sorted(trainer.executor.stages),
+            "layers": sorted(int(i) for i in trainer.stage.layers),
         }
     return out
 
@@ -146,7 +153,9 @@ def runs(data, cfg):
     root, _ = data
     # float64: the pipeline must reproduce one process to rounding (Adam amplifies float32 noise)
     cfgs = {"f64": _variant(cfg, {}, {"dtype": "float64"}), "f32": _variant(cfg, {}, {"steps": 4})}
-    pp2 = run_world(_run, 2, args=(cfgs, GRID + MEMORY + RESUME + BF16, str(root / "pp2")), timeout_s=600)
+    pp2 = run_world(
+        _run, 2, args=(cfgs, GRID + MEMORY + RESUME + BF16 + SPLITS, str(root / "pp2")), timeout_s=600
+    )
     single = run_world(_run, 1, args=(cfgs, SINGLE, str(root / "pp1")), timeout_s=300)[0]
     return pp2, single, root
 
@@ -186,6 +195,20 @@ def test_gpipe_and_interleaved_with_every_placement_equal_one_process(runs):
             (kind, [0] if kind == "ScheduleGPipe" else [0, 2]),
             (kind, [1] if kind == "ScheduleGPipe" else [1, 3]),
         ]
+        rows = pp2[0][name]["rows"]
+        for key in ("loss", "grad_norm"):
+            assert _col(rows, key) == pytest.approx(_col(ref["rows"], key), rel=1e-10, abs=1e-10), (name, key)
+        _close(_merged([r[name] for r in pp2], "grads"), ref["grads"])
+
+
+def test_planned_placement_and_explicit_or_auto_splits_equal_one_process(runs):
+    pp2, single, _ = runs
+    ref = single["pp1"]
+    # auto: a block (attention over a 96-token document) outweighs this tiny model's LM head: [2, 2]
+    held = {"1f1b-planned-3-1": [[0, 1, 2], [3]], "interleaved-planned-explicit": [[0, 2], [1, 3]]}
+    held["1f1b-auto"] = [[0, 1], [2, 3]]
+    for name, *_ in SPLITS:
+        assert [r[name]["layers"] for r in pp2] == held[name], name
         rows = pp2[0][name]["rows"]
         for key in ("loss", "grad_norm"):
             assert _col(rows, key) == pytest.approx(_col(ref["rows"], key), rel=1e-10, abs=1e-10), (name, key)
@@ -280,6 +303,24 @@ def test_schedule_validation_names_the_fields(cfg):
     assert bad(train__offload=["vision"]).startswith("train.offload: 'vision'")
     assert bad(train__offload=["llm"], train__recompute=["llm"]).startswith("train.offload: 'llm' is also")
     validate(_variant(cfg, {}, {"offload": ["llm"], "recompute": ["llm"], "recompute_modules": ["mlp"]}), 2)
+    msg = bad(parallel__stage_layers=[1, 1, 2])
+    assert (
+        msg.startswith("parallel.stage_layers: 3 entries") and "parallel.pp * parallel.virtual_stages" in msg
+    )
+    msg = bad(
+        parallel__stage_layers=[1, 1], **{"parallel__schedule": "interleaved", "parallel__virtual_stages": 2}
+    )
+    assert msg.startswith("parallel.stage_layers: 2 entries") and "= 2 * 2 = 4" in msg
+    assert bad(parallel__stage_layers=[4, 0]).startswith("parallel.stage_layers[1]: stage 1 must hold >= 1")
+    assert bad(parallel__stage_layers=[2, 3]).startswith("parallel.stage_layers: [2, 3] sum to 5")
+    assert bad(parallel__stage_layers="even").startswith("parallel.stage_layers: 'even' is not 'auto'")
+    raw = cfg.to_dict()
+    raw["parallel"]["stage_layers"] = "auto"
+    assert config_from_dict(raw).parallel.stage_layers == "auto"
+    raw["parallel"]["stage_layers"] = [3, 1]
+    assert config_from_dict(raw).parallel.stage_layers == [3, 1]
+    for text, want in (("auto", "auto"), ("[2, 1]", [2, 1]), ("none", None)):  # --parallel.stage_layers
+        assert load_config("omni-heavy", [("parallel.stage_layers", text)]).parallel.stage_layers == want
     raw = cfg.to_dict()
     raw["parallel"]["schedule"] = "zb"
     with pytest.raises(ConfigError, match=r"^parallel\.schedule: 'zb' is not one of"):

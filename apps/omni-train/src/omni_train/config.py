@@ -72,11 +72,14 @@ class ConfigError(ValueError):
 
 
 class Placement(StrEnum):
-    """Where encoder microbatches run in the LLM pipeline (omni-pipeline placement policies)."""
+    """Where encoder microbatches run in the LLM pipeline (omni-pipeline placement policies): the paper's
+    three, and ``planned`` (``omni_pipeline.planner``: slots searched by simulation of the cost model;
+    ranks fixed as the zero-redundancy loader needs)."""
 
     PREPEND_FIRST_STAGE = "prepend_first_stage"
     ISOLATED = "isolated"
     UNIFORM_ON_DEMAND = "uniform_on_demand"
+    PLANNED = "planned"
 
 
 class PipelineSchedule(StrEnum):
@@ -216,6 +219,12 @@ class ParallelConfigSection:
         virtual_stages: LLM stages per pipeline rank (``>= 1``): the layers are split over
             ``pp * virtual_stages`` stages and rank ``r`` holds stages ``r, r + pp, ...``. More than 1
             needs ``schedule = "interleaved"`` or ``"gpipe"`` (looped GPipe); 1F1B holds one.
+        stage_layers: the LLM layers of each of the ``pp * virtual_stages`` stages
+            (``omni_train.pipeline.stage_split``): a list of counts (each >= 1, summing to
+            ``model.llm.n_layers``); ``"auto"``: the split whose slowest stage is fastest by modelled
+            per-token FLOPs, embedding on stage 0 and LM head + loss on the last counted
+            (``omni_pipeline.balance_stages``); unset: layers shared out evenly, the first stages taking
+            the remainder.
     """
 
     pp: int = 2
@@ -233,6 +242,7 @@ class ParallelConfigSection:
     virtual_stages: int = 1
     encoder_sp: int = 1
     long_threshold: int = 8192
+    stage_layers: list[int] | str | None = None
 
     @property
     def world_size(self) -> int:
@@ -367,6 +377,8 @@ def _build(tp: Any, value: Any, where: str) -> Any:
         args = [a for a in typing.get_args(tp) if a is not type(None)]
         if value is None:
             return None
+        if isinstance(value, str) and str in args:  # e.g. parallel.stage_layers = "auto"
+            return value
         return _build(args[0], value, where)
     if dataclasses.is_dataclass(tp):
         if not isinstance(value, dict):
@@ -675,6 +687,26 @@ def _validate_cp(cfg: RunConfig) -> None:
             )
 
 
+def _validate_stage_layers(layers: list[int] | str | None, stages: int, n_layers: int, sizes: str) -> None:
+    """``parallel.stage_layers``: unset, ``"auto"``, or one count >= 1 per stage summing to the layers."""
+    if layers is None or layers == "auto":
+        return
+    if isinstance(layers, str):
+        raise ConfigError(f"parallel.stage_layers: {layers!r} is not 'auto' or a list of layer counts")
+    if len(layers) != stages:
+        raise ConfigError(
+            f"parallel.stage_layers: {len(layers)} entries {layers}, need one per stage: parallel.pp * "
+            f"parallel.virtual_stages = {sizes} = {stages}"
+        )
+    for s, n in enumerate(layers):
+        if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+            raise ConfigError(f"parallel.stage_layers[{s}]: stage {s} must hold >= 1 layers, got {n!r}")
+    if sum(layers) != n_layers:
+        raise ConfigError(
+            f"parallel.stage_layers: {layers} sum to {sum(layers)}, model.llm.n_layers is {n_layers}"
+        )
+
+
 def _validate_schedule_and_memory(cfg: RunConfig) -> None:
     """``parallel.schedule`` / ``virtual_stages`` against the model and the microbatches, and the
     activation memory options (``train.recompute_modules``, ``train.offload``)."""
@@ -706,6 +738,7 @@ def _validate_schedule_and_memory(cfg: RunConfig) -> None:
             f"{rounds} rounds (max(1, microbatches // parallel.pp) with parallel.pp = {par.pp}, "
             f"parallel.virtual_stages = {v}); use a multiple of parallel.pp"
         )
+    _validate_stage_layers(par.stage_layers, par.pp * v, llm.n_layers, f"{par.pp} * {v}")
     for name, allowed in (("recompute_modules", RECOMPUTE_MODULES), ("offload", OFFLOAD)):
         unknown = sorted(set(getattr(train, name)) - set(allowed))
         if unknown:
@@ -757,7 +790,12 @@ def _fields(tp: Any) -> dict[str, Any]:
 def _parse_value(tp: Any, text: str | None, where: str) -> Any:
     """The plain (TOML-like) value ``text`` stands for as a value of type ``tp``; ``None`` text: a bare
     flag (``--train.compile``), true for a bool field."""
+    alternatives = typing.get_args(tp) if typing.get_origin(tp) in (typing.Union, types.UnionType) else ()
     tp, optional = _unwrap(tp)
+    if optional and text is not None and text.lower() in ("none", "null"):
+        return None
+    if text is not None and str in alternatives and not text.lstrip().startswith("["):
+        return text  # a list-or-string field given a word (parallel.stage_layers auto)
     if text is None:
         if tp is bool:
             return True

@@ -1,8 +1,8 @@
 """The LLM pipeline of a run: its schedule (``parallel.schedule``, ``parallel.virtual_stages``) and the
 stages one pipeline rank holds.
 
-With ``V = virtual_stages`` the layers are split over ``pp * V`` stages by the one splitter
-(``omni_pipeline.split.stage_slices``) and pipeline rank ``r`` holds stages ``r, r + pp, ...,
+With ``V = virtual_stages`` the layers are split over ``pp * V`` stages (:func:`stage_split`:
+``parallel.stage_layers``, by omni-pipeline's one splitter) and pipeline rank ``r`` holds stages ``r, r + pp, ...,
 r + (V - 1) pp`` (``Schedule.rank_stages``, Megatron-LM's and torch's round-robin). Each stage is an
 :class:`~omni_train.models.LLMStage`; the executor runs them as separate modules. The trainer sees them
 as one :class:`RankStages` whose parameter names are those of a single ``LLMStage`` over the same layers
@@ -17,11 +17,58 @@ from collections.abc import Mapping
 import torch.distributed as dist
 from torch import nn
 
-from omni_pipeline import Schedule, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
+from omni_pipeline import (
+    Schedule,
+    Schedule1F1B,
+    ScheduleGPipe,
+    ScheduleInterleaved1F1B,
+    balance_stages,
+    explicit_stages,
+    stage_slices,
+)
 from omni_train.config import ParallelConfigSection, PipelineSchedule
 from omni_train.models.llm import LLMConfig, LLMStage
 
-__all__ = ["RankStages", "build_rank_stages", "build_schedule"]
+__all__ = ["RankStages", "build_rank_stages", "build_schedule", "layer_costs", "stage_split"]
+
+
+def layer_costs(cfg: LLMConfig, max_seq_len: int) -> tuple[float, float, float]:
+    """Modelled forward FLOPs per token (2 per multiply-add) of ``(one block, the embedding, the final
+    norm + LM head + loss)``: a block's matmuls (GQA Q/K/V/O, SwiGLU MLP) plus attention over a whole
+    ``max_seq_len``-token document (the most a pack holds); the embedding a ``dim``-wide row gather;
+    the head its ``dim x vocab`` matmul plus about 5 operations per vocabulary entry for the log-softmax
+    and the loss. Megatron-LM's account-for-embedding/loss split counts each as one layer instead.
+
+    Raises:
+        ValueError: ``cfg.vocab_size`` is not set.
+    """
+    if cfg.vocab_size is None:
+        raise ValueError("layer_costs: LLMConfig.vocab_size is not set (take it from the tokenizer)")
+    d, kv = cfg.dim, cfg.dim * cfg.n_kv_heads // cfg.n_heads
+    block = 2.0 * (2 * d * d + 2 * d * kv + 3 * d * cfg.ffn_dim) + 4.0 * max_seq_len * d
+    return block, float(d), 2.0 * d * cfg.vocab_size + 5.0 * cfg.vocab_size
+
+
+def stage_split(par: ParallelConfigSection, cfg: LLMConfig, max_seq_len: int) -> list[range]:
+    """The layers of each of the ``par.pp * par.virtual_stages`` stages from ``par.stage_layers``: a
+    list of counts (:func:`omni_pipeline.explicit_stages`), ``"auto"``
+    (:func:`omni_pipeline.balance_stages` over :func:`layer_costs`), or unset
+    (:func:`omni_pipeline.stage_slices`, the equal-cost split).
+
+    Raises:
+        ValueError: counts that do not fit the layers (``validate`` in ``omni_train.config`` names the
+            field first).
+    """
+    stages = par.pp * par.virtual_stages
+    if par.stage_layers is None:
+        return stage_slices(cfg.n_layers, stages)
+    if par.stage_layers == "auto":
+        block, first, last = layer_costs(cfg, max_seq_len)
+        return balance_stages([block] * cfg.n_layers, stages, first_stage_extra=first, last_stage_extra=last)
+    split = explicit_stages(par.stage_layers, cfg.n_layers)
+    if len(split) != stages:
+        raise ValueError(f"parallel.stage_layers: {len(split)} stages given, the pipeline has {stages}")
+    return split
 
 
 def build_schedule(par: ParallelConfigSection, microbatches: int) -> Schedule:
@@ -79,12 +126,17 @@ def build_rank_stages(
     *,
     seed: int,
     sp_group: dist.ProcessGroup | None = None,
+    split: list[range] | None = None,
 ) -> RankStages:
-    """The stages ``schedule`` places on pipeline rank ``pp_rank``, each over its share of the layers of
-    ``schedule.num_stages`` stages (initialised per layer from ``seed``: any split holds the same weights)."""
+    """The stages ``schedule`` places on pipeline rank ``pp_rank``, each over its range of ``split``
+    (:func:`stage_split`; default the equal split of ``schedule.num_stages`` stages), initialised per
+    layer from ``seed``: any split holds the same weights."""
+    split = split or stage_slices(cfg.n_layers, schedule.num_stages)
+    if len(split) != schedule.num_stages:
+        raise ValueError(f"build_rank_stages: {len(split)} layer ranges for {schedule.num_stages} stages")
     return RankStages(
         {
-            s: LLMStage(cfg, s, schedule.num_stages, seed=seed, sp_group=sp_group)
+            s: LLMStage(cfg, s, schedule.num_stages, seed=seed, sp_group=sp_group, layers=split[s])
             for s in schedule.rank_stages(pp_rank)
         }
     )

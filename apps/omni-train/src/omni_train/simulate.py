@@ -223,6 +223,7 @@ def simulate_config(
     calibration: Path | None = None,
     steps: int = 1,
     first_step: int = 0,
+    plots: bool = True,
 ) -> str:
     """Simulate every placement policy on ``steps`` steps of the recipe from ``first_step``.
 
@@ -232,8 +233,9 @@ def simulate_config(
         scale: ``"paper"`` (default) or ``"config"`` model sizes; with ``calibration`` always the config's.
         calibration: a run directory holding ``actions.jsonl`` (see the module docstring).
         steps, first_step: which steps of the recipe to simulate (their mean is reported).
+        plots: write the timeline PNGs (off: only ``simulate.json``, e.g. for benchmarks).
 
-    Writes ``timeline-<placement>.png`` (of the first simulated step) and ``simulate.json`` under
+    Writes ``timeline-<placement>.png`` (of the first simulated step; with ``plots``) and ``simulate.json`` under
     ``out_dir``.
 
     Returns:
@@ -320,7 +322,7 @@ def simulate_config(
                 flows["as run"] = run_flow
             for name, flow in flows.items():
                 res = simulate(schedule, flow, costs)
-                if n == 0 and name != "as run":
+                if plots and n == 0 and name != "as run":
                     res.plot(
                         out_dir / f"timeline-{name}.png",
                         title=f"{cfg.name}: {name}, {gpus} GPUs, pp={pp}, step {fs.step}",

@@ -28,7 +28,10 @@ from omni_train.flops import attention_flops, model_flops
 from omni_train.models import LLMConfig
 from omni_train.step_inputs import StepInputs
 
-__all__ = ["MEMORY_METRICS", "StepMetrics", "memory_metrics"]
+__all__ = ["MEMORY_METRICS", "PHASES", "StepMetrics", "memory_metrics", "step_phases"]
+
+# metrics.jsonl ``time_s_per_rank`` keys: where a rank's step wall time went (seconds, they sum to it)
+PHASES = ("data", "encoder", "llm", "p2p_wait", "grad_reduce", "optimizer", "checkpoint", "other")
 
 # metrics.jsonl keys of memory_metrics, each a list over global ranks (bytes)
 MEMORY_METRICS = (
@@ -49,6 +52,24 @@ def memory_metrics(peaks: StepPeaks, rank: int, world: int) -> dict[str, list[in
         dist.all_reduce(vec)
     rows = vec.tolist()
     return {name: rows[i] for i, name in enumerate(MEMORY_METRICS) if i < 2 or allocated is not None}
+
+
+def step_phases(result: StepResult, wall: float, measured: dict[str, float]) -> dict[str, float]:
+    """One rank's step wall time by :data:`PHASES`: ``data`` (loader step, decode and the step's input
+    building, its collectives included), ``encoder`` / ``llm`` (seconds inside encoder / LLM actions of
+    the executor's timeline), ``p2p_wait`` (blocked on receives, ``StepResult.waits``), ``grad_reduce``
+    (``StepResult.reduce_s``: the gradient collectives, waiting there for the slowest rank included), ``optimizer`` (clipping and the AdamW step), ``checkpoint`` (the save
+    after the previous step), from ``measured`` where the executor does not know them; ``other`` is
+    ``wall`` minus the rest (dispatch, sends, loss broadcast, metrics), so the phases sum to ``wall``."""
+    out = dict.fromkeys(PHASES, 0.0)
+    for name in ("data", "optimizer", "checkpoint"):
+        out[name] = float(measured.get(name, 0.0))
+    for ev in result.timeline:
+        out["encoder" if ev.is_encoder else "llm"] += ev.end_s - ev.start_s
+    out["p2p_wait"] = sum(result.waits.values())
+    out["grad_reduce"] = result.reduce_s
+    out["other"] = wall - sum(v for k, v in out.items() if k != "other")
+    return out
 
 
 class StepMetrics:
@@ -91,14 +112,26 @@ class StepMetrics:
         self.replicas = 1 if hybrid else self.dp
         self.pack_tokens = cfg.data.max_seq_len * (ps.size("dp_cp") if hybrid else 1)
 
-    def reduce(self, inputs: StepInputs, result: StepResult, wall: float) -> dict[str, Any]:
-        """One all-reduce over the world (collective): per-rank wall/busy seconds, and (from pipeline rank
-        0 of each DP replica, which holds the broadcast losses) loss and per-modality sums, tokens,
-        samples, skipped payloads."""
+    def reduce(
+        self,
+        inputs: StepInputs,
+        result: StepResult,
+        wall: float,
+        phases: dict[str, float] | None = None,
+    ) -> dict[str, Any]:
+        """One all-reduce over the world (collective): per-rank wall/busy seconds and the step's time per
+        :data:`PHASES` (``phases`` gives ``data``, ``optimizer``, ``checkpoint``; the rest comes from the
+        executor's result; ``other`` is the wall time left), and (from pipeline rank 0 of each DP
+        replica, which holds the broadcast losses) loss and per-modality sums, tokens, samples, skipped
+        payloads."""
         n, packs = self.world, inputs.packs
-        vec = torch.zeros(2 * n + 1 + 2 * len(MODALITIES) + 3, dtype=torch.float64)
+        times = step_phases(result, wall, phases or {})
+        vec = torch.zeros(2 * n + 1 + 2 * len(MODALITIES) + 3 + len(PHASES) * n, dtype=torch.float64)
         vec[self.rank] = wall
         vec[n + self.rank] = sum(ev.end_s - ev.start_s for ev in result.timeline)
+        at = 2 * n + 1 + 2 * len(MODALITIES) + 3
+        for i, name in enumerate(PHASES):
+            vec[at + i * n + self.rank] = times[name]
         # TP ranks hold the same losses: count one. SP ranks hold the sums over their chunks: add them.
         if self.pp_rank == 0 and self.tp_rank == 0:
             vec[2 * n] = result.loss
@@ -106,9 +139,9 @@ class StepMetrics:
                 vec[2 * n + 1 + i] = sum(m[f"ce_{mod}"] for m in result.metrics.values())
                 vec[2 * n + 1 + len(MODALITIES) + i] = sum(m[f"n_{mod}"] for m in result.metrics.values())
         if self.pp_rank == 0 and self.tp_rank == 0 and self.sp_rank == 0 and self.counts_packs:
-            vec[-3] = sum(p.num_tokens for p in packs)
-            vec[-2] = sum(len(p.samples) for p in packs)
-            vec[-1] = len(inputs.masked)
+            vec[at - 3] = sum(p.num_tokens for p in packs)
+            vec[at - 2] = sum(len(p.samples) for p in packs)
+            vec[at - 1] = len(inputs.masked)
         dist.all_reduce(vec)
         v = vec.tolist()
         return self._encoder_reduce(inputs, result) | {
@@ -117,9 +150,10 @@ class StepMetrics:
             "loss": v[2 * n],
             "ce": v[2 * n + 1 : 2 * n + 1 + len(MODALITIES)],
             "count": v[2 * n + 1 + len(MODALITIES) : 2 * n + 1 + 2 * len(MODALITIES)],
-            "tokens": v[-3],
-            "samples": v[-2],
-            "skipped_payloads": int(v[-1]),
+            "tokens": v[at - 3],
+            "samples": v[at - 2],
+            "skipped_payloads": int(v[at - 1]),
+            "phases": {name: v[at + i * n : at + (i + 1) * n] for i, name in enumerate(PHASES)},
         }
 
     def _encoder_reduce(self, inputs: StepInputs, result: StepResult) -> dict[str, Any]:
@@ -180,6 +214,7 @@ class StepMetrics:
             "mfu": flops / step_s / (self.peak_flops * self.world),
             "step_time_s": step_s,
             "idle_s_per_rank": [w - b for w, b in zip(row["wall"], row["busy"])],
+            "time_s_per_rank": row["phases"],
             "lr": lr,
             "grad_norm": grad_norm,
             "encoder_s_per_rank": row["encoder_s"],

@@ -25,7 +25,13 @@ Per rank (DESIGN.md, apps/omni-train; MegaScale-Omni §3-§5; ARCHITECTURE.md dr
   over float32 master parameters (:func:`omni_train.parallelize.apply_mixed_precision`).
 * Each step: the loader's step -> :class:`~omni_train.step_inputs.StepInputs` (a value; the executor's
   callables close over it) -> executor step -> gradient clipping -> AdamW (:mod:`omni_train.optim`) ->
-  metrics (:mod:`omni_train.step_metrics`) -> checkpoint (:mod:`omni_train.checkpointing`).
+  metrics (:mod:`omni_train.step_metrics`) -> checkpoint (:mod:`omni_train.checkpointing`). A step's
+  wall clock runs from the end of the previous step's metrics reduction, so the previous checkpoint save
+  counts in it; where it went, per rank and phase, is ``time_s_per_rank`` in ``metrics.jsonl``.
+* Per-action records: every compute action of every step (from the executor's timeline, with its token
+  counts in :func:`omni_train.simulate.action_tokens`'s convention), the receives waited for and each
+  step's wall time go to ``<run>/actions.jsonl`` (:mod:`omni_pipeline.records`; the first DP replica's
+  pipeline, gathered on rank 0), which ``omni-train simulate --calibration`` fits a cost model from.
 * Bad data: a sample whose image/audio body did not decode (omni-data's zero placeholder,
   ``Payload.error``) keeps its place in its pack; its targets are masked and it is counted per step
   (``skipped_payloads``). Everything the loader skipped (metadata and payloads) is reduced over the ranks
@@ -57,17 +63,22 @@ from omni_data.zero_redundancy import FilteredStep
 from omni_parallel import ParallelConfig, ParallelState, ReshardMode, mesh_device_type
 from omni_parallel.encoder_zero import state_bytes
 from omni_pipeline import (
+    RECORDS_FILE,
     CostModel,
     EncoderAnchor,
     EncoderDataConfig,
     EncoderParallelConfig,
     PipelineExecutor,
+    RecordWriter,
+    StepRecord,
     StepResult,
+    action_records,
     place,
+    stage_costs,
 )
 from omni_train.activation_memory import ActivationMemory
 from omni_train.checkpointing import TrainCheckpoint
-from omni_train.config import RunConfig, bundled_data_dir
+from omni_train.config import Placement, RunConfig, bundled_data_dir
 from omni_train.cp_sharding import CPSharding, build_cp_sharding
 from omni_train.data_pipeline import build_step_stream
 from omni_train.encoder_parallel import (
@@ -91,8 +102,9 @@ from omni_train.parallelize import (
     pipeline_groups,
     training_dtypes,
 )
-from omni_train.pipeline import build_rank_stages, build_schedule
+from omni_train.pipeline import build_rank_stages, build_schedule, layer_costs, stage_split
 from omni_train.profiling import StepProfiler
+from omni_train.simulate import action_tokens
 from omni_train.skip_metrics import SkipMetrics
 from omni_train.step_inputs import StepBuilder, StepInputs
 from omni_train.step_metrics import StepMetrics, memory_metrics
@@ -163,8 +175,9 @@ class Trainer:
         self.llm_cfg = m.llm_config(self.tokenizer.get_vocab_size())
         self.dtype, self.compute_dtype = training_dtypes(train.dtype)  # parameters, forward/backward
         sp_group = self.ps.group("ulysses") if self.sp > 1 else None
+        self.split = stage_split(self.cfg.parallel, self.llm_cfg, self.cfg.data.max_seq_len)
         self.stage = build_rank_stages(
-            self.llm_cfg, self.schedule, self.pp_rank, seed=m.seed, sp_group=sp_group
+            self.llm_cfg, self.schedule, self.pp_rank, seed=m.seed, sp_group=sp_group, split=self.split
         )
         self.stage.to(self.device, self.dtype)
         self.encoders = Encoders(m.vit, m.audio, self.llm_cfg.dim, seed=m.seed).to(self.device, self.dtype)
@@ -188,11 +201,20 @@ class Trainer:
         encoder_inputs = encoder_microbatch_ids(microbatches, self.pp)
         # Equal planned costs per encoder microbatch: the loader's split already balances them
         # (Karmarkar-Karp). fixed_ranks pins slice j of every LLM microbatch to pipeline rank j for the
-        # whole run, which the zero-redundancy loader needs before any payload is read.
+        # whole run, which the zero-redundancy loader needs before any payload is read; "planned" then
+        # searches only the slots, by simulating this cost model.
         share = {e: par.encoder_forward_share for es in encoder_inputs.values() for e in es}
-        self.flow = place(
-            par.placement, self.schedule, encoder_inputs, CostModel(encoder_forward_s=share), fixed_ranks=True
-        )
+        costs = CostModel(encoder_forward_s=share)
+        if par.placement == Placement.PLANNED:
+            # the planner also sees how the stages differ (modelled FLOPs of each stage's layers, embedding,
+            # head and loss), relative to the mean stage; the paper's policies keep their own model
+            block, first, last = layer_costs(self.llm_cfg, cfg.data.max_seq_len)
+            stage = stage_costs(
+                self.split, [block] * self.llm_cfg.n_layers, first_stage_extra=first, last_stage_extra=last
+            )
+            rel = [c * len(stage) / sum(stage) for c in stage]
+            costs = CostModel(encoder_forward_s=share, llm_forward_s=rel, llm_backward_s=[2 * c for c in rel])
+        self.flow = place(par.placement, self.schedule, encoder_inputs, costs, fixed_ranks=True)
         tp_or_sp = self.ps.group("tp") if self.tp > 1 else (self.ps.group("ulysses") if self.sp > 1 else None)
         options: dict[str, Any] = dict(
             dp_rank=self.ps.local_rank("dp"),
@@ -360,10 +382,11 @@ class Trainer:
             of = os.environ.get("TORCHELASTIC_MAX_RESTARTS", "?")
             print(f"omni-train: restarted ({restarts} of {of}), resuming from step {start}", file=sys.stderr)
         logger = MetricsLogger(self.out, total, start, enabled=self.rank == 0)
+        records = self._record_writer(start)
         if self.rank == 0:
             (self.out / "config.json").write_text(json.dumps(cfg.to_dict(), indent=2))
             (self.out / "dataflow.json").write_text(self.flow.to_json())
-        t_run, last = time.perf_counter(), None
+        t_run, last, checkpoint_s = time.perf_counter(), None, 0.0
         prof = StepProfiler(
             self.out,
             self.rank,
@@ -372,9 +395,12 @@ class Trainer:
             total_steps=total,
             device=self.device,
         ).start()
+        t0 = time.perf_counter()
         for step in range(start, total):
-            t0 = time.perf_counter()
-            inputs = self.builder.build(self._loader_step(step))
+            t = time.perf_counter()
+            fs = self._loader_step(step)
+            inputs = self.builder.build(fs)
+            data_s = time.perf_counter() - t
             lr = self._start_step(step)
             self.memory.start_step()
             with self.memory.track():
@@ -383,26 +409,90 @@ class Trainer:
                     inputs.encoder_work,
                     functions=self.builder.functions(inputs),
                     gather_timelines=step == total - 1,
+                    step=step,
                 )
             if after_backward is not None:
                 after_backward(step, inputs, result)
+            t = time.perf_counter()
             grad_norm = self._clip()
             self.optimizer.step()
-            row = self.metrics.reduce(inputs, result, time.perf_counter() - t0)
+            optimizer_s = time.perf_counter() - t
+            wall = time.perf_counter() - t0
+            phases = {"data": data_s, "optimizer": optimizer_s, "checkpoint": checkpoint_s}
+            row = self.metrics.reduce(inputs, result, wall, phases)
+            # the next step's clock starts here: the logging and checkpoint below count in it
+            t0 = time.perf_counter()
+            self._write_records(records, step, fs, inputs, result, wall)
             memory = memory_metrics(self.memory.peaks(), self.rank, self.world)
             skipped = self.skips.step()
             if self.rank == 0:
                 logger.log(step, {**self.metrics.row(inputs, row, lr, grad_norm), **memory, **skipped})
             last = result if step == total - 1 else last
+            checkpoint_s = 0.0
             if self.checkpoint.due(step + 1):
+                t = time.perf_counter()
                 self.checkpoint.save(step + 1)
+                checkpoint_s = time.perf_counter() - t
             prof.step()
         prof.stop()
         self.checkpoint.close()
         logger.close()
+        if records is not None:
+            records.close()
         summary = self._finish(last, time.perf_counter() - t_run, start) if self.rank == 0 else {}
         dist.barrier()
         return summary
+
+    def _record_writer(self, start: int) -> RecordWriter | None:
+        """Rank 0: the writer of ``actions.jsonl``, cut back to the steps before ``start`` (a resumed run
+        then holds one history, as ``metrics.jsonl``); other ranks: ``None``.
+
+        A last line cut short (the run was killed while writing it) is of a step after the last
+        checkpoint (records are written before the step's checkpoint) and goes with them.
+
+        Raises:
+            ValueError: a line before the last is not a JSON record (names the file and line).
+        """
+        if self.rank != 0:
+            return None
+        path = self.out / RECORDS_FILE
+        if path.exists():
+            lines, kept = path.read_text().splitlines(), []
+            for n, line in enumerate(lines, start=1):
+                try:
+                    step = json.loads(line)["step"]
+                except (ValueError, KeyError, TypeError):
+                    if n == len(lines):
+                        break
+                    raise ValueError(
+                        f"{path}:{n}: not a record of a step; cannot resume its records"
+                    ) from None
+                if step < start:
+                    kept.append(line)
+            path.write_text("".join(line + "\n" for line in kept))
+        return RecordWriter(path)
+
+    def _write_records(
+        self,
+        writer: RecordWriter | None,
+        step: int,
+        fs: FilteredStep,
+        inputs: StepInputs,
+        result: StepResult,
+        wall: float,
+    ) -> None:
+        """This step's per-action, receive and step records of every pipeline rank, gathered over the
+        pipeline group (collective over it) and written by rank 0 (the first DP replica's pipeline)."""
+        llm, enc = action_tokens(self.cfg, inputs.packs, fs.microbatches)
+        mine: list[Any] = action_records(step, result.timeline, llm, enc, result.waits)
+        end = max((ev.end_s for ev in result.timeline), default=0.0)
+        mine += [*result.p2p, StepRecord(step, self.pp_rank, wall, end)]
+        gathered = [mine]
+        if self.pp > 1:
+            gathered = [None] * self.pp
+            dist.all_gather_object(gathered, mine, group=self.ps.group("pp"))
+        if writer is not None:
+            writer.write(r for rank in gathered for r in rank)
 
     def _fresh_start(self) -> int:
         self.stream.reset()

@@ -14,9 +14,14 @@ see ``p2p``; which group and tag each one uses is decided in one place, ``_Wires
   traffic can never be matched with LLM activations even on a backend that ignores tags (NCCL). Without
   ``encoder_p2p`` they share ``pp`` on a disjoint tag range, which only a tag-honouring backend (gloo)
   keeps apart. Stage 0 posts every encoder-output receive when the step starts and each encoder rank
-  posts its gradient receives then too; LLM receives are posted one action ahead; sends are waited for at
-  the end of the step. On each group, the messages between two ranks are sent and received in the same
-  order, which is all a tag-blind backend needs.
+  posts its gradient receives then too; LLM receives are posted one action ahead, before the encoder
+  actions at that boundary run; sends are waited for at the end of the step. On each group, the messages
+  between two ranks are sent and received in the same order, which is all a tag-blind backend needs.
+
+Timing (one clock, ``time.perf_counter``, from the step's start): each action's compute is the
+timeline's event; the time it blocked on receives before its compute started is ``StepResult.waits``
+and one :class:`~omni_pipeline.records.P2PRecord` per receive, so a trainer can write per-action records
+(:mod:`omni_pipeline.records`) without timing anything twice.
 
 Microbatch numbering (see :mod:`omni_pipeline.actions`): inside the interpreter every LLM microbatch is
 torch's 0-based index ``mb``; the public API (:class:`StepPlan`, :class:`StepFunctions`,
@@ -63,6 +68,7 @@ from omni_pipeline.actions import Action, ActionKind, flow_index, torch_index
 from omni_pipeline.anchor import EncoderAnchor
 from omni_pipeline.dataflow import DataFlow
 from omni_pipeline.p2p import PendingRecv, PlannedP2P
+from omni_pipeline.records import P2PRecord
 from omni_pipeline.schedules import Schedule
 from omni_pipeline.trace import TimelineEvent
 
@@ -156,12 +162,22 @@ class StepResult:
         metrics: ``{k: {name: float}}`` extra per-microbatch metrics from ``loss``, on every pipeline rank.
         timeline: this rank's actions with start/end in seconds from the step's start.
         timelines: ``{pp rank: timeline}`` when ``gather_timelines=True``, else ``{this rank: timeline}``.
+        waits: ``{action: seconds}`` this rank blocked on receives before each action's compute started
+            (its input, output gradient or encoder outputs; actions that never blocked are absent).
+        p2p: every receive this rank waited for, as :class:`~omni_pipeline.records.P2PRecord` (``step``
+            as passed to :meth:`PipelineExecutor.step`; ``transfer_s`` unknown: ``None``).
+        pipeline_s: seconds from the step's start to the end of its last action and sends.
+        reduce_s: seconds in ``reduce_gradients`` (the missing-gradient fill included).
     """
 
     losses: dict[int, float]
     metrics: dict[int, dict[str, float]]
     timeline: list[TimelineEvent]
     timelines: dict[int, list[TimelineEvent]] = field(default_factory=dict)
+    waits: dict[str, float] = field(default_factory=dict)
+    p2p: list[P2PRecord] = field(default_factory=list)
+    pipeline_s: float = 0.0
+    reduce_s: float = 0.0
 
     @property
     def loss(self) -> float:
@@ -222,7 +238,12 @@ class _StepRun:
     """
 
     def __init__(
-        self, ex: PipelineExecutor, plan: StepPlan, encoder_inputs: Mapping[int, Any], fn: StepFunctions
+        self,
+        ex: PipelineExecutor,
+        plan: StepPlan,
+        encoder_inputs: Mapping[int, Any],
+        fn: StepFunctions,
+        step: int = 0,
     ) -> None:
         sched, flow = plan.schedule, plan.flow
         self.ex, self.fn, self.sched, self.inputs = ex, fn, sched, encoder_inputs
@@ -243,18 +264,32 @@ class _StepRun:
         self.losses: dict[int, float] = {}
         self.metrics: dict[int, dict[str, float]] = {}
         self.timeline: list[TimelineEvent] = []
+        self.step, self.waits, self.p2p = step, {}, []  # blocked seconds per action, receives waited for
         self.t0 = time.perf_counter()
 
     def run(self) -> None:
         run_llm = {F: self.llm_forward, B: self.llm_backward}
         self.post_step_receives()
         for j, a in enumerate(self.actions):
-            self.run_encoders(a)
+            # posted before the boundary's encoder actions run, so a neighbour's message can land while
+            # they compute (rank 1's first input arrives during its warm-up encoder forwards)
             self.post_llm_receive(j)
             self.post_llm_receive(j + 1)
+            self.run_encoders(a)
             run_llm[a.kind](a)
         self.run_encoders(None)
         self.wires.wait_sends()
+        self.end_s = time.perf_counter() - self.t0
+
+    def wait(self, pending: PendingRecv, a: Action, what: str, microbatch: int) -> torch.Tensor:
+        """Wait for a posted receive that action ``a`` needs, timing how long the rank blocked."""
+        start = time.perf_counter()
+        t = self.wires.wait(pending)
+        blocked = time.perf_counter() - start
+        self.waits[str(a)] = self.waits.get(str(a), 0.0) + blocked
+        nbytes = t.numel() * t.element_size()
+        self.p2p.append(P2PRecord(self.step, pending.src, self.rank, what, microbatch, nbytes, blocked))
+        return t
 
     def run_encoders(self, before: Action | None) -> None:
         for a in self.ex.anchor.at(before):
@@ -297,7 +332,9 @@ class _StepRun:
     def incoming(self, a: Action) -> torch.Tensor:
         """The tensor action ``a`` consumes from its neighbour stage: received, or handed over locally."""
         if a in self.llm_recv:
-            return self.wires.wait(self.llm_recv.pop(a))
+            return self.wait(
+                self.llm_recv.pop(a), a, "activation" if a.kind == F else "gradient", a.microbatch
+            )
         return self.local.pop((a.kind, a.stage, a.microbatch))
 
     def hand_on(
@@ -321,7 +358,7 @@ class _StepRun:
         s, mb = a.stage, a.microbatch
         module = self.ex.stages[s]
         if s == 0:
-            outs = {e: self.encoder_output(e) for e in self.consumes.get(mb, ())}
+            outs = {e: self.encoder_output(e, a) for e in self.consumes.get(mb, ())}
             start = time.perf_counter()
             args, x_in = self.fn.first_stage_input(flow_index(mb), outs), None
             args = args if isinstance(args, tuple) else (args,)
@@ -387,15 +424,19 @@ class _StepRun:
 
     def encoder_backward(self, a: Action) -> None:
         e = a.microbatch
-        grad = self.enc_grad.pop(e) if self.rank == 0 else self.wires.wait(self.enc_recv.pop(e))
+        grad = (
+            self.enc_grad.pop(e)
+            if self.rank == 0
+            else self.wait(self.enc_recv.pop(e), a, "encoder_gradient", e)
+        )
         start = time.perf_counter()
         self.ex.anchor.backward(e, grad)
         self.record(a, start)
 
-    def encoder_output(self, e: int) -> torch.Tensor:
-        """Stage 0: encoder microbatch ``e``'s output as an autograd leaf (received on first use)."""
+    def encoder_output(self, e: int, a: Action) -> torch.Tensor:
+        """Stage 0: encoder microbatch ``e``'s output as an autograd leaf (received on first use, by ``a``)."""
         if e not in self.enc_out:
-            self.enc_out[e] = self.wires.wait(self.enc_recv.pop(e)).requires_grad_(True)
+            self.enc_out[e] = self.wait(self.enc_recv.pop(e), a, "encoder_output", e).requires_grad_(True)
         return self.enc_out[e]
 
     def return_encoder_grad(self, a: Action, e: int) -> None:
@@ -465,6 +506,7 @@ class PipelineExecutor:
         *,
         functions: StepFunctions | None = None,
         gather_timelines: bool = False,
+        step: int = 0,
     ) -> StepResult:
         """Run forward and backward of every microbatch of ``plan``, then ``reduce_gradients``.
 
@@ -479,6 +521,7 @@ class PipelineExecutor:
             functions: this step's callables (e.g. closures over this step's batch); default: the
                 executor's own.
             gather_timelines: also collect every pipeline rank's timeline into ``StepResult.timelines``.
+            step: the training step, for ``StepResult.p2p``'s records.
 
         Raises:
             ValueError: the plan's schedule is for another pp size, this rank misses a stage module,
@@ -494,10 +537,12 @@ class PipelineExecutor:
             )
         self._prepare(plan, encoder_inputs)
         self.anchor.gather()
-        run = _StepRun(self, plan, encoder_inputs, fn)
+        run = _StepRun(self, plan, encoder_inputs, fn, step)
         run.run()
+        start = time.perf_counter()
         self._fill_missing_gradients()
         self.reduce_gradients()
+        reduce_s = time.perf_counter() - start
         self._check_resharded()
         losses, metrics = self._share_losses(plan.schedule, run.losses, run.metrics)
         timelines = {self.pp_rank: run.timeline}
@@ -505,7 +550,16 @@ class PipelineExecutor:
             gathered: list[Any] = [None] * self.pp_size
             dist.all_gather_object(gathered, run.timeline, group=self.groups.pp)
             timelines = dict(enumerate(gathered))
-        return StepResult(losses=losses, metrics=metrics, timeline=run.timeline, timelines=timelines)
+        return StepResult(
+            losses=losses,
+            metrics=metrics,
+            timeline=run.timeline,
+            timelines=timelines,
+            waits=run.waits,
+            p2p=run.p2p,
+            pipeline_s=run.end_s,
+            reduce_s=reduce_s,
+        )
 
     def _prepare(self, plan: StepPlan, encoder_inputs: Mapping[int, Any]) -> None:
         sched = plan.schedule

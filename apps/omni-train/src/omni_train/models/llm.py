@@ -168,6 +168,9 @@ def _init_(module: nn.Module, gen: torch.Generator, std: float) -> None:
 class LLMStage(nn.Module):
     """Layers ``[lo, hi)`` of the LLM; the first stage embeds tokens, the last applies norm + LM head.
 
+    ``layers``: the stage's layer range (``omni_train.pipeline.stage_split``); default: its share of
+    ``omni_pipeline.split.stage_slices(n_layers, num_stages)``.
+
     Forward:
         x: first stage: token ids int64 ``[T]``; otherwise hidden states ``[T, dim]``.
         position_ids: int64 ``[T]``, restarting at 0 in each packed document.
@@ -197,6 +200,7 @@ class LLMStage(nn.Module):
         *,
         seed: int = 0,
         sp_group: dist.ProcessGroup | None = None,
+        layers: range | None = None,
     ) -> None:
         super().__init__()
         if cfg.tie_embeddings and num_stages > 1:
@@ -208,7 +212,7 @@ class LLMStage(nn.Module):
         self.is_last = stage == num_stages - 1
         if cfg.vocab_size is None:
             raise ValueError("LLMStage: LLMConfig.vocab_size is not set (take it from the tokenizer)")
-        layers = stage_slices(cfg.n_layers, num_stages)[stage]
+        layers = stage_slices(cfg.n_layers, num_stages)[stage] if layers is None else layers
         self.lo, self.hi = layers.start, layers.stop
         std = 0.02
         if self.is_first:
