@@ -81,4 +81,4 @@ __all__ = [
     "text_members",
     "to_rgb",
 ]
-__version__ = "0.1.0"
+__version__ = "0.2.0"

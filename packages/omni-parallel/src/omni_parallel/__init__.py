@@ -85,4 +85,4 @@ __all__ = [
     "uses_device_kernel",
     "varlen_attention",
 ]
-__version__ = "0.2.0"
+__version__ = "0.3.0"

@@ -109,4 +109,4 @@ __all__ = [
     "validate_comms",
     "write_chrome_trace",
 ]
-__version__ = "0.2.0"
+__version__ = "0.3.0"
