@@ -57,6 +57,17 @@ def _train(rank, world_size, cfg, variants, root):
         )
         if rank == 0:
             rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+            if c.parallel.hybrid_cp:
+                # Every pack planned above the per-rank cap is in the metrics: count them from the plans.
+                over = sum(
+                    any(local_sequence(list(k), slots, r).tokens > c.data.max_seq_len for r in range(sh.size))
+                    for sh in [trainer.sharding]
+                    for k, (slots, _) in sh._cache.items()
+                )
+                assert rows[-1]["hybrid_cp_raised_caps"] == over, (
+                    rows[-1].get("hybrid_cp_raised_caps"),
+                    over,
+                )
             out.append(
                 ([r["loss"] for r in rows], [r["grad_norm"] for r in rows], [r["tokens"] for r in rows], cps)
             )

@@ -308,6 +308,14 @@ class Trainer:
             reduce_gradients=self._reduce_gradients,
         )
 
+    def _cp_metrics(self) -> dict[str, int]:
+        """Hybrid DP/CP: ``hybrid_cp_raised_caps``, the packs so far planned above ``data.max_seq_len``
+        tokens per rank (``CPSharding.raised_caps``; the same on every rank of a stage, which all plan every
+        pack)."""
+        if self.sharding is None or not self.sharding.hybrid:
+            return {}
+        return {"hybrid_cp_raised_caps": self.sharding.raised_caps}
+
     def _cp_group(self) -> dist.ProcessGroup | None:
         """The ranks of a stage that share its packs under CP: the CP group, or dp_cp for hybrid DP/CP."""
         if self.sharding is None:
@@ -426,7 +434,15 @@ class Trainer:
             memory = memory_metrics(self.memory.peaks(), self.rank, self.world)
             skipped = self.skips.step()
             if self.rank == 0:
-                logger.log(step, {**self.metrics.row(inputs, row, lr, grad_norm), **memory, **skipped})
+                logger.log(
+                    step,
+                    {
+                        **self.metrics.row(inputs, row, lr, grad_norm),
+                        **memory,
+                        **skipped,
+                        **self._cp_metrics(),
+                    },
+                )
             last = result if step == total - 1 else last
             checkpoint_s = 0.0
             if self.checkpoint.due(step + 1):
