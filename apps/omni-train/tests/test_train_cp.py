@@ -6,7 +6,8 @@
   step for step (<= 1e-10). Documents of odd length (padding) are in every pack.
 * hybrid DP/CP (dp=1 x cp=2 ranks per stage, pp=2, 4 processes) on a long-tailed length mix: the stage's
   two ranks share packs of 2 x max_seq_len tokens, short samples whole on one rank, long ones CP-sharded;
-  equal to one process training on those packs whole.
+  equal to one process training on those packs whole (losses, gradient norms, tokens); at pp=1 (2
+  processes, media) losses and every gradient too.
 * regressions from the field: a document of length 7 at cp=2 (padding tokens carry no target and every
   real token is held once); a microbatch with fewer images than CP ranks (a rank without media still
   joins the resharding all-reduce, forward and backward); RoPE positions per CP rank equal the
@@ -209,3 +210,33 @@ def test_microbatch_with_fewer_images_than_cp_ranks():
         2,
         0,
     ]  # rank 1 holds 2 of the first image's tokens, none of the second's
+
+
+def _capture(rank, world_size, cfg, root):
+    from train_reference import capture_run
+
+    validate(cfg, world_size)
+    cps: set[int] = set()
+
+    def seen(trainer, step, inputs):
+        if trainer.sharding is not None:
+            cps.update(s.cp for slots, _ in trainer.sharding._cache.values() for s in slots)
+
+    return capture_run(cfg, Path(root), on_inputs=seen), sorted(cps)
+
+
+def test_hybrid_dp_cp_every_gradient_matches_one_process(tmp_path):
+    """Hybrid DP/CP (dp=1 x cp=2 at pp=1, media and a long-tailed text mix): the losses and every gradient
+    of every step equal one float64 process training the same packs of 2 x max_seq_len tokens whole."""
+    from train_reference import assert_runs_match, with_parallel
+
+    data = make_dataset(tmp_path / "data", n_text=40, seed=3, text_words_lognormal=(2.8, 0.9))
+    cfg = load_config(
+        str(write_config(tmp_path / "c.toml", data, steps=2, every=0, pp=1, extra='dtype = "float64"'))
+    )
+    ref = with_parallel(cfg, data_max_seq_len=96)
+    want = run_world(_capture, 1, args=(ref, str(tmp_path / "ref")), timeout_s=300)[0][0]
+    hybrid = with_parallel(cfg, cp=2, hybrid_cp=True, data_max_seq_len=48)
+    got, cps = run_world(_capture, 2, args=(hybrid, str(tmp_path / "hybrid")), timeout_s=300)[0]
+    assert cps == [1, 2], cps  # short samples whole on one rank, long ones CP-sharded
+    assert_runs_match(got, want, "hybrid dp/cp")

@@ -29,7 +29,9 @@ def _check_step(trainer, step, inputs, out):
     sh, par = trainer.sharding, trainer.builder.parallel
     rank = sh.rank
     for pack in inputs.packs:
-        if par.layout.mode is not None and list(par.layout.sources(pack)[rank]) != list(sh.local(pack).source):
+        if par.layout.mode is not None and list(par.layout.sources(pack)[rank]) != list(
+            sh.local(pack).source
+        ):
             out["layout_mismatch"].append((step, pack.seqlens))
     for work in inputs.encoder_work.values():
         out["long"] += len(work.long)
