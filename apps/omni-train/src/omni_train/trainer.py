@@ -49,6 +49,7 @@ import os
 import sys
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -110,6 +111,23 @@ from omni_train.step_inputs import StepBuilder, StepInputs
 from omni_train.step_metrics import StepMetrics, memory_metrics
 
 __all__ = ["Trainer", "worker_main"]
+
+
+@dataclass
+class _RunOutputs:
+    """What one run writes to as it steps, and its step clock.
+
+    Attributes:
+        clock: when the current step's wall time started (``time.perf_counter``; the end of the previous
+            step's metrics reduction, so its logging and checkpoint count in the next step).
+        checkpoint_s: the previous step's checkpoint save, reported in this step's time breakdown.
+    """
+
+    logger: MetricsLogger
+    records: RecordWriter | None
+    profiler: StepProfiler
+    clock: float
+    checkpoint_s: float = 0.0
 
 
 class Trainer:
@@ -382,82 +400,91 @@ class Trainer:
             self.stream.close()
 
     def _run(self, after_backward: Callable[[int, StepInputs, StepResult], None] | None) -> dict[str, Any]:
-        cfg, total = self.cfg, self.cfg.train.steps
+        total = self.cfg.train.steps
         start = self.checkpoint.restore() if self.resume else self._fresh_start()
+        run = self._open_run(start)
+        t_run, last = time.perf_counter(), None
+        for step in range(start, total):
+            result = self._train_step(step, run, after_backward)
+            last = result if step == total - 1 else last
+        run.profiler.stop()
+        self.checkpoint.close()
+        run.logger.close()
+        if run.records is not None:
+            run.records.close()
+        summary = self._finish(last, time.perf_counter() - t_run, start) if self.rank == 0 else {}
+        dist.barrier()
+        return summary
+
+    def _open_run(self, start: int) -> _RunOutputs:
+        """The run's outputs from ``start`` on (metrics, records, profiler), the resolved config and data
+        flow, and a restart notice under torchrun's elastic agent."""
         self.skips.start()
         restarts = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
         if restarts and self.rank == 0:
             of = os.environ.get("TORCHELASTIC_MAX_RESTARTS", "?")
             print(f"omni-train: restarted ({restarts} of {of}), resuming from step {start}", file=sys.stderr)
-        logger = MetricsLogger(self.out, total, start, enabled=self.rank == 0)
+        logger = MetricsLogger(self.out, self.cfg.train.steps, start, enabled=self.rank == 0)
         records = self._record_writer(start)
         if self.rank == 0:
-            (self.out / "config.json").write_text(json.dumps(cfg.to_dict(), indent=2))
+            (self.out / "config.json").write_text(json.dumps(self.cfg.to_dict(), indent=2))
             (self.out / "dataflow.json").write_text(self.flow.to_json())
-        t_run, last, checkpoint_s = time.perf_counter(), None, 0.0
-        prof = StepProfiler(
+        profiler = StepProfiler(
             self.out,
             self.rank,
-            cfg.train.profile_steps,
+            self.cfg.train.profile_steps,
             first_step=start,
-            total_steps=total,
+            total_steps=self.cfg.train.steps,
             device=self.device,
         ).start()
-        t0 = time.perf_counter()
-        for step in range(start, total):
+        return _RunOutputs(logger, records, profiler, clock=time.perf_counter())
+
+    def _train_step(
+        self,
+        step: int,
+        run: _RunOutputs,
+        after_backward: Callable[[int, StepInputs, StepResult], None] | None,
+    ) -> StepResult:
+        """One optimizer step: inputs, the pipeline step, clipping and AdamW, metrics, records, checkpoint."""
+        t = time.perf_counter()
+        fs = self._loader_step(step)
+        inputs = self.builder.build(fs)
+        data_s = time.perf_counter() - t
+        lr = self._start_step(step)
+        self.memory.start_step()
+        with self.memory.track():
+            result = self.executor.step(
+                inputs.plan,
+                inputs.encoder_work,
+                functions=self.builder.functions(inputs),
+                gather_timelines=step == self.cfg.train.steps - 1,
+                step=step,
+            )
+        if after_backward is not None:
+            after_backward(step, inputs, result)
+        t = time.perf_counter()
+        grad_norm = self._clip()
+        self.optimizer.step()
+        optimizer_s = time.perf_counter() - t
+        wall = time.perf_counter() - run.clock
+        phases = {"data": data_s, "optimizer": optimizer_s, "checkpoint": run.checkpoint_s}
+        row = self.metrics.reduce(inputs, result, wall, phases)
+        run.clock = (
+            time.perf_counter()
+        )  # the next step's clock starts here: logging and checkpoint count in it
+        self._write_records(run.records, step, fs, inputs, result, wall)
+        memory = memory_metrics(self.memory.peaks(), self.rank, self.world)
+        skipped = self.skips.step()
+        if self.rank == 0:
+            metrics = self.metrics.row(inputs, row, lr, grad_norm)
+            run.logger.log(step, {**metrics, **memory, **skipped, **self._cp_metrics()})
+        run.checkpoint_s = 0.0
+        if self.checkpoint.due(step + 1):
             t = time.perf_counter()
-            fs = self._loader_step(step)
-            inputs = self.builder.build(fs)
-            data_s = time.perf_counter() - t
-            lr = self._start_step(step)
-            self.memory.start_step()
-            with self.memory.track():
-                result = self.executor.step(
-                    inputs.plan,
-                    inputs.encoder_work,
-                    functions=self.builder.functions(inputs),
-                    gather_timelines=step == total - 1,
-                    step=step,
-                )
-            if after_backward is not None:
-                after_backward(step, inputs, result)
-            t = time.perf_counter()
-            grad_norm = self._clip()
-            self.optimizer.step()
-            optimizer_s = time.perf_counter() - t
-            wall = time.perf_counter() - t0
-            phases = {"data": data_s, "optimizer": optimizer_s, "checkpoint": checkpoint_s}
-            row = self.metrics.reduce(inputs, result, wall, phases)
-            # the next step's clock starts here: the logging and checkpoint below count in it
-            t0 = time.perf_counter()
-            self._write_records(records, step, fs, inputs, result, wall)
-            memory = memory_metrics(self.memory.peaks(), self.rank, self.world)
-            skipped = self.skips.step()
-            if self.rank == 0:
-                logger.log(
-                    step,
-                    {
-                        **self.metrics.row(inputs, row, lr, grad_norm),
-                        **memory,
-                        **skipped,
-                        **self._cp_metrics(),
-                    },
-                )
-            last = result if step == total - 1 else last
-            checkpoint_s = 0.0
-            if self.checkpoint.due(step + 1):
-                t = time.perf_counter()
-                self.checkpoint.save(step + 1)
-                checkpoint_s = time.perf_counter() - t
-            prof.step()
-        prof.stop()
-        self.checkpoint.close()
-        logger.close()
-        if records is not None:
-            records.close()
-        summary = self._finish(last, time.perf_counter() - t_run, start) if self.rank == 0 else {}
-        dist.barrier()
-        return summary
+            self.checkpoint.save(step + 1)
+            run.checkpoint_s = time.perf_counter() - t
+        run.profiler.step()
+        return result
 
     def _record_writer(self, start: int) -> RecordWriter | None:
         """Rank 0: the writer of ``actions.jsonl``, cut back to the steps before ``start`` (a resumed run
