@@ -235,7 +235,7 @@ def _collective_devices(rank, world):
     from omni_ckpt.save import _device
 
     # No GPU here: what matters is which device type the answer names; a CUDA index is asked of
-    # torch.cuda.current_device, which needs a GPU, so it is stubbed for this process.
+    # torch.cuda.current_device, which needs a GPU, so this process answers 0 in its place.
     torch.cuda.current_device = lambda: 0
     return {
         backend: str(_device(dist.new_group([0], backend=backend)))

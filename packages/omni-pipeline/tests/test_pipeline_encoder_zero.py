@@ -6,7 +6,7 @@
 * gradients are the plain sum the objective defines (FSDP2's own reduce-scatter averages over its mesh,
   which gave exactly 0.5x on two ranks);
 * ZeRO-2 (``reshard_after_forward=False``) reduces DTensor gradients (the executor used to all-reduce
-  them: ``NotImplementedError``).
+  them, which DTensor refuses for sharded gradients).
 
 A hang fails the test after ``timeout_s`` with the ranks that did not finish named (``WorldTimeoutError``).
 """

@@ -72,6 +72,9 @@ def step_phases(result: StepResult, wall: float, measured: dict[str, float]) -> 
     return out
 
 
+_STATE_PARTS = ("parameters", "gathered", "gradients", "optimizer")  # encoder_state_bytes fields
+
+
 class StepMetrics:
     """Per-step metrics of one rank's run.
 
@@ -123,7 +126,7 @@ class StepMetrics:
         :data:`PHASES` (``phases`` gives ``data``, ``optimizer``, ``checkpoint``; the rest comes from the
         executor's result; ``other`` is the wall time left), and (from pipeline rank 0 of each DP
         replica, which holds the broadcast losses) loss and per-modality sums, tokens, samples, skipped
-        payloads."""
+        payloads, and the encoder numbers of :meth:`_encoder_vector` in the same all-reduce."""
         n, packs = self.world, inputs.packs
         times = step_phases(result, wall, phases or {})
         vec = torch.zeros(2 * n + 1 + 2 * len(MODALITIES) + 3 + len(PHASES) * n, dtype=torch.float64)
@@ -142,9 +145,11 @@ class StepMetrics:
             vec[at - 3] = sum(p.num_tokens for p in packs)
             vec[at - 2] = sum(len(p.samples) for p in packs)
             vec[at - 1] = len(inputs.masked)
+        own = vec.numel()
+        vec = torch.cat([vec, self._encoder_vector(inputs, result)])
         dist.all_reduce(vec)
         v = vec.tolist()
-        return self._encoder_reduce(inputs, result) | {
+        return self._encoder_numbers(v[own:]) | {
             "wall": v[:n],
             "busy": v[n : 2 * n],
             "loss": v[2 * n],
@@ -156,24 +161,26 @@ class StepMetrics:
             "phases": {name: v[at + i * n : at + (i + 1) * n] for i, name in enumerate(PHASES)},
         }
 
-    def _encoder_reduce(self, inputs: StepInputs, result: StepResult) -> dict[str, Any]:
-        """Encoder parallelism's per-rank numbers (one all-reduce over the world, collective): measured
-        seconds in encoder forwards and backwards (the collectives of SP and reordering included),
-        modelled encoder FLOPs without and with the reordering across DP, payload bytes the reordering
-        moved, and the encoders' state bytes."""
+    def _encoder_vector(self, inputs: StepInputs, result: StepResult) -> torch.Tensor:
+        """This rank's share of encoder parallelism's per-rank numbers, summed over the world in
+        :meth:`reduce`'s one all-reduce: measured seconds in encoder forwards and backwards (the
+        collectives of SP and reordering included), modelled encoder FLOPs without and with the
+        reordering across DP, payload bytes the reordering moved, and the encoders' state bytes."""
         n = self.world
-        parts = ("parameters", "gathered", "gradients", "optimizer")
-        vec = torch.zeros(3 * n + 1 + len(parts) * n, dtype=torch.float64)
+        vec = torch.zeros(3 * n + 1 + len(_STATE_PARTS) * n, dtype=torch.float64)
         vec[self.rank] = sum(ev.end_s - ev.start_s for ev in result.timeline if ev.kind in ("EF", "EB"))
         works = inputs.encoder_work.values()
         vec[n + self.rank] = sum(w.flops_before for w in works)
         vec[2 * n + self.rank] = sum(w.flops_after for w in works)
         vec[3 * n] = sum(w.bytes_sent for w in works)
         held = self.encoder_bytes() if self.encoder_bytes is not None else {}
-        for i, part in enumerate(parts):
+        for i, part in enumerate(_STATE_PARTS):
             vec[3 * n + 1 + i * n + self.rank] = held.get(part, 0)
-        dist.all_reduce(vec)
-        v = vec.tolist()
+        return vec
+
+    def _encoder_numbers(self, v: list[float]) -> dict[str, Any]:
+        """:meth:`_encoder_vector`'s layout, summed over the world, as named numbers."""
+        n = self.world
         at = 3 * n + 1
         return {
             "encoder_s": v[:n],
@@ -181,7 +188,7 @@ class StepMetrics:
             "encoder_flops_after": v[2 * n : 3 * n],
             "reorder_bytes": int(v[3 * n]),
             "encoder_bytes": {
-                p: [int(x) for x in v[at + i * n : at + (i + 1) * n]] for i, p in enumerate(parts)
+                p: [int(x) for x in v[at + i * n : at + (i + 1) * n]] for i, p in enumerate(_STATE_PARTS)
             },
         }
 

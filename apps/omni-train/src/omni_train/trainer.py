@@ -524,17 +524,20 @@ class Trainer:
         result: StepResult,
         wall: float,
     ) -> None:
-        """This step's per-action, receive and step records of every pipeline rank, gathered over the
-        pipeline group (collective over it) and written by rank 0 (the first DP replica's pipeline)."""
+        """This step's per-action, receive and step records of every rank of global rank 0's pipeline (the
+        first DP replica's; TP/SP/CP rank 0), gathered to rank 0 over that pipeline group (collective over
+        it) and written there. Other ranks record nothing."""
+        if any(self.ps.local_rank(a) for a in ("dp", "tp", "cp", "ulysses")):
+            return
         llm, enc = action_tokens(self.cfg, inputs.packs, fs.microbatches)
         mine: list[Any] = action_records(step, result.timeline, llm, enc, result.waits)
         end = max((ev.end_s for ev in result.timeline), default=0.0)
         mine += [*result.p2p, StepRecord(step, self.pp_rank, wall, end)]
-        gathered = [mine]
+        gathered: list[Any] | None = [mine]
         if self.pp > 1:
-            gathered = [None] * self.pp
-            dist.all_gather_object(gathered, mine, group=self.ps.group("pp"))
-        if writer is not None:
+            gathered = [None] * self.pp if self.rank == 0 else None
+            dist.gather_object(mine, gathered, dst=0, group=self.ps.group("pp"))
+        if writer is not None and gathered is not None:
             writer.write(r for rank in gathered for r in rank)
 
     def _fresh_start(self) -> int:
