@@ -73,8 +73,8 @@ class ConfigError(ValueError):
 
 class Placement(StrEnum):
     """Where encoder microbatches run in the LLM pipeline (omni-pipeline placement policies): the paper's
-    three, and ``planned`` (``omni_pipeline.planner``: slots searched by simulation of the cost model;
-    ranks fixed as the zero-redundancy loader needs)."""
+    three, and ``planned`` (``omni_pipeline.planner``: each step's ranks and slots searched by simulating
+    that step's costs from its metadata, before any payload is read: ``omni_train.step_plan``)."""
 
     PREPEND_FIRST_STAGE = "prepend_first_stage"
     ISOLATED = "isolated"
@@ -225,6 +225,12 @@ class ParallelConfigSection:
             per-token FLOPs, embedding on stage 0 and LM head + loss on the last counted
             (``omni_pipeline.balance_stages``); unset: layers shared out evenly, the first stages taking
             the remainder.
+        planner_evaluations: simulations ``planned`` may spend per step (``omni_pipeline.plan_placement``'s
+            ``max_evaluations``; each is tens of microseconds at pp=2 with 8 microbatches); >= 1.
+        planner_memory_cap_mib: ``planned``: peak stored activations per rank the plan may reach, MiB, in
+            the cost model's modelled bytes (``omni_train.simulate``); unset: no cap; > 0.
+        planner_calibration: ``planned``: a run directory of this config whose ``actions.jsonl`` (the
+            measured per-action times) the planner's costs are fitted from; unset: modelled FLOPs.
     """
 
     pp: int = 2
@@ -243,6 +249,9 @@ class ParallelConfigSection:
     encoder_sp: int = 1
     long_threshold: int = 8192
     stage_layers: list[int] | str | None = None
+    planner_evaluations: int = 100
+    planner_memory_cap_mib: float | None = None
+    planner_calibration: str | None = None
 
     @property
     def world_size(self) -> int:
@@ -648,6 +657,11 @@ def validate(cfg: RunConfig, nproc: int) -> None:
         )
     if par.long_threshold < 1:
         raise ConfigError(f"parallel.long_threshold: must be >= 1 token, got {par.long_threshold}")
+    if par.planner_evaluations < 1:
+        raise ConfigError(f"parallel.planner_evaluations: must be >= 1, got {par.planner_evaluations}")
+    cap = par.planner_memory_cap_mib
+    if cap is not None and not (math.isfinite(cap) and cap > 0):
+        raise ConfigError(f"parallel.planner_memory_cap_mib: must be a number of MiB > 0, got {cap}")
     g = cfg.data.reorder_group_size
     if g is not None and (g < 1 or par.dp % g):
         raise ConfigError(f"data.reorder_group_size: {g} must be >= 1 and divide parallel.dp {par.dp}")

@@ -29,6 +29,7 @@ from torchdata.nodes import BaseNode
 
 from omni_data import (
     AudioTokens,
+    ConsumesFn,
     EncoderCost,
     HybridPacker,
     ImageTokens,
@@ -171,19 +172,21 @@ def build_step_stream(
     dp_rank: int,
     dp_size: int,
     dp_group,
-    consumes: set[int],
+    consumes: set[int] | ConsumesFn,
     read_text: bool,
     tp_group=None,
     share=None,
     text_share=None,
     pack_tokens: int | None = None,
     sources: Mapping[str, BaseNode[SampleMeta]] | None = None,
+    background: bool = False,
 ) -> ZeroRedundancyFilter:
     """The per-step stream of this rank (see the module docstring); call ``reset()`` or
     ``reset(state)`` before use, ``close()`` after (it owns decode threads).
 
     Args:
-        consumes: encoder microbatch ids this pipeline rank runs (from the data flow).
+        consumes: encoder microbatch ids this pipeline rank runs (from the data flow), or a function of
+            each step's metadata giving them (``omni_train.step_plan.StepPlanner.consumes``).
         read_text: this rank builds LLM inputs or labels (first or last stage): read every sample's text.
         share, text_share: the zero-redundancy filter's narrowing of encoder microbatches and text reads
             to this rank's part (CP: ``omni_train.cp_sharding.CPSharding``); ``None``: everything.
@@ -191,6 +194,9 @@ def build_step_stream(
             packs of ``dp * cp * max_seq_len`` tokens).
         sources: metadata streams by source name in place of :func:`build_sources`' shards (e.g.
             ``omni_data.testing.SyntheticSource`` to measure the mixture the trainer's packs hold).
+        background: prepare the next step's metadata on the filter's own thread while the caller trains
+            (``ZeroRedundancyFilter(background=True)``); ``dp_group`` must then be a group no other
+            thread uses.
     """
     if sources is None:
         sources = build_sources(cfg, tokenizer, dp_rank=dp_rank, dp_size=dp_size)
@@ -216,6 +222,7 @@ def build_step_stream(
         reader=PayloadReader(tokenizer),
         tp_group=tp_group,
         prefetch=1,
+        background=background,
         read_text=read_text,
         balance=cfg.parallel.reorder,
         decode_workers=d.decode_workers,

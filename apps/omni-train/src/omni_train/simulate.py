@@ -11,8 +11,9 @@ simulator then times a 1F1B step under each placement policy, and the table comp
   :func:`omni_pipeline.calibrate.fit_cost_model`), applied to each simulated step's token counts
   (:func:`action_tokens`): the config's own models on the measured machine, P2P latency and bandwidth,
   dispatch gaps and the time outside the pipeline included. The run's first recorded step is dropped
-  (warm-up). When the run directory also holds ``metrics.jsonl`` and ``dataflow.json``, the flow the run
-  used is simulated on the same steps and printed beside the measured step time.
+  (warm-up). When the run directory also holds ``metrics.jsonl`` and the run's flow (``dataflow.json``,
+  or each step's ``"flow"`` record when ``planned`` planned it per step), the flow the run used is
+  simulated on the same steps and printed beside the measured step time.
 * **modelled FLOPs** at a modelled device rate, for models of the paper's sizes (``scale="paper"``:
   LLaMA-12B backbone, ViT-1B image encoder, USM-2B audio encoder; Table 1 and §2.2) or of the config's own
   tiny sizes (``scale="config"``).
@@ -45,7 +46,15 @@ from omni_train.config import ConfigError, RunConfig, bundled_data_dir
 from omni_train.data_pipeline import build_step_stream
 from omni_train.flops import attention_flops
 
-__all__ = ["MODEL_SCALES", "ModelScale", "action_tokens", "calibrated_step_costs", "simulate_config"]
+__all__ = [
+    "MODEL_SCALES",
+    "ModelScale",
+    "action_tokens",
+    "calibrated_step_costs",
+    "config_scale",
+    "modelled_step_costs",
+    "simulate_config",
+]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -79,7 +88,8 @@ def _tokenizer(cfg: RunConfig) -> Tokenizer:
     return Tokenizer.from_file(str(p if p.is_absolute() else bundled_data_dir() / p))
 
 
-def _config_scale(cfg: RunConfig) -> ModelScale:
+def config_scale(cfg: RunConfig) -> ModelScale:
+    """The config's own model sizes (matmul parameters per token, widths, layers) for the cost model."""
     llm = cfg.model.llm
     encs = {"image": cfg.model.vit, "audio": cfg.model.audio}
     return ModelScale(
@@ -169,12 +179,30 @@ def calibrated_step_costs(
     pp = cfg.parallel.pp
     llm, enc = action_tokens(cfg, packs, mbs)
     dtype_bytes = 8.0 if str(cfg.train.dtype) == "float64" else 4.0
-    return fitted.for_step(pp, llm, enc, **_sizes(cfg, packs, mbs, pp, dtype_bytes, _config_scale(cfg)))
+    return fitted.for_step(pp, llm, enc, **_sizes(cfg, packs, mbs, pp, dtype_bytes, config_scale(cfg)))
 
 
-def _modelled_step_costs(
-    cfg: RunConfig, ms: ModelScale, packs: list[Pack], mbs, pp: int, rate: float, dp: int
+def modelled_step_costs(
+    cfg: RunConfig,
+    ms: ModelScale,
+    packs: list[Pack],
+    mbs: dict[int, list[SampleIndex]],
+    pp: int,
+    rate: float,
+    dp: int,
+    stage_weights: list[float] | None = None,
 ) -> CostModel:
+    """One step's cost model from modelled FLOPs (no measurement): each action's seconds are its matmul
+    (``2 * params * tokens``) and attention FLOPs over ``rate`` FLOP/s; P2P 10 us + bytes / 25 GB/s;
+    byte sizes as the module docstring says.
+
+    Args:
+        ms: model sizes (:data:`MODEL_SCALES` or :func:`config_scale`).
+        packs, mbs: the step's packs and encoder microbatches ``{e: [(pack, sample)]}``.
+        pp: pipeline stages; rate: FLOP/s; dp: data-parallel replicas.
+        stage_weights: per stage, its LLM cost relative to the mean stage (embedding, LM head and loss
+            counted: ``omni_pipeline.stage_costs``); ``None``: every stage the mean.
+    """
     llm_fwd = [
         2.0 * ms.llm_params * p.num_tokens
         + attention_flops(p.seqlens, ms.llm_dim, ms.llm_layers, causal=True)
@@ -190,10 +218,15 @@ def _modelled_step_costs(
             d, n_layers = ms.encoder_dim[kind], ms.encoder_layers[kind]
             flops += 2.0 * ms.encoder_params[kind] * seq + attention_flops([seq], d, n_layers, causal=False)
         enc_fwd_s[e] = flops / rate
-    mean_fwd = sum(llm_fwd) / len(llm_fwd)
+    stage_fwd = sum(llm_fwd) / len(llm_fwd) / pp / rate
+    fwd: float | list[float] = stage_fwd
+    bwd: float | list[float] = 2 * stage_fwd
+    if stage_weights is not None:
+        fwd = [stage_fwd * w for w in stage_weights]
+        bwd = [2 * f for f in fwd]
     return CostModel(
-        llm_forward_s=mean_fwd / pp / rate,
-        llm_backward_s=2 * mean_fwd / pp / rate,
+        llm_forward_s=fwd,
+        llm_backward_s=bwd,
         encoder_forward_s=enc_fwd_s,
         p2p_latency_s=10e-6,
         p2p_bandwidth_Bps=25e9,
@@ -264,12 +297,12 @@ def simulate_config(
             )
         microbatches = cfg.data.microbatches if microbatches is None else microbatches
         gpus = pp * cfg.parallel.dp if gpus is None else gpus
-        ms = _config_scale(cfg)
+        ms = config_scale(cfg)
         scale = "config (calibrated)"
     else:
         scale = scale or "paper"
         if scale == "config":
-            ms = _config_scale(cfg)
+            ms = config_scale(cfg)
         elif scale in MODEL_SCALES:
             ms = MODEL_SCALES[scale]
         else:
@@ -313,13 +346,14 @@ def simulate_config(
             if fitted is not None:
                 costs = calibrated_step_costs(cfg, fitted, packs, mbs)
             else:
-                costs = _modelled_step_costs(cfg, ms, packs, mbs, pp, rate, gpus // pp)
+                costs = modelled_step_costs(cfg, ms, packs, mbs, pp, rate, gpus // pp)
             flows = {
                 str(policy): place(policy, schedule, encoder_inputs, costs, fixed_ranks=fitted is not None)
                 for policy in PlacementPolicy
             }
-            if run_flow is not None:
-                flows["as run"] = run_flow
+            as_run = records.flow(fs.step) if fitted is not None else None  # a flow planned per step
+            if as_run is not None or run_flow is not None:
+                flows["as run"] = as_run or run_flow
             for name, flow in flows.items():
                 res = simulate(schedule, flow, costs)
                 if plots and n == 0 and name != "as run":

@@ -88,7 +88,7 @@ class StepBuilder:
     """Builds a rank's :class:`StepInputs` and the executor's callables for them.
 
     Args:
-        schedule, flow: the LLM schedule and the data flow (fixed for the run).
+        schedule, flow: the LLM schedule and the run's data flow (a step may bring its own: :meth:`build`).
         encoders: the encoder towers' module (``payloads -> [tokens, llm_dim]``).
         placeholders: token id of ``<|image|>`` / ``<|audio|>``.
         llm_dim: the LLM width (the stage-boundary activation's last dim).
@@ -131,9 +131,11 @@ class StepBuilder:
         self.pp_group, self.dp_group = pp_group, dp_group
         self.parallel = parallel or EncoderParallel(SequenceLayout())
 
-    def build(self, fs: FilteredStep) -> StepInputs:
-        """The step's inputs (collective over the pipeline and DP groups, and over the reordering group
-        across DP: every rank calls it)."""
+    def build(self, fs: FilteredStep, flow: DataFlow | None = None) -> StepInputs:
+        """The step's inputs under ``flow`` (the step's data flow when it is planned per step; default the
+        run's) (collective over the pipeline and DP groups, and over the reordering group across DP: every
+        rank calls it)."""
+        flow = flow or self.flow
         packs = fs.packs
         masked = self._undecodable(fs)
         mbs: dict[int, LLMMicrobatch] = {}
@@ -148,14 +150,14 @@ class StepBuilder:
             e: torch.tensor(self.parallel.slots(packs, items), dtype=torch.int64)
             for e, items in fs.microbatches.items()
         }
-        consumer = self.flow.encoder_consumer
+        consumer = flow.encoder_consumer
         work = {e: self.parallel.plan(fs, e, consumer[e]) for e in sorted(fs.payloads)}
         targets = torch.tensor([step_targets(packs, masked)], dtype=torch.int64)
         if self.dp_group is not None:
             dist.all_reduce(targets, group=self.dp_group)
         plan = StepPlan(
             self.schedule,
-            self.flow,
+            flow,
             llm_shapes={k: (self._local_tokens(p), self.llm_dim) for k, p in enumerate(packs, start=1)},
             encoder_shapes={e: (int(pos.numel()), self.llm_dim) for e, pos in positions.items()},
             dtype=self.dtype,
@@ -180,7 +182,7 @@ class StepBuilder:
 
         def first_stage_input(k: int, outs: Mapping[int, torch.Tensor]) -> tuple:
             mb = inputs.microbatches[k]
-            es = [e for e in self.flow.encoder_inputs[k] if e in outs]
+            es = [e for e in inputs.plan.flow.encoder_inputs[k] if e in outs]
             media = torch.cat([outs[e] for e in es]) if es else None
             # With an encoder SP group each output already holds exactly this rank's rows, in its local
             # slots (encoder_parallel's resharding): Ulysses chunk, or CP head-tail share.

@@ -84,7 +84,6 @@ class StepMetrics:
         llm: the LLM config (vocabulary set).
         llm_matmul: matmul parameters of the whole LLM (all stages, before TP).
         encoder_matmul: ``{modality: matmul parameters}`` of each encoder tower.
-        owner: ``{e: pipeline rank}`` running each encoder microbatch.
         peak_flops: measured peak FLOP/s of one process.
         encoder_bytes: ``() -> {"parameters", "gathered", "gradients", "optimizer": bytes}`` this rank
             holds for the encoders (``omni_parallel.encoder_zero.state_bytes``); ``None``: not reported.
@@ -98,11 +97,10 @@ class StepMetrics:
         llm: LLMConfig,
         llm_matmul: float,
         encoder_matmul: dict[str, int],
-        owner: dict[int, int],
         peak_flops: float,
         encoder_bytes: Callable[[], dict[str, int]] | None = None,
     ) -> None:
-        self.cfg, self.llm, self.owner, self.peak_flops = cfg, llm, owner, peak_flops
+        self.cfg, self.llm, self.peak_flops = cfg, llm, peak_flops
         self.encoder_bytes = encoder_bytes
         self.llm_matmul, self.encoder_matmul = llm_matmul, encoder_matmul
         self.rank, self.world = ps.rank, ps.world_size
@@ -196,12 +194,12 @@ class StepMetrics:
         """The logged metrics of a step from :meth:`reduce`'s result."""
         packs, m, pp = inputs.packs, self.cfg.data.microbatches, self.pp
         step_s = max(row["wall"])
+        flow = inputs.plan.flow  # the step's own (per-step "planned") or the run's
+        owner = {e: flow.encoder_rank(e) for e in flow.encoder_consumer}
         before = encoder_imbalance(
-            encoder_load(packs, split_encoder_microbatches(packs, m, pp, balance=False), self.owner, pp)
+            encoder_load(packs, split_encoder_microbatches(packs, m, pp, balance=False), owner, pp)
         )
-        after = encoder_imbalance(
-            encoder_load(packs, split_encoder_microbatches(packs, m, pp), self.owner, pp)
-        )
+        after = encoder_imbalance(encoder_load(packs, split_encoder_microbatches(packs, m, pp), owner, pp))
         flops = self.step_flops(inputs)
         return {
             "loss": row["loss"],

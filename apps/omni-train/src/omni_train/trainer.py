@@ -61,21 +61,19 @@ from torch.profiler import record_function
 
 from omni_data import Modality, encoder_microbatch_ids
 from omni_data.zero_redundancy import FilteredStep
-from omni_parallel import ParallelConfig, ParallelState, ReshardMode, mesh_device_type
+from omni_parallel import ParallelConfig, ParallelState, ReshardMode, mesh_device_type, rank_groups
 from omni_parallel.encoder_zero import state_bytes
 from omni_pipeline import (
     RECORDS_FILE,
-    CostModel,
     EncoderAnchor,
     EncoderDataConfig,
     EncoderParallelConfig,
+    FlowRecord,
     PipelineExecutor,
     RecordWriter,
     StepRecord,
     StepResult,
     action_records,
-    place,
-    stage_costs,
 )
 from omni_train.activation_memory import ActivationMemory
 from omni_train.checkpointing import TrainCheckpoint
@@ -103,12 +101,13 @@ from omni_train.parallelize import (
     pipeline_groups,
     training_dtypes,
 )
-from omni_train.pipeline import build_rank_stages, build_schedule, layer_costs, stage_split
+from omni_train.pipeline import build_rank_stages, build_schedule, stage_split
 from omni_train.profiling import StepProfiler
 from omni_train.simulate import action_tokens
 from omni_train.skip_metrics import SkipMetrics
 from omni_train.step_inputs import StepBuilder, StepInputs
 from omni_train.step_metrics import StepMetrics, memory_metrics
+from omni_train.step_plan import StepPlanner, stage_weights, static_flow
 
 __all__ = ["Trainer", "worker_main"]
 
@@ -181,7 +180,6 @@ class Trainer:
             llm=self.llm_cfg,
             llm_matmul=self._summed_over_stages(self._llm_matmul),
             encoder_matmul={k: matmul_params(t) for k, t in self.encoders.towers.items()},
-            owner={e: self.flow.encoder_rank(e) for e in self.flow.encoder_consumer},
             peak_flops=measure_peak_flops(self.device),
             encoder_bytes=lambda: state_bytes(self.encoders.towers.values(), self.optimizer),
         )
@@ -217,34 +215,44 @@ class Trainer:
         microbatches = cfg.data.microbatches
         self.sharding = self._build_cp_sharding()
         encoder_inputs = encoder_microbatch_ids(microbatches, self.pp)
-        # Equal planned costs per encoder microbatch: the loader's split already balances them
-        # (Karmarkar-Karp). fixed_ranks pins slice j of every LLM microbatch to pipeline rank j for the
-        # whole run, which the zero-redundancy loader needs before any payload is read; "planned" then
-        # searches only the slots, by simulating this cost model.
-        share = {e: par.encoder_forward_share for es in encoder_inputs.values() for e in es}
-        costs = CostModel(encoder_forward_s=share)
+        weights = stage_weights(cfg, self.llm_cfg, self.split)
+        self.flow = static_flow(cfg, self.schedule, encoder_inputs, weights)
+        self.planner: StepPlanner | None = None
+        consumes: Any = set(self.flow.encoders_on(self.pp_rank))
         if par.placement == Placement.PLANNED:
-            # the planner also sees how the stages differ (modelled FLOPs of each stage's layers, embedding,
-            # head and loss), relative to the mean stage; the paper's policies keep their own model
-            block, first, last = layer_costs(self.llm_cfg, cfg.data.max_seq_len)
-            stage = stage_costs(
-                self.split, [block] * self.llm_cfg.n_layers, first_stage_extra=first, last_stage_extra=last
-            )
-            rel = [c * len(stage) / sum(stage) for c in stage]
-            costs = CostModel(encoder_forward_s=share, llm_forward_s=rel, llm_backward_s=[2 * c for c in rel])
-        self.flow = place(par.placement, self.schedule, encoder_inputs, costs, fixed_ranks=True)
+            if self.sharding is None and self._reorder_group_size() == 1:
+                self.planner = StepPlanner(cfg, self.schedule, encoder_inputs, weights, self.pp_rank)
+                consumes = self.planner.consumes  # each step's flow, planned from its metadata
+            elif self.rank == 0:
+                print(
+                    "omni-train: placement planned: the flow is planned once, ranks fixed (CP or reordering "
+                    "across DP pair the same encoder microbatches on every step)",
+                    file=sys.stderr,
+                )
         tp_or_sp = self.ps.group("tp") if self.tp > 1 else (self.ps.group("ulysses") if self.sp > 1 else None)
         options: dict[str, Any] = dict(
             dp_rank=self.ps.local_rank("dp"),
             dp_size=self.dp,
-            dp_group=self.ps.group("dp") if self.dp > 1 else None,
-            consumes=set(self.flow.encoders_on(self.pp_rank)),
+            dp_group=self._loader_group(),
+            consumes=consumes,
             read_text=self.is_first or self.is_last,
             # TP and Ulysses peers need identical packs: their rank 0 reads, the others get a broadcast
             # (validation refuses tp > 1 with ulysses > 1).
             tp_group=tp_or_sp,
+            background=True,  # the next step's metadata (and plan) is made while this one trains
         )
         self.stream = build_step_stream(cfg, self.tokenizer, **(options | self._cp_stream_options()))
+
+    def _loader_group(self) -> dist.ProcessGroup | None:
+        """The DP group's ranks as a second group, used only by the loader (collective: every rank
+        creates every DP group): its per-step token-count all-reduce runs on the loader's preparation
+        thread, beside this thread's collectives, so the two must not share a group. ``None`` for dp=1."""
+        if self.dp == 1:
+            return None
+        group, _ = dist.new_subgroups_by_enumeration(
+            rank_groups(self.world, self.ps.config, self.ps.order)["dp"]
+        )
+        return group
 
     def _build_cp_sharding(self) -> CPSharding | None:
         """CP or hybrid DP/CP layout (``omni_train.cp_sharding``; collective: hybrid creates sub-groups)."""
@@ -345,13 +353,7 @@ class Trainer:
         reordering groups): the stage's LLM sequence group, and the reordering group across DP of
         ``data.reorder_group_size`` replicas (1, or ``parallel.reorder`` off: none)."""
         par = self.cfg.parallel
-        size = self.cfg.data.reorder_group_size
-        self.reorder_group_size = size if size is not None else default_reorder_group_size(self.ps)
-        if not par.reorder:
-            self.reorder_group_size = 1
-        if self.sharding is not None:
-            # CP: no reordering across DP (validation refuses reordering groups > 1 with CP).
-            self.reorder_group_size = 1
+        self.reorder_group_size = self._reorder_group_size()
         group = reorder_groups(self.ps, self.reorder_group_size)
         sp, mode, name = self.ps.size("ulysses"), ReshardMode.ULYSSES, "ulysses"
         if self.sharding is not None:
@@ -366,6 +368,14 @@ class Trainer:
             long_threshold=par.long_threshold,
             reorder_group=group,
         )
+
+    def _reorder_group_size(self) -> int:
+        """DP replicas per reordering group across DP: ``data.reorder_group_size`` or the node's replicas;
+        1 with reordering off and under CP (validation refuses larger groups with CP)."""
+        if not self.cfg.parallel.reorder or self.sharding is not None:
+            return 1
+        size = self.cfg.data.reorder_group_size
+        return size if size is not None else default_reorder_group_size(self.ps)
 
     def _special(self, token: str) -> int:
         i = self.tokenizer.token_to_id(token)
@@ -417,8 +427,9 @@ class Trainer:
         return summary
 
     def _open_run(self, start: int) -> _RunOutputs:
-        """The run's outputs from ``start`` on (metrics, records, profiler), the resolved config and data
-        flow, and a restart notice under torchrun's elastic agent."""
+        """The run's outputs from ``start`` on (metrics, records, profiler), the resolved config and the
+        run's data flow (planned per step: each step's is in ``actions.jsonl``), and a restart notice
+        under torchrun's elastic agent."""
         self.skips.start()
         restarts = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
         if restarts and self.rank == 0:
@@ -428,7 +439,8 @@ class Trainer:
         records = self._record_writer(start)
         if self.rank == 0:
             (self.out / "config.json").write_text(json.dumps(self.cfg.to_dict(), indent=2))
-            (self.out / "dataflow.json").write_text(self.flow.to_json())
+            if self.planner is None:
+                (self.out / "dataflow.json").write_text(self.flow.to_json())
         profiler = StepProfiler(
             self.out,
             self.rank,
@@ -448,7 +460,8 @@ class Trainer:
         """One optimizer step: inputs, the pipeline step, clipping and AdamW, metrics, records, checkpoint."""
         t = time.perf_counter()
         fs = self._loader_step(step)
-        inputs = self.builder.build(fs)
+        flow = self.planner.flow(fs.step, fs.packs, fs.microbatches) if self.planner else None
+        inputs = self.builder.build(fs, flow)
         data_s = time.perf_counter() - t
         lr = self._start_step(step)
         self.memory.start_step()
@@ -533,6 +546,8 @@ class Trainer:
         mine: list[Any] = action_records(step, result.timeline, llm, enc, result.waits)
         end = max((ev.end_s for ev in result.timeline), default=0.0)
         mine += [*result.p2p, StepRecord(step, self.pp_rank, wall, end)]
+        if self.planner is not None and self.pp_rank == 0:
+            mine.append(FlowRecord(step, inputs.plan.flow.to_json()))
         gathered: list[Any] | None = [mine]
         if self.pp > 1:
             gathered = [None] * self.pp if self.rank == 0 else None

@@ -26,6 +26,7 @@ from omni_data.source import EmptySourceError, LayoutMismatchError, WebDatasetSo
 from omni_data.tokens import AudioTokens, EncoderCost, ImageTokens, count_text_tokens, resampled_length
 from omni_data.workers import RoundRobinWorkers
 from omni_data.zero_redundancy import (
+    ConsumesFn,
     FilteredStep,
     ZeroRedundancyFilter,
     encoder_microbatch_id,
@@ -35,6 +36,7 @@ from omni_data.zero_redundancy import (
 
 __all__ = [
     "AudioTokens",
+    "ConsumesFn",
     "EmptySourceError",
     "EncoderCost",
     "FilteredStep",

@@ -3,12 +3,21 @@
 Every rank of a pipeline holds the same step metadata (the same :class:`PackedLoader` state for its DP
 rank). Encoder microbatches are a plain function of that metadata (:func:`split_encoder_microbatches`),
 ``consumes`` says which of them this pipeline rank runs (from the pipeline's data flow, passed as plain
-data), and only those payloads are read and decoded, and only by TP rank 0, which broadcasts them to its
-TP group (sizes come from metadata, so receivers allocate exactly).
+data, or a function of each step's metadata when the flow is planned per step), and only those payloads
+are read and decoded, and only by TP rank 0, which broadcasts them to its TP group (sizes come from
+metadata, so receivers allocate exactly).
 
 Resumability: the filter prefetches ``prefetch`` steps ahead; those pre-filtered steps (metadata only)
 are the "DP0 buffer" of the paper and are saved in :meth:`ZeroRedundancyFilter.state_dict`. On load
-they are restored and re-filtered, so the resumed run reads exactly the same split.
+they are restored and re-filtered, so the resumed run reads exactly the same split (a ``consumes``
+function is called again on them: it must be a pure function of the step's metadata).
+
+Background preparation (``background=True``): the next step's metadata (loader, packer, mixture, a
+``consumes`` function such as a per-step placement planner) is prepared on a thread of its own while the
+caller trains, instead of inside :meth:`ZeroRedundancyFilter.next`. Every method that reads or replaces
+the state (``next``, ``state_dict``, ``reset``, ``load_resplit``, ``close``) first waits for it, so the
+state and the steps are the same as without it. Collectives the loader runs (the DP token count of
+token-unit mixture phases) then run on that thread: give the loader a process group no other thread uses.
 
 Parallel decode: payloads are read and decoded by a pool of ``decode_workers`` threads the filter owns
 (torchdata.nodes ``ParallelMapper`` conventions: ``num_workers`` threads, results in order). PIL,
@@ -53,6 +62,7 @@ from omni_data.skips import SkipLedger
 from omni_parallel import karmarkar_karp
 
 __all__ = [
+    "ConsumesFn",
     "FilteredStep",
     "SampleIndex",
     "ZeroRedundancyFilter",
@@ -64,6 +74,10 @@ __all__ = [
 
 SampleIndex = tuple[int, int]
 """``(pack index in the step, sample index in the pack)``."""
+
+ConsumesFn = Callable[[int, list[Pack], dict[int, list[SampleIndex]]], Collection[int]]
+"""``(step, packs, encoder microbatches {e: [(pack, sample)]}) -> encoder microbatch ids this rank runs``:
+a per-step data flow's choice, a pure function of the step's metadata (the same on every rank)."""
 
 
 def encoder_microbatch_id(k: int, j: int, slices: int) -> int:
@@ -154,6 +168,8 @@ class FilteredStep:
         payloads: ``{e: [Payload]}`` only for ``e`` in ``consumes``, aligned with ``microbatches[e]``.
         text_ids: with ``read_text``: ``text_ids[p][i]`` = ``[text_tokens]`` int64 ids of sample ``i`` of
             pack ``p`` (``None`` without text); else empty.
+        consumes: the encoder microbatch ids this rank runs in this step (the filter's ``consumes``, or
+            what its ``consumes`` function returned for this step).
     """
 
     step: int
@@ -161,6 +177,7 @@ class FilteredStep:
     microbatches: dict[int, list[SampleIndex]]
     payloads: dict[int, list[Payload]]
     text_ids: list[list[torch.Tensor | None]]
+    consumes: frozenset[int] = frozenset()
 
 
 class ZeroRedundancyFilter(StatefulNode[FilteredStep]):
@@ -168,7 +185,8 @@ class ZeroRedundancyFilter(StatefulNode[FilteredStep]):
 
     Args:
         loader: the step stream (same state on every pipeline and TP rank of a DP rank).
-        consumes: encoder microbatch ids this pipeline rank runs (plain data, e.g. from a data flow).
+        consumes: encoder microbatch ids this pipeline rank runs (plain data, e.g. from a data flow), or a
+            :data:`ConsumesFn` called once per step with its metadata (a data flow planned per step).
         microbatches: LLM microbatches per step.
         slices: encoder microbatches per LLM microbatch (usually the PP size).
         balance: passed to :func:`split_encoder_microbatches`: ``True`` (default) balances each LLM
@@ -178,6 +196,8 @@ class ZeroRedundancyFilter(StatefulNode[FilteredStep]):
         reader: decodes payloads (needs a tokenizer for text ids).
         tp_group: this rank's TP group; only its rank 0 reads. ``None``: no TP, this rank reads.
         prefetch: steps of metadata pulled ahead; their payloads are read in the background.
+        background: prepare the prefetched steps' metadata on a thread of the filter's own (see the
+            module docstring); ``False``: inside :meth:`next`.
         decode_workers: threads that read and decode payloads (>= 1).
         read_text: this rank builds LLM inputs (the first stage): also read the token ids of every
             sample of the step (``FilteredStep.text_ids``); only ``txt`` members are read for that.
@@ -200,21 +220,22 @@ class ZeroRedundancyFilter(StatefulNode[FilteredStep]):
 
     Raises:
         ValueError: ``microbatches`` or ``slices`` < 1, a ``consumes`` id outside
-            ``1 .. microbatches * slices``, ``decode_workers`` < 1, or ``read_text`` with a reader that
-            has no tokenizer.
+            ``1 .. microbatches * slices`` (from ``next`` when a ``consumes`` function returns one),
+            ``decode_workers`` < 1, or ``read_text`` with a reader that has no tokenizer.
         PayloadError: (from ``next``) a payload failed for a reason other than undecodable media.
     """
 
     def __init__(
         self,
         loader: PackedLoader,
-        consumes: Collection[int],
+        consumes: Collection[int] | ConsumesFn,
         *,
         microbatches: int,
         slices: int,
         reader: PayloadReader,
         tp_group: Any = None,
         prefetch: int = 1,
+        background: bool = False,
         read_text: bool = False,
         max_skipped_keys: int = 1000,
         balance: bool = True,
@@ -228,19 +249,14 @@ class ZeroRedundancyFilter(StatefulNode[FilteredStep]):
             raise ValueError(
                 f"ZeroRedundancyFilter: microbatches ({microbatches}) and slices ({slices}) must be >= 1"
             )
-        bad = sorted(int(e) for e in consumes if not 1 <= int(e) <= microbatches * slices)
-        if bad:
-            raise ValueError(
-                f"ZeroRedundancyFilter: consumes {bad} outside the encoder microbatches "
-                f"1..{microbatches * slices} ({microbatches} microbatches x {slices} slices, numbered from 1)"
-            )
+        self.microbatches, self.slices = microbatches, slices
+        self.consumes_fn: ConsumesFn | None = consumes if callable(consumes) else None
+        self.consumes = frozenset() if callable(consumes) else self._checked(consumes, None)
         if decode_workers < 1:
             raise ValueError(f"ZeroRedundancyFilter: decode_workers must be >= 1, got {decode_workers}")
         if read_text and reader.tokenizer is None:
             raise ValueError("ZeroRedundancyFilter: read_text=True needs a PayloadReader with a tokenizer")
         self.loader = loader
-        self.consumes = frozenset(int(e) for e in consumes)
-        self.microbatches, self.slices = microbatches, slices
         self.balance = balance
         self.reader = reader
         self.tp_group = tp_group
@@ -248,10 +264,15 @@ class ZeroRedundancyFilter(StatefulNode[FilteredStep]):
         self.read_text = read_text
         self.share, self.text_share = share, text_share
         self.decode_workers = decode_workers
-        self._pending: deque[tuple[StepBatch, _Reads | None]] = deque()
+        self._pending: deque[_Pending] = deque()
         self._pool = ThreadPoolExecutor(max_workers=decode_workers, thread_name_prefix="omni-data-decode")
-        # the pool's threads stop even if the filter is dropped without close()
-        self._finalizer = weakref.finalize(self, self._pool.shutdown, wait=False, cancel_futures=True)
+        # one thread: refills run one at a time and in order
+        self._prep = (
+            ThreadPoolExecutor(max_workers=1, thread_name_prefix="omni-data-prepare") if background else None
+        )
+        self._refilling: Future[None] | None = None
+        # the pools' threads stop even if the filter is dropped without close()
+        self._finalizer = weakref.finalize(self, _shutdown, self._pool, self._prep)
         self.samples_read = 0
         self.ledger = SkipLedger("ZeroRedundancyFilter", scope="payload", max_keys=max_skipped_keys)
 
@@ -272,22 +293,46 @@ class ZeroRedundancyFilter(StatefulNode[FilteredStep]):
     def children(self) -> list[Any]:
         return [self.loader]
 
+    def _checked(self, consumes: Collection[int], step: int | None) -> frozenset[int]:
+        ids = frozenset(int(e) for e in consumes)
+        bad = sorted(e for e in ids if not 1 <= e <= self.microbatches * self.slices)
+        if bad:
+            at = "" if step is None else f" (returned by the consumes function for step {step})"
+            raise ValueError(
+                f"ZeroRedundancyFilter: consumes {bad}{at} outside the encoder microbatches "
+                f"1..{self.microbatches * self.slices} ({self.microbatches} microbatches x {self.slices} "
+                "slices, numbered from 1)"
+            )
+        return ids
+
+    def _settle(self, *, raise_error: bool = True) -> None:
+        """Wait for a background refill; its error (e.g. a bad shard found while packing) is raised here,
+        unless the state is being replaced (``raise_error=False``)."""
+        refilling, self._refilling = self._refilling, None
+        if refilling is not None and (refilling.exception() is not None and raise_error):
+            refilling.result()
+
     def _drain(self) -> None:
-        """Cancel the reads in flight and wait for the running ones."""
-        for _, reads in self._pending:
-            if reads is not None:
-                reads.cancel()
-        for _, reads in self._pending:
-            if reads is not None:
-                reads.wait()
-        self._pending.clear()
+        """Cancel the reads in flight and wait for the running ones (after any background refill)."""
+        try:
+            self._settle(raise_error=False)
+        finally:
+            for item in self._pending:
+                if item.reads is not None:
+                    item.reads.cancel()
+            for item in self._pending:
+                if item.reads is not None:
+                    item.reads.wait()
+            self._pending.clear()
 
     def close(self) -> None:
-        """Stop the decode threads: pending reads are cancelled, running ones are waited for. The filter
-        cannot be iterated afterwards. Also called on leaving a ``with`` block."""
-        self._drain()
-        self._pool.shutdown(wait=True, cancel_futures=True)
-        self._finalizer.detach()
+        """Stop the decode (and preparation) threads: pending reads are cancelled, running ones are waited
+        for. The filter cannot be iterated afterwards. Also called on leaving a ``with`` block."""
+        try:
+            self._drain()
+        finally:
+            _shutdown(self._pool, self._prep, wait=True)
+            self._finalizer.detach()
 
     def __enter__(self) -> ZeroRedundancyFilter:
         return self
@@ -315,14 +360,19 @@ class ZeroRedundancyFilter(StatefulNode[FilteredStep]):
         wanted = set(self.text_share(packs))
         return [x for x in every if x in wanted]
 
-    def _mine(self, batch: StepBatch) -> list[SampleMeta]:
-        mbs = self.select(batch.packs)
-        return [batch.packs[p].samples[i] for e in sorted(self.consumes & set(mbs)) for p, i in mbs[e]]
+    def _mine(
+        self, batch: StepBatch, mbs: dict[int, list[SampleIndex]], consumes: frozenset[int]
+    ) -> list[SampleMeta]:
+        return [batch.packs[p].samples[i] for e in sorted(consumes & set(mbs)) for p, i in mbs[e]]
 
     def _enqueue(self, batch: StepBatch) -> None:
+        mbs = self.select(batch.packs)
+        consumes = self.consumes
+        if self.consumes_fn is not None:
+            consumes = self._checked(self.consumes_fn(batch.step, batch.packs, mbs), batch.step)
         reads = None
         if self._reads:
-            metas = self._mine(batch)
+            metas = self._mine(batch, mbs, consumes)
             texted = set(self._texted(batch.packs))
             texts = [batch.packs[p].samples[i] for p, i in sorted(texted)]
             refs = [r for m in metas for r in self.reader.refs(m)] + [
@@ -343,7 +393,7 @@ class ZeroRedundancyFilter(StatefulNode[FilteredStep]):
                 else [],
                 fetched,
             )
-        self._pending.append((batch, reads))
+        self._pending.append(_Pending(batch, mbs, consumes, reads))
 
     def _read_one(self, meta: SampleMeta, fetched: Future[_Fetched] | None) -> Payload:
         data = None if fetched is None else fetched.result()
@@ -366,7 +416,7 @@ class ZeroRedundancyFilter(StatefulNode[FilteredStep]):
 
     def reset(self, initial_state: dict[str, Any] | None = None) -> None:
         super().reset(initial_state)
-        self._drain()  # a read already running finishes before the new state reads
+        self._drain()  # a refill or read already running finishes before the new state reads
         self.loader.reset(None if initial_state is None else initial_state["loader"])
         st = initial_state or {}
         self.ledger.load_state_dict(st.get("ledger"))
@@ -399,24 +449,32 @@ class ZeroRedundancyFilter(StatefulNode[FilteredStep]):
                 self.ledger.merge(st["ledger"])
 
     def get_state(self) -> dict[str, Any]:
+        self._settle()
         return {
             "loader": self.loader.state_dict(),
-            "pending": [b.to_dict() for b, _ in self._pending],
+            "pending": [item.batch.to_dict() for item in self._pending],
             "ledger": self.ledger.state_dict(),
         }
 
-    def next(self) -> FilteredStep:
-        while len(self._pending) < self.prefetch + 1:
+    def _refill(self, depth: int) -> None:
+        """Pull steps from the loader until ``depth`` are pending (fewer when it ends)."""
+        while len(self._pending) < depth:
             try:
                 self._enqueue(next(self.loader))
             except StopIteration:
                 break
+
+    def next(self) -> FilteredStep:
+        self._settle()
+        # in the foreground only what this call returns (with background preparation the next steps were
+        # made while the caller trained); without it, the prefetched steps' reads start before this one
+        self._refill(1 if self._prep is not None else self.prefetch + 1)
         if not self._pending:
             raise StopIteration
-        batch, reads = self._pending.popleft()
-        mbs = self.select(batch.packs)
-        metas = self._mine(batch)
-        payloads, text_ids = self._broadcast(batch, metas, reads)
+        item = self._pending.popleft()
+        batch, mbs, consumes = item.batch, item.mbs, item.consumes
+        metas = self._mine(batch, mbs, consumes)
+        payloads, text_ids = self._broadcast(batch, metas, item.reads)
         if self._reads:
             self.samples_read += len(metas)
             for p in payloads:
@@ -424,16 +482,15 @@ class ZeroRedundancyFilter(StatefulNode[FilteredStep]):
                     self._skip(p)
         out: dict[int, list[Payload]] = {}
         at = 0
-        for e in sorted(self.consumes & set(mbs)):
+        for e in sorted(consumes & set(mbs)):
             out[e] = payloads[at : at + len(mbs[e])]
             at += len(mbs[e])
         # refill the prefetch window now, so the next step's reads overlap the caller's compute
-        while len(self._pending) < self.prefetch:
-            try:
-                self._enqueue(next(self.loader))
-            except StopIteration:
-                break
-        return FilteredStep(batch.step, batch.packs, mbs, out, text_ids)
+        if self._prep is not None:
+            self._refilling = self._prep.submit(self._refill, self.prefetch)
+        else:
+            self._refill(self.prefetch)
+        return FilteredStep(batch.step, batch.packs, mbs, out, text_ids, consumes)
 
     def _broadcast(
         self, batch: StepBatch, metas: list[SampleMeta], reads: _Reads | None
@@ -497,6 +554,22 @@ class ZeroRedundancyFilter(StatefulNode[FilteredStep]):
 
 
 _Fetched = dict[tuple[str, int], bytes]
+
+
+def _shutdown(pool: ThreadPoolExecutor, prep: ThreadPoolExecutor | None, wait: bool = False) -> None:
+    if prep is not None:
+        prep.shutdown(wait=wait, cancel_futures=True)
+    pool.shutdown(wait=wait, cancel_futures=True)
+
+
+@dataclass(slots=True)
+class _Pending:
+    """A pre-filtered step: its metadata, encoder microbatches, what this rank runs, its reads in flight."""
+
+    batch: StepBatch
+    mbs: dict[int, list[SampleIndex]]
+    consumes: frozenset[int]
+    reads: _Reads | None
 
 
 @dataclass(slots=True)

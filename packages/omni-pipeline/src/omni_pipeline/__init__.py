@@ -29,6 +29,7 @@ from omni_pipeline.planner import PlanResult, plan_placement, planned
 from omni_pipeline.records import (
     RECORDS_FILE,
     ActionRecord,
+    FlowRecord,
     P2PRecord,
     RecordError,
     RecordWriter,
@@ -63,6 +64,7 @@ __all__ = [
     "EncoderAnchor",
     "EncoderDataConfig",
     "EncoderParallelConfig",
+    "FlowRecord",
     "P2PError",
     "P2PRecord",
     "PipelineExecutor",

@@ -18,6 +18,8 @@ One JSON object per line (JSONL) in ``<run dir>/actions.jsonl`` (:data:`RECORDS_
 * ``"step"`` (:class:`StepRecord`): one step on one rank: ``step_s`` (wall time of the whole training
   step, data to optimizer) and ``actions_end_s`` (end of the rank's last action, from the executor's
   step start).
+* ``"flow"`` (:class:`FlowRecord`): the data flow one step ran, when the flow changes from step to step
+  (a placement planned per step): ``flow``, :meth:`DataFlow.to_json`'s text.
 
 Run directories are untrusted input: lines are bounded in length and count, every field is type-checked,
 and an error names the file, the line and the field.
@@ -34,11 +36,13 @@ from typing import Any
 
 from omni_pipeline.actions import Action, ActionKind, flow_index
 from omni_pipeline.cost import ActionTokens
+from omni_pipeline.dataflow import DataFlow
 from omni_pipeline.trace import TimelineEvent
 
 __all__ = [
     "RECORDS_FILE",
     "ActionRecord",
+    "FlowRecord",
     "P2PRecord",
     "RecordError",
     "RecordWriter",
@@ -108,6 +112,22 @@ class StepRecord:
     actions_end_s: float
 
 
+@dataclass(frozen=True)
+class FlowRecord:
+    """The data flow of one step (see the module docstring): ``flow`` is ``DataFlow.to_json()``."""
+
+    step: int
+    flow: str
+
+    @property
+    def data_flow(self) -> DataFlow:
+        """The parsed :class:`~omni_pipeline.dataflow.DataFlow`."""
+        return DataFlow.from_json(self.flow)
+
+
+Record = ActionRecord | P2PRecord | StepRecord | FlowRecord
+
+
 @dataclass
 class RunRecords:
     """Everything a records file holds, by type, in file order."""
@@ -115,9 +135,16 @@ class RunRecords:
     actions: list[ActionRecord] = field(default_factory=list)
     p2p: list[P2PRecord] = field(default_factory=list)
     steps: list[StepRecord] = field(default_factory=list)
+    flows: list[FlowRecord] = field(default_factory=list)
 
-    def add(self, record: ActionRecord | P2PRecord | StepRecord) -> None:
-        {ActionRecord: self.actions, P2PRecord: self.p2p, StepRecord: self.steps}[type(record)].append(record)
+    def add(self, record: Record) -> None:
+        kinds = {
+            ActionRecord: self.actions,
+            P2PRecord: self.p2p,
+            StepRecord: self.steps,
+            FlowRecord: self.flows,
+        }
+        kinds[type(record)].append(record)
 
     def from_step(self, first: int) -> RunRecords:
         """Only the records of steps ``>= first`` (e.g. to drop warm-up steps)."""
@@ -125,12 +152,19 @@ class RunRecords:
             [r for r in self.actions if r.step >= first],
             [r for r in self.p2p if r.step >= first],
             [r for r in self.steps if r.step >= first],
+            [r for r in self.flows if r.step >= first],
         )
+
+    def flow(self, step: int) -> DataFlow | None:
+        """The data flow recorded for ``step`` (the last one if a resumed run recorded it again), or
+        ``None`` (a run whose one flow is in its ``dataflow.json``)."""
+        got = [r for r in self.flows if r.step == step]
+        return got[-1].data_flow if got else None
 
     @property
     def step_ids(self) -> list[int]:
         """Sorted distinct steps with any record."""
-        return sorted({r.step for r in (*self.actions, *self.p2p, *self.steps)})
+        return sorted({r.step for r in (*self.actions, *self.p2p, *self.steps, *self.flows)})
 
 
 def action_records(
@@ -177,11 +211,11 @@ def action_records(
     return out
 
 
-_TYPES = {"action": ActionRecord, "p2p": P2PRecord, "step": StepRecord}
+_TYPES = {"action": ActionRecord, "p2p": P2PRecord, "step": StepRecord, "flow": FlowRecord}
 _NAMES = {v: k for k, v in _TYPES.items()}
 
 
-def _to_json(record: ActionRecord | P2PRecord | StepRecord) -> str:
+def _to_json(record: Record) -> str:
     return json.dumps({"type": _NAMES[type(record)], **asdict(record)}, sort_keys=True)
 
 
@@ -197,7 +231,7 @@ class RecordWriter:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._f = self.path.open("a", encoding="utf-8")
 
-    def write(self, records: Iterable[ActionRecord | P2PRecord | StepRecord]) -> None:
+    def write(self, records: Iterable[Record]) -> None:
         """Append ``records`` and flush."""
         for r in records:
             self._f.write(_to_json(r) + "\n")
@@ -243,7 +277,7 @@ def _counts(obj: Mapping[str, Any], name: str, where: str) -> dict[str, int]:
     return out
 
 
-def _parse(obj: Any, where: str) -> ActionRecord | P2PRecord | StepRecord:
+def _parse(obj: Any, where: str) -> Record:
     if not isinstance(obj, dict):
         raise RecordError(f"{where}: expected a JSON object, got {type(obj).__name__}")
     kind = obj.get("type")
@@ -301,6 +335,16 @@ def _parse(obj: Any, where: str) -> ActionRecord | P2PRecord | StepRecord:
         if rec.bytes < 0 or rec.wait_s < 0 or (rec.transfer_s is not None and rec.transfer_s < 0):
             raise RecordError(f"{where}: bytes, wait_s and transfer_s must be >= 0")
         return rec
+    if cls is FlowRecord:
+        text = obj.get("flow")
+        if not isinstance(text, str):
+            raise RecordError(f"{where}: field 'flow' must be a data flow's JSON text, got {text!r}")
+        flow = FlowRecord(step=_int(obj, "step", where), flow=text)
+        try:
+            flow.data_flow  # noqa: B018 - checks the flow parses
+        except ValueError as exc:  # DataFlowError
+            raise RecordError(f"{where}: field 'flow': {exc}") from None
+        return flow
     rec = StepRecord(
         step=_int(obj, "step", where),
         rank=_int(obj, "rank", where),
