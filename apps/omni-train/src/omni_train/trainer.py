@@ -487,6 +487,7 @@ class Trainer:
         )  # the next step's clock starts here: logging and checkpoint count in it
         self._write_records(run.records, step, fs, inputs, result, wall)
         memory = memory_metrics(self.memory.peaks(), self.rank, self.world)
+        self.stream.wait_prepared()  # skips found preparing step + 1 count in this step, as without it
         skipped = self.skips.step()
         if self.rank == 0:
             metrics = self.metrics.row(inputs, row, lr, grad_norm)

@@ -312,6 +312,16 @@ class ZeroRedundancyFilter(StatefulNode[FilteredStep]):
         if refilling is not None and (refilling.exception() is not None and raise_error):
             refilling.result()
 
+    def wait_prepared(self) -> None:
+        """Wait until the next step's background preparation is done (no-op without ``background``), so
+        that what it skipped is in the skip counts: a caller that reports skips per step calls this first
+        and counts each skip in the same step as without background preparation.
+
+        Raises:
+            Exception: the preparation's error (as :meth:`next` would).
+        """
+        self._settle()
+
     def _drain(self) -> None:
         """Cancel the reads in flight and wait for the running ones (after any background refill)."""
         try:
