@@ -128,6 +128,10 @@ class MergedStream(StatefulNode[FilteredStep]):
         for s in self.streams:
             s.close()
 
+    def wait_prepared(self) -> None:
+        for s in self.streams:
+            s.wait_prepared()
+
     def next(self) -> FilteredStep:
         parts = [next(s) for s in self.streams]
         packs, mbs, payloads, text = [], {}, {}, []
