@@ -31,7 +31,17 @@ from omni_train.step_inputs import StepInputs
 __all__ = ["MEMORY_METRICS", "PHASES", "StepMetrics", "memory_metrics", "step_phases"]
 
 # metrics.jsonl ``time_s_per_rank`` keys: where a rank's step wall time went (seconds, they sum to it)
-PHASES = ("data", "encoder", "llm", "p2p_wait", "grad_reduce", "optimizer", "checkpoint", "other")
+PHASES = (
+    "data",
+    "encoder",
+    "llm",
+    "p2p_wait",
+    "reduce_wait",
+    "grad_reduce",
+    "optimizer",
+    "checkpoint",
+    "other",
+)
 
 # metrics.jsonl keys of memory_metrics, each a list over global ranks (bytes)
 MEMORY_METRICS = (
@@ -57,8 +67,10 @@ def memory_metrics(peaks: StepPeaks, rank: int, world: int) -> dict[str, list[in
 def step_phases(result: StepResult, wall: float, measured: dict[str, float]) -> dict[str, float]:
     """One rank's step wall time by :data:`PHASES`: ``data`` (loader step, decode and the step's input
     building, its collectives included), ``encoder`` / ``llm`` (seconds inside encoder / LLM actions of
-    the executor's timeline), ``p2p_wait`` (blocked on receives, ``StepResult.waits``), ``grad_reduce``
-    (``StepResult.reduce_s``: the gradient collectives, waiting there for the slowest rank included), ``optimizer`` (clipping and the AdamW step), ``checkpoint`` (the save
+    the executor's timeline), ``p2p_wait`` (blocked on receives, ``StepResult.waits``), ``reduce_wait``
+    (at the gradient reduction, waiting for the slowest rank to finish its last backward:
+    ``StepResult.reduce_wait_s``), ``grad_reduce`` (the rest of ``StepResult.reduce_s``: the gradient
+    collectives themselves), ``optimizer`` (clipping and the AdamW step), ``checkpoint`` (the save
     after the previous step), from ``measured`` where the executor does not know them; ``other`` is
     ``wall`` minus the rest (dispatch, sends, loss broadcast, metrics), so the phases sum to ``wall``."""
     out = dict.fromkeys(PHASES, 0.0)
@@ -67,7 +79,8 @@ def step_phases(result: StepResult, wall: float, measured: dict[str, float]) -> 
     for ev in result.timeline:
         out["encoder" if ev.is_encoder else "llm"] += ev.end_s - ev.start_s
     out["p2p_wait"] = sum(result.waits.values())
-    out["grad_reduce"] = result.reduce_s
+    out["reduce_wait"] = result.reduce_wait_s
+    out["grad_reduce"] = result.reduce_s - result.reduce_wait_s
     out["other"] = wall - sum(v for k, v in out.items() if k != "other")
     return out
 

@@ -384,9 +384,20 @@ class Trainer:
         return i
 
     @record_function("omni_train.reduce_gradients")
-    def _reduce_gradients(self) -> None:
+    def _reduce_gradients(self) -> float:
+        """The LLM's and the encoders' gradient sync; returns the seconds spent first waiting for every
+        rank to arrive (a one-element all-reduce over the world, which every rank's sync waits for
+        anyway: the slowest rank's last backward), so that ``time_s_per_rank`` tells the pipeline's
+        drain imbalance (``reduce_wait``) from the collectives' own cost (``grad_reduce``)."""
+        start = time.perf_counter()
+        if self.world > 1:
+            dist.all_reduce(torch.zeros(1, device=self.device))
+            if self.device.type == "cuda":  # the collective is asynchronous to the host there
+                torch.cuda.synchronize(self.device)
+        wait = time.perf_counter() - start
         self.sync_llm()
         self.sync_encoders()
+        return wait
 
     def _summed_over_stages(self, value: float) -> float:
         t = torch.tensor([float(value)], dtype=torch.float64)

@@ -168,6 +168,8 @@ class StepResult:
             as passed to :meth:`PipelineExecutor.step`; ``transfer_s`` unknown: ``None``).
         pipeline_s: seconds from the step's start to the end of its last action and sends.
         reduce_s: seconds in ``reduce_gradients`` (the missing-gradient fill included).
+        reduce_wait_s: the part of ``reduce_s`` the hook reports as waiting for the other ranks to arrive
+            (its return value; 0 when it returns ``None``, as the default hook does).
     """
 
     losses: dict[int, float]
@@ -178,6 +180,7 @@ class StepResult:
     p2p: list[P2PRecord] = field(default_factory=list)
     pipeline_s: float = 0.0
     reduce_s: float = 0.0
+    reduce_wait_s: float = 0.0
 
     @property
     def loss(self) -> float:
@@ -464,7 +467,9 @@ class PipelineExecutor:
         groups: process groups.
         device: where receive buffers live (default: the first stage's parameters' device, else CPU).
         reduce_gradients: called once per step after the last backward, when every trainable parameter
-            has a ``.grad``; default :meth:`reduce_over_groups`.
+            has a ``.grad``; default :meth:`reduce_over_groups`. It may return the seconds it spent waiting
+            for the other ranks to arrive (``StepResult.reduce_wait_s``: pipeline drain imbalance, not
+            the reduction's own cost).
 
     Raises:
         ValueError: an empty ``stages`` mapping.
@@ -478,7 +483,7 @@ class PipelineExecutor:
         groups: PipelineGroups | None = None,
         *,
         device: torch.device | str | None = None,
-        reduce_gradients: Callable[[], None] | None = None,
+        reduce_gradients: Callable[[], float | None] | None = None,
     ) -> None:
         if not stages:
             raise ValueError("PipelineExecutor: this rank holds no stage modules")
@@ -541,7 +546,7 @@ class PipelineExecutor:
         run.run()
         start = time.perf_counter()
         self._fill_missing_gradients()
-        self.reduce_gradients()
+        reduce_wait_s = float(self.reduce_gradients() or 0.0)
         reduce_s = time.perf_counter() - start
         self._check_resharded()
         losses, metrics = self._share_losses(plan.schedule, run.losses, run.metrics)
@@ -559,6 +564,7 @@ class PipelineExecutor:
             p2p=run.p2p,
             pipeline_s=run.end_s,
             reduce_s=reduce_s,
+            reduce_wait_s=reduce_wait_s,
         )
 
     def _prepare(self, plan: StepPlan, encoder_inputs: Mapping[int, Any]) -> None:
