@@ -19,7 +19,6 @@ error state); a failing ``sync_file_range`` itself raises too.
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import os
 import sys
 from collections.abc import Callable, Sequence
@@ -37,7 +36,7 @@ def _sync_file_range() -> Callable[[int, int, int, int], int] | None:
     if not sys.platform.startswith("linux"):
         return None
     try:
-        fn = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True).sync_file_range
+        fn = ctypes.CDLL(None, use_errno=True).sync_file_range  # the C library already loaded
     except (OSError, AttributeError):
         return None
     fn.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
