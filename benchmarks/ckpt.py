@@ -3,7 +3,9 @@ async saves behind a busy caller, and the host budget of async saves measured as
 
 Systems, all in one run and all durable (every file ``fsync``-ed before the save returns):
 
-- ``omni-ckpt``: :func:`omni_ckpt.save` / :func:`omni_ckpt.load` (CRC-32C of every byte, written and checked);
+- ``omni-ckpt``: :func:`omni_ckpt.save` / :func:`omni_ckpt.load` (CRC-32C of every byte, written and checked;
+  one data file written by 4 threads, each starting the write-back of what it wrote before the final
+  ``fsync``; loads ``pread`` into the targets and check every chunk);
 - ``raw-fsspec-T`` (T = 1, 4): the ceiling. The tensors' bytes split into T files written by T threads
   through ``fsspec`` (``f.write`` of each tensor's memory, ``fsync``), read back by T threads with
   ``readinto`` straight into the targets; no header, no checksum, no commit;

@@ -1,7 +1,7 @@
 """The workspace's import rules: packages stay adoptable one at a time.
 
 Allowed (DESIGN.md, layout): omni-parallel -> torch only; omni-ckpt -> torch, numpy, fsspec, msgpack,
-safetensors, crc32c; omni-data -> omni-parallel; omni-pipeline -> omni-parallel; apps -> everything.
+safetensors, crc32c_rs; omni-data -> omni-parallel; omni-pipeline -> omni-parallel; apps -> everything.
 Checked statically over every import statement of every source file (ast), so a lazy import inside a
 function is caught too. Besides the rules, every third-party module a package imports must come from a
 distribution its own pyproject.toml declares: a transitive or dev-only dependency would break the package
@@ -26,7 +26,7 @@ STDLIB = set(sys.stdlib_module_names)
 # Third-party imports must in every case also be declared (test_package_imports_are_declared).
 RULES = {
     "omni_parallel": (set(), {"torch"}),
-    "omni_ckpt": (set(), {"torch", "numpy", "fsspec", "msgpack", "safetensors", "crc32c"}),
+    "omni_ckpt": (set(), {"torch", "numpy", "fsspec", "msgpack", "safetensors", "crc32c_rs"}),
     "omni_data": ({"omni_parallel"}, None),
     "omni_pipeline": ({"omni_parallel"}, None),
 }

@@ -5,13 +5,14 @@ manifest (in commit order), and when one of them fails with EIO the save fails, 
 The failing filesystem is the real local disk with ``os.fsync`` / ``os.close`` wrapped to raise EIO (after
 doing the real call) for one target; which file a descriptor belongs to is read from /proc/self/fd."""
 
+import ctypes
 import errno
 import os
 
 import pytest
 import torch
 
-from omni_ckpt import CheckpointError, CheckpointManager
+from omni_ckpt import CheckpointError, CheckpointManager, read_manifest, storage
 
 
 def make_state(step):
@@ -120,3 +121,34 @@ def test_an_eio_from_fsync_or_close_fails_the_save_and_commits_nothing(
     mgr.save(4, make_state(4))  # and saving works again once the disk does
     mgr.close()
     assert mgr.latest() == 4
+
+
+@pytest.mark.skipif(storage._START_WRITEBACK is None, reason="sync_file_range is Linux-only")
+def test_writeback_is_started_for_big_segments_and_its_failure_fails_the_save(tmp_path, monkeypatch):
+    real = storage._START_WRITEBACK
+    calls = []
+
+    def recording(fd, offset, length, flags):
+        calls.append((_fd_path(fd), offset, length, flags))
+        return real(fd, offset, length, flags)
+
+    big = {"w": torch.randn(1024, 1024)}  # 4 MiB: one segment above the write-back threshold
+    monkeypatch.setattr(storage, "_START_WRITEBACK", recording)
+    mgr = CheckpointManager(str(tmp_path), keep_last=3, async_save=False)
+    mgr.save(1, big)
+    (path, offset, length, flags), *_ = calls
+    assert path.endswith("rank-00000.safetensors") and length == 4 << 20 and flags == 2
+    data_start = read_manifest(str(tmp_path / "step-00000001"))["data_start"][0]
+    assert offset == data_start  # the range written, in the data section of the file
+
+    def failing(fd, offset, length, flags):
+        ctypes.set_errno(errno.EIO)
+        return -1
+
+    monkeypatch.setattr(storage, "_START_WRITEBACK", failing)
+    with pytest.raises(CheckpointError, match=r"nothing committed.*sync_file_range: Input/output error"):
+        mgr.save(2, big)
+    monkeypatch.undo()
+    assert mgr.steps() == [1] and mgr.latest() == 1
+    assert not (tmp_path / "step-00000002" / "manifest.msgpack").exists()
+    mgr.close()

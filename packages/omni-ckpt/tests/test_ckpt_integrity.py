@@ -172,3 +172,37 @@ def test_truncated_data_file_and_old_manifest_raise_before_the_target_is_touched
     with pytest.raises(CheckpointError, match=r"format version 1 .*without its own checksum"):
         load(target, url)
     assert _untouched(target)
+
+
+def _crc32c_bitwise(data: bytes) -> int:
+    """CRC-32C by its definition (RFC 3720 §B.4: reflected polynomial 0x82F63B78, init and final xor
+    0xFFFFFFFF), one bit at a time: the oracle for the SIMD implementation."""
+    table = []
+    for n in range(256):
+        c = n
+        for _ in range(8):
+            c = (c >> 1) ^ (0x82F63B78 if c & 1 else 0)
+        table.append(c)
+    c = 0xFFFFFFFF
+    for byte in data:
+        c = (c >> 8) ^ table[(c ^ byte) & 0xFF]
+    return c ^ 0xFFFFFFFF
+
+
+def test_checksum_is_crc32c_by_definition_across_lengths_continuations_and_chunks():
+    from omni_ckpt.checksum import chunk_count, crc, crc_into
+
+    assert crc(b"123456789") == 0xE3069283  # RFC 3720 / the CRC catalogue's check value
+    assert crc(bytes(32)) == 0x8A9136AA  # RFC 3720 §B.4, 32 bytes of zeros
+    g = torch.Generator().manual_seed(0)
+    # lengths around the vector widths and the 32 KiB size from which the GIL is released
+    for n in (0, 1, 15, 16, 63, 64, 65, 255, 4097, (32 << 10) - 1, 32 << 10, (32 << 10) + 1, 100_003):
+        data = torch.randint(0, 256, (n,), dtype=torch.uint8, generator=g).numpy().tobytes()
+        want = _crc32c_bitwise(data)
+        assert crc(data) == want, n
+        assert crc(memoryview(data)[n // 3 :], crc(memoryview(data)[: n // 3])) == want, n
+        chunk = 4099  # per-chunk CRCs folded from windows that straddle chunk ends
+        crcs = [0] * chunk_count(n, chunk)
+        for lo in range(0, n, 1000):
+            crc_into(crcs, memoryview(data)[lo : lo + 1000], lo, chunk)
+        assert crcs == [_crc32c_bitwise(data[a : a + chunk]) for a in range(0, max(n, 1), chunk)], n

@@ -6,12 +6,22 @@ entry appears in it; an ``fsync`` or ``close`` error (EIO, ENOSPC...) raises, so
 nothing instead of committing a manifest over data the kernel could not write back (PostgreSQL's
 "fsyncgate", 2018). Object stores have no ``fsync``: an object is durable once its ``close`` (the upload)
 returned without error, and that error raises too.
+
+On Linux each writer thread also starts the write-back of the bytes it has just written
+(``sync_file_range(SYNC_FILE_RANGE_WRITE)``, through ``ctypes``: Python's ``os`` has no binding), so the
+disk works while the other threads still copy and the final ``fsync`` of one large file has little left
+to do: one file written by 4 threads then saves as fast as 4 files ``fsync``-ed by 4 threads (0.50 s
+against 0.71 s for 1 GiB without it, here). It only starts I/O and promises nothing: durability is still
+the ``fsync``, which reports every write-back error (the WRITE-only flag does not consume the file's
+error state); a failing ``sync_file_range`` itself raises too.
 """
 
 from __future__ import annotations
 
+import ctypes
 import os
-from collections.abc import Sequence
+import sys
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import fsspec
@@ -19,6 +29,22 @@ from fsspec import AbstractFileSystem
 from fsspec.implementations.local import LocalFileSystem
 
 _IOV_MAX = 1024
+_SYNC_FILE_RANGE_WRITE = 2  # <linux/fs.h>: start write-back of dirty pages in the range, do not wait
+
+
+def _sync_file_range() -> Callable[[int, int, int, int], int] | None:
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        fn = ctypes.CDLL(None, use_errno=True).sync_file_range  # the C library already loaded
+    except (OSError, AttributeError):
+        return None
+    fn.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
+    fn.restype = ctypes.c_int
+    return fn
+
+
+_START_WRITEBACK = _sync_file_range()
 
 __all__ = [
     "CheckpointError",
@@ -125,6 +151,19 @@ class FileSink:
             if done < want:  # a short write (rare on regular files): finish it view by view
                 self._write_rest(batch, offset, done)
             offset += want
+
+    def start_writeback(self, offset: int, length: int) -> None:
+        """Start writing bytes ``[offset, offset + length)`` back to the disk (local files on Linux; a
+        no-op elsewhere). Durability still comes from :meth:`finish`.
+
+        Raises:
+            OSError: the kernel refused (EIO, ENOSPC...): the save fails now rather than at ``fsync``.
+        """
+        if not self.parallel or _START_WRITEBACK is None or length <= 0:
+            return
+        if _START_WRITEBACK(self._fd, offset, length, _SYNC_FILE_RANGE_WRITE) != 0:
+            err = ctypes.get_errno()
+            raise OSError(err, f"{self.path}: sync_file_range: {os.strerror(err)}")
 
     def _write_rest(self, batch: list[memoryview], offset: int, done: int) -> None:
         pos = 0

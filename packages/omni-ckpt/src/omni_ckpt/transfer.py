@@ -49,6 +49,7 @@ __all__ = [
 MAX_PIECE_BYTES = 32 << 20
 WINDOW_BYTES = 512 << 10  # checksum then write (or read then checksum) this much at a time: still in L2
 _SMALL_COPY = 64 << 10
+_WRITEBACK_BYTES = 1 << 20  # segments this big start their write-back at once (smaller: a hand-off each)
 
 
 def pool_shape(budget: int) -> tuple[int, int]:
@@ -244,6 +245,16 @@ class _Executor:
         return done
 
 
+def _write_window(
+    sink: FileSink, window: list[tuple[Part, memoryview, int]], offset: int, crcs: list[list[int]]
+) -> None:
+    """Write a window of source bytes (one ``pwritev``), then fold them into their boxes' CRCs while they
+    are still in cache from the write's own read (a CRC of cold memory runs at a third of the speed)."""
+    sink.write([v for _, v, _ in window], offset)
+    for p, v, lo in window:
+        crc_into(crcs[p.w], v, lo, CHUNK_BYTES)
+
+
 def write_segments(
     sink: FileSink,
     data_start: int,
@@ -279,28 +290,29 @@ def write_segments(
                 if len(seg.parts) == 1 and part_views[0] is not None:  # a piece of a big box
                     for a in range(0, seg.length, WINDOW_BYTES):
                         sub = whole[a : a + WINDOW_BYTES]
-                        crc_into(crcs[p.w], sub, p.lo + a, CHUNK_BYTES)
                         sink.write([sub], offset + a)
-                    return
-                for p, v in zip(seg.parts, part_views):  # staged boxes: CRC what _fill did not, one write
-                    if v is not None:
-                        crc_into(crcs[p.w], v, p.lo, CHUNK_BYTES)
-                sink.write([whole], offset)
-                return
-            window: list[memoryview] = []
-            size = 0
-            for p, v in zip(seg.parts, part_views):
-                assert v is not None
-                for a in range(0, len(v), WINDOW_BYTES):
-                    sub = v[a : a + WINDOW_BYTES]
-                    crc_into(crcs[p.w], sub, p.lo + a, CHUNK_BYTES)
-                    window.append(sub)
-                    size += len(sub)
-                    if size >= WINDOW_BYTES:
-                        sink.write(window, offset)
-                        offset, window, size = offset + size, [], 0
-            if window:
-                sink.write(window, offset)
+                        crc_into(crcs[p.w], sub, p.lo + a, CHUNK_BYTES)  # hot from the write's read
+                else:
+                    for p, v in zip(seg.parts, part_views):  # staged boxes: CRC what _fill did not
+                        if v is not None:
+                            crc_into(crcs[p.w], v, p.lo, CHUNK_BYTES)
+                    sink.write([whole], offset)
+            else:
+                window: list[tuple[Part, memoryview, int]] = []
+                size, pos = 0, offset
+                for p, v in zip(seg.parts, part_views):
+                    assert v is not None
+                    for a in range(0, len(v), WINDOW_BYTES):
+                        sub = v[a : a + WINDOW_BYTES]
+                        window.append((p, sub, p.lo + a))
+                        size += len(sub)
+                        if size >= WINDOW_BYTES:
+                            _write_window(sink, window, pos, crcs)
+                            pos, window, size = pos + size, [], 0
+                if window:
+                    _write_window(sink, window, pos, crcs)
+            if seg.length >= _WRITEBACK_BYTES:
+                sink.start_writeback(offset, seg.length)
         except BaseException as exc:
             errors.append(exc)
             abort.set()
