@@ -15,8 +15,8 @@ images dips by ~0.7 of its sample count. So the largest samples, holding ``sprea
 go to the tightest carried pack that fits or else are spread worst-fit over the new packs the round needs
 (``ceil(tokens not fitting the carried packs / max_seq_len)``); the small rest fill the gaps best-fit, and
 every pack gets its share of them. With few samples per pack the small rest may not fill the gaps the
-spreading leaves, so a round keeps the spread placement only where its emitted packs waste no more tokens
-than plain BFD's. And a round's packs are emitted in the order that keeps, after every
+spreading leaves, so a round keeps the spread placement only where its emitted packs waste at most
+``spread_fill_cost`` (0.1%) of the round's tokens more than plain BFD's. And a round's packs are emitted in the order that keeps, after every
 pack, each source's count of emitted samples closest to its count among as many earliest-drawn samples
 (greedy, in squares; ties in the order the samples were drawn on average).
 """
@@ -169,8 +169,8 @@ class HybridPacker(StatefulNode[Pack]):
 
     Placement and emission order keep the trained per-source mix close to the drawn one (module
     docstring): the largest samples, holding ``spread`` of a round's tokens, are spread over the round's
-    new packs where that wastes no more tokens in the emitted packs than plain BFD (``spread=0`` is plain
-    BFD), and packs are emitted in the order that best tracks, per source,
+    new packs where that wastes at most ``spread_fill_cost`` of the round's tokens more in the emitted
+    packs than plain BFD (``spread=0`` is plain BFD), and packs are emitted in the order that best tracks, per source,
     the draw order (state: the sources of the samples drawn but not yet emitted, and each source's
     emitted-minus-drawn count).
 
@@ -189,8 +189,10 @@ class HybridPacker(StatefulNode[Pack]):
             0 = no carry-over).
         max_skipped_keys: keys of dropped over-long samples kept by name (counts are always complete).
         spread: share of each round's tokens, largest samples first, placed worst-fit over the round's
-            new packs (after the tightest carried pack that fits) rather than best-fit, in ``[0, 1]``
-            (fill cost: ``benchmarks/packing.py``).
+            new packs (after the tightest carried pack that fits) rather than best-fit, in ``[0, 1]``.
+        spread_fill_cost: a round keeps the spread placement where the packs it emits waste at most this
+            share of the round's tokens more than plain BFD's (>= 0), so spreading costs at most that
+            much fill (``benchmarks/packing.py``).
 
     Counters in :attr:`stats`: ``samples``, ``packs``, ``tokens``, ``split`` (text samples split),
     ``dropped_overlong`` (media, or any sample with ``overlong="drop"``), ``phase_flushes``, ``spread_rounds``
@@ -199,7 +201,7 @@ class HybridPacker(StatefulNode[Pack]):
 
     Raises:
         ValueError: ``max_seq_len`` or ``buffer_size`` < 1, ``max_open_packs`` or ``max_pack_age`` < 0,
-            ``spread`` outside ``[0, 1]``, an unknown ``overlong``.
+            ``spread`` outside ``[0, 1]``, ``spread_fill_cost`` < 0, an unknown ``overlong``.
         OverlongSampleError: (from ``next``) with ``overlong="error"``, naming the sample.
     """
 
@@ -214,6 +216,7 @@ class HybridPacker(StatefulNode[Pack]):
         max_pack_age: int = 1,
         max_skipped_keys: int = 1000,
         spread: float = 0.95,
+        spread_fill_cost: float = 0.001,
     ) -> None:
         super().__init__()
         if max_seq_len < 1 or buffer_size < 1:
@@ -226,6 +229,8 @@ class HybridPacker(StatefulNode[Pack]):
             raise ValueError(f"HybridPacker: max_pack_age must be >= 0 rounds, got {max_pack_age}")
         if not 0.0 <= spread <= 1.0:
             raise ValueError(f"HybridPacker: spread must be in [0, 1], got {spread}")
+        if not spread_fill_cost >= 0.0:
+            raise ValueError(f"HybridPacker: spread_fill_cost must be >= 0, got {spread_fill_cost}")
         self.source = source
         self.max_seq_len = max_seq_len
         self.buffer_size = buffer_size
@@ -233,6 +238,7 @@ class HybridPacker(StatefulNode[Pack]):
         self.max_open_packs = max_open_packs if max_open_packs is not None else max(1, buffer_size // 16)
         self.max_pack_age = max_pack_age
         self.spread = spread
+        self.spread_fill_cost = spread_fill_cost
         self.ledger = SkipLedger("packer", max_keys=max_skipped_keys)
         self._buffer: list[SampleMeta] = []
         self._open: list[Pack] = []
@@ -406,10 +412,12 @@ class HybridPacker(StatefulNode[Pack]):
         emit = self._emit_set(order, age, keep)
         if self.spread > 0:
             # spreading can leave gaps the small rest does not fill (few samples per pack): keep it
-            # only where the packs it emits waste no more tokens than plain BFD's
+            # only where the packs it emits waste at most spread_fill_cost of the round's tokens more
+            # than plain BFD's
             alt = self._place(self.spread)
             alt_emit = self._emit_set(alt[3], alt[1], keep)
-            if _waste(alt[3], alt_emit) <= _waste(order, emit):
+            budget = self.spread_fill_cost * self._buffer_tokens
+            if _waste(alt[3], alt_emit) <= _waste(order, emit) + budget:
                 (packs, age, drawn, order), emit = alt, alt_emit
                 self.stats["spread_rounds"] += 1
         self._buffer, self._arrival, self._buffer_tokens = [], [], 0
