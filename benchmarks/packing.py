@@ -11,6 +11,10 @@ and unbounded (the behaviour before the bound), buffer 1024: fill, time, and how
 draws between being drawn and being emitted (max and 99.9th percentile); the bound guarantees at most
 ``(max_pack_age + 1) * buffer_size``.
 
+Spread: the same workload through ``HybridPacker`` with ``spread=0`` (plain best-fit decreasing placement,
+the behaviour before ``spread``) and the default, at buffers 8 to 1024: fill and time, the fill cost of
+keeping each pack's per-source mix representative (omni-data README, "Mixture fidelity").
+
 Run: ``uv run python benchmarks/packing.py``; writes ``benchmarks/results/packing.json``.
 """
 
@@ -164,6 +168,20 @@ def main() -> None:
                 "p999_wait_draws": w[int(0.999 * (len(w) - 1))],
             }
         )
+    spread_rows = []
+    for buffer in (8, 64, 256, 1024):
+        for spread in (0.0, HybridPacker(IterableWrapper([]), MAX_LEN).spread):
+            t, loads = best_time(lambda b=buffer, sp=spread: ours(metas, b, spread=sp))
+            assert sum(loads) == total and max(loads) <= MAX_LEN
+            spread_rows.append(
+                {
+                    "spread": spread,
+                    "buffer": buffer,
+                    "packs": len(loads),
+                    "fill": total / (len(loads) * MAX_LEN),
+                    "us_per_sample": t / len(metas) * 1e6,
+                }
+            )
     avg = {
         m: sum(x.num_tokens for x in metas if x.source == m) / max(1, sum(x.source == m for x in metas))
         for m in ("img", "aud", "txt", "long")
@@ -186,6 +204,11 @@ def main() -> None:
             f"{r['max_pack_age']!s:>12s} {100 * r['fill']:8.3f} {r['us_per_sample']:10.2f} "
             f"{r['max_wait_draws']:9d} {r['p999_wait_draws']:10d}"
         )
+    print(f"{'spread':>6s} {'buffer':>6s} {'packs':>6s} {'fill %':>8s} {'us/sample':>10s}")
+    for r in spread_rows:
+        print(
+            f"{r['spread']:6.2f} {r['buffer']:6d} {r['packs']:6d} {100 * r['fill']:8.3f} {r['us_per_sample']:10.2f}"
+        )
     out = Path(__file__).parent / "results" / "packing.json"
     out.write_text(
         json.dumps(
@@ -195,6 +218,7 @@ def main() -> None:
                 "mean_tokens": avg,
                 "rows": rows,
                 "pack_age": age_rows,
+                "spread": spread_rows,
             },
             indent=2,
         )

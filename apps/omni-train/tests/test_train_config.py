@@ -1,12 +1,21 @@
 """Config loading and validation: every error names its field, and fails before any process starts."""
 
 import dataclasses
+import shutil
 
 import pytest
 from train_fixtures import make_dataset, write_config
 
 from omni_train.cli import build_parser, main, resolve_run
-from omni_train.config import ConfigError, Placement, load_config, validate
+from omni_train.config import (
+    ConfigError,
+    Placement,
+    bundled_data_dir,
+    config_path,
+    load_config,
+    tokenizer_candidates,
+    validate,
+)
 
 
 @pytest.fixture(scope="module")
@@ -173,3 +182,28 @@ def test_cli_dispatches_prepare_data(tmp_path, capsys):
     assert main(["prepare-data", "--limit", "0", "--out", str(tmp_path / "o")]) == 2
     assert "--limit" in capsys.readouterr().err
     assert not (tmp_path / "o").exists()
+
+
+def test_tokenizer_resolves_against_the_config_folder_first(tmp_path):
+    """``data.tokenizer`` as ``urls``: relative to the config file's folder first, then the bundled data
+    (bundled names keep working); a missing one names every place it was looked for."""
+    bundled = bundled_data_dir()
+    text = (
+        config_path("omni-tiny")
+        .read_text()
+        .replace('urls = "shards/', f'urls = "{bundled.as_posix()}/shards/')
+    )
+    mine = tmp_path / "run.toml"
+    mine.write_text(text)
+    cfg = load_config(str(mine))  # no tokenizer beside it: the bundled one of that name
+    assert cfg.data.tokenizer == "tokenizer.json"
+    assert tokenizer_candidates(cfg) == [tmp_path / "tokenizer.json", bundled / "tokenizer.json"]
+    validate(cfg, cfg.parallel.world_size)
+    shutil.copy(bundled / "tokenizer.json", tmp_path / "tokenizer.json")  # one beside the config wins
+    assert load_config(str(mine)).data.tokenizer == str((tmp_path / "tokenizer.json").resolve())
+    mine.write_text(text.replace('tokenizer = "tokenizer.json"', 'tokenizer = "mine.json"'))
+    with pytest.raises(ConfigError) as err:
+        validate(load_config(str(mine)), 2)
+    msg = str(err.value)
+    assert msg.startswith("data.tokenizer: 'mine.json' not found; looked in ")
+    assert str(tmp_path / "mine.json") in msg and str(bundled / "mine.json") in msg

@@ -130,3 +130,12 @@ def test_make_shards_weights_keep_a_small_modality():
     # the weights are the sample shares (3,000 samples: the one image is drawn as often as any clip)
     assert phase["weights"] == pytest.approx({"audio": 2999 / 3000, "image": 1 / 3000}, rel=1e-3)
     assert [s["urls"] for s in data["data"]["sources"]] == ["/data/s/audio-*.tar", "/data/s/image-*.tar"]
+
+
+@pytest.mark.parametrize("folder", ['/data/my "best" shards', "C:\\data\\shards", "/data/tab\there"])
+def test_make_shards_toml_escapes_the_path(folder):
+    """A shard folder with a quote, a backslash or a control character still gives valid TOML that reads
+    back as the same path."""
+    report = WriteReport(shards={"image": [f"{folder}/image-000000.tar"]}, samples=Counter(image=3))
+    data = tomllib.loads(data_toml(report, f"memory://{folder}"))
+    assert [s["urls"] for s in data["data"]["sources"]] == [f"memory://{folder}/image-*.tar"]

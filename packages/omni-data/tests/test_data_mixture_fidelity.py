@@ -99,6 +99,10 @@ def test_pack_age_bound():
         assert worst <= (age + 1) * 64, (age, worst)
     with pytest.raises(ValueError, match="max_pack_age"):
         HybridPacker(IterableWrapper(metas), MAX_LEN, 64, max_pack_age=-1)
+    with pytest.raises(ValueError, match="spread must be in"):
+        HybridPacker(IterableWrapper(metas), MAX_LEN, 64, spread=1.5)
+    with pytest.raises(ValueError, match="spread_fill_cost"):
+        HybridPacker(IterableWrapper(metas), MAX_LEN, 64, spread_fill_cost=-0.1)
 
 
 def test_lookahead_and_flush_resume_exactly():

@@ -171,3 +171,19 @@ def test_unknown_files_are_named_and_an_output_folder_inside_the_input_is_not_re
     # the README's layout: the shards inside the input folder; a second run does not read them back
     again = write_dataset(d, str(d / "shards"))
     assert again.to_dict() == first.to_dict()
+
+
+def test_media_without_a_caption_is_reported(tmp_path, capsys):
+    """A media file with no ``.txt`` is written (it has no target text) and named in the summary."""
+    d = tmp_path / "in"
+    d.mkdir()
+    for name in ("a", "b", "c"):
+        Image.fromarray(np.full((8, 8, 3), 50, np.uint8)).save(d / f"{name}.png")
+    (d / "a.txt").write_text("a caption")
+    out = tmp_path / "shards"
+    assert main([str(d), str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert "image: 3 samples" in printed
+    assert "written without a caption or transcript 2 (no .txt of the same name): b.png, c.png" in printed
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["uncaptioned"] == ["b.png", "c.png"] and manifest["skipped"] == {}

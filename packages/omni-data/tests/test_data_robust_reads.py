@@ -146,3 +146,18 @@ def test_transient_read_errors_are_retried(tmp_path):
     assert len(payloads) == 6 and [p.meta.key for p in payloads if p.error] == ["img000004"]
     assert report["payload"] == {src.name: {"unreadable image payload": 1}}
     assert report["keys"][src.name] == [[f"{src.name}/img000004", "unreadable image payload"]]
+
+
+def test_random_bytes_shard_counted_once(tmp_path):
+    """A shard of random bytes is one damaged shard: one skip (damaged header), not also an empty one."""
+    write_tar(f"{tmp_path}/good.tar", _members("g0") + _members("g1"))
+    junk = f"{tmp_path}/junk.tar"
+    with open(junk, "wb") as f:
+        f.write(np.random.default_rng(0).integers(0, 256, 5000, dtype=np.uint8).tobytes())
+    src = WebDatasetSource(
+        [junk, f"{tmp_path}/good.tar"], modality="image", name="img", tokenizer=train_tiny_bpe()
+    )
+    src.reset()
+    assert [m.key for m in src] == ["g0", "g1"]  # the run goes on past it
+    counts, keys = src.ledger.of("img")
+    assert counts == {"damaged tar header": 1} and keys == [(f"shard:{junk}@0", "damaged tar header")], keys

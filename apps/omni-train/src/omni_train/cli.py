@@ -419,9 +419,8 @@ def _make_shards(args: argparse.Namespace) -> int:
             f"omni-train: {modality}: {report.samples[modality]} samples in {len(urls)} shards",
             file=sys.stderr,
         )
-    for reason, what in sorted(report.skipped.items()):
-        more = " ..." if len(what) > 5 else ""
-        print(f"omni-train: skipped {len(what)} ({reason}): {', '.join(what[:5])}{more}", file=sys.stderr)
+    for line in report.summary():
+        print(f"omni-train: {line}", file=sys.stderr)
     config = Path(args.write_config) if args.write_config else None
     lines = data_toml(report, args.out, config_dir=config.parent if config else None)
     if config is not None:

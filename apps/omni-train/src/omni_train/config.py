@@ -56,6 +56,7 @@ __all__ = [
     "load_config",
     "resume_differences",
     "to_toml",
+    "tokenizer_candidates",
     "tokenizer_path",
     "validate",
 ]
@@ -154,6 +155,8 @@ class DataConfig:
     """Sources, mixture phases and packing. ``max_seq_len`` in LLM tokens per pack (= per microbatch).
 
     Attributes:
+        tokenizer: the ``tokenizers`` JSON file; a relative path is looked for in the config file's folder
+            first (as relative ``urls`` are), then among the bundled data (:func:`tokenizer_candidates`).
         max_pack_age: packing rounds a part-full pack may be carried before it is emitted (omni-data's
             ``HybridPacker(max_pack_age=)``): a sample is trained within ``(max_pack_age + 1) *
             buffer_size`` draws, so the trained mixture tracks the schedule; >= 0.
@@ -357,9 +360,21 @@ def bundled_data_dir() -> Path:
 
 
 def tokenizer_path(data: DataConfig) -> Path:
-    """The tokenizer file ``data.tokenizer`` names (relative paths are inside the bundled data directory)."""
+    """The tokenizer file ``data.tokenizer`` names (relative paths are inside the bundled data directory;
+    :func:`load_config` has already made a path relative to the config file's folder absolute)."""
     p = Path(data.tokenizer)
     return p if p.is_absolute() else bundled_data_dir() / p
+
+
+def tokenizer_candidates(cfg: RunConfig) -> list[Path]:
+    """Where ``data.tokenizer`` is looked for, in order: itself if absolute; else the config file's
+    folder (as relative ``urls`` are; not for a bundled config), then the bundled data directory (the
+    bundled tokenizer names)."""
+    p = Path(cfg.data.tokenizer)
+    if p.is_absolute():
+        return [p]
+    root = data_root(cfg)
+    return [root / p] + ([bundled_data_dir() / p] if root != bundled_data_dir() else [])
 
 
 def config_path(name_or_path: str) -> Path:
@@ -449,6 +464,11 @@ def load_config(
     apply_overrides(raw, overrides)
     cfg = _build(RunConfig, raw, "")
     cfg.source = str(path)
+    # a tokenizer beside the config wins over a bundled one of the same name; made absolute so that
+    # every reader of data.tokenizer (and the run's saved config) finds the same file
+    first = tokenizer_candidates(cfg)[0]
+    if first.is_file():
+        cfg.data.tokenizer = str(first.resolve())
     return cfg
 
 
@@ -633,9 +653,11 @@ def validate(cfg: RunConfig, nproc: int) -> None:
             last = ph.until_step
         elif ph.until_step is not None:
             raise ConfigError(f"data.mixture[{i}].until_step: the last phase runs to the end; leave it out")
-    tok = data.tokenizer if os.path.isabs(data.tokenizer) else str(bundled_data_dir() / data.tokenizer)
-    if not os.path.isfile(tok):
-        raise ConfigError(f"data.tokenizer: {tok} does not exist")
+    looked = tokenizer_candidates(cfg)
+    if not any(p.is_file() for p in looked):
+        raise ConfigError(
+            f"data.tokenizer: {data.tokenizer!r} not found; looked in {', '.join(str(p) for p in looked)}"
+        )
     if cfg.train.steps < 1:
         raise ConfigError(f"train.steps: must be >= 1, got {cfg.train.steps}")
     unknown = sorted(set(cfg.train.recompute) - set(RECOMPUTE))

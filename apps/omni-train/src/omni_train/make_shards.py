@@ -38,17 +38,25 @@ def data_toml(report: WriteReport, out: str, *, config_dir: Path | None = None) 
             folder = os.path.relpath(Path(out).resolve(), config_dir.resolve())
         else:
             folder = str(Path(out).resolve())
+        folder = Path(folder).as_posix() if "://" not in folder else folder
         lines += [
             "[[data.sources]]",
-            f'name = "{modality}"',
-            f'modality = "{modality}"',
-            f'urls = "{Path(folder).as_posix() if "://" not in folder else folder}/{modality}-*.tar"',
+            f"name = {_toml_string(modality)}",
+            f"modality = {_toml_string(modality)}",
+            f"urls = {_toml_string(f'{folder}/{modality}-*.tar')}",
             "",
         ]
         # 4 significant digits, not decimals: a small modality (1 of 3,000) keeps a non-zero weight
         weights.append(f"{modality} = {float(f'{report.samples[modality] / total:.4g}')!r}")
     lines += ["[[data.mixture]]", f"weights = {{ {', '.join(weights)} }}", ""]
     return "\n".join(lines)
+
+
+def _toml_string(text: str) -> str:
+    """``text`` as a TOML basic string: quote, backslash and control characters escaped (TOML 1.0)."""
+    short = {'"': '\\"', "\\": "\\\\", "\b": "\\b", "\t": "\\t", "\n": "\\n", "\f": "\\f", "\r": "\\r"}
+    out = (short.get(c) or (f"\\u{ord(c):04X}" if ord(c) < 0x20 or ord(c) == 0x7F else c) for c in text)
+    return '"' + "".join(out) + '"'
 
 
 def write_run_config(path: Path, data: str, *, base: str = "omni-tiny") -> Path:

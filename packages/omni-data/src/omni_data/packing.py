@@ -6,17 +6,33 @@ with the least free space that still fits (a new pack when none does), then emit
 carries the ``max_open_packs`` least-full ones over to the next round, where smaller samples fill them.
 Budgets are expanded token counts (image patches after merge, audio frames after subsampling, text
 tokens). A pack never exceeds ``max_seq_len``; a longer sample follows ``overlong``.
+
+Two refinements keep the per-source mix of what is trained close to the mix that was drawn (omni-data
+README, "Mixture fidelity"). Plain BFD fills packs one after another with the largest samples, so the
+round's many small samples overflow into packs of their own: at buffer 1024 a round has one or two packs
+of 70-170 small audio and text samples and no image, and wherever such a pack falls the trained share of
+images dips by ~0.7 of its sample count. So the largest samples, holding ``spread`` of the round's tokens,
+go to the tightest carried pack that fits or else are spread worst-fit over the new packs the round needs
+(``ceil(tokens not fitting the carried packs / max_seq_len)``); the small rest fill the gaps best-fit, and
+every pack gets its share of them. With few samples per pack the small rest may not fill the gaps the
+spreading leaves, so a round keeps the spread placement only where its emitted packs waste at most
+``spread_fill_cost`` (0.1%) of the round's tokens more than plain BFD's. And a round's packs are emitted in the order that keeps, after every
+pack, each source's count of emitted samples closest to its count among as many earliest-drawn samples
+(greedy, in squares; ties in the order the samples were drawn on average).
 """
 
 from __future__ import annotations
 
 import bisect
-from collections import deque
+import itertools
+import math
+from collections import Counter, deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from enum import StrEnum
 from typing import Any
 
+import numpy as np
 import torch
 from torchdata.nodes import BaseNode
 
@@ -151,6 +167,13 @@ class HybridPacker(StatefulNode[Pack]):
     tens of rounds and the loader trains on samples drawn under a mixture phase long gone (fill cost of
     the bound: ``benchmarks/packing.py``).
 
+    Placement and emission order keep the trained per-source mix close to the drawn one (module
+    docstring): the largest samples, holding ``spread`` of a round's tokens, are spread over the round's
+    new packs where that wastes at most ``spread_fill_cost`` of the round's tokens more in the emitted
+    packs than plain BFD (``spread=0`` is plain BFD), and packs are emitted in the order that best tracks, per source,
+    the draw order (state: the sources of the samples drawn but not yet emitted, and each source's
+    emitted-minus-drawn count).
+
     Under a :class:`~omni_data.mixture.MixtureStream` the packer also closes a round early when the
     mixture's phase changes (:meth:`MixtureStream.phase`), and flushes every open pack: samples drawn
     under one phase are all emitted before any of the next, so a 1 -> 0 weight switch stops the old
@@ -165,14 +188,20 @@ class HybridPacker(StatefulNode[Pack]):
         max_pack_age: rounds a pack may be carried over before it is emitted however full (>= 0;
             0 = no carry-over).
         max_skipped_keys: keys of dropped over-long samples kept by name (counts are always complete).
+        spread: share of each round's tokens, largest samples first, placed worst-fit over the round's
+            new packs (after the tightest carried pack that fits) rather than best-fit, in ``[0, 1]``.
+        spread_fill_cost: a round keeps the spread placement where the packs it emits waste at most this
+            share of the round's tokens more than plain BFD's (>= 0), so spreading costs at most that
+            much fill (``benchmarks/packing.py``).
 
     Counters in :attr:`stats`: ``samples``, ``packs``, ``tokens``, ``split`` (text samples split),
-    ``dropped_overlong`` (media, or any sample with ``overlong="drop"``), ``phase_flushes``; dropped
+    ``dropped_overlong`` (media, or any sample with ``overlong="drop"``), ``phase_flushes``, ``spread_rounds``
+    (rounds placed with ``spread``); dropped
     samples are also in :attr:`ledger` (:class:`~omni_data.skips.SkipLedger`: per source, with keys).
 
     Raises:
         ValueError: ``max_seq_len`` or ``buffer_size`` < 1, ``max_open_packs`` or ``max_pack_age`` < 0,
-            an unknown ``overlong``.
+            ``spread`` outside ``[0, 1]``, ``spread_fill_cost`` < 0, an unknown ``overlong``.
         OverlongSampleError: (from ``next``) with ``overlong="error"``, naming the sample.
     """
 
@@ -186,6 +215,8 @@ class HybridPacker(StatefulNode[Pack]):
         max_open_packs: int | None = None,
         max_pack_age: int = 1,
         max_skipped_keys: int = 1000,
+        spread: float = 0.95,
+        spread_fill_cost: float = 0.001,
     ) -> None:
         super().__init__()
         if max_seq_len < 1 or buffer_size < 1:
@@ -196,18 +227,26 @@ class HybridPacker(StatefulNode[Pack]):
             raise ValueError(f"HybridPacker: max_open_packs must be >= 0, got {max_open_packs}")
         if max_pack_age < 0:
             raise ValueError(f"HybridPacker: max_pack_age must be >= 0 rounds, got {max_pack_age}")
+        if not 0.0 <= spread <= 1.0:
+            raise ValueError(f"HybridPacker: spread must be in [0, 1], got {spread}")
+        if not spread_fill_cost >= 0.0:
+            raise ValueError(f"HybridPacker: spread_fill_cost must be >= 0, got {spread_fill_cost}")
         self.source = source
         self.max_seq_len = max_seq_len
         self.buffer_size = buffer_size
         self.overlong = Overlong(overlong)
         self.max_open_packs = max_open_packs if max_open_packs is not None else max(1, buffer_size // 16)
         self.max_pack_age = max_pack_age
+        self.spread = spread
+        self.spread_fill_cost = spread_fill_cost
         self.ledger = SkipLedger("packer", max_keys=max_skipped_keys)
         self._buffer: list[SampleMeta] = []
         self._open: list[Pack] = []
         self._age: list[int] = []
         self._arrival: list[int] = []  # draw index of each buffered sample
         self._drawn: list[list[int]] = []  # [sum of draw indices, samples] of each open pack
+        self._pending: deque[str] = deque()  # sources of the samples drawn but not yet emitted, in draw order
+        self._offset: dict[str, int] = {}  # per source: samples emitted - samples among as many first drawn
         self._ready: deque[Pack] = deque()
         self._exhausted = False
         self._phase: int | None = None
@@ -228,6 +267,7 @@ class HybridPacker(StatefulNode[Pack]):
             self.source.reset(None)
             self._buffer, self._open, self._age, self._exhausted, self._phase = [], [], [], False, None
             self._arrival, self._drawn = [], []
+            self._pending, self._offset = deque(), {}
             self.stats = dict.fromkeys(_STATS, 0)
             self.ledger.load_state_dict(None)
         else:
@@ -237,6 +277,9 @@ class HybridPacker(StatefulNode[Pack]):
             self._age = [int(a) for a in initial_state["open_age"]]
             self._arrival = [int(a) for a in initial_state["arrival"]]
             self._drawn = [[int(a), int(b)] for a, b in initial_state["drawn"]]
+            names = list(initial_state.get("pending_sources", []))
+            self._pending = deque(names[int(j)] for j in initial_state.get("pending", []))
+            self._offset = {str(k): int(v) for k, v in initial_state.get("offset", {}).items()}
             self._ready.extend(Pack.from_dict(d) for d in initial_state["ready"])
             self._exhausted = bool(initial_state["exhausted"])
             self._phase = initial_state.get("phase")
@@ -253,6 +296,8 @@ class HybridPacker(StatefulNode[Pack]):
             "open_age": list(self._age),
             "arrival": list(self._arrival),
             "drawn": [list(x) for x in self._drawn],
+            **_pending_state(self._pending),
+            "offset": dict(self._offset),
             "ready": [p.to_dict() for p in self._ready],
             "exhausted": self._exhausted,
             "phase": self._phase,
@@ -287,6 +332,8 @@ class HybridPacker(StatefulNode[Pack]):
         self._buffer = pool[rank::world_size]
         self._arrival = [0] * len(self._buffer)
         self._open, self._age, self._drawn, self._exhausted, self._phase = [], [], [], False, None
+        # the dealt samples count as drawn now, in dealt order
+        self._pending, self._offset = deque(s.source for s in self._buffer), {}
         self.stats = dict.fromkeys(_STATS, 0)
         self.ledger.load_state_dict(None)
         if rank == 0:
@@ -318,6 +365,7 @@ class HybridPacker(StatefulNode[Pack]):
         if n <= self.max_seq_len:
             self._buffer.append(s)
             self._arrival.append(seq)
+            self._pending.append(s.source)
             self._buffer_tokens += n
             return
         if self.overlong is Overlong.ERROR:
@@ -333,6 +381,7 @@ class HybridPacker(StatefulNode[Pack]):
                     replace(s, text_tokens=b - a, shape=(b - a,), text_range=(base + a, base + b))
                 )
                 self._arrival.append(seq)
+                self._pending.append(s.source)
             self._buffer_tokens += n
             return
         self.stats["dropped_overlong"] += 1
@@ -358,42 +407,131 @@ class HybridPacker(StatefulNode[Pack]):
             self.stats["samples"] += 1
         if not self._buffer and not self._open:
             return False
+        keep = 0 if self._exhausted or flush else self.max_open_packs
+        packs, age, drawn, order = self._place(0.0)
+        emit = self._emit_set(order, age, keep)
+        if self.spread > 0:
+            # spreading can leave gaps the small rest does not fill (few samples per pack): keep it
+            # only where the packs it emits waste at most spread_fill_cost of the round's tokens more
+            # than plain BFD's
+            alt = self._place(self.spread)
+            alt_emit = self._emit_set(alt[3], alt[1], keep)
+            budget = self.spread_fill_cost * self._buffer_tokens
+            if _waste(alt[3], alt_emit) <= _waste(order, emit) + budget:
+                (packs, age, drawn, order), emit = alt, alt_emit
+                self.stats["spread_rounds"] += 1
+        self._buffer, self._arrival, self._buffer_tokens = [], [], 0
+        # emitted in the order that tracks the draw order per source (ties: the order their samples
+        # were drawn on average; BFD creates packs largest sample first, so creation order would emit a
+        # round's image-heavy packs before its audio and text)
+        by_drawn = sorted(emit, key=lambda i: (drawn[i][0] / drawn[i][1], i))
+        self._ready.extend(packs[i] for i in self._draw_order(packs, by_drawn))
+        self._open = [p for i, p in enumerate(packs) if i not in emit]
+        self._age = [a + 1 for i, a in enumerate(age) if i not in emit]
+        self._drawn = [d for i, d in enumerate(drawn) if i not in emit]
+        self._open_free = sum(self.max_seq_len - p.num_tokens for p in self._open)
+        return True
+
+    def _place(self, spread: float) -> tuple[list[Pack], list[int], list[list[int]], list[tuple[int, int]]]:
+        """The buffer placed largest first into copies of the open packs and new ones; the largest
+        samples holding ``spread`` of its tokens go to the tightest carried pack that fits, else the
+        emptiest pack (a new one while fewer than the round needs are open), so every pack keeps room for
+        small ones; the rest best-fit. Returns packs, their ages, ``[sum of draw indices, samples]``, and
+        sorted ``(free tokens, pack index)``."""
         cap = self.max_seq_len
-        packs, age, drawn = self._open, self._age, self._drawn
-        free = [cap - p.num_tokens for p in packs]
-        # sorted (free, pack index): bisect finds the tightest pack that fits in O(log P)
-        order = sorted((f, i) for i, f in enumerate(free))
+        packs = [Pack(list(p.samples), cap) for p in self._open]
+        age, drawn = list(self._age), [list(d) for d in self._drawn]
+        # sorted (free, pack index) of every pack and of the carried ones: bisect finds the tightest
+        # pack that fits in O(log P)
+        order = sorted((cap - p.num_tokens, i) for i, p in enumerate(packs))
+        carried, n_carried = list(order), len(packs)
+        new_packs = math.ceil(max(0, self._buffer_tokens - self._open_free) / cap)  # the round needs
+        spread_tokens, placed = spread * self._buffer_tokens, 0
         by_size = sorted(range(len(self._buffer)), key=lambda k: -self._buffer[k].num_tokens)  # stable
         for k in by_size:
             s, n = self._buffer[k], self._buffer[k].num_tokens
-            j = bisect.bisect_left(order, (n, -1))
+            placed += n
+            wide = spread > 0 and placed <= spread_tokens
+            j = bisect.bisect_left(order, (n, -1))  # best fit
+            if wide:
+                c = bisect.bisect_left(carried, (n, -1))
+                if c < len(carried):
+                    j = bisect.bisect_left(order, carried.pop(c))
+                elif new_packs > 0:
+                    j = len(order)
+                elif order and order[-1][0] >= n:
+                    j = len(order) - 1
             if j < len(order):
                 f, i = order.pop(j)
             else:
                 packs.append(Pack([], cap))
                 age.append(0)
                 drawn.append([0, 0])
+                new_packs -= 1
                 f, i = cap, len(packs) - 1
             packs[i].samples.append(s)
             drawn[i][0] += self._arrival[k]
             drawn[i][1] += 1
             bisect.insort(order, (f - n, i))
-        self._buffer, self._arrival, self._buffer_tokens = [], [], 0
-        # emit the fullest, carry the least full (unless the stream or the phase is over: flush all),
-        # and never carry a pack past max_pack_age rounds
-        keep = 0 if self._exhausted or flush else self.max_open_packs
+            if wide and i < n_carried:
+                bisect.insort(carried, (f - n, i))
+        return packs, age, drawn, order
+
+    def _emit_set(self, order: list[tuple[int, int]], age: list[int], keep: int) -> set[int]:
+        """Packs to emit: all but the ``keep`` least full, every full one, and every one carried
+        ``max_pack_age`` rounds."""
         by_fill = [i for _, i in order]  # ascending free space = fullest first
-        n_emit = max(0, len(packs) - keep)
-        emit = set(by_fill[:n_emit]) | {i for f, i in order if f == 0}
-        emit |= {i for i, a in enumerate(age) if a >= self.max_pack_age}
-        # emitted in the order their samples were drawn on average: BFD creates packs largest sample
-        # first, so creation order would emit a round's image-heavy packs before its audio and text
-        self._ready.extend(packs[i] for i in sorted(emit, key=lambda i: (drawn[i][0] / drawn[i][1], i)))
-        self._open = [p for i, p in enumerate(packs) if i not in emit]
-        self._age = [a + 1 for i, a in enumerate(age) if i not in emit]
-        self._drawn = [d for i, d in enumerate(drawn) if i not in emit]
-        self._open_free = sum(cap - p.num_tokens for p in self._open)
-        return True
+        emit = set(by_fill[: max(0, len(order) - keep)]) | {i for f, i in order if f == 0}
+        return emit | {i for i, a in enumerate(age) if a >= self.max_pack_age}
+
+    def _draw_order(self, packs: list[Pack], idx: list[int]) -> list[int]:
+        """``idx`` (packs to emit, in tie-break order) reordered greedily: each next pack is the one
+        after which every source's emitted count is closest (sum of squares) to its count among as many
+        earliest-drawn samples not yet emitted (:attr:`_pending`), counting the lead or lag
+        (:attr:`_offset`) carried from earlier rounds. O(len(idx)^2 * sources)."""
+        counts = [Counter(s.source for s in packs[i].samples) for i in idx]
+        emitted = sum(sum(c.values()) for c in counts)
+        drawn = list(itertools.islice(self._pending, emitted))
+        names = sorted({n for c in counts for n in c} | set(self._offset) | set(drawn))
+        col = {n: j for j, n in enumerate(names)}
+        vecs = np.array([[c.get(n, 0) for n in names] for c in counts], dtype=np.int64).reshape(
+            len(idx), len(names)
+        )
+        sizes = vecs.sum(1)
+        # prefix[m, j]: samples of source j among the first m pending draws
+        prefix = np.zeros((len(drawn) + 1, len(names)), dtype=np.int64)
+        if drawn:
+            np.add.at(prefix, (np.arange(1, len(drawn) + 1), [col[n] for n in drawn]), 1)
+            prefix = np.cumsum(prefix, 0)
+        dev = np.array([self._offset.get(n, 0) for n in names], dtype=np.int64)  # emitted - drawn so far
+        left, out, m = np.arange(len(idx)), [], 0
+        while len(left):
+            pick = 0
+            if len(names) > 1:  # one source: every order scores alike
+                t = prefix[np.minimum(m + sizes[left], len(drawn))]
+                pick = int(np.argmin(((dev + vecs[left] - t) ** 2).sum(1)))  # first minimum wins ties
+            a = int(left[pick])
+            left = np.delete(left, pick)
+            out.append(idx[a])
+            dev += vecs[a]
+            m += int(sizes[a])
+        t = prefix[min(m, len(drawn))]
+        self._offset = {n: int(d - y) for n, d, y in zip(names, dev, t) if d != y}
+        for _ in range(min(emitted, len(self._pending))):
+            self._pending.popleft()
+        return out
 
 
-_STATS = ("samples", "packs", "tokens", "split", "dropped_overlong", "phase_flushes")
+def _pending_state(pending: deque[str]) -> dict[str, list[Any]]:
+    """``pending`` as a table of source names and indices into it (compact in msgpack)."""
+    names = sorted(set(pending))
+    col = {n: j for j, n in enumerate(names)}
+    return {"pending_sources": names, "pending": [col[n] for n in pending]}
+
+
+def _waste(order: list[tuple[int, int]], emit: set[int]) -> int:
+    """Free tokens in the packs ``emit`` (of ``order``'s ``(free, pack index)``)."""
+    return sum(f for f, i in order if i in emit)
+
+
+_STATS = ("samples", "packs", "tokens", "split", "dropped_overlong", "phase_flushes", "spread_rounds")

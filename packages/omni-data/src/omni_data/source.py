@@ -435,6 +435,7 @@ class WebDatasetSource(StatefulNode[SampleMeta]):
             damaged = {pos["damaged"]} if pos["damaged"] is not None else set()
             poison = False  # the first sample after a resynchronisation lost members too
             any_sample = start > 0
+            counted = False  # damage already counted: a shard of random bytes is one skip, not also empty
             side = _SideFile(url)
             try:
                 for info in itertools.chain(iter_members(f, start, size, inline=_INLINE_BYTES), [None]):
@@ -442,6 +443,7 @@ class WebDatasetSource(StatefulNode[SampleMeta]):
                         # the members between the bad header and the next good one are lost: they belonged
                         # to the sample being read, to samples in between, or to the next one
                         skip_shard(f"shard:{url}@{info.offset}", "damaged tar header")
+                        counted = True
                         if cur_key is not None:
                             damaged.add(cur_key)
                         poison = True
@@ -471,7 +473,7 @@ class WebDatasetSource(StatefulNode[SampleMeta]):
                 side.close()
             if any(m.offset + m.size > size for m in members.values()):
                 skip_shard(f"shard:{url}@{size}", "shard cut off (the samples after the cut are lost)")
-            if not any_sample:
+            if not any_sample and not counted:
                 skip_shard(f"shard:{url}", "empty shard")
 
     def _finish(

@@ -59,17 +59,41 @@ _TEXT_FIELDS = ("text", "caption", "transcript")
 
 @dataclass
 class WriteReport:
-    """What :func:`write_dataset` wrote: shard URLs and sample counts per modality, skipped files by reason."""
+    """What :func:`write_dataset` wrote: shard URLs and sample counts per modality, skipped files by reason,
+    and the media files written without a caption or transcript (no ``.txt`` of the same name, or no
+    text in the manifest row): they train the encoder and projector on no target text."""
 
     shards: dict[str, list[str]] = field(default_factory=dict)
     samples: Counter[str] = field(default_factory=Counter)
     skipped: dict[str, list[str]] = field(default_factory=dict)
+    uncaptioned: list[str] = field(default_factory=list)
 
     def skip(self, what: str, reason: str) -> None:
         self.skipped.setdefault(reason, []).append(what)
 
     def to_dict(self) -> dict[str, Any]:
-        return {"shards": self.shards, "samples": dict(self.samples), "skipped": self.skipped}
+        return {
+            "shards": self.shards,
+            "samples": dict(self.samples),
+            "skipped": self.skipped,
+            "uncaptioned": self.uncaptioned,
+        }
+
+    def summary(self) -> list[str]:
+        """The skipped and uncaptioned files as lines for a command's output (count, reason, first 5)."""
+        out = []
+        for reason, what in sorted(self.skipped.items()):
+            out.append(f"skipped {len(what)} ({reason}): {_first(what)}")
+        if self.uncaptioned:
+            out.append(
+                f"written without a caption or transcript {len(self.uncaptioned)} (no .txt of the same "
+                f"name): {_first(self.uncaptioned)}"
+            )
+        return out
+
+
+def _first(names: list[str], n: int = 5) -> str:
+    return ", ".join(names[:n]) + (" ..." if len(names) > n else "")
 
 
 def write_shards(pattern: str, samples: Iterable[dict[str, Any]], *, per_shard: int) -> list[str]:
@@ -257,6 +281,8 @@ def _encode(item: _Item, modality: Modality, report: WriteReport) -> dict[str, A
         return None
     sample[ext] = data
     sample["json"] = json.dumps(info, ensure_ascii=False)
+    if not item.text:
+        report.uncaptioned.append(item.origin)
     return sample
 
 
@@ -342,8 +368,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         first, last = urls[0].rsplit("/", 1)[-1], urls[-1].rsplit("/", 1)[-1]
         span = first if first == last else f"{modality}-{{{first[-10:-4]}..{last[-10:-4]}}}.tar"
         print(f"{modality}: {report.samples[modality]} samples in {len(urls)} shards: {args.out}/{span}")
-    for reason, what in sorted(report.skipped.items()):
-        print(f"skipped {len(what)} ({reason}): {', '.join(what[:5])}{' ...' if len(what) > 5 else ''}")
+    for line in report.summary():
+        print(line)
     return 0
 
 
