@@ -97,16 +97,25 @@ def configs(tmp_path_factory):
             mixture=[MixturePhase({"text": 1.0}, until_step=1), MixturePhase({"image": 0.12, "text": 0.88})],
         ),
     )
-    return tmp, dense, sparse
+    # Under dp=2 each replica draws its own packs: at this weight the fixture's data has a step where one
+    # replica has an image and the other none (checked below, so a change of the data shows here).
+    sparse_dp = dataclasses.replace(
+        sparse,
+        data=dataclasses.replace(
+            sparse.data,
+            mixture=[MixturePhase({"text": 1.0}, until_step=1), MixturePhase({"image": 0.2, "text": 0.8})],
+        ),
+    )
+    return tmp, dense, sparse, sparse_dp
 
 
 def test_encoder_zero_reordering_and_long_short_sp_match_one_process(configs):
-    tmp, dense, sparse = configs
+    tmp, dense, sparse, sparse_dp = configs
     refs = run_world(
         _references,
         1,
         args=(
-            [("dense1", dense, 1), ("dense2", dense, 2), ("sparse1", sparse, 1), ("sparse2", sparse, 2)],
+            [("dense1", dense, 1), ("dense2", dense, 2), ("sparse1", sparse, 1), ("sparse2", sparse_dp, 2)],
             str(tmp / "ref"),
         ),
         timeout_s=600,
@@ -120,7 +129,7 @@ def test_encoder_zero_reordering_and_long_short_sp_match_one_process(configs):
         ("sp2-long", dense, {"pp": 1, "ulysses": 2, **long}),
         ("tp2-zero3", dense, {"pp": 1, "tp": 2, "encoder_zero": 3}),  # TP ranks encode alike: / tp
         ("sparse-pp2-zero3", sparse, {"encoder_zero": 3}),
-        ("sparse-dp2-reorder-zero3", sparse, {"pp": 1, "dp": 2, "encoder_zero": 3}),
+        ("sparse-dp2-reorder-zero3", sparse_dp, {"pp": 1, "dp": 2, "encoder_zero": 3}),
     ]
     w2 = run_world(_parallel, 2, args=(runs2, str(tmp / "w2")), timeout_s=600)
     runs4 = [
@@ -188,7 +197,7 @@ def _train(rank, world_size, cfg, run, resume, kill_at, refused_cfg=None):
 
 
 def test_sigkill_resume_with_every_encoder_parallelism_is_exact(configs):
-    tmp, _, _ = configs
+    tmp, _, _, _ = configs
     data = {k: str(v) for k, v in make_dataset(tmp / "data-resume").items()}
     layout = "dp = 2\nulysses = 2\nencoder_zero = 3\nencoder_sp = 2\nlong_threshold = 2"
     cfg = load_config(str(write_config(tmp / "r.toml", data, steps=6, every=2, pp=1, parallel=layout)))
