@@ -21,7 +21,9 @@ measured in the same run. Also checks that every variant saw the same losses (sa
 Mixture: by default one image:text share for every step (``--share``, default 9:1, the recipe's
 image-heavy phase; no audio), so the measured steps have the encoder load asked for; ``--mixture all``
 keeps the config's phases. ``--sweep`` runs the image shares 1:9, 5:5 and 9:1 (every placement, reordering
-on) and prints throughput per share per policy and each policy's drop from 1:9 to 9:1.
+on) and prints throughput per share per policy and each policy's drop from 1:9 to 9:1, and beside them the
+compute bound (``compute_bound_tokens_per_s``): the throughput of a perfect placement of the same measured
+compute, which falls with the image share too, because the added encoder work is work.
 
 Run time on 2 otherwise idle cores (``omni-heavy``): the default (8 variants x 2 repeats x 10 steps) and
 ``--sweep`` (3 shares x 4 placements x 2 repeats x 10 steps) each take about 4-7 minutes (steps and
@@ -92,6 +94,24 @@ def _outside(rows: list[dict]) -> list[float]:
         total = sum(m["time_s_per_rank"][p][r] for m in rows for p in PHASES)
         outside = sum(m["time_s_per_rank"][p][r] for m in rows for p in PHASES if p not in inside)
         out.append(outside / total)
+    return out
+
+
+def _compute_bound(rows: list[dict]) -> dict[str, float]:
+    """Per share, the tokens/s of a perfect placement: a step's measured compute (encoder and LLM action
+    seconds, summed over ranks) spread evenly over the ranks with no wait and nothing outside the pipeline;
+    the placement with the least compute per step stands for the share. How far throughput must fall as
+    the image share grows whatever the placement: the added encoder work itself."""
+    out = {}
+    for share in SWEEP_SHARES:
+        best = None
+        for r in (r for r in rows if r["share"] == share):
+            t = r["time_s_per_rank"]
+            ranks = len(t["encoder"])
+            step = sum(t["encoder"][i] + t["llm"][i] for i in range(ranks)) / ranks
+            tokens = r["tokens_per_s"] * r["step_time_s"]
+            best = max(best or 0.0, tokens / step)
+        out[share] = best
     return out
 
 
@@ -218,6 +238,14 @@ def main() -> None:
             got = {r["share"]: r["tokens_per_s"] for r in result["rows"] if r["placement"] == str(p)}
             drop = 1 - got[SWEEP_SHARES[-1]] / got[SWEEP_SHARES[0]]
             print(f"{p!s:<22}" + "".join(f"{got[s]:>10.0f}" for s in SWEEP_SHARES) + f"{100 * drop:>17.1f}%")
+        bound = _compute_bound(result["rows"])
+        result["compute_bound_tokens_per_s"] = bound
+        drop = 1 - bound[SWEEP_SHARES[-1]] / bound[SWEEP_SHARES[0]]
+        print(
+            f"{'compute bound':<22}"
+            + "".join(f"{bound[s]:>10.0f}" for s in SWEEP_SHARES)
+            + f"{100 * drop:>17.1f}%"
+        )
     out = Path(args.json) if args.json else Path(__file__).resolve().parent / "results" / "train_ab.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2))
