@@ -74,11 +74,16 @@ def test_each_step_runs_its_own_planned_flow(planned_run):
     cfg, out = planned_run
     records = read_records(out)
     assert not (out / "dataflow.json").exists()  # no one flow for the run: each step's is recorded
-    planner, _, steps, _ = _planner_and_steps(cfg, STEPS)
+    planner, schedule, steps, _ = _planner_and_steps(cfg, STEPS)
+    ranks = [StepPlanner(cfg, schedule, planner.encoder_inputs, planner.weights, pp_rank=r) for r in (0, 1)]
     flows = []
     for fs in steps:
         flow = records.flow(fs.step)
         assert flow is not None, fs.step
+        # what each rank's loader reads is only what the step's flow runs there: each payload read once
+        reads = [p.consumes(fs.step, fs.packs, fs.microbatches) for p in ranks]
+        assert reads == [set(flow.encoders_on(r)) for r in (0, 1)], fs.step
+        assert reads[0].isdisjoint(reads[1]) and reads[0] | reads[1] == set(fs.microbatches), fs.step
         ran = {
             (r.microbatch, r.rank) for r in records.actions if r.step == fs.step and r.kind in ("EF", "EB")
         }
@@ -135,6 +140,21 @@ def test_bad_planner_settings_are_named(tmp_path, field, value, match):
     path = write_config(tmp_path / "c.toml", data, steps=2, every=0, parallel=f"{field} = {value!r}")
     with pytest.raises(ConfigError, match=match):
         validate(load_config(str(path)), 2)
+
+
+@pytest.mark.parametrize("calibration", ["none", "file", "pp1"])
+def test_a_bad_calibration_is_a_config_error_before_training(tmp_path, planned_run, calibration):
+    _, run = planned_run  # recorded with pp=2
+    data = make_dataset(tmp_path / "data")
+    cfg = load_config(str(write_config(tmp_path / "c.toml", data, steps=2, every=0)))
+    path = {"none": tmp_path / "none", "file": run / "config.json", "pp1": run}[calibration]
+    par = dataclasses.replace(cfg.parallel, placement=Placement.PLANNED, planner_calibration=str(path))
+    if calibration == "pp1":
+        par = dataclasses.replace(par, pp=1, dp=2)
+    cfg = dataclasses.replace(cfg, parallel=par)
+    match = "recorded 2 pipeline stages" if calibration == "pp1" else str(path)
+    with pytest.raises(ConfigError, match=rf"parallel.planner_calibration: .*{match}"):
+        validate(cfg, 2)
 
 
 def test_a_missing_calibration_is_named(tmp_path):

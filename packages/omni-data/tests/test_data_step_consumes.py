@@ -9,6 +9,7 @@ payloads and a mid-run ``state_dict`` resume are the same as without it.
 """
 
 import threading
+import time
 
 import msgpack
 import pytest
@@ -50,11 +51,15 @@ def _loader(d, tok):
 
 def _rule(rank):
     """Rank ``rank``'s share of each step: which microbatches go where depends on the step and on the
-    metadata (the sample count of each encoder microbatch), as a planner's choice would."""
+    metadata (the sample count of each encoder microbatch), as a planner's choice would. On the
+    preparation thread it is slow (as a planner is), so a ``state_dict`` taken right after ``next``
+    finds the refill still running (it must wait for it, not save a half-made window)."""
     calls = []
 
     def consumes(step, packs, mbs):
         calls.append(step)
+        if threading.current_thread().name.startswith("omni-data-prepare"):
+            time.sleep(0.2)
         return {e for e, items in mbs.items() if (e + step + len(items)) % 2 == rank}
 
     return consumes, calls

@@ -684,6 +684,12 @@ def validate(cfg: RunConfig, nproc: int) -> None:
     cap = par.planner_memory_cap_mib
     if cap is not None and not (math.isfinite(cap) and cap > 0):
         raise ConfigError(f"parallel.planner_memory_cap_mib: must be a number of MiB > 0, got {cap}")
+    if par.placement == Placement.PLANNED and par.planner_calibration is not None:
+        # read here, before any worker starts, so a wrong run directory is a configuration error and not
+        # a traceback from every rank (lazy import: step_plan imports this module)
+        from omni_train.step_plan import fitted_cost_model
+
+        fitted_cost_model(cfg)
     g = cfg.data.reorder_group_size
     if g is not None and (g < 1 or par.dp % g):
         raise ConfigError(f"data.reorder_group_size: {g} must be >= 1 and divide parallel.dp {par.dp}")

@@ -35,7 +35,7 @@ from omni_train.models.llm import LLMConfig
 from omni_train.pipeline import layer_costs
 from omni_train.simulate import calibrated_step_costs, config_scale, modelled_step_costs
 
-__all__ = ["StepPlanner", "stage_weights", "static_flow"]
+__all__ = ["StepPlanner", "fitted_cost_model", "stage_weights", "static_flow"]
 
 # modelled device rate: only ratios of durations steer the search (P2P terms aside), so any rate of the
 # right order does; 1 TFLOP/s keeps the 10 us P2P latency small next to the compute, as on a GPU
@@ -96,7 +96,7 @@ class StepPlanner:
         self.max_evaluations = par.planner_evaluations
         cap = par.planner_memory_cap_mib
         self.memory_cap_bytes = None if cap is None else cap * 2**20
-        self.fitted = _fitted(cfg) if par.planner_calibration else None
+        self.fitted = fitted_cost_model(cfg) if par.planner_calibration else None
         self.scale = config_scale(cfg)
         # flows planned ahead (by the loader, maybe on its preparation thread) until the step runs
         self._flows: dict[int, DataFlow] = {}
@@ -134,7 +134,14 @@ class StepPlanner:
         return flow if flow is not None else self.plan(packs, mbs)
 
 
-def _fitted(cfg: RunConfig) -> CostModel:
+def fitted_cost_model(cfg: RunConfig) -> CostModel:
+    """The cost model fitted from ``parallel.planner_calibration``'s ``actions.jsonl``
+    (:func:`omni_pipeline.calibrate.fit_cost_model`, its first step dropped as warm-up when it has more).
+
+    Raises:
+        ConfigError: naming ``parallel.planner_calibration``: no readable records there, or they were
+            recorded with another pipeline size than ``parallel.pp``.
+    """
     run = Path(cfg.parallel.planner_calibration or "")
     try:
         records = read_records(run)
