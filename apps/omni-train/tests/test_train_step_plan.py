@@ -64,10 +64,22 @@ def planned_run(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("step_plan")
     data = make_dataset(tmp / "data")
     cfg = _heavy(load_config(str(write_config(tmp / "c.toml", data, steps=STEPS, every=0))))
-    cfg = dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, placement=Placement.PLANNED))
+    # a cap far below any placement's modelled peak: the plans are the least over it, and say by how much
+    par = dataclasses.replace(cfg.parallel, placement=Placement.PLANNED, planner_memory_cap_mib=0.01)
+    cfg = dataclasses.replace(cfg, parallel=par)
     out = tmp / "run"
     run_world(_train, 2, args=(cfg, str(out)), timeout_s=300)
     return cfg, out
+
+
+def test_an_unmet_memory_cap_is_reported_per_step(planned_run):
+    cfg, out = planned_run
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    planner, _, steps, _ = _planner_and_steps(cfg, STEPS)
+    for row, fs in zip(rows, steps, strict=True):
+        planner.consumes(fs.step, fs.packs, fs.microbatches)
+        planner.flow(fs.step, fs.packs, fs.microbatches)
+        assert row["planner_over_cap_bytes"] == planner.over_cap_bytes > 0, fs.step
 
 
 def test_each_step_runs_its_own_planned_flow(planned_run):

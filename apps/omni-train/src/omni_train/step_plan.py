@@ -26,7 +26,7 @@ from pathlib import Path
 
 from omni_data import Pack
 from omni_data.zero_redundancy import SampleIndex
-from omni_pipeline import CostModel, DataFlow, Schedule, plan_placement, stage_costs
+from omni_pipeline import CostModel, DataFlow, PlanResult, Schedule, plan_placement, stage_costs
 from omni_pipeline.calibrate import fit_cost_model
 from omni_pipeline.placement import place
 from omni_pipeline.records import read_records
@@ -99,11 +99,15 @@ class StepPlanner:
         self.fitted = fitted_cost_model(cfg) if par.planner_calibration else None
         self.scale = config_scale(cfg)
         # flows planned ahead (by the loader, maybe on its preparation thread) until the step runs
-        self._flows: dict[int, DataFlow] = {}
+        self._flows: dict[int, PlanResult] = {}
+        self.over_cap_bytes = 0.0
         self._lock = threading.Lock()
 
     def plan(self, packs: list[Pack], mbs: dict[int, list[SampleIndex]]) -> DataFlow:
         """The data flow of a step with these packs and encoder microbatches (pure function of them)."""
+        return self._search(packs, mbs).flow
+
+    def _search(self, packs: list[Pack], mbs: dict[int, list[SampleIndex]]) -> PlanResult:
         if self.fitted is not None:
             costs = calibrated_step_costs(self.cfg, self.fitted, packs, mbs)
         else:
@@ -115,23 +119,27 @@ class StepPlanner:
             costs,
             memory_cap_bytes=self.memory_cap_bytes,
             max_evaluations=self.max_evaluations,
-        ).flow
+        )
 
     def consumes(self, step: int, packs: list[Pack], mbs: dict[int, list[SampleIndex]]) -> frozenset[int]:
         """``ZeroRedundancyFilter``'s per-step ``consumes``: plans the step and keeps its flow for
         :meth:`flow`; returns the encoder microbatches this rank runs."""
-        flow = self.plan(packs, mbs)
+        result = self._search(packs, mbs)
         with self._lock:
-            self._flows[step] = flow
-        return frozenset(flow.encoders_on(self.pp_rank))
+            self._flows[step] = result
+        return frozenset(result.flow.encoders_on(self.pp_rank))
 
     def flow(self, step: int, packs: list[Pack], mbs: dict[int, list[SampleIndex]]) -> DataFlow:
-        """The flow :meth:`consumes` planned for ``step`` (planned again if it was not: the same flow)."""
+        """The flow :meth:`consumes` planned for ``step`` (planned again if it was not: the same flow);
+        :attr:`over_cap_bytes` is then that plan's modelled bytes over the memory cap (summed over ranks;
+        0 without a cap or when the cap holds: a cap no placement meets gets the plan least over it)."""
         with self._lock:
-            flow = self._flows.pop(step, None)
+            result = self._flows.pop(step, None)
             for old in [s for s in self._flows if s < step]:  # steps the loader prepared but never ran
                 del self._flows[old]
-        return flow if flow is not None else self.plan(packs, mbs)
+        result = result if result is not None else self._search(packs, mbs)
+        self.over_cap_bytes = result.over_cap_bytes
+        return result.flow
 
 
 def fitted_cost_model(cfg: RunConfig) -> CostModel:

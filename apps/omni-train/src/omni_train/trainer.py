@@ -218,6 +218,7 @@ class Trainer:
         weights = stage_weights(cfg, self.llm_cfg, self.split)
         self.flow = static_flow(cfg, self.schedule, encoder_inputs, weights)
         self.planner: StepPlanner | None = None
+        self._said_over_cap = False
         consumes: Any = set(self.flow.encoders_on(self.pp_rank))
         if par.placement == Placement.PLANNED:
             if self.sharding is None and self._reorder_group_size() == 1:
@@ -226,7 +227,8 @@ class Trainer:
             elif self.rank == 0:
                 print(
                     "omni-train: placement planned: the flow is planned once, ranks fixed (CP or reordering "
-                    "across DP pair the same encoder microbatches on every step)",
+                    "across DP pair the same encoder microbatches on every step); parallel.planner_* do not "
+                    "apply",
                     file=sys.stderr,
                 )
         tp_or_sp = self.ps.group("tp") if self.tp > 1 else (self.ps.group("ulysses") if self.sp > 1 else None)
@@ -333,6 +335,23 @@ class Trainer:
             device=self.device,
             reduce_gradients=self._reduce_gradients,
         )
+
+    def _planner_metrics(self) -> dict[str, float]:
+        """Per-step ``planned`` with ``parallel.planner_memory_cap_mib``: ``planner_over_cap_bytes``, the
+        step's plan's modelled bytes over the cap (0 when it holds), said once on stderr when it first
+        does not."""
+        if self.planner is None or self.planner.memory_cap_bytes is None:
+            return {}
+        over = self.planner.over_cap_bytes
+        if over > 0 and not self._said_over_cap:
+            self._said_over_cap = True
+            print(
+                f"omni-train: planned: no placement keeps every rank under parallel.planner_memory_cap_mib = "
+                f"{self.cfg.parallel.planner_memory_cap_mib} (modelled); the step's plan is {over / 2**20:.1f} "
+                "MiB over it (planner_over_cap_bytes in metrics.jsonl)",
+                file=sys.stderr,
+            )
+        return {"planner_over_cap_bytes": over}
 
     def _cp_metrics(self) -> dict[str, int]:
         """Hybrid DP/CP: ``hybrid_cp_raised_caps``, the packs so far planned above ``data.max_seq_len``
@@ -502,7 +521,9 @@ class Trainer:
         skipped = self.skips.step()
         if self.rank == 0:
             metrics = self.metrics.row(inputs, row, lr, grad_norm)
-            run.logger.log(step, {**metrics, **memory, **skipped, **self._cp_metrics()})
+            run.logger.log(
+                step, {**metrics, **memory, **skipped, **self._cp_metrics(), **self._planner_metrics()}
+            )
         run.checkpoint_s = 0.0
         if self.checkpoint.due(step + 1):
             t = time.perf_counter()
