@@ -39,7 +39,7 @@ from omni_pipeline.calibrate import fit_cost_model
 from omni_pipeline.cost import ActionTokens, CostModel
 from omni_pipeline.dataflow import DataFlow
 from omni_pipeline.placement import PlacementPolicy, place
-from omni_pipeline.records import RECORDS_FILE, read_records
+from omni_pipeline.records import RECORDS_FILE, RunRecords, read_records
 from omni_pipeline.schedules import Schedule1F1B
 from omni_pipeline.simulator import simulate
 from omni_train.config import ConfigError, RunConfig, bundled_data_dir
@@ -52,6 +52,7 @@ __all__ = [
     "action_tokens",
     "calibrated_step_costs",
     "config_scale",
+    "fit_run",
     "modelled_step_costs",
     "simulate_config",
 ]
@@ -164,6 +165,20 @@ def _sizes(cfg: RunConfig, packs: list[Pack], mbs, pp: int, dtype_bytes: float, 
         "encoder_stored_bytes": stored,
         "tokens_per_microbatch": tokens,
     }
+
+
+def fit_run(run: Path) -> tuple[RunRecords, CostModel, int]:
+    """A run's records, the cost model fitted from them (:func:`~omni_pipeline.calibrate.fit_cost_model`,
+    the first recorded step dropped as warm-up when there are more) and the pipeline stages it fitted.
+
+    Raises:
+        OSError: no records file in ``run``. ValueError: malformed records (``RecordError``) or too few
+            to fit.
+    """
+    records = read_records(run)
+    fitted = fit_cost_model(records, skip_steps=1 if len(records.step_ids) > 1 else 0)
+    stages = len(fitted.llm_forward_s) if isinstance(fitted.llm_forward_s, list) else 0
+    return records, fitted, stages
 
 
 def calibrated_step_costs(
@@ -284,11 +299,9 @@ def simulate_config(
         if scale not in (None, "config"):
             raise ConfigError(f"--scale: a calibration times the config's own models, not scale {scale!r}")
         try:
-            records = read_records(Path(calibration))
-            fitted = fit_cost_model(records, skip_steps=1 if len(records.step_ids) > 1 else 0)
+            records, fitted, fit_stages = fit_run(Path(calibration))
         except (OSError, ValueError) as exc:  # RecordError is a ValueError
             raise ConfigError(f"--calibration: {Path(calibration) / RECORDS_FILE}: {exc}") from None
-        fit_stages = len(fitted.llm_forward_s) if isinstance(fitted.llm_forward_s, list) else 0
         pp = cfg.parallel.pp if pp is None else pp
         if fit_stages != pp or pp != cfg.parallel.pp:
             raise ConfigError(

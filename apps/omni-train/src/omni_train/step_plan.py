@@ -27,13 +27,11 @@ from pathlib import Path
 from omni_data import Pack
 from omni_data.zero_redundancy import SampleIndex
 from omni_pipeline import CostModel, DataFlow, PlanResult, Schedule, plan_placement, stage_costs
-from omni_pipeline.calibrate import fit_cost_model
 from omni_pipeline.placement import place
-from omni_pipeline.records import read_records
 from omni_train.config import ConfigError, Placement, RunConfig
 from omni_train.models.llm import LLMConfig
 from omni_train.pipeline import layer_costs
-from omni_train.simulate import calibrated_step_costs, config_scale, modelled_step_costs
+from omni_train.simulate import calibrated_step_costs, config_scale, fit_run, modelled_step_costs
 
 __all__ = ["StepPlanner", "fitted_cost_model", "stage_weights", "static_flow"]
 
@@ -152,11 +150,9 @@ def fitted_cost_model(cfg: RunConfig) -> CostModel:
     """
     run = Path(cfg.parallel.planner_calibration or "")
     try:
-        records = read_records(run)
-        fitted = fit_cost_model(records, skip_steps=1 if len(records.step_ids) > 1 else 0)
+        _, fitted, stages = fit_run(run)
     except (OSError, ValueError) as exc:  # RecordError is a ValueError
         raise ConfigError(f"parallel.planner_calibration: {run}: {exc}") from None
-    stages = len(fitted.llm_forward_s) if isinstance(fitted.llm_forward_s, list) else 0
     if stages != cfg.parallel.pp:
         raise ConfigError(
             f"parallel.planner_calibration: {run} recorded {stages} pipeline stages, the config has "

@@ -309,8 +309,11 @@ class ZeroRedundancyFilter(StatefulNode[FilteredStep]):
         """Wait for a background refill; its error (e.g. a bad shard found while packing) is raised here,
         unless the state is being replaced (``raise_error=False``)."""
         refilling, self._refilling = self._refilling, None
-        if refilling is not None and (refilling.exception() is not None and raise_error):
-            refilling.result()
+        if refilling is None:
+            return
+        error = refilling.exception()  # waits for it
+        if error is not None and raise_error:
+            raise error
 
     def wait_prepared(self) -> None:
         """Wait until the next step's background preparation is done (no-op without ``background``), so
