@@ -206,3 +206,21 @@ def test_checksum_is_crc32c_by_definition_across_lengths_continuations_and_chunk
         for lo in range(0, n, 1000):
             crc_into(crcs, memoryview(data)[lo : lo + 1000], lo, chunk)
         assert crcs == [_crc32c_bitwise(data[a : a + chunk]) for a in range(0, max(n, 1), chunk)], n
+
+
+def test_an_object_length_past_the_file_end_raises_before_anything_is_allocated(tmp_path):
+    url = str(tmp_path / "c")
+    _small_checkpoint(url)
+    _rewrite(tmp_path / "c", lambda m: m["objects"][1].__setitem__(2, 1 << 40))  # 1 TiB of "objects"
+    target = _sentinel()
+    with pytest.raises(
+        CheckpointError,
+        match=r"rank-00001\.safetensors: truncated, \d+ bytes but the plain objects of rank 1",
+    ):
+        load(target, url)
+    assert _untouched(target)
+
+
+def test_an_unknown_url_scheme_names_the_url(tmp_path):
+    with pytest.raises(ValueError, match=r"checkpoint URL 'nosuchfs://run/step-1'"):
+        load(_sentinel(), "nosuchfs://run/step-1")

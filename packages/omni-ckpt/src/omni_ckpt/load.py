@@ -206,10 +206,22 @@ class LoadResult:
 
 
 def _object_blobs(fs: Any, path: str, m: dict[str, Any], ranks: list[int]) -> list[dict[str, Any]]:
-    out = []
+    """The checked plain objects of ``ranks``; a blob is read only once the file is known to hold it (a
+    manifest's length is untrusted: nothing is allocated for bytes the file does not have)."""
+    out, sizes = [], {}
     for r in ranks:
         file, offset, length, want = m["objects"][r]
         fname = join(path, m["files"][file])
+        if file not in sizes:
+            try:
+                sizes[file] = fs.size(fname)
+            except FileNotFoundError:
+                raise CheckpointError(f"{fname}: data file missing") from None
+        if offset + length > sizes[file]:
+            raise CheckpointError(
+                f"{fname}: truncated, {sizes[file]} bytes but the plain objects of rank {r} need "
+                f"[{offset}, {offset + length})"
+            )
         (view,) = read_spans(fs, fname, [(offset, offset + length)])
         if crc(view) != want:
             raise CheckpointError(f"{fname}: checksum mismatch in the plain objects of rank {r}")

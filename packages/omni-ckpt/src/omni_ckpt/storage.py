@@ -66,8 +66,18 @@ class CheckpointError(RuntimeError):
 
 
 def open_url(url: str) -> tuple[AbstractFileSystem, str]:
-    """``(filesystem, path)`` for any fsspec URL (``file://``, ``memory://``, ``s3://``, plain paths)."""
-    fs, path = fsspec.core.url_to_fs(url)
+    """``(filesystem, path)`` for any fsspec URL (``file://``, ``memory://``, ``s3://``, plain paths).
+
+    Raises:
+        ValueError: fsspec knows no filesystem for the URL's scheme (the URL named).
+        ImportError: the scheme's filesystem package (e.g. ``s3fs``) is not installed (the URL named).
+    """
+    try:
+        fs, path = fsspec.core.url_to_fs(url)
+    except ValueError as exc:
+        raise ValueError(f"checkpoint URL {url!r}: {exc}") from exc
+    except ImportError as exc:
+        raise ImportError(f"checkpoint URL {url!r}: {exc}") from exc
     return fs, path.rstrip("/") or path
 
 
