@@ -74,11 +74,18 @@ class SkipMetrics:
         self.report = self._global() or self.report
         self._logged = set(self.report["keys"])
 
-    def step(self) -> dict[str, Any]:
+    def local_total(self) -> int:
+        """This rank's count of skipped items (metadata skips only where this rank counts them); their sum
+        over the world is what :meth:`step` takes (the trainer adds it to the step's metrics all-reduce)."""
+        return int(self._local()["total"])
+
+    def step(self, world_total: int | None = None) -> dict[str, Any]:
         """The metrics of the skips since the last call (the same on every rank): ``skipped``
         ``{"source/reason": count}`` and ``skipped_keys`` ``{source: [[key, reason], ...]}`` (keys named
-        for the first time), both empty when nothing was skipped."""
-        now = self._global()
+        for the first time), both empty when nothing was skipped. ``world_total``: the sum of
+        :meth:`local_total` over the world, already reduced by the caller (else one all-reduce here);
+        the named reports are gathered only when it changed (collective: every rank calls it)."""
+        now = self._global(world_total)
         if now is None:
             return {"skipped": {}, "skipped_keys": {}}
         before, self.report = self.report, now
@@ -121,17 +128,18 @@ class SkipMetrics:
             rep["metadata"] = {}
         return rep
 
-    def _global(self) -> dict[str, Any] | None:
+    def _global(self, world_total: int | None = None) -> dict[str, Any] | None:
         """The merged report of every rank, or None when the global count did not change."""
-        local = self._local()
         if not dist.is_initialized():
-            reports = [local]
+            reports = [self._local()]
         else:
-            total = torch.tensor([local["total"]], dtype=torch.int64)
-            dist.all_reduce(total)
-            if int(total) == self.report["total"]:
+            if world_total is None:
+                total = torch.tensor([self.local_total()], dtype=torch.int64)
+                dist.all_reduce(total)
+                world_total = int(total)
+            if world_total == self.report["total"]:
                 return None
-            reports = _all_gather_msgpack(local)
+            reports = _all_gather_msgpack(self._local())
         merged = merge_skip_reports(reports, self.max_keys)
         return None if merged == self.report else merged
 

@@ -4,9 +4,11 @@ logs to ``metrics.jsonl`` (the fields are listed in the app README, "Outputs").
 Model FLOPs count 2 per multiply-add, training = 3x forward, attention per packed document
 (:mod:`omni_train.flops`); MFU divides by the measured peak of every process.
 
-Memory (:func:`memory_metrics`, a second all-reduce of three numbers per rank): the step's peak bytes of
-saved activations per rank, kept and offloaded (:mod:`omni_train.activation_memory`), and on CUDA the
-allocator's peak.
+The same all-reduce carries the step's memory peaks (:data:`MEMORY_METRICS`: saved activations per rank,
+kept and offloaded (:mod:`omni_train.activation_memory`), and on CUDA the allocator's peak) and the
+world's count of skipped items (:class:`omni_train.skip_metrics.SkipMetrics` gathers the named report
+only when that count changed): one collective per step for all of the step's numbers, since every
+collective after the pipeline step is a point where every rank waits for the slowest.
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ from omni_train.flops import attention_flops, model_flops
 from omni_train.models import LLMConfig
 from omni_train.step_inputs import StepInputs
 
-__all__ = ["MEMORY_METRICS", "PHASES", "StepMetrics", "memory_metrics", "step_phases"]
+__all__ = ["MEMORY_METRICS", "PHASES", "StepMetrics", "step_phases"]
 
 # metrics.jsonl ``time_s_per_rank`` keys: where a rank's step wall time went (seconds, they sum to it)
 PHASES = (
@@ -43,7 +45,7 @@ PHASES = (
     "other",
 )
 
-# metrics.jsonl keys of memory_metrics, each a list over global ranks (bytes)
+# metrics.jsonl keys of the memory peaks, each a list over global ranks (bytes)
 MEMORY_METRICS = (
     "peak_activation_bytes_per_rank",
     "peak_offloaded_bytes_per_rank",
@@ -51,17 +53,22 @@ MEMORY_METRICS = (
 )
 
 
-def memory_metrics(peaks: StepPeaks, rank: int, world: int) -> dict[str, list[int]]:
-    """Every rank's peaks of one step (collective over the world: one all-reduce of ``3 * world``
-    int64). Returns :data:`MEMORY_METRICS` -> ``[bytes per global rank]``;
-    ``peak_allocated_bytes_per_rank`` only on CUDA."""
-    vec = torch.zeros(3, world, dtype=torch.int64)
-    allocated = peaks.allocated_bytes
-    vec[:, rank] = torch.tensor([peaks.activation_bytes, peaks.offloaded_bytes, allocated or 0])
-    if world > 1:
-        dist.all_reduce(vec)
-    rows = vec.tolist()
-    return {name: rows[i] for i, name in enumerate(MEMORY_METRICS) if i < 2 or allocated is not None}
+def _memory_vector(peaks: StepPeaks | None, rank: int, world: int) -> torch.Tensor:
+    """This rank's column of the ``3 x world`` peaks (bytes; zeros without ``peaks``), flattened."""
+    vec = torch.zeros(len(MEMORY_METRICS), world, dtype=torch.float64)
+    if peaks is not None:
+        vec[:, rank] = torch.tensor(
+            [peaks.activation_bytes, peaks.offloaded_bytes, peaks.allocated_bytes or 0], dtype=torch.float64
+        )
+    return vec.reshape(-1)
+
+
+def _memory_numbers(v: list[float], world: int, cuda: bool) -> dict[str, list[int]]:
+    """:func:`_memory_vector` summed over the world -> :data:`MEMORY_METRICS` -> ``[bytes per global
+    rank]`` (float64 holds byte counts below 2**53 exactly); ``peak_allocated_bytes_per_rank`` only on
+    CUDA."""
+    rows = [[int(x) for x in v[i * world : (i + 1) * world]] for i in range(len(MEMORY_METRICS))]
+    return {name: rows[i] for i, name in enumerate(MEMORY_METRICS) if i < 2 or cuda}
 
 
 def step_phases(result: StepResult, wall: float, measured: dict[str, float]) -> dict[str, float]:
@@ -132,12 +139,17 @@ class StepMetrics:
         result: StepResult,
         wall: float,
         phases: dict[str, float] | None = None,
+        *,
+        peaks: StepPeaks | None = None,
+        skip_total: int = 0,
     ) -> dict[str, Any]:
         """One all-reduce over the world (collective): per-rank wall/busy seconds and the step's time per
         :data:`PHASES` (``phases`` gives ``data``, ``optimizer``, ``checkpoint``; the rest comes from the
         executor's result; ``other`` is the wall time left), and (from pipeline rank 0 of each DP
         replica, which holds the broadcast losses) loss and per-modality sums, tokens, samples, skipped
-        payloads, and the encoder numbers of :meth:`_encoder_vector` in the same all-reduce."""
+        payloads, and in the same all-reduce the encoder numbers of :meth:`_encoder_vector`, this rank's
+        memory ``peaks`` (``"memory"``: :data:`MEMORY_METRICS` -> bytes per global rank) and its count of
+        skipped items ``skip_total`` (``"skip_total"``: the sum over the world)."""
         n, packs = self.world, inputs.packs
         times = step_phases(result, wall, phases or {})
         vec = torch.zeros(2 * n + 1 + 2 * len(MODALITIES) + 3 + len(PHASES) * n, dtype=torch.float64)
@@ -157,10 +169,18 @@ class StepMetrics:
             vec[at - 2] = sum(len(p.samples) for p in packs)
             vec[at - 1] = len(inputs.masked)
         own = vec.numel()
-        vec = torch.cat([vec, self._encoder_vector(inputs, result)])
-        dist.all_reduce(vec)
+        enc = self._encoder_vector(inputs, result)
+        mem = _memory_vector(peaks, self.rank, n)
+        skips = torch.tensor([float(skip_total)], dtype=torch.float64)
+        vec = torch.cat([vec, enc, mem, skips])
+        if dist.is_initialized() and n > 1:
+            dist.all_reduce(vec)
         v = vec.tolist()
-        return self._encoder_numbers(v[own:]) | {
+        at_mem = own + enc.numel()
+        cuda = peaks is not None and peaks.allocated_bytes is not None
+        return self._encoder_numbers(v[own:at_mem]) | {
+            "memory": _memory_numbers(v[at_mem : at_mem + mem.numel()], n, cuda),
+            "skip_total": int(v[-1]),
             "wall": v[:n],
             "busy": v[n : 2 * n],
             "loss": v[2 * n],

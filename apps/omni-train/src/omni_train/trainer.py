@@ -49,7 +49,7 @@ import os
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -103,10 +103,11 @@ from omni_train.parallelize import (
 )
 from omni_train.pipeline import build_rank_stages, build_schedule, stage_split
 from omni_train.profiling import StepProfiler
+from omni_train.run_writes import RunWrites
 from omni_train.simulate import action_tokens
 from omni_train.skip_metrics import SkipMetrics
 from omni_train.step_inputs import StepBuilder, StepInputs
-from omni_train.step_metrics import StepMetrics, memory_metrics
+from omni_train.step_metrics import StepMetrics
 from omni_train.step_plan import StepPlanner, stage_weights, static_flow
 
 __all__ = ["Trainer", "worker_main"]
@@ -127,6 +128,7 @@ class _RunOutputs:
     profiler: StepProfiler
     clock: float
     checkpoint_s: float = 0.0
+    writes: RunWrites = field(default_factory=RunWrites)  # rank 0's file writes, off the step
 
 
 class Trainer:
@@ -448,6 +450,7 @@ class Trainer:
             result = self._train_step(step, run, after_backward)
             last = result if step == total - 1 else last
         run.profiler.stop()
+        run.writes.close()
         self.checkpoint.close()
         run.logger.close()
         if run.records is not None:
@@ -509,24 +512,26 @@ class Trainer:
         grad_norm = self._clip()
         self.optimizer.step()
         optimizer_s = time.perf_counter() - t
+        self.stream.wait_prepared()  # skips found preparing step + 1 count in this step, as without it
         wall = time.perf_counter() - run.clock
         phases = {"data": data_s, "optimizer": optimizer_s, "checkpoint": run.checkpoint_s}
-        row = self.metrics.reduce(inputs, result, wall, phases)
+        # one collective for the step's numbers, memory peaks and skip count (step_metrics)
+        row = self.metrics.reduce(
+            inputs, result, wall, phases, peaks=self.memory.peaks(), skip_total=self.skips.local_total()
+        )
         run.clock = (
             time.perf_counter()
         )  # the next step's clock starts here: logging and checkpoint count in it
-        self._write_records(run.records, step, fs, inputs, result, wall)
-        memory = memory_metrics(self.memory.peaks(), self.rank, self.world)
-        self.stream.wait_prepared()  # skips found preparing step + 1 count in this step, as without it
-        skipped = self.skips.step()
+        self._write_records(run, step, fs, inputs, result, wall)
+        skipped = self.skips.step(row["skip_total"])
         if self.rank == 0:
             metrics = self.metrics.row(inputs, row, lr, grad_norm)
-            run.logger.log(
-                step, {**metrics, **memory, **skipped, **self._cp_metrics(), **self._planner_metrics()}
-            )
+            extra = {**row["memory"], **skipped, **self._cp_metrics(), **self._planner_metrics()}
+            run.writes.submit(run.logger.log, step, {**metrics, **extra})
         run.checkpoint_s = 0.0
         if self.checkpoint.due(step + 1):
             t = time.perf_counter()
+            run.writes.drain()  # the steps before the checkpoint are on disk before it commits
             self.checkpoint.save(step + 1)
             run.checkpoint_s = time.perf_counter() - t
         run.profiler.step()
@@ -563,7 +568,7 @@ class Trainer:
 
     def _write_records(
         self,
-        writer: RecordWriter | None,
+        run: _RunOutputs,
         step: int,
         fs: FilteredStep,
         inputs: StepInputs,
@@ -572,7 +577,7 @@ class Trainer:
     ) -> None:
         """This step's per-action, receive and step records of every rank of global rank 0's pipeline (the
         first DP replica's; TP/SP/CP rank 0), gathered to rank 0 over that pipeline group (collective over
-        it) and written there. Other ranks record nothing."""
+        it) and queued on rank 0's writes (:class:`RunWrites`). Other ranks record nothing."""
         if any(self.ps.local_rank(a) for a in ("dp", "tp", "cp", "ulysses")):
             return
         llm, enc = action_tokens(self.cfg, inputs.packs, fs.microbatches)
@@ -585,8 +590,8 @@ class Trainer:
         if self.pp > 1:
             gathered = [None] * self.pp if self.rank == 0 else None
             dist.gather_object(mine, gathered, dst=0, group=self.ps.group("pp"))
-        if writer is not None and gathered is not None:
-            writer.write(r for rank in gathered for r in rank)
+        if run.records is not None and gathered is not None:
+            run.writes.submit(run.records.write, [r for rank in gathered for r in rank])
 
     def _fresh_start(self) -> int:
         self.stream.reset()
