@@ -16,6 +16,7 @@ from omni_pipeline import (
     ActionTokens,
     CostModel,
     DataFlow,
+    FlowRecord,
     P2PRecord,
     RecordError,
     RecordWriter,
@@ -255,3 +256,20 @@ def test_records_of_simulated_timelines_fit_back_to_the_model_that_made_them():
     got = fitted.for_step(2, llm, mods)
     flow = uniform_on_demand(s, enc, want)
     assert simulate(s, flow, got).makespan_s == pytest.approx(simulate(s, flow, want).makespan_s, rel=1e-9)
+
+
+def test_flow_of_a_step_is_the_last_recorded_and_sees_records_added_later():
+    """A resumed run records a step's flow again (the later one is what ran); the lookup index is
+    rebuilt after records are added."""
+    a = DataFlow({1: (1, (0, 1)), -1: (1, (-2, 0))}, {1: [1]})
+    b = DataFlow({1: (0, (0, 1)), -1: (0, (-2, 0))}, {1: [1]})
+    records = RunRecords()
+    for step in range(50):
+        records.add(FlowRecord(step, a.to_json()))
+    records.add(FlowRecord(7, b.to_json()))  # step 7 again, after a resume
+    assert records.flow(7).to_json() == b.to_json()
+    assert records.flow(8).to_json() == a.to_json()
+    assert records.flow(50) is None
+    records.add(FlowRecord(50, b.to_json()))
+    assert records.flow(50).to_json() == b.to_json()
+    assert [records.flow(s).to_json() == a.to_json() for s in range(50)].count(False) == 1

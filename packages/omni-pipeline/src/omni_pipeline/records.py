@@ -136,6 +136,7 @@ class RunRecords:
     p2p: list[P2PRecord] = field(default_factory=list)
     steps: list[StepRecord] = field(default_factory=list)
     flows: list[FlowRecord] = field(default_factory=list)
+    _flow_index: tuple[int, dict[int, FlowRecord]] | None = field(default=None, repr=False, compare=False)
 
     def add(self, record: Record) -> None:
         kinds = {
@@ -157,9 +158,13 @@ class RunRecords:
 
     def flow(self, step: int) -> DataFlow | None:
         """The data flow recorded for ``step`` (the last one if a resumed run recorded it again), or
-        ``None`` (a run whose one flow is in its ``dataflow.json``)."""
-        got = [r for r in self.flows if r.step == step]
-        return got[-1].data_flow if got else None
+        ``None`` (a run whose one flow is in its ``dataflow.json``). Looked up in an index of the flow
+        records by step, rebuilt only when records were added since (so a pass over every step of a long
+        run stays linear)."""
+        if self._flow_index is None or self._flow_index[0] != len(self.flows):
+            self._flow_index = (len(self.flows), {r.step: r for r in self.flows})  # later records win
+        got = self._flow_index[1].get(step)
+        return got.data_flow if got is not None else None
 
     @property
     def step_ids(self) -> list[int]:
