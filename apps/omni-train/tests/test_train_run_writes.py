@@ -39,7 +39,7 @@ def test_a_failed_write_is_raised_with_its_cause_and_nothing_after_it_runs():
     w.submit(fail)
     w.submit(seen.append, 1)
     gate.set()
-    with pytest.raises(RuntimeError, match="writing the run's files failed.*No space left") as info:
+    with pytest.raises(RuntimeError, match=r"writing the run.s files failed.*No space left") as info:
         w.drain()
     assert isinstance(info.value.__cause__, OSError)
     assert seen == []

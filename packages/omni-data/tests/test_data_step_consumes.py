@@ -103,16 +103,35 @@ def test_background_preparation_gives_the_same_steps_and_an_exact_resume(shards)
     tok = train_tiny_bpe()
     reader = PayloadReader(tok)
     runs = {}
-    for background in (False, True):
+    # on request: prepared in the background after the steps whose number is even, inline in next() after
+    # the others (the caller did not ask), so both paths meet the same stream
+    modes = {
+        "off": {},
+        "on": {"background": True},
+        "on request": {"background": True, "prepare_on_request": True},
+    }
+
+    def pull(zr, n):
+        out = []
+        for _ in range(n):
+            out.append(next(zr))
+            if zr.prepare_on_request:
+                assert zr._refilling is None  # nothing started before the caller asks
+                if out[-1].step % 2 == 0:
+                    zr.prepare()
+                    assert zr._refilling is not None
+        return out
+
+    for mode, kw in modes.items():
         fn, _ = _rule(0)
-        with _filter(shards, tok, reader, fn, background=background, read_text=True) as zr:
-            first = [next(zr) for _ in range(2)]
+        with _filter(shards, tok, reader, fn, read_text=True, **kw) as zr:
+            first = pull(zr, 2)
             state = msgpack.packb(zr.state_dict())
-            rest = [next(zr) for _ in range(3)]
+            rest = pull(zr, 3)
         fn, _ = _rule(0)
-        with _filter(shards, tok, reader, fn, background=background, read_text=True) as resumed:
+        with _filter(shards, tok, reader, fn, read_text=True, **kw) as resumed:
             resumed.load_state_dict(msgpack.unpackb(state, strict_map_key=False))
-            again = [next(resumed) for _ in range(3)]
+            again = pull(resumed, 3)
         summary = [
             (
                 fs.step,
@@ -126,8 +145,8 @@ def test_background_preparation_gives_the_same_steps_and_an_exact_resume(shards)
         assert [x[:4] for x in summary[2:]] == [
             (fs.step, [p.to_dict() for p in fs.packs], sorted(fs.consumes), _payloads(fs)) for fs in again
         ]
-        runs[background] = summary
-    assert runs[True] == runs[False]
+        runs[mode] = summary
+    assert runs["on"] == runs["off"] and runs["on request"] == runs["off"]
 
 
 def test_a_consumes_function_returning_an_unknown_microbatch_is_named(shards):

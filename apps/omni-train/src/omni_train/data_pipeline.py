@@ -180,6 +180,7 @@ def build_step_stream(
     pack_tokens: int | None = None,
     sources: Mapping[str, BaseNode[SampleMeta]] | None = None,
     background: bool = False,
+    prepare_on_request: bool = False,
 ) -> ZeroRedundancyFilter:
     """The per-step stream of this rank (see the module docstring); call ``reset()`` or
     ``reset(state)`` before use, ``close()`` after (it owns decode threads).
@@ -197,6 +198,8 @@ def build_step_stream(
         background: prepare the next step's metadata on the filter's own thread while the caller trains
             (``ZeroRedundancyFilter(background=True)``); ``dp_group`` must then be a group no other
             thread uses.
+        prepare_on_request: with ``background``, the preparation starts at the filter's ``prepare()``
+            (the trainer calls it once the step's inputs are built), not when ``next`` returns.
     """
     if sources is None:
         sources = build_sources(cfg, tokenizer, dp_rank=dp_rank, dp_size=dp_size)
@@ -223,6 +226,7 @@ def build_step_stream(
         tp_group=tp_group,
         prefetch=1,
         background=background,
+        prepare_on_request=prepare_on_request,
         read_text=read_text,
         balance=cfg.parallel.reorder,
         decode_workers=d.decode_workers,

@@ -243,7 +243,10 @@ class Trainer:
             # TP and Ulysses peers need identical packs: their rank 0 reads, the others get a broadcast
             # (validation refuses tp > 1 with ulysses > 1).
             tp_group=tp_or_sp,
-            background=True,  # the next step's metadata (and plan) is made while this one trains
+            background=True,  # the next step's metadata (and plan) is made while this one trains,
+            # from when this step's inputs are built (_train_step): both are Python, and a second thread
+            # running then takes turns at the GIL with the input building instead of with the compute
+            prepare_on_request=True,
         )
         self.stream = build_step_stream(cfg, self.tokenizer, **(options | self._cp_stream_options()))
 
@@ -495,6 +498,7 @@ class Trainer:
         fs = self._loader_step(step)
         flow = self.planner.flow(fs.step, fs.packs, fs.microbatches) if self.planner else None
         inputs = self.builder.build(fs, flow)
+        self.stream.prepare()  # step + 1 from here on, on the loader's thread (see __init__)
         data_s = time.perf_counter() - t
         lr = self._start_step(step)
         self.memory.start_step()

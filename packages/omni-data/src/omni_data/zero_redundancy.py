@@ -18,6 +18,11 @@ caller trains, instead of inside :meth:`ZeroRedundancyFilter.next`. Every method
 the state (``next``, ``state_dict``, ``reset``, ``load_resplit``, ``close``) first waits for it, so the
 state and the steps are the same as without it. Collectives the loader runs (the DP token count of
 token-unit mixture phases) then run on that thread: give the loader a process group no other thread uses.
+The preparation starts when :meth:`ZeroRedundancyFilter.next` returns, or, with
+``prepare_on_request=True``, when the caller calls :meth:`ZeroRedundancyFilter.prepare`: a caller that
+builds its step's inputs in Python right after ``next`` starts it once that is done, so that the two do
+not take turns at the GIL (a thread in pure Python holds it for up to ``sys.getswitchinterval()`` before
+the other gets it back); without the call the next ``next`` prepares inline.
 
 Parallel decode: payloads are read and decoded by a pool of ``decode_workers`` threads the filter owns
 (torchdata.nodes ``ParallelMapper`` conventions: ``num_workers`` threads, results in order). PIL,
@@ -198,6 +203,8 @@ class ZeroRedundancyFilter(StatefulNode[FilteredStep]):
         prefetch: steps of metadata pulled ahead; their payloads are read in the background.
         background: prepare the prefetched steps' metadata on a thread of the filter's own (see the
             module docstring); ``False``: inside :meth:`next`.
+        prepare_on_request: with ``background``, start that preparation at :meth:`prepare`, not when
+            :meth:`next` returns.
         decode_workers: threads that read and decode payloads (>= 1).
         read_text: this rank builds LLM inputs (the first stage): also read the token ids of every
             sample of the step (``FilteredStep.text_ids``); only ``txt`` members are read for that.
@@ -236,6 +243,7 @@ class ZeroRedundancyFilter(StatefulNode[FilteredStep]):
         tp_group: Any = None,
         prefetch: int = 1,
         background: bool = False,
+        prepare_on_request: bool = False,
         read_text: bool = False,
         max_skipped_keys: int = 1000,
         balance: bool = True,
@@ -271,6 +279,7 @@ class ZeroRedundancyFilter(StatefulNode[FilteredStep]):
             ThreadPoolExecutor(max_workers=1, thread_name_prefix="omni-data-prepare") if background else None
         )
         self._refilling: Future[None] | None = None
+        self.prepare_on_request = prepare_on_request
         # the pools' threads stop even if the filter is dropped without close()
         self._finalizer = weakref.finalize(self, _shutdown, self._pool, self._prep)
         self.samples_read = 0
@@ -499,11 +508,18 @@ class ZeroRedundancyFilter(StatefulNode[FilteredStep]):
             out[e] = payloads[at : at + len(mbs[e])]
             at += len(mbs[e])
         # refill the prefetch window now, so the next step's reads overlap the caller's compute
-        if self._prep is not None:
-            self._refilling = self._prep.submit(self._refill, self.prefetch)
-        else:
+        if self._prep is None:
             self._refill(self.prefetch)
+        elif not self.prepare_on_request:
+            self.prepare()
         return FilteredStep(batch.step, batch.packs, mbs, out, text_ids, consumes)
+
+    def prepare(self) -> None:
+        """Start preparing the next steps on the background thread (with ``background``; a no-op when
+        it is running already or there is no background thread). :meth:`next` calls it itself unless
+        ``prepare_on_request``."""
+        if self._prep is not None and self._refilling is None:
+            self._refilling = self._prep.submit(self._refill, self.prefetch)
 
     def _broadcast(
         self, batch: StepBatch, metas: list[SampleMeta], reads: _Reads | None
