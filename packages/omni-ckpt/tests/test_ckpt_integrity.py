@@ -224,3 +224,20 @@ def test_an_object_length_past_the_file_end_raises_before_anything_is_allocated(
 def test_an_unknown_url_scheme_names_the_url(tmp_path):
     with pytest.raises(ValueError, match=r"checkpoint URL 'nosuchfs://run/step-1'"):
         load(_sentinel(), "nosuchfs://run/step-1")
+
+
+def test_a_scheme_whose_filesystem_package_is_missing_names_the_url():
+    from fsspec.registry import get_filesystem_class, known_implementations
+
+    def missing(protocol):
+        try:
+            get_filesystem_class(protocol)
+        except ImportError:
+            return True
+        return False
+
+    absent = next((p for p in sorted(known_implementations) if missing(p)), None)
+    if absent is None:
+        pytest.skip("every filesystem fsspec knows is installed")
+    with pytest.raises(ImportError, match=rf"checkpoint URL '{absent}://run/step-1'"):
+        load(_sentinel(), f"{absent}://run/step-1")

@@ -149,6 +149,31 @@ def test_background_preparation_gives_the_same_steps_and_an_exact_resume(shards)
     assert runs["on"] == runs["off"] and runs["on request"] == runs["off"]
 
 
+def test_a_requested_preparation_is_waited_for_by_state_reset_and_close(shards):
+    """The trainer's order (``next``, then ``prepare()``): a state taken and a ``reset`` made while the
+    requested preparation runs (the rule is slow on that thread) give the foreground filter's steps; a
+    filter closed while one runs then refuses ``prepare`` and ``next`` by name."""
+    tok = train_tiny_bpe()
+    reader = PayloadReader(tok)
+    fn, _ = _rule(0)
+    with _filter(shards, tok, reader, fn) as ref:
+        want = [(fs.step, sorted(fs.consumes), _payloads(fs)) for fs in (next(ref) for _ in range(4))]
+    fn, _ = _rule(0)
+    with _filter(shards, tok, reader, fn, background=True, prepare_on_request=True) as zr:
+        first = next(zr)
+        zr.prepare()
+        state = msgpack.unpackb(msgpack.packb(zr.state_dict()), strict_map_key=False)
+        next(zr)
+        zr.prepare()
+        zr.reset(state)  # back to after step 0, while step 2 is being prepared
+        got = [first, *(next(zr) for _ in range(3))]
+        zr.prepare()  # still running when the block closes the filter
+    assert [(fs.step, sorted(fs.consumes), _payloads(fs)) for fs in got] == want
+    for call in (zr.prepare, lambda: next(zr)):
+        with pytest.raises(RuntimeError, match=r"ZeroRedundancyFilter: closed"):
+            call()
+
+
 def test_a_consumes_function_returning_an_unknown_microbatch_is_named(shards):
     tok = train_tiny_bpe()
     zr = _filter(shards, tok, PayloadReader(tok), lambda step, packs, mbs: {MICRO * SLICES + 1})

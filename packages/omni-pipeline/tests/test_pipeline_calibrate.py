@@ -273,3 +273,8 @@ def test_flow_of_a_step_is_the_last_recorded_and_sees_records_added_later():
     records.add(FlowRecord(50, b.to_json()))
     assert records.flow(50).to_json() == b.to_json()
     assert [records.flow(s).to_json() == a.to_json() for s in range(50)].count(False) == 1
+    # flows replaced by a list of the same length (e.g. the records of one step only): not the old index
+    records.flows = [FlowRecord(s, b.to_json()) for s in range(len(records.flows))]
+    assert records.flow(8).to_json() == b.to_json()
+    with pytest.raises(TypeError):
+        RunRecords(_flow_index=(0, {}))  # the index is not a field a caller sets

@@ -9,8 +9,9 @@ rank contributes its own. Nothing is dropped silently (DESIGN.md): each skip is 
 reason, the first keys of each source are named, and the first time a source skips, rank 0 logs it with
 those keys.
 
-Cost: one all-reduce of one int64 per step; only when the global count changed, two all-gathers of the
-ranks' msgpack-encoded reports (no pickle).
+Cost: the world's count of skipped items per step (one all-reduce of one int64, or none when the caller
+passes the count: the trainer folds it into the step's metrics all-reduce); only when that count changed,
+two all-gathers of the ranks' msgpack-encoded reports (no pickle).
 """
 
 from __future__ import annotations

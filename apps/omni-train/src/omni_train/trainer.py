@@ -449,12 +449,16 @@ class Trainer:
         start = self.checkpoint.restore() if self.resume else self._fresh_start()
         run = self._open_run(start)
         t_run, last = time.perf_counter(), None
-        for step in range(start, total):
-            result = self._train_step(step, run, after_backward)
-            last = result if step == total - 1 else last
-        run.profiler.stop()
-        run.writes.close()
-        self.checkpoint.close()
+        try:
+            for step in range(start, total):
+                result = self._train_step(step, run, after_backward)
+                last = result if step == total - 1 else last
+            run.profiler.stop()
+            run.writes.close()
+            self.checkpoint.close()
+        except BaseException as exc:
+            _close_after(exc, run)
+            raise
         run.logger.close()
         if run.records is not None:
             run.records.close()
@@ -531,7 +535,7 @@ class Trainer:
         if self.rank == 0:
             metrics = self.metrics.row(inputs, row, lr, grad_norm)
             extra = {**row["memory"], **skipped, **self._cp_metrics(), **self._planner_metrics()}
-            run.writes.submit(run.logger.log, step, {**metrics, **extra})
+            run.writes.submit(f"{run.logger.path}, step {step}", run.logger.log, step, {**metrics, **extra})
         run.checkpoint_s = 0.0
         if self.checkpoint.due(step + 1):
             t = time.perf_counter()
@@ -595,7 +599,8 @@ class Trainer:
             gathered = [None] * self.pp if self.rank == 0 else None
             dist.gather_object(mine, gathered, dst=0, group=self.ps.group("pp"))
         if run.records is not None and gathered is not None:
-            run.writes.submit(run.records.write, [r for rank in gathered for r in rank])
+            records = [r for rank in gathered for r in rank]
+            run.writes.submit(f"{run.records.path}, step {step}", run.records.write, records)
 
     def _fresh_start(self) -> int:
         self.stream.reset()
@@ -638,6 +643,19 @@ class Trainer:
             checkpoints=self.checkpoint.steps(),
             skipped=self.skips.summary(),
         )
+
+
+def _close_after(error: BaseException, run: _RunOutputs) -> None:
+    """After ``error`` stopped the run: the queued writes of the steps that finished reach disk, the writes
+    thread stops and the run's files are closed; what fails meanwhile is added to ``error`` as a note (it
+    stays the error raised)."""
+    closes = [run.writes.close, run.logger.close] + ([run.records.close] if run.records is not None else [])
+    for close in closes:
+        try:
+            close()
+        except Exception as also:  # not raised: the error that stopped the run stays the one raised
+            if also is not error:
+                error.add_note(f"omni-train: also, while closing the run's files: {also!r}")
 
 
 def worker_main(cfg: RunConfig, out_dir: str, resume: bool) -> dict[str, Any]:

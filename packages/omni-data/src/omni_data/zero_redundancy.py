@@ -230,6 +230,7 @@ class ZeroRedundancyFilter(StatefulNode[FilteredStep]):
             ``1 .. microbatches * slices`` (from ``next`` when a ``consumes`` function returns one),
             ``decode_workers`` < 1, or ``read_text`` with a reader that has no tokenizer.
         PayloadError: (from ``next``) a payload failed for a reason other than undecodable media.
+        RuntimeError: (from ``next`` and ``prepare``) the filter was closed.
     """
 
     def __init__(
@@ -280,6 +281,7 @@ class ZeroRedundancyFilter(StatefulNode[FilteredStep]):
         )
         self._refilling: Future[None] | None = None
         self.prepare_on_request = prepare_on_request
+        self._closed = False
         # the pools' threads stop even if the filter is dropped without close()
         self._finalizer = weakref.finalize(self, _shutdown, self._pool, self._prep)
         self.samples_read = 0
@@ -349,7 +351,8 @@ class ZeroRedundancyFilter(StatefulNode[FilteredStep]):
 
     def close(self) -> None:
         """Stop the decode (and preparation) threads: pending reads are cancelled, running ones are waited
-        for. The filter cannot be iterated afterwards. Also called on leaving a ``with`` block."""
+        for. Afterwards :meth:`next` and :meth:`prepare` raise. Also called on leaving a ``with`` block."""
+        self._closed = True
         try:
             self._drain()
         finally:
@@ -487,6 +490,7 @@ class ZeroRedundancyFilter(StatefulNode[FilteredStep]):
                 break
 
     def next(self) -> FilteredStep:
+        self._check_open()
         self._settle()
         # in the foreground only what this call returns (with background preparation the next steps were
         # made while the caller trained); without it, the prefetched steps' reads start before this one
@@ -517,9 +521,18 @@ class ZeroRedundancyFilter(StatefulNode[FilteredStep]):
     def prepare(self) -> None:
         """Start preparing the next steps on the background thread (with ``background``; a no-op when
         it is running already or there is no background thread). :meth:`next` calls it itself unless
-        ``prepare_on_request``."""
+        ``prepare_on_request``.
+
+        Raises:
+            RuntimeError: the filter was closed.
+        """
+        self._check_open()
         if self._prep is not None and self._refilling is None:
             self._refilling = self._prep.submit(self._refill, self.prefetch)
+
+    def _check_open(self) -> None:
+        if self._closed:  # its threads are stopped: their pool would only say it cannot schedule
+            raise RuntimeError("ZeroRedundancyFilter: closed (close() was called); it cannot step or prepare")
 
     def _broadcast(
         self, batch: StepBatch, metas: list[SampleMeta], reads: _Reads | None

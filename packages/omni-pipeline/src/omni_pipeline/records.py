@@ -136,7 +136,11 @@ class RunRecords:
     p2p: list[P2PRecord] = field(default_factory=list)
     steps: list[StepRecord] = field(default_factory=list)
     flows: list[FlowRecord] = field(default_factory=list)
-    _flow_index: tuple[int, dict[int, FlowRecord]] | None = field(default=None, repr=False, compare=False)
+    # (the flows list it was built from, its length then, {step: its last flow record}): rebuilt when
+    # ``flows`` is another list or has grown
+    _flow_index: tuple[list[FlowRecord], int, dict[int, FlowRecord]] | None = field(
+        default=None, init=False, repr=False, compare=False
+    )
 
     def add(self, record: Record) -> None:
         kinds = {
@@ -159,11 +163,12 @@ class RunRecords:
     def flow(self, step: int) -> DataFlow | None:
         """The data flow recorded for ``step`` (the last one if a resumed run recorded it again), or
         ``None`` (a run whose one flow is in its ``dataflow.json``). Looked up in an index of the flow
-        records by step, rebuilt only when records were added since (so a pass over every step of a long
-        run stays linear)."""
-        if self._flow_index is None or self._flow_index[0] != len(self.flows):
-            self._flow_index = (len(self.flows), {r.step: r for r in self.flows})  # later records win
-        got = self._flow_index[1].get(step)
+        records by step, rebuilt only when records were added or ``flows`` was replaced since (so a pass
+        over every step of a long run stays linear)."""
+        index = self._flow_index
+        if index is None or index[0] is not self.flows or index[1] != len(self.flows):
+            self._flow_index = index = (self.flows, len(self.flows), {r.step: r for r in self.flows})
+        got = index[2].get(step)  # later records won in the dict
         return got.data_flow if got is not None else None
 
     @property
