@@ -132,6 +132,10 @@ class MergedStream(StatefulNode[FilteredStep]):
         for s in self.streams:
             s.wait_prepared()
 
+    def prepare(self) -> None:
+        for s in self.streams:
+            s.prepare()
+
     def next(self) -> FilteredStep:
         parts = [next(s) for s in self.streams]
         packs, mbs, payloads, text = [], {}, {}, []

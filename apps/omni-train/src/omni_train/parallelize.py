@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Collection, Iterable
 
 import torch
 import torch.distributed as dist
@@ -202,11 +202,17 @@ def apply_dp(stage: LLMStage, ps: ParallelState) -> Callable[[], None]:
     return lambda: all_reduce_gradients(params, group)
 
 
-def apply_encoder_zero(encoders: Encoders, ps: ParallelState, zero_stage: int = 0) -> Callable[[], None]:
-    """The encoders' layout and gradient sync (``parallel.encoder_zero``). Returns the hook.
+def apply_encoder_zero(
+    encoders: Encoders, ps: ParallelState, zero_stage: int = 0
+) -> Callable[[Collection[str] | None], None]:
+    """The encoders' layout and gradient sync (``parallel.encoder_zero``). Returns the hook,
+    ``hook(towers)``: ``towers`` names the towers that ran anywhere in the step (``StepInputs.media``),
+    ``None`` all of them.
 
     ZeRO stage 0: every rank holds the encoders whole; their gradients are summed over every rank and
-    divided by ``tp`` (see the module docstring).
+    divided by ``tp`` (see the module docstring). A tower not in ``towers`` ran on no rank, so its
+    gradients are the zeros the executor filled in on every rank and their sum is zeros too: it is not
+    reduced (on an image-only step of ``omni-heavy`` that is the audio tower, 8 of the 18 MiB).
 
     ZeRO stages 2 and 3: each tower is FSDP2-sharded over every rank (``fully_shard`` per encoder block,
     then the tower: ``omni_parallel.EncoderState.shard``), so parameters (stage 3: also at rest),
@@ -228,13 +234,21 @@ def apply_encoder_zero(encoders: Encoders, ps: ParallelState, zero_stage: int = 
     tp = ps.size("tp")
     if zero_stage == 0:
         group = dist.group.WORLD if ps.world_size > 1 else None
-        params = [p for p in encoders.parameters() if p.requires_grad]
-        return lambda: all_reduce_gradients(params, group, divide_by=tp)
+        by_tower = {n: [p for p in t.parameters() if p.requires_grad] for n, t in encoders.towers.items()}
+        in_towers = {id(p) for ps_ in by_tower.values() for p in ps_}
+        shared = [p for p in encoders.parameters() if p.requires_grad and id(p) not in in_towers]
+
+        def reduce_replicated(towers: Collection[str] | None = None) -> None:
+            ran = [p for n, ps_ in by_tower.items() if towers is None or n in towers for p in ps_]
+            all_reduce_gradients([*shared, *ran], group, divide_by=tp)
+
+        return reduce_replicated
     state = ps.encoder_state(EncoderLayout(sp=1, fsdp=True, reshard_after_forward=zero_stage == 3))
     towers = list(encoders.towers.values())
     for tower in towers:
         state.shard(tower, blocks=list(tower.encoder.blocks))
-    return lambda: reduce_scatter_gradients(towers, divide_by=tp)
+    # sharded: every tower's reduce-scatter runs (FSDP2 reshards each after it), whatever ran
+    return lambda _towers=None: reduce_scatter_gradients(towers, divide_by=tp)
 
 
 def pipeline_groups(ps: ParallelState) -> PipelineGroups:

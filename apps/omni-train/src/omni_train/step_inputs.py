@@ -52,6 +52,8 @@ from omni_train.loss import microbatch_loss
 
 __all__ = ["StepBuilder", "StepInputs"]
 
+_MEDIA = (Modality.IMAGE, Modality.AUDIO)  # the modalities with an encoder tower
+
 
 @dataclass(frozen=True)
 class StepInputs:
@@ -71,6 +73,9 @@ class StepInputs:
         plan: what the executor runs.
         encoder_work: ``{e: EncoderWork}`` for the encoder microbatches the data flow runs on this rank
             (the executor's encoder inputs; payload exchange across DP already done).
+        media: the modalities (``"image"``, ``"audio"``) with at least one media sample in the step on any
+            DP replica: an encoder tower outside it ran nowhere in the step, so its gradients are zero on
+            every rank and need no reduction.
     """
 
     step: int
@@ -82,6 +87,7 @@ class StepInputs:
     payloads: Mapping[int, list[Payload]]
     plan: StepPlan
     encoder_work: Mapping[int, EncoderWork] = field(default_factory=dict)
+    media: frozenset[str] = frozenset({str(m) for m in _MEDIA})
 
 
 class StepBuilder:
@@ -152,9 +158,14 @@ class StepBuilder:
         }
         consumer = flow.encoder_consumer
         work = {e: self.parallel.plan(fs, e, consumer[e]) for e in sorted(fs.payloads)}
-        targets = torch.tensor([step_targets(packs, masked)], dtype=torch.int64)
+        # the step's target count and its media samples per modality, summed over the DP replicas at once
+        counts = [
+            sum(s.modality == m and s.media_tokens > 0 for p in packs for s in p.samples) for m in _MEDIA
+        ]
+        targets = torch.tensor([step_targets(packs, masked), *counts], dtype=torch.int64)
         if self.dp_group is not None:
             dist.all_reduce(targets, group=self.dp_group)
+        media = frozenset(str(m) for m, n in zip(_MEDIA, targets[1:].tolist()) if n > 0)
         plan = StepPlan(
             self.schedule,
             flow,
@@ -163,7 +174,7 @@ class StepBuilder:
             dtype=self.dtype,
         )
         return StepInputs(
-            fs.step, packs, mbs, masked, max(1, int(targets)), positions, fs.payloads, plan, work
+            fs.step, packs, mbs, masked, max(1, int(targets[0])), positions, fs.payloads, plan, work, media
         )
 
     def _local_microbatch(self, mb: LLMMicrobatch, pack: Pack) -> LLMMicrobatch:

@@ -208,6 +208,7 @@ class Trainer:
         apply_mixed_precision(self.stage, self.encoders, self.compute_dtype)
         self.sync_llm = apply_dp(self.stage, self.ps)
         self.sync_encoders = apply_encoder_zero(self.encoders, self.ps, self.cfg.parallel.encoder_zero)
+        self._step_media: frozenset[str] | None = None  # the running step's StepInputs.media (None: all)
         self.model = nn.ModuleDict({"llm": self.stage, "encoders": self.encoders})
         self.optimizer = build_optimizer([self.stage, self.encoders], self.cfg.optim)
 
@@ -420,7 +421,7 @@ class Trainer:
                 torch.cuda.synchronize(self.device)
         wait = time.perf_counter() - start
         self.sync_llm()
-        self.sync_encoders()
+        self.sync_encoders(self._step_media)  # towers that ran nowhere this step have zeros to sum
         return wait
 
     def _summed_over_stages(self, value: float) -> float:
@@ -502,6 +503,7 @@ class Trainer:
         fs = self._loader_step(step)
         flow = self.planner.flow(fs.step, fs.packs, fs.microbatches) if self.planner else None
         inputs = self.builder.build(fs, flow)
+        self._step_media = inputs.media  # read by _reduce_gradients, the executor's hook
         self.stream.prepare()  # step + 1 from here on, on the loader's thread (see __init__)
         data_s = time.perf_counter() - t
         lr = self._start_step(step)
