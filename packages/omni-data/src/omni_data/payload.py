@@ -129,14 +129,26 @@ class PayloadReader:
     one, with ``batched="auto"``) :meth:`fetch` gets a whole step's members in one
     ``fs.cat_ranges`` call, which async filesystems (s3, gcs, http) run concurrently.
 
+    A text longer than a pack is split over several packs (``SampleMeta.text_range``); its pieces are
+    read one by one, often steps apart, and each needs the whole document tokenized to find its slice
+    (token boundaries depend on the text around them). The reader keeps the ids of the split documents
+    it tokenized last (LRU, at most ``split_cache_tokens`` ids in all), so a document of ``n`` pieces is
+    read and tokenized once, not ``n`` times (``stats["split_text_hits"]`` counts the pieces served).
+
     Args:
         tokenizer: turns ``txt`` members into ids; required to read text samples.
         max_open_files: open shard handles kept per thread (LRU).
         retries: extra attempts after a transient read error, >= 0.
         backoff_s: wait before the first retry, seconds (doubled each time).
         batched: ``"auto"`` (``cat_ranges`` for non-local filesystems), ``"always"`` or ``"never"``.
+        split_cache_tokens: token ids of split documents kept (int64, 8 bytes each; a document with
+            more is not kept); 0 turns the cache off.
 
-    Counters (:attr:`stats`, thread-safe): ``bytes``, ``retries``, ``batched_calls``, ``batched_ranges``.
+    Counters (:attr:`stats`, thread-safe): ``bytes``, ``retries``, ``batched_calls``, ``batched_ranges``,
+    ``split_text_hits``.
+
+    Raises:
+        ValueError: ``retries``, ``backoff_s`` or ``split_cache_tokens`` < 0, or an unknown ``batched``.
     """
 
     def __init__(
@@ -147,9 +159,12 @@ class PayloadReader:
         retries: int = 3,
         backoff_s: float = 0.05,
         batched: str = "auto",
+        split_cache_tokens: int = 1 << 20,
     ) -> None:
         if retries < 0 or backoff_s < 0:
             raise ValueError(f"PayloadReader: retries ({retries}) and backoff_s ({backoff_s}) must be >= 0")
+        if split_cache_tokens < 0:
+            raise ValueError(f"PayloadReader: split_cache_tokens must be >= 0, got {split_cache_tokens}")
         if batched not in ("auto", "always", "never"):
             raise ValueError(f"PayloadReader: batched must be 'auto', 'always' or 'never', got {batched!r}")
         self.tokenizer = tokenizer
@@ -158,7 +173,11 @@ class PayloadReader:
         self._local = threading.local()
         self._lock = threading.Lock()  # guards _caches and stats
         self._caches: list[OrderedDict[str, Any]] = []
-        self.stats = {"bytes": 0, "retries": 0, "batched_calls": 0, "batched_ranges": 0}
+        self.stats = {"bytes": 0, "retries": 0, "batched_calls": 0, "batched_ranges": 0, "split_text_hits": 0}
+        self.split_cache_tokens = split_cache_tokens
+        # split document (its txt members' url, offset, size) -> all its ids, least recently used first
+        self._split_ids: OrderedDict[tuple[tuple[str, int, int], ...], torch.Tensor] = OrderedDict()
+        self._split_held = 0  # ids in _split_ids
 
     @property
     def bytes_read(self) -> int:
@@ -335,17 +354,47 @@ class PayloadReader:
     def _ids(self, meta: SampleMeta, fetched: Mapping[tuple[str, int], bytes] | None) -> torch.Tensor | None:
         if "txt" not in meta.members or self.tokenizer is None or meta.text_tokens == 0:
             return None  # no text slots in the pack (e.g. the source counted captions without a tokenizer)
-        ids = []  # a joined document (omni_data.join) has several txt parts: tokenized one by one
-        for ref in text_members(meta):
-            ids += self.tokenizer.encode(self.read_bytes(ref, fetched).decode("utf-8")).ids
-        if meta.text_range is not None:
-            ids = ids[meta.text_range[0] : meta.text_range[1]]
+        if meta.text_range is None:
+            ids = self._tokenize(meta, fetched)
+        else:
+            a, b = meta.text_range
+            ids = self._split_document(meta, fetched)[a:b].clone()  # not a view: the document may go
         if len(ids) != meta.text_tokens:  # a pack's layout was planned with meta.text_tokens slots
             raise PayloadError(
                 f"sample {meta.source}/{meta.key}: text gives {len(ids)} tokens, metadata says {meta.text_tokens} "
                 "(was the metadata built with another tokenizer?)"
             )
+        return ids
+
+    def _tokenize(self, meta: SampleMeta, fetched: Mapping[tuple[str, int], bytes] | None) -> torch.Tensor:
+        tokenizer = self.tokenizer
+        if tokenizer is None:  # _ids' callers check first; kept so a new caller cannot skip it
+            raise PayloadError(f"sample {meta.source}/{meta.key}: reading text needs a tokenizer")
+        ids: list[int] = []  # a joined document (omni_data.join) has several txt parts: tokenized one by one
+        for ref in text_members(meta):
+            ids += tokenizer.encode(self.read_bytes(ref, fetched).decode("utf-8")).ids
         return torch.tensor(ids, dtype=torch.int64)
+
+    def _split_document(
+        self, meta: SampleMeta, fetched: Mapping[tuple[str, int], bytes] | None
+    ) -> torch.Tensor:
+        """All ids of the document ``meta`` is a piece of, from the cache or read and tokenized (and kept)."""
+        key = tuple((r.url, r.offset, r.size) for r in text_members(meta))
+        with self._lock:
+            ids = self._split_ids.get(key)
+            if ids is not None:
+                self._split_ids.move_to_end(key)
+                self.stats["split_text_hits"] += 1
+                return ids
+        ids = self._tokenize(meta, fetched)  # outside the lock: two threads may both tokenize; same ids
+        if len(ids) <= self.split_cache_tokens:
+            with self._lock:
+                if key not in self._split_ids:
+                    self._split_ids[key] = ids
+                    self._split_held += len(ids)
+                while self._split_held > self.split_cache_tokens:
+                    self._split_held -= len(self._split_ids.popitem(last=False)[1])
+        return ids
 
     def _read(self, meta: SampleMeta, fetched: Mapping[tuple[str, int], bytes] | None) -> Payload:
         out = Payload(meta)
