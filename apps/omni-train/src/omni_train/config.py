@@ -234,6 +234,11 @@ class ParallelConfigSection:
             the cost model's modelled bytes (``omni_train.simulate``); unset: no cap; > 0.
         planner_calibration: ``planned``: a run directory of this config whose ``actions.jsonl`` (the
             measured per-action times) the planner's costs are fitted from; unset: modelled FLOPs.
+        stage_calibration: with ``stage_layers = "auto"``: a run directory of this model (same
+            ``model.llm`` shape and ``data.max_seq_len``, any split and pipeline size) whose measured
+            per-stage LLM times replace the modelled FLOPs in the balance: per-layer and LM head + loss
+            seconds fitted from them (``omni_train.pipeline.measured_layer_costs``,
+            ``omni_pipeline.fit_layer_costs``); unset: modelled FLOPs.
     """
 
     pp: int = 2
@@ -255,6 +260,7 @@ class ParallelConfigSection:
     planner_evaluations: int = 100
     planner_memory_cap_mib: float | None = None
     planner_calibration: str | None = None
+    stage_calibration: str | None = None
 
     @property
     def world_size(self) -> int:
@@ -781,6 +787,15 @@ def _validate_schedule_and_memory(cfg: RunConfig) -> None:
             f"parallel.virtual_stages = {v}); use a multiple of parallel.pp"
         )
     _validate_stage_layers(par.stage_layers, par.pp * v, llm.n_layers, f"{par.pp} * {v}")
+    if par.stage_calibration is not None:
+        if par.stage_layers != "auto":
+            raise ConfigError(
+                f"parallel.stage_calibration: calibrates the 'auto' split; parallel.stage_layers is "
+                f"{par.stage_layers!r}"
+            )
+        from omni_train.pipeline import stage_split  # lazy: pipeline imports this module
+
+        stage_split(par, llm, cfg.data.max_seq_len)  # read here: a bad run directory is a config error
     for name, allowed in (("recompute_modules", RECOMPUTE_MODULES), ("offload", OFFLOAD)):
         unknown = sorted(set(getattr(train, name)) - set(allowed))
         if unknown:

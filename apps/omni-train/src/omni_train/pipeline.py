@@ -12,24 +12,40 @@ checkpoint (model and optimizer, saved by name) loads under every schedule, ``pp
 
 from __future__ import annotations
 
+import dataclasses
+import json
 from collections.abc import Mapping
+from pathlib import Path
 
 import torch.distributed as dist
 from torch import nn
 
 from omni_pipeline import (
+    RecordError,
     Schedule,
     Schedule1F1B,
     ScheduleGPipe,
     ScheduleInterleaved1F1B,
     balance_stages,
     explicit_stages,
+    fit_layer_costs,
+    read_records,
     stage_slices,
 )
-from omni_train.config import ParallelConfigSection, PipelineSchedule
+from omni_train.config import ConfigError, ParallelConfigSection, PipelineSchedule, config_from_dict
 from omni_train.models.llm import LLMConfig, LLMStage
 
-__all__ = ["RankStages", "build_rank_stages", "build_schedule", "layer_costs", "stage_split"]
+__all__ = [
+    "RankStages",
+    "build_rank_stages",
+    "build_schedule",
+    "layer_costs",
+    "measured_layer_costs",
+    "stage_split",
+]
+
+# model.llm fields a calibration run must share with the run it calibrates (what a layer's time depends on)
+_SHAPE = ("dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim", "qkv_bias", "tie_embeddings")
 
 
 def layer_costs(cfg: LLMConfig, max_seq_len: int) -> tuple[float, float, float]:
@@ -52,23 +68,98 @@ def layer_costs(cfg: LLMConfig, max_seq_len: int) -> tuple[float, float, float]:
 def stage_split(par: ParallelConfigSection, cfg: LLMConfig, max_seq_len: int) -> list[range]:
     """The layers of each of the ``par.pp * par.virtual_stages`` stages from ``par.stage_layers``: a
     list of counts (:func:`omni_pipeline.explicit_stages`), ``"auto"``
-    (:func:`omni_pipeline.balance_stages` over :func:`layer_costs`), or unset
-    (:func:`omni_pipeline.stage_slices`, the equal-cost split).
+    (:func:`omni_pipeline.balance_stages` over :func:`layer_costs`, or with ``par.stage_calibration``
+    over :func:`measured_layer_costs`), or unset (:func:`omni_pipeline.stage_slices`, the equal-cost
+    split).
 
     Raises:
         ValueError: counts that do not fit the layers (``validate`` in ``omni_train.config`` names the
             field first).
+        ConfigError: ``par.stage_calibration`` cannot calibrate this model (see
+            :func:`measured_layer_costs`).
     """
+    return _split(par, cfg, max_seq_len, ())
+
+
+def _split(
+    par: ParallelConfigSection, cfg: LLMConfig, max_seq_len: int, seen: tuple[Path, ...]
+) -> list[range]:
     stages = par.pp * par.virtual_stages
     if par.stage_layers is None:
         return stage_slices(cfg.n_layers, stages)
     if par.stage_layers == "auto":
-        block, first, last = layer_costs(cfg, max_seq_len)
+        if par.stage_calibration:
+            block, first, last = _measured(Path(par.stage_calibration), cfg, max_seq_len, seen)
+        else:
+            block, first, last = layer_costs(cfg, max_seq_len)
         return balance_stages([block] * cfg.n_layers, stages, first_stage_extra=first, last_stage_extra=last)
     split = explicit_stages(par.stage_layers, cfg.n_layers)
     if len(split) != stages:
         raise ValueError(f"parallel.stage_layers: {len(split)} stages given, the pipeline has {stages}")
     return split
+
+
+def measured_layer_costs(run: str | Path, cfg: LLMConfig, max_seq_len: int) -> tuple[float, float, float]:
+    """``(one block, the embedding, the final norm + LM head + loss)`` in measured seconds per LLM
+    microbatch (forward + backward), from a run of the same model: its ``actions.jsonl`` gives each
+    stage's mean F + B seconds per microbatch (the first recorded step dropped as warm-up), its
+    ``config.json`` the layers of each stage (:func:`stage_split` of that config), and
+    :func:`omni_pipeline.fit_layer_costs` solves ``stage s = layers_s * block + [s last] * head`` (least
+    squares over the stages; exact with 2). The embedding, a row gather that one split cannot tell apart
+    from the layers, is the modelled share of a block (:func:`layer_costs`) of the fitted block.
+
+    Raises:
+        ConfigError: naming ``parallel.stage_calibration`` and ``run``: no readable ``config.json`` or
+            records, a model shape (``model.llm`` dim, layers, heads, FFN width) or ``data.max_seq_len``
+            other than this run's, a recorded stage without LLM actions, or calibration runs that name
+            each other in a cycle.
+    """
+    return _measured(Path(run), cfg, max_seq_len, ())
+
+
+def _measured(
+    run: Path, cfg: LLMConfig, max_seq_len: int, seen: tuple[Path, ...]
+) -> tuple[float, float, float]:
+    where = f"parallel.stage_calibration: {run}"
+    key = run.resolve()
+    if key in seen:
+        raise ConfigError(f"{where}: calibration runs name each other in a cycle ({[str(p) for p in seen]})")
+    try:
+        recorded = config_from_dict(json.loads((run / "config.json").read_text()))
+    except (OSError, ValueError, ConfigError) as exc:  # JSONDecodeError is a ValueError
+        raise ConfigError(f"{where}: no readable run config config.json ({exc})") from None
+    theirs, ours = recorded.model.llm, dataclasses.asdict(cfg)
+    differ = [f for f in _SHAPE if getattr(theirs, f) != ours[f]]
+    if recorded.data.max_seq_len != max_seq_len:
+        differ.append("data.max_seq_len")
+    if differ:
+        raise ConfigError(
+            f"{where}: recorded with another model shape ({', '.join(differ)} differ); calibrate with a run "
+            "of this model"
+        )
+    split = _split(recorded.parallel, cfg, max_seq_len, (*seen, key))
+    try:
+        records = read_records(run)
+    except (OSError, RecordError) as exc:
+        raise ConfigError(f"{where}: {exc}") from None
+    steps = sorted({r.step for r in records.actions})
+    first = steps[1] if len(steps) > 1 else (steps[0] if steps else 0)
+    busy = [0.0] * len(split)
+    seen_mb: list[set[tuple[int, int]]] = [set() for _ in split]
+    for r in records.actions:
+        if r.stage is not None and r.step >= first and 0 <= r.stage < len(split):
+            busy[r.stage] += r.end_s - r.start_s
+            seen_mb[r.stage].add((r.step, r.microbatch))
+    missing = [s for s, mbs in enumerate(seen_mb) if not mbs]
+    if missing:
+        raise ConfigError(f"{where}: no LLM actions recorded for stages {missing} of its {len(split)}")
+    per_mb = [b / len(mbs) for b, mbs in zip(busy, seen_mb)]
+    counts = [len(r) for r in split]
+    block_flops, first_flops, _ = layer_costs(dataclasses.replace(cfg, vocab_size=1), max_seq_len)  # no head
+    block, head = fit_layer_costs(per_mb, counts)
+    embedding = block * first_flops / block_flops
+    block, head = fit_layer_costs(per_mb, counts, first_stage_extra=embedding)  # without it in the layers
+    return block, block * first_flops / block_flops, head
 
 
 def build_schedule(par: ParallelConfigSection, microbatches: int) -> Schedule:
