@@ -303,18 +303,29 @@ class PayloadReader:
             )
         return data
 
-    @staticmethod
-    def refs(meta: SampleMeta, *, media: bool = True, text: bool = True) -> list[MemberRef]:
-        """The members :meth:`read` reads for ``meta`` (its image or audio member, its ``txt``)."""
+    def refs(self, meta: SampleMeta, *, media: bool = True, text: bool = True) -> list[MemberRef]:
+        """The members :meth:`read` reads for ``meta`` (its image or audio member, its ``txt``): the
+        ``txt`` of a split document whose ids are cached is left out (:meth:`fetch` would read it again;
+        if it is evicted before the read, :meth:`read_bytes` reads it then)."""
         out = []
         if media and meta.modality is not Modality.TEXT:
             exts = IMAGE_EXTS if meta.modality is Modality.IMAGE else AUDIO_EXTS
             ext = next((e for e in exts if e in meta.members), None)
             if ext is not None:
                 out.append(meta.members[ext])
-        if text and "txt" in meta.members and meta.text_tokens:
+        if text and "txt" in meta.members and meta.text_tokens and not self._split_cached(meta):
             out.extend(text_members(meta))  # every part of a joined document (omni_data.join)
         return out
+
+    @staticmethod
+    def _split_key(meta: SampleMeta) -> tuple[tuple[str, int, int], ...]:
+        return tuple((r.url, r.offset, r.size) for r in text_members(meta))
+
+    def _split_cached(self, meta: SampleMeta) -> bool:
+        if meta.text_range is None:
+            return False
+        with self._lock:
+            return self._split_key(meta) in self._split_ids
 
     def read(self, meta: SampleMeta, fetched: Mapping[tuple[str, int], bytes] | None = None) -> Payload:
         """Read and decode ``meta``'s payload (members from ``fetched`` where it holds them, see :meth:`fetch`).
@@ -379,7 +390,7 @@ class PayloadReader:
         self, meta: SampleMeta, fetched: Mapping[tuple[str, int], bytes] | None
     ) -> torch.Tensor:
         """All ids of the document ``meta`` is a piece of, from the cache or read and tokenized (and kept)."""
-        key = tuple((r.url, r.offset, r.size) for r in text_members(meta))
+        key = self._split_key(meta)
         with self._lock:
             ids = self._split_ids.get(key)
             if ids is not None:
@@ -387,7 +398,7 @@ class PayloadReader:
                 self.stats["split_text_hits"] += 1
                 return ids
         ids = self._tokenize(meta, fetched)  # outside the lock: two threads may both tokenize; same ids
-        if len(ids) <= self.split_cache_tokens:
+        if 0 < len(ids) <= self.split_cache_tokens:  # empty ones hold 0 ids: they would pile up at bound 0
             with self._lock:
                 if key not in self._split_ids:
                     self._split_ids[key] = ids
