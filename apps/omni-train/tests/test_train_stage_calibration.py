@@ -14,10 +14,11 @@ import json
 from pathlib import Path
 
 import pytest
+from tokenizers import Tokenizer
 from train_fixtures import make_dataset, write_config
 
 from omni_parallel.testing import run_world
-from omni_train.config import ConfigError, load_config, validate
+from omni_train.config import ConfigError, load_config, resume_differences, tokenizer_path, validate
 from omni_train.pipeline import layer_costs, measured_layer_costs, stage_split
 
 LAYERS = 4
@@ -37,7 +38,7 @@ def _cfg(data, tmp: Path, **par):
 
 
 def _llm(cfg):
-    return dataclasses.replace(cfg.model.llm, vocab_size=300)
+    return cfg.model.llm_config(Tokenizer.from_file(str(tokenizer_path(cfg.data))).get_vocab_size())
 
 
 def _best(layer_s: float, first_s: float, head_s: float, stages: int = 2) -> list[int]:
@@ -86,6 +87,16 @@ def test_split_follows_the_measured_layer_and_head_costs(data, tmp_path):
     assert [len(r) for r in stage_split(calibrated, llm, seq)] == [3, 1]
     validate(dataclasses.replace(cfg, parallel=calibrated), 2)  # reads the run up front, and it is fine
 
+    # a calibration run of the modelled "auto" split (its own LM head weighed with its vocabulary)
+    _write_run(tmp_path / "auto", cfg, [2 * layer, 2 * layer + head])
+    assert [len(r) for r in stage_split(cfg.parallel, llm, seq)] == [2, 2]
+    modelled_run = dataclasses.replace(cfg.parallel, stage_calibration=str(tmp_path / "auto"))
+    validate(dataclasses.replace(cfg, parallel=modelled_run), 2)
+    assert [len(r) for r in stage_split(modelled_run, llm, seq)] == [3, 1]
+    other = dataclasses.replace(llm, vocab_size=llm.vocab_size + 1)
+    with pytest.raises(ConfigError, match=rf"auto: recorded with a vocabulary of {llm.vocab_size}"):
+        stage_split(modelled_run, other, seq)
+
     # a calibration run whose own split was calibrated: its split is followed there first
     chained = dataclasses.replace(cfg, parallel=calibrated)  # auto + calibration from "run" = [3, 1]
     _write_run(tmp_path / "run2", chained, [3 * layer, layer + head])
@@ -113,6 +124,20 @@ def test_bad_calibration_runs_are_refused_by_name(data, tmp_path):
     _write_run(tmp_path / "one", cfg, [0.02])  # records of stage 0 only
     with pytest.raises(ConfigError, match=r"no LLM actions recorded for stages \[1\] of its 2"):
         split(tmp_path / "one")
+    _write_run(tmp_path / "three", cfg, [0.02, 0.03, 0.05])  # records of 3 stages, config.json of 2
+    with pytest.raises(ConfigError, match=r"three: actions.jsonl records LLM stage 2 .*over 2 stages"):
+        split(tmp_path / "three")
+    single = dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, pp=1, stage_layers=None))
+    _write_run(tmp_path / "single", single, [0.05])
+    with pytest.raises(ConfigError, match=r"single: recorded with 1 LLM stage .*>= 2 stages"):
+        split(tmp_path / "single")
+    _write_run(tmp_path / "untimed", cfg, [0.0, 0.0])
+    with pytest.raises(ConfigError, match=r"untimed: .*fit no positive seconds per layer"):
+        split(tmp_path / "untimed")
+    with pytest.raises(ConfigError, match=r"parallel.stage_calibration: an empty path"):
+        validate(
+            dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, stage_calibration="")), 2
+        )
     a, b = tmp_path / "a", tmp_path / "b"
     _write_run(
         a,
@@ -168,3 +193,21 @@ def test_trainer_splits_by_a_real_runs_measured_stage_times(data, tmp_path):
     validate(calibrated, 2)
     got = run_world(_train, 2, args=(calibrated, str(tmp_path / "calibrated")), timeout_s=300)
     assert got == [want, want]
+
+
+def test_command_line_and_resume(data, tmp_path):
+    """``--parallel.stage_calibration`` sets the field and is validated like the TOML (a bad directory
+    named); a resume under another calibration run is refused, naming the field."""
+    cfg = _cfg(data, tmp_path, stage_layers="auto")
+    _write_run(tmp_path / "run", cfg, [0.02, 0.05])
+    path = write_config(tmp_path / "cli.toml", data, steps=3, every=0)
+    got = load_config(str(path), [("parallel.stage_calibration", str(tmp_path / "run"))])
+    assert got.parallel.stage_calibration == str(tmp_path / "run")
+    assert load_config(str(path), [("parallel.stage_calibration", "none")]).parallel.stage_calibration is None
+    bad = load_config(
+        str(path), [("parallel.stage_layers", "auto"), ("parallel.stage_calibration", str(tmp_path / "x"))]
+    )
+    with pytest.raises(ConfigError, match=r"parallel.stage_calibration: .*x: no readable run config"):
+        validate(bad, 2)
+    moved = dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, stage_calibration="other"))
+    assert [d.split(":")[0] for d in resume_differences(cfg, moved)] == ["parallel.stage_calibration"]

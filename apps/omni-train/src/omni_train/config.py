@@ -235,7 +235,8 @@ class ParallelConfigSection:
         planner_calibration: ``planned``: a run directory of this config whose ``actions.jsonl`` (the
             measured per-action times) the planner's costs are fitted from; unset: modelled FLOPs.
         stage_calibration: with ``stage_layers = "auto"``: a run directory of this model (same
-            ``model.llm`` shape and ``data.max_seq_len``, any split and pipeline size) whose measured
+            ``model.llm`` shape, ``data.max_seq_len`` and tokenizer vocabulary, any split of >= 2
+            stages and any pipeline size) whose measured
             per-stage LLM times replace the modelled FLOPs in the balance: per-layer and LM head + loss
             seconds fitted from them (``omni_train.pipeline.measured_layer_costs``,
             ``omni_pipeline.fit_layer_costs``); unset: modelled FLOPs.
@@ -788,14 +789,22 @@ def _validate_schedule_and_memory(cfg: RunConfig) -> None:
         )
     _validate_stage_layers(par.stage_layers, par.pp * v, llm.n_layers, f"{par.pp} * {v}")
     if par.stage_calibration is not None:
+        if not par.stage_calibration.strip():  # "" would read the working directory, or be taken as unset
+            raise ConfigError(
+                "parallel.stage_calibration: an empty path; name a run directory, or leave it unset"
+            )
         if par.stage_layers != "auto":
             raise ConfigError(
                 f"parallel.stage_calibration: calibrates the 'auto' split; parallel.stage_layers is "
                 f"{par.stage_layers!r}"
             )
+        from tokenizers import Tokenizer
+
         from omni_train.pipeline import stage_split  # lazy: pipeline imports this module
 
-        stage_split(par, llm, cfg.data.max_seq_len)  # read here: a bad run directory is a config error
+        vocab = Tokenizer.from_file(str(tokenizer_path(cfg.data))).get_vocab_size()  # found: checked above
+        # read here: a bad run directory is a config error
+        stage_split(par, cfg.model.llm_config(vocab), cfg.data.max_seq_len)
     for name, allowed in (("recompute_modules", RECOMPUTE_MODULES), ("offload", OFFLOAD)):
         unknown = sorted(set(getattr(train, name)) - set(allowed))
         if unknown:

@@ -18,6 +18,7 @@ from collections.abc import Mapping
 from pathlib import Path
 
 import torch.distributed as dist
+from tokenizers import Tokenizer
 from torch import nn
 
 from omni_pipeline import (
@@ -32,7 +33,13 @@ from omni_pipeline import (
     read_records,
     stage_slices,
 )
-from omni_train.config import ConfigError, ParallelConfigSection, PipelineSchedule, config_from_dict
+from omni_train.config import (
+    ConfigError,
+    ParallelConfigSection,
+    PipelineSchedule,
+    config_from_dict,
+    tokenizer_path,
+)
 from omni_train.models.llm import LLMConfig, LLMStage
 
 __all__ = [
@@ -110,9 +117,11 @@ def measured_layer_costs(run: str | Path, cfg: LLMConfig, max_seq_len: int) -> t
 
     Raises:
         ConfigError: naming ``parallel.stage_calibration`` and ``run``: no readable ``config.json`` or
-            records, a model shape (``model.llm`` dim, layers, heads, FFN width) or ``data.max_seq_len``
-            other than this run's, a recorded stage without LLM actions, or calibration runs that name
-            each other in a cycle.
+            records, a model shape (``model.llm`` dim, layers, heads, FFN width), ``data.max_seq_len``
+            or (with ``cfg.vocab_size`` set) vocabulary other than this run's, a tokenizer that does
+            not load, fewer than 2 recorded stages, a recorded stage without LLM actions
+            or one outside the recorded split, stage times that fit no positive seconds per layer, or
+            calibration runs that name each other in a cycle.
     """
     return _measured(Path(run), cfg, max_seq_len, ())
 
@@ -137,7 +146,23 @@ def _measured(
             f"{where}: recorded with another model shape ({', '.join(differ)} differ); calibrate with a run "
             "of this model"
         )
-    split = _split(recorded.parallel, cfg, max_seq_len, (*seen, key))
+    try:  # that run's "auto" split weighed its own LM head: its vocabulary
+        vocab = Tokenizer.from_file(str(tokenizer_path(recorded.data))).get_vocab_size()
+    except Exception as exc:  # tokenizers raises its own Exception type for a missing or bad file
+        raise ConfigError(
+            f"{where}: its data.tokenizer {recorded.data.tokenizer} does not load ({exc})"
+        ) from None
+    if cfg.vocab_size is not None and vocab != cfg.vocab_size:
+        raise ConfigError(
+            f"{where}: recorded with a vocabulary of {vocab} (its data.tokenizer), this run's has "
+            f"{cfg.vocab_size}: the LM head's time differs; calibrate with a run of this tokenizer"
+        )
+    split = _split(recorded.parallel, dataclasses.replace(cfg, vocab_size=vocab), max_seq_len, (*seen, key))
+    if len(split) < 2:  # one stage holds the head and every layer: their costs cannot be told apart
+        raise ConfigError(
+            f"{where}: recorded with {len(split)} LLM stage (parallel.pp * virtual_stages); calibrate with a "
+            "run of >= 2 stages"
+        )
     try:
         records = read_records(run)
     except (OSError, RecordError) as exc:
@@ -147,7 +172,12 @@ def _measured(
     busy = [0.0] * len(split)
     seen_mb: list[set[tuple[int, int]]] = [set() for _ in split]
     for r in records.actions:
-        if r.stage is not None and r.step >= first and 0 <= r.stage < len(split):
+        if r.stage is not None and not 0 <= r.stage < len(split):
+            raise ConfigError(
+                f"{where}: actions.jsonl records LLM stage {r.stage} (step {r.step}), its config.json splits "
+                f"the layers over {len(split)} stages; are the records another run's?"
+            )
+        if r.stage is not None and r.step >= first:
             busy[r.stage] += r.end_s - r.start_s
             seen_mb[r.stage].add((r.step, r.microbatch))
     missing = [s for s, mbs in enumerate(seen_mb) if not mbs]
@@ -159,6 +189,10 @@ def _measured(
     block, head = fit_layer_costs(per_mb, counts)
     embedding = block * first_flops / block_flops
     block, head = fit_layer_costs(per_mb, counts, first_stage_extra=embedding)  # without it in the layers
+    if block <= 0.0:  # balance_stages over zero-cost layers would return an arbitrary split
+        raise ConfigError(
+            f"{where}: the recorded stage times {per_mb} s per microbatch fit no positive seconds per layer"
+        )
     return block, block * first_flops / block_flops, head
 
 
