@@ -195,7 +195,7 @@ def test_trainer_splits_by_a_real_runs_measured_stage_times(data, tmp_path):
     assert got == [want, want]
 
 
-def test_command_line_and_resume(data, tmp_path):
+def test_command_line_and_resume(data, tmp_path, monkeypatch):
     """``--parallel.stage_calibration`` sets the field and is validated like the TOML (a bad directory
     named); a resume under another calibration run is refused, naming the field."""
     cfg = _cfg(data, tmp_path, stage_layers="auto")
@@ -204,6 +204,12 @@ def test_command_line_and_resume(data, tmp_path):
     got = load_config(str(path), [("parallel.stage_calibration", str(tmp_path / "run"))])
     assert got.parallel.stage_calibration == str(tmp_path / "run")
     assert load_config(str(path), [("parallel.stage_calibration", "none")]).parallel.stage_calibration is None
+    # a relative directory is made absolute (from the working directory), so a run calibrated from this
+    # one later finds the same directory through the saved config.json wherever it starts
+    with monkeypatch.context() as m:
+        m.chdir(tmp_path)
+        rel = load_config(str(path), [("parallel.stage_calibration", "run")]).parallel.stage_calibration
+    assert rel == str((tmp_path / "run").resolve())
     bad = load_config(
         str(path), [("parallel.stage_layers", "auto"), ("parallel.stage_calibration", str(tmp_path / "x"))]
     )

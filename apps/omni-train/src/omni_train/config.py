@@ -239,7 +239,8 @@ class ParallelConfigSection:
             stages and any pipeline size) whose measured
             per-stage LLM times replace the modelled FLOPs in the balance: per-layer and LM head + loss
             seconds fitted from them (``omni_train.pipeline.measured_layer_costs``,
-            ``omni_pipeline.fit_layer_costs``); unset: modelled FLOPs.
+            ``omni_pipeline.fit_layer_costs``); unset: modelled FLOPs. :func:`load_config` makes a
+            relative path absolute (from the working directory), as the run's saved config keeps it.
     """
 
     pp: int = 2
@@ -476,6 +477,10 @@ def load_config(
     first = tokenizer_candidates(cfg)[0]
     if first.is_file():
         cfg.data.tokenizer = str(first.resolve())
+    # a calibration run is read again by later runs calibrated from this one (their chain is followed
+    # through the saved configs): saved absolute, it names the same directory from wherever they start
+    if cfg.parallel.stage_calibration and cfg.parallel.stage_calibration.strip():
+        cfg.parallel.stage_calibration = str(Path(cfg.parallel.stage_calibration).resolve())
     return cfg
 
 
