@@ -32,6 +32,11 @@ well under a minute of training. Do not record numbers measured beside other loa
 
     uv run python benchmarks/train_ab.py [--config omni-heavy] [--json PATH] [--steps 10] [--warmup 3]
         [--repeats 2] [--share 9:1 | --mixture all] [--sweep] [--quick]
+        [--placements prepend_first_stage,isolated,planned] [--reorder both|on|off]
+
+``--placements`` / ``--reorder`` run a subset (fewer variants: more repeats in the same time, for a
+ratio that the machine's noise settles less easily); the ratios are then against prepend with
+reordering off if it ran, else prepend with reordering on.
 """
 
 from __future__ import annotations
@@ -58,10 +63,28 @@ def _share_mixture(share: str) -> list[MixturePhase]:
     return [MixturePhase({"image": image, "audio": 0.0, "text": text})]
 
 
-def _variants(sweep: bool) -> list[tuple[Placement, bool]]:
-    if sweep:
-        return [(p, True) for p in Placement]
-    return [(p, r) for p in Placement for r in (False, True)]
+def _variants(sweep: bool, placements: list[Placement], reorder: str) -> list[tuple[Placement, bool]]:
+    """The variants to run: ``placements`` x reordering (``reorder``: ``"both"``, ``"on"`` or ``"off"``;
+    the sweep runs reordering on)."""
+    if sweep or reorder == "on":
+        return [(p, True) for p in placements]
+    return [(p, r) for p in placements for r in ((False,) if reorder == "off" else (False, True))]
+
+
+def _placements(text: str) -> list[Placement]:
+    """``--placements``: a comma-separated list of placement names (``all``: every placement).
+
+    Raises:
+        ValueError: an unknown name (names it and the known ones).
+    """
+    if text == "all":
+        return list(Placement)
+    known = {str(p): p for p in Placement}
+    names = [n.strip() for n in text.split(",") if n.strip()]
+    unknown = [n for n in names if n not in known]
+    if unknown or not names:
+        raise ValueError(f"--placements: unknown {unknown or text!r}; choose from {', '.join(known)} or all")
+    return [known[n] for n in dict.fromkeys(names)]
 
 
 def _name(placement: Placement, reorder: bool) -> str:
@@ -153,7 +176,7 @@ def _row(cfg: RunConfig, runs: list[Path], warmup: int, steps: int) -> dict:
 
 def _measure(cfg: RunConfig, args, root: Path) -> list[dict]:
     """Every variant of ``cfg`` (``args.repeats`` rotated repeats in one 2-process world) -> rows."""
-    variants = _variants(args.sweep)
+    variants = _variants(args.sweep, args.placements, args.reorder)
     cfgs = [
         dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, placement=p, reorder=r))
         for p, r in variants
@@ -166,7 +189,9 @@ def _measure(cfg: RunConfig, args, root: Path) -> list[dict]:
 
 
 def _print_table(rows: list[dict]) -> None:
-    base = next((r for r in rows if (r["placement"], r["reorder"]) == BASELINE), rows[0])
+    # prepend without reordering; else prepend with it (--reorder on); else the first row
+    base = next((r for r in rows if (r["placement"], r["reorder"]) == BASELINE), None)
+    base = base or next((r for r in rows if r["placement"] == str(BASELINE[0])), rows[0])
     print(
         f"{'variant':<34}{'tokens/s':>10}{'vs base':>9}{'runs min-max':>14}{'step s':>9}{'sim s':>8}"
         f"{'sim/meas':>9}  idle s/step per rank  outside %  peak act MiB per rank"
@@ -195,8 +220,14 @@ def main() -> None:
     ap.add_argument("--mixture", choices=["share", "all"], default="share")
     ap.add_argument("--sweep", action="store_true", help=f"image shares {', '.join(SWEEP_SHARES)}")
     ap.add_argument("--quick", action="store_true", help="smoke run: 2 steps, 1 repeat, 4 microbatches")
+    ap.add_argument("--placements", default="all", help="comma-separated placements to run (default all)")
+    ap.add_argument("--reorder", choices=["both", "on", "off"], default="both", help="reordering variants")
     ap.add_argument("--json", default=None, help="output path (default benchmarks/results/train_ab.json)")
     args = ap.parse_args()
+    try:
+        args.placements = _placements(args.placements)
+    except ValueError as exc:
+        ap.error(str(exc))
     cfg = load_config(args.config)
     data = cfg.data
     if args.quick:
@@ -234,7 +265,7 @@ def main() -> None:
     if args.sweep:
         print("\nthroughput (tokens/s) per image:text share, reordering on")
         print(f"{'placement':<22}" + "".join(f"{s:>10}" for s in SWEEP_SHARES) + f"{'drop 1:9 -> 9:1':>18}")
-        for p in Placement:
+        for p in args.placements:
             got = {r["share"]: r["tokens_per_s"] for r in result["rows"] if r["placement"] == str(p)}
             drop = 1 - got[SWEEP_SHARES[-1]] / got[SWEEP_SHARES[0]]
             print(f"{p!s:<22}" + "".join(f"{got[s]:>10.0f}" for s in SWEEP_SHARES) + f"{100 * drop:>17.1f}%")
