@@ -29,12 +29,11 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from omni_data import Modality
 from omni_train.batch import build_llm_microbatch, step_targets
-from omni_train.config import MixturePhase, load_config
+from omni_train.config import MixturePhase, load_config, load_tokenizer
 from omni_train.data_pipeline import build_step_stream
 from omni_train.encoders import Encoders
 from omni_train.loss import microbatch_loss
 from omni_train.models.llm import LLMStage
-from omni_train.simulate import _tokenizer
 
 PAPER = {"image": 14.7, "audio": 4.54, "llm": 29.0}
 MODULES = ("image", "audio", "llm")
@@ -82,7 +81,7 @@ def measure_phase(cfg, weights: dict[str, float], steps: int) -> dict:
     """Mean per-step training FLOPs and seconds per module over ``steps`` steps at constant ``weights``."""
     data = dataclasses.replace(cfg.data, mixture=[MixturePhase(weights=dict(weights))])
     cfg = dataclasses.replace(cfg, data=data)
-    tok = _tokenizer(cfg)
+    tok = load_tokenizer(cfg.data)
     m = cfg.model
     llm_cfg = m.llm_config(tok.get_vocab_size())
     llm = LLMStage(llm_cfg, 0, 1, seed=m.seed)

@@ -22,9 +22,8 @@ from omni_pipeline import (
     uniform_on_demand,
 )
 from omni_train.cli import main
-from omni_train.config import load_config
+from omni_train.config import load_config, load_tokenizer
 from omni_train.data_pipeline import build_step_stream
-from omni_train.simulate import _tokenizer
 
 PER_TOKEN = {"F0": 2e-5, "B0": 4e-5, "F1": 3e-5, "B1": 6e-5, "EF:image": 1e-5, "EF:audio": 5e-6}
 SQ = {"F0": 1e-9, "B0": 2e-9, "F1": 1e-9, "B1": 2e-9, "EF:image": 2e-9, "EF:audio": 1e-9}
@@ -95,7 +94,7 @@ def test_calibrated_simulate_predicts_the_run_flow_from_the_fit(tmp_path, capsys
     (run / "dataflow.json").write_text(flow.to_json())
 
     stream = build_step_stream(
-        cfg, _tokenizer(cfg), dp_rank=0, dp_size=1, dp_group=None, consumes=set(), read_text=False
+        cfg, load_tokenizer(cfg.data), dp_rank=0, dp_size=1, dp_group=None, consumes=set(), read_text=False
     )
     want = []
     with stream:

@@ -21,10 +21,10 @@ from train_fixtures import make_dataset, write_config
 from omni_data import encoder_microbatch_ids, split_encoder_microbatches
 from omni_parallel.testing import run_world
 from omni_pipeline import Schedule1F1B, read_records, simulate
-from omni_train.config import ConfigError, Placement, load_config, validate
+from omni_train.config import ConfigError, Placement, load_config, load_tokenizer, validate
 from omni_train.data_pipeline import build_step_stream
 from omni_train.pipeline import stage_split
-from omni_train.simulate import _tokenizer, config_scale, modelled_step_costs, simulate_config
+from omni_train.simulate import config_scale, modelled_step_costs, simulate_config
 from omni_train.step_plan import StepPlanner, stage_weights
 
 pytestmark = pytest.mark.slow
@@ -46,7 +46,7 @@ def _train(rank, world_size, cfg, out):
 
 
 def _planner_and_steps(cfg, steps):
-    tok = _tokenizer(cfg)
+    tok = load_tokenizer(cfg.data)
     llm = cfg.model.llm_config(tok.get_vocab_size())
     schedule = Schedule1F1B(cfg.parallel.pp, cfg.data.microbatches)
     enc = encoder_microbatch_ids(cfg.data.microbatches, cfg.parallel.pp)

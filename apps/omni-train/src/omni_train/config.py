@@ -22,6 +22,8 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
+from tokenizers import Tokenizer
+
 from omni_parallel import CPAttention
 from omni_train.models.audio import AudioConfig
 from omni_train.models.llm import LLMConfig
@@ -54,6 +56,7 @@ __all__ = [
     "expand_urls",
     "field_paths",
     "load_config",
+    "load_tokenizer",
     "resume_differences",
     "to_toml",
     "tokenizer_candidates",
@@ -372,6 +375,15 @@ def tokenizer_path(data: DataConfig) -> Path:
     :func:`load_config` has already made a path relative to the config file's folder absolute)."""
     p = Path(data.tokenizer)
     return p if p.is_absolute() else bundled_data_dir() / p
+
+
+def load_tokenizer(data: DataConfig) -> Tokenizer:
+    """The ``tokenizers.Tokenizer`` at :func:`tokenizer_path`.
+
+    Raises:
+        Exception: ``tokenizers``' own, for a missing or unreadable file.
+    """
+    return Tokenizer.from_file(str(tokenizer_path(data)))
 
 
 def tokenizer_candidates(cfg: RunConfig) -> list[Path]:
@@ -803,11 +815,9 @@ def _validate_schedule_and_memory(cfg: RunConfig) -> None:
                 f"parallel.stage_calibration: calibrates the 'auto' split; parallel.stage_layers is "
                 f"{par.stage_layers!r}"
             )
-        from tokenizers import Tokenizer
-
         from omni_train.pipeline import stage_split  # lazy: pipeline imports this module
 
-        vocab = Tokenizer.from_file(str(tokenizer_path(cfg.data))).get_vocab_size()  # found: checked above
+        vocab = load_tokenizer(cfg.data).get_vocab_size()  # found: checked above
         # read here: a bad run directory is a config error
         stage_split(par, cfg.model.llm_config(vocab), cfg.data.max_seq_len)
     for name, allowed in (("recompute_modules", RECOMPUTE_MODULES), ("offload", OFFLOAD)):

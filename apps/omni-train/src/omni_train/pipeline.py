@@ -18,7 +18,6 @@ from collections.abc import Mapping
 from pathlib import Path
 
 import torch.distributed as dist
-from tokenizers import Tokenizer
 from torch import nn
 
 from omni_pipeline import (
@@ -38,7 +37,7 @@ from omni_train.config import (
     ParallelConfigSection,
     PipelineSchedule,
     config_from_dict,
-    tokenizer_path,
+    load_tokenizer,
 )
 from omni_train.models.llm import LLMConfig, LLMStage
 
@@ -147,7 +146,7 @@ def _measured(
             "of this model"
         )
     try:  # that run's "auto" split weighed its own LM head: its vocabulary
-        vocab = Tokenizer.from_file(str(tokenizer_path(recorded.data))).get_vocab_size()
+        vocab = load_tokenizer(recorded.data).get_vocab_size()
     except Exception as exc:  # tokenizers raises its own Exception type for a missing or bad file
         raise ConfigError(
             f"{where}: its data.tokenizer {recorded.data.tokenizer} does not load ({exc})"

@@ -31,8 +31,6 @@ import dataclasses
 import json
 from pathlib import Path
 
-from tokenizers import Tokenizer
-
 from omni_data import Modality, Pack, encoder_microbatch_ids, split_encoder_microbatches
 from omni_data.zero_redundancy import SampleIndex
 from omni_pipeline.calibrate import fit_cost_model
@@ -42,7 +40,7 @@ from omni_pipeline.placement import PlacementPolicy, place
 from omni_pipeline.records import RECORDS_FILE, RunRecords, read_records
 from omni_pipeline.schedules import Schedule1F1B
 from omni_pipeline.simulator import simulate
-from omni_train.config import ConfigError, RunConfig, bundled_data_dir
+from omni_train.config import ConfigError, RunConfig, load_tokenizer
 from omni_train.data_pipeline import build_step_stream
 from omni_train.flops import attention_flops
 
@@ -82,11 +80,6 @@ MODEL_SCALES = {
         {"image": 40, "audio": 32},
     ),
 }
-
-
-def _tokenizer(cfg: RunConfig) -> Tokenizer:
-    p = Path(cfg.data.tokenizer)
-    return Tokenizer.from_file(str(p if p.is_absolute() else bundled_data_dir() / p))
 
 
 def config_scale(cfg: RunConfig) -> ModelScale:
@@ -334,7 +327,7 @@ def simulate_config(
     par = dataclasses.replace(cfg.parallel, pp=pp, dp=1, reorder=cfg.parallel.reorder if fitted else True)
     cfg = dataclasses.replace(cfg, data=data, parallel=par)
     stream = build_step_stream(
-        cfg, _tokenizer(cfg), dp_rank=0, dp_size=1, dp_group=None, consumes=set(), read_text=False
+        cfg, load_tokenizer(cfg.data), dp_rank=0, dp_size=1, dp_group=None, consumes=set(), read_text=False
     )
     schedule = Schedule1F1B(pp, microbatches)
     encoder_inputs = encoder_microbatch_ids(microbatches, pp)

@@ -55,7 +55,6 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from tokenizers import Tokenizer
 from torch import nn
 from torch.profiler import record_function
 
@@ -77,7 +76,7 @@ from omni_pipeline import (
 )
 from omni_train.activation_memory import ActivationMemory
 from omni_train.checkpointing import TrainCheckpoint
-from omni_train.config import Placement, RunConfig, bundled_data_dir
+from omni_train.config import Placement, RunConfig, load_tokenizer
 from omni_train.cp_sharding import CPSharding, build_cp_sharding
 from omni_train.data_pipeline import build_step_stream
 from omni_train.encoder_parallel import (
@@ -158,10 +157,7 @@ class Trainer:
             torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if cuda else torch.device("cpu")
         )
         torch.manual_seed(cfg.train.seed)
-        tok_path = Path(cfg.data.tokenizer)
-        self.tokenizer = Tokenizer.from_file(
-            str(tok_path if tok_path.is_absolute() else bundled_data_dir() / tok_path)
-        )
+        self.tokenizer = load_tokenizer(cfg.data)
         self.schedule = build_schedule(par, cfg.data.microbatches)
         self._build_model()
         self._build_pipeline()
