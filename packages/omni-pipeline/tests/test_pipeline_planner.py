@@ -14,6 +14,7 @@ from torch.distributed.pipelining.schedules import (
     _validate_schedule,
 )
 
+import omni_pipeline.planner as planner_module
 from omni_pipeline import (
     CostModel,
     DataFlow,
@@ -113,6 +114,26 @@ def test_fixed_ranks_keeps_rank_j_and_still_beats_fixed_baselines(work):
     t = simulate(s, flow, costs).makespan_s
     for name in ("isolated", "uniform_on_demand"):
         assert t <= simulate(s, place(name, s, enc, costs, fixed_ranks=True), costs).makespan_s * (1 + 1e-9)
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(workloads(), st.sampled_from([None, 0.5]))
+def test_stopping_a_trial_at_the_bound_takes_the_same_moves_as_running_every_trial_out(work, cap_at):
+    """The search stops simulating a trial move once an action ends past the makespan to beat: the flow,
+    makespan and evaluation count equal the search's with every trial simulated to the end."""
+    s, enc, costs = work
+    cap = None
+    if cap_at is not None:
+        peaks = [
+            max(simulate(s, place(n, s, enc, costs), costs).peak_activation_bytes.values()) for n in BASELINES
+        ]
+        cap = min(peaks) + cap_at * (max(peaks) - min(peaks))
+    got = plan_placement(s, enc, costs, memory_cap_bytes=cap, max_evaluations=120)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(planner_module, "_bound", lambda score, cand: math.inf)
+        full = plan_placement(s, enc, costs, memory_cap_bytes=cap, max_evaluations=120)
+    assert list(got.flow.entries) == list(full.flow.entries)
+    assert (got.makespan_s, got.evaluations, got.start) == (full.makespan_s, full.evaluations, full.start)
 
 
 def test_encoder_backward_moves_into_rank_1_drain_idle_time_by_hand():

@@ -14,7 +14,8 @@ Search (deterministic: same inputs, same flow, on every rank):
    simulation (at the cap: never more over it).
 2. Local search: for each encoder microbatch in turn (by consuming LLM microbatch, then id), try moving
    its forward to another (rank, slot) and its backward to another slot; take the best move if it lowers
-   the objective ``(memory over the caps, makespan)``; repeat passes until none improves. Then the same
+   the objective ``(memory over the caps, makespan)``; repeat passes until none improves (a trial whose
+   simulation passes the makespan it would have to beat stops there: same moves, less time). Then the same
    from the next-best baseline, and so on, while ``max_evaluations`` simulations last; the best end
    point wins. Slots are :func:`~omni_pipeline.placement.feasible_slots`
    (``DataFlow.validate``'s rules); a move that would deadlock is rejected.
@@ -153,31 +154,33 @@ class _Evaluator:
         self.llm_busy = [sum(self.dur[i] for i in self.llm_ids[r]) for r in range(self.num_ranks)]
         self.encoder_busy = {e: self.dur[self.ef[e]] + self.dur[self.eb[e]] for e in self.es}
 
-    def __call__(self, where: Mapping[int, Where]) -> tuple[float, float] | None:
-        """``(bytes over the caps, makespan)``, or ``None`` if the programs deadlock."""
+    def __call__(self, where: Mapping[int, Where], bound: float = math.inf) -> tuple[float, float] | None:
+        """``(bytes over the caps, makespan)``, or ``None`` if the programs deadlock or an action ends
+        after ``bound`` seconds (such a placement cannot beat one of makespan ``bound`` with nothing over
+        the caps: the search passes that, and the simulation stops there instead of running to the end)."""
         self.count += 1
-        inserts: dict[tuple[int, int], list[tuple[int, int]]] = {}
+        # (slot, 0 = backward / 1 = forward, id) per rank: at one slot backwards first, then forwards,
+        # each by id (placement._build's order)
+        inserts: list[list[tuple[int, int, int]]] = [[] for _ in range(self.num_ranks)]
         deps = list(self.deps)
+        ef, eb, f0s, b0s, consumer, out_tx = self.ef, self.eb, self.f0, self.b0, self.consumer, self.out_tx
         for e, (r, f, b) in where.items():
-            # at one slot: backwards first, then forwards, each by id (placement._build's order)
-            inserts.setdefault((r, f), []).append((1, e))
-            inserts.setdefault((r, b), []).append((0, e))
-            k = self.consumer[e]
-            x = self.out_tx[e] if r != 0 else 0.0
-            f0 = self.f0[k]
-            deps[f0] = [*deps[f0], (self.ef[e], x)]
-            deps[self.eb[e]] = [(self.ef[e], 0.0), (self.b0[k], x)]
+            inserts[r] += ((f, 1, e), (b, 0, e))
+            k = consumer[e]
+            x = out_tx[e] if r != 0 else 0.0
+            f0 = f0s[k]
+            deps[f0] = [*deps[f0], (ef[e], x)]
+            deps[eb[e]] = [(ef[e], 0.0), (b0s[k], x)]
         progs = []
-        for r in range(self.num_ranks):
-            merged: list[int] = []
+        for r, ins in enumerate(inserts):
             ids = self.llm_ids[r]
-            for i in range(len(ids) + 1):
-                got = inserts.get((r, i))
-                if got:
-                    for order, e in sorted(got):
-                        merged.append(self.ef[e] if order else self.eb[e])
-                if i < len(ids):
-                    merged.append(ids[i])
+            merged: list[int] = []
+            last = 0
+            for slot, forward, e in sorted(ins):
+                merged += ids[last:slot]
+                last = slot
+                merged.append(ef[e] if forward else eb[e])
+            merged += ids[last:]
             progs.append(merged)
         start = [0.0] * self.n
         end = [-1.0] * self.n
@@ -188,25 +191,30 @@ class _Evaluator:
         dispatch, dur = self.dispatch, self.dur
         while ready:
             r = ready.pop()
-            prog = progs[r]
-            while pos[r] < len(prog):
-                a = prog[pos[r]]
-                t = free[r] + dispatch if pos[r] else free[r]
-                blocked = False
+            prog, i, fr = progs[r], pos[r], free[r]
+            n_r = len(prog)
+            while i < n_r:
+                a = prog[i]
+                t = fr + dispatch if i else fr
                 for d, x in deps[a]:
                     ed = end[d]
-                    if ed < 0:
+                    if ed < 0:  # its input is not made yet: this rank waits for the rank that makes it
                         waiting.setdefault(d, []).append(r)
-                        blocked = True
                         break
                     if ed + x > t:
                         t = ed + x
-                if blocked:
-                    break
-                start[a] = t
-                end[a] = free[r] = t + dur[a]
-                pos[r] += 1
-                ready.extend(waiting.pop(a, ()))
+                else:
+                    start[a] = t
+                    end[a] = fr = t + dur[a]
+                    if fr > bound:
+                        return None
+                    i += 1
+                    woken = waiting.pop(a, None)
+                    if woken:
+                        ready.extend(woken)
+                    continue
+                break
+            pos[r], free[r] = i, fr
         if any(pos[r] < len(progs[r]) for r in range(self.num_ranks)):
             return None
         makespan = max(end, default=0.0)
@@ -238,6 +246,17 @@ def _better(a: tuple[float, float], b: tuple[float, float]) -> bool:
     if a[0] < b[0] - 1e-9 * max(1.0, b[0]):
         return True
     return a[0] <= b[0] + 1e-9 * max(1.0, b[0]) and a[1] < b[1] - 1e-12 * max(1.0, abs(b[1]))
+
+
+def _bound(score: tuple[float, float], cand: tuple[tuple[float, float], Where] | None) -> float:
+    """Makespan past which a trial move cannot matter: it would beat neither the current placement nor the
+    best move found so far. Only with nothing over the caps (else a longer makespan with less memory over
+    them may still win). The margin keeps the bound clear of :func:`_better`'s rounding, so the search
+    takes the same moves as if every trial ran to its end."""
+    ref = cand[0] if cand is not None and _better(cand[0], score) else score
+    if ref[0] > 0.0:
+        return math.inf
+    return ref[1] * (1.0 + 1e-9) + 1e-12
 
 
 def _as_where(placed: Placed) -> dict[int, Where]:
@@ -287,7 +306,7 @@ def _local_search(evaluate, where, score, order, slots, fixed, window, max_evalu
                     break
                 trial = dict(where)
                 trial[e] = move
-                got = evaluate(trial)
+                got = evaluate(trial, _bound(score, cand))
                 if got is not None and (cand is None or _better(got, cand[0])):
                     cand = (got, move)
             if cand is not None and _better(cand[0], score):
