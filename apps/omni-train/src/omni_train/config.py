@@ -232,7 +232,7 @@ class ParallelConfigSection:
             (``omni_pipeline.balance_stages``); unset: layers shared out evenly, the first stages taking
             the remainder.
         planner_evaluations: simulations ``planned`` may spend per step (``omni_pipeline.plan_placement``'s
-            ``max_evaluations``; each is tens of microseconds at pp=2 with 8 microbatches); >= 1.
+            ``max_evaluations``; each is about 50 microseconds at pp=2 with 8 microbatches); >= 1.
         planner_memory_cap_mib: ``planned``: peak stored activations per rank the plan may reach, MiB, in
             the cost model's modelled bytes (``omni_train.simulate``); unset: no cap; > 0.
         planner_calibration: ``planned``: a run directory of this config whose ``actions.jsonl`` (the
