@@ -1,5 +1,6 @@
 """The encoders' gradient sync skips a tower that ran on no rank in the step (its gradients are the zeros
-the executor filled in everywhere, so their sum is zeros) and reduces it whenever any DP replica ran it.
+its flat buffer was reset to everywhere, so their sum is zeros) and reduces it whenever any DP replica ran
+it.
 
 Reference: every loss and every gradient of every step equals the one-process float64 run of the same
 data (``train_reference``), over steps with no audio anywhere and steps with audio on one replica only
@@ -18,6 +19,7 @@ from train_reference import assert_runs_match, capture_run, reference_run, with_
 from omni_data import Modality
 from omni_parallel.testing import run_world
 from omni_train.config import MixturePhase, load_config
+from omni_train.parallelize import EncoderGradientSync
 
 pytestmark = pytest.mark.slow
 
@@ -37,7 +39,7 @@ def _dp2(rank, world_size, cfg, root):
                 told.append(None if towers is None else sorted(towers))
                 sync(towers)
 
-            trainer.sync_encoders = recording
+            trainer.sync_encoders = EncoderGradientSync(recording, sync.attach)
         seen.append((step, _audio(inputs), sorted(inputs.media)))
 
     got = capture_run(cfg, Path(root) / "dp2", on_inputs=on_inputs)

@@ -32,6 +32,7 @@ from __future__ import annotations
 import contextlib
 import functools
 from collections.abc import Callable, Collection, Iterable
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -40,7 +41,7 @@ from torch import nn
 from torch.distributed._composable import checkpoint
 
 from omni_parallel import EncoderLayout, ParallelState, rank_groups
-from omni_parallel.data_parallel import all_reduce_gradients
+from omni_parallel.data_parallel import FlatGradients, all_reduce_gradients
 from omni_parallel.encoder_zero import reduce_scatter_gradients
 from omni_parallel.tensor_parallel import apply_tensor_parallel, llama_tp_plan
 from omni_pipeline import PipelineGroups
@@ -51,6 +52,7 @@ from omni_train.models import LLMStage
 from omni_train.pipeline import RankStages
 
 __all__ = [
+    "EncoderGradientSync",
     "apply_ac",
     "apply_compile",
     "apply_dp",
@@ -202,17 +204,33 @@ def apply_dp(stage: LLMStage, ps: ParallelState) -> Callable[[], None]:
     return lambda: all_reduce_gradients(params, group)
 
 
-def apply_encoder_zero(
-    encoders: Encoders, ps: ParallelState, zero_stage: int = 0
-) -> Callable[[Collection[str] | None], None]:
-    """The encoders' layout and gradient sync (``parallel.encoder_zero``). Returns the hook,
-    ``hook(towers)``: ``towers`` names the towers that ran anywhere in the step (``StepInputs.media``),
-    ``None`` all of them.
+@dataclass(frozen=True)
+class EncoderGradientSync:
+    """The encoders' gradient sync :func:`apply_encoder_zero` returns.
+
+    ``sync(towers)``, on every rank after the step's last backward: ``towers`` names the towers that ran
+    anywhere in the step (``StepInputs.media``), ``None`` all of them. ``sync.attach()``, after
+    ``optimizer.zero_grad(set_to_none=True)`` and before the step's backwards: under ZeRO stage 0 the
+    encoders' gradients become views of flat buffers the backwards accumulate into and the sync reduces
+    with no copy (:class:`omni_parallel.data_parallel.FlatGradients`); under ZeRO 2/3 it does nothing.
+    """
+
+    reduce: Callable[[Collection[str] | None], None]
+    attach: Callable[[], None] = lambda: None
+
+    def __call__(self, towers: Collection[str] | None = None) -> None:
+        self.reduce(towers)
+
+
+def apply_encoder_zero(encoders: Encoders, ps: ParallelState, zero_stage: int = 0) -> EncoderGradientSync:
+    """The encoders' layout and gradient sync (``parallel.encoder_zero``): see :class:`EncoderGradientSync`.
 
     ZeRO stage 0: every rank holds the encoders whole; their gradients are summed over every rank and
-    divided by ``tp`` (see the module docstring). A tower not in ``towers`` ran on no rank, so its
-    gradients are the zeros the executor filled in on every rank and their sum is zeros too: it is not
-    reduced (on an image-only step of ``omni-heavy`` that is the audio tower, 8 of the 18 MiB).
+    divided by ``tp`` (see the module docstring). Each tower's gradients are views of a flat buffer of its
+    own (encoder parameters in no tower, or in more than one, share another, always reduced), zeroed by
+    ``attach``. A tower not in ``towers`` ran on no rank, so its gradients are those zeros on every rank
+    and their sum is zeros too: it is not reduced (on an image-only step of ``omni-heavy`` that is the
+    audio tower, 8 of the 18 MiB).
 
     ZeRO stages 2 and 3: each tower is FSDP2-sharded over every rank (``fully_shard`` per encoder block,
     then the tower: ``omni_parallel.EncoderState.shard``), so parameters (stage 3: also at rest),
@@ -234,21 +252,31 @@ def apply_encoder_zero(
     tp = ps.size("tp")
     if zero_stage == 0:
         group = dist.group.WORLD if ps.world_size > 1 else None
-        by_tower = {n: [p for p in t.parameters() if p.requires_grad] for n, t in encoders.towers.items()}
-        in_towers = {id(p) for ps_ in by_tower.values() for p in ps_}
-        shared = [p for p in encoders.parameters() if p.requires_grad and id(p) not in in_towers]
+        owners: dict[int, set[str]] = {}
+        for n, t in encoders.towers.items():
+            for p in t.parameters():
+                owners.setdefault(id(p), set()).add(n)
+        trainable = [p for p in encoders.parameters() if p.requires_grad]
+        flats = {n: FlatGradients(p for p in trainable if owners.get(id(p)) == {n}) for n in encoders.towers}
+        shared = FlatGradients(p for p in trainable if len(owners.get(id(p), ())) != 1)
 
         def reduce_replicated(towers: Collection[str] | None = None) -> None:
-            ran = [p for n, ps_ in by_tower.items() if towers is None or n in towers for p in ps_]
-            all_reduce_gradients([*shared, *ran], group, divide_by=tp)
+            shared.all_reduce(group, divide_by=tp)
+            for n, flat in flats.items():
+                if towers is None or n in towers:
+                    flat.all_reduce(group, divide_by=tp)
 
-        return reduce_replicated
+        def attach() -> None:
+            for flat in (shared, *flats.values()):
+                flat.attach()
+
+        return EncoderGradientSync(reduce_replicated, attach)
     state = ps.encoder_state(EncoderLayout(sp=1, fsdp=True, reshard_after_forward=zero_stage == 3))
     towers = list(encoders.towers.values())
     for tower in towers:
         state.shard(tower, blocks=list(tower.encoder.blocks))
     # sharded: every tower's reduce-scatter runs (FSDP2 reshards each after it), whatever ran
-    return lambda _towers=None: reduce_scatter_gradients(towers, divide_by=tp)
+    return EncoderGradientSync(lambda _towers=None: reduce_scatter_gradients(towers, divide_by=tp))
 
 
 def pipeline_groups(ps: ParallelState) -> PipelineGroups:

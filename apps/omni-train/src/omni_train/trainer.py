@@ -23,7 +23,8 @@ Per rank (DESIGN.md, apps/omni-train; MegaScale-Omni §3-§5; ARCHITECTURE.md dr
 * Activation memory (:mod:`omni_train.activation_memory`): recompute and offload per block family, and
   the peak of saved activations per rank and step in the metrics; ``train.dtype = "bfloat16"``: autocast
   over float32 master parameters (:func:`omni_train.parallelize.apply_mixed_precision`).
-* Each step: the loader's step -> :class:`~omni_train.step_inputs.StepInputs` (a value; the executor's
+* Each step: learning rate, gradients zeroed (ZeRO-0 encoder gradients re-attached to their flat
+  buffers) -> the loader's step -> :class:`~omni_train.step_inputs.StepInputs` (a value; the executor's
   callables close over it) -> executor step -> gradient clipping -> AdamW (:mod:`omni_train.optim`) ->
   metrics (:mod:`omni_train.step_metrics`) -> checkpoint (:mod:`omni_train.checkpointing`). A step's
   wall clock runs from the end of the previous step's metrics reduction, so the previous checkpoint save
@@ -495,6 +496,9 @@ class Trainer:
         after_backward: Callable[[int, StepInputs, StepResult], None] | None,
     ) -> StepResult:
         """One optimizer step: inputs, the pipeline step, clipping and AdamW, metrics, records, checkpoint."""
+        # before the loader's thread starts on step + 1 below: zeroing and re-attaching the gradients is
+        # short Python work that would otherwise wait on that thread for the GIL
+        lr = self._start_step(step)
         t = time.perf_counter()
         fs = self._loader_step(step)
         flow = self.planner.flow(fs.step, fs.packs, fs.microbatches) if self.planner else None
@@ -502,7 +506,6 @@ class Trainer:
         self._step_media = inputs.media  # read by _reduce_gradients, the executor's hook
         self.stream.prepare()  # step + 1 from here on, on the loader's thread (see __init__)
         data_s = time.perf_counter() - t
-        lr = self._start_step(step)
         self.memory.start_step()
         with self.memory.track():
             result = self.executor.step(
@@ -617,6 +620,7 @@ class Trainer:
         for g in self.optimizer.param_groups:
             g["lr"] = lr
         self.optimizer.zero_grad(set_to_none=True)
+        self.sync_encoders.attach()  # ZeRO 0: encoder gradients accumulate into flat buffers (no copies)
         return lr
 
     @record_function("omni_train.clip_grad_norm")
