@@ -103,7 +103,26 @@ def test_flat_gradients_accumulate_in_place_and_all_reduce_to_the_plain_sum():
             torch.testing.assert_close(torch.from_numpy(x), y, rtol=0, atol=0, msg=f"rank {r}, gradient {i}")
 
 
-def test_flat_gradients_refuse_dtensors_and_bad_divisors():
+def _dtensor_refused(rank: int, world_size: int) -> str:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (world_size,))
+    plain = torch.nn.Parameter(torch.zeros(3))
+    sharded = torch.nn.Parameter(distribute_tensor(torch.zeros(4), mesh, [Replicate()]))
+    try:
+        FlatGradients([plain, sharded])
+    except TypeError as e:
+        return str(e)
+    return "accepted"
+
+
+def test_flat_gradients_refuse_a_dtensor_parameter_by_position():
+    (msg,) = run_world(_dtensor_refused, 1, timeout_s=60)
+    assert "parameters [1]" in msg and "DTensor" in msg, msg
+
+
+def test_flat_gradients_refuse_bad_divisors_and_skip_single_rank_groups():
     p = torch.nn.Parameter(torch.ones(2))
     flat = FlatGradients([p])
     flat.attach()
