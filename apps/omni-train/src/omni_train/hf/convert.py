@@ -29,12 +29,11 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from tokenizers import Tokenizer
 from torch import nn
 
 from omni_ckpt import CheckpointManager, load, read_manifest, save_ranks
 from omni_ckpt.layout import dtype_from_name
-from omni_train.config import ConfigError, RunConfig, config_from_dict, tokenizer_path
+from omni_train.config import ConfigError, RunConfig, config_from_dict, load_tokenizer, tokenizer_path
 from omni_train.encoders import Encoders
 from omni_train.hf.adapter import StateDictAdapter
 from omni_train.hf.audio import WhisperEncoderAdapter, audio_config_from_hf, whisper_encoder_problems
@@ -87,7 +86,7 @@ class ExportReport:
 
 
 def _vocab_size(cfg: RunConfig) -> int:
-    return Tokenizer.from_file(str(tokenizer_path(cfg.data))).get_vocab_size()
+    return load_tokenizer(cfg.data).get_vocab_size()
 
 
 def build_model(cfg: RunConfig, vocab_size: int) -> nn.ModuleDict:
@@ -283,7 +282,7 @@ def export_hf(
     llm = {k.removeprefix("llm."): v for k, v in tensors.items() if k.startswith("llm.")}
     llm_cfg = cfg.model.llm_config(int(llm["tok_embeddings.weight"].shape[0]))
     tok_file = tokenizer_path(cfg.data)
-    tok = Tokenizer.from_file(str(tok_file))
+    tok = load_tokenizer(cfg.data)
     parts: dict[str, tuple[StateDictAdapter, list[str]]] = {
         "llm": (
             LlamaAdapter(
