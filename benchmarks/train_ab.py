@@ -120,6 +120,28 @@ def _outside(rows: list[dict]) -> list[float]:
     return out
 
 
+def _sweep_target(rows: list[dict], bound: dict[str, float]) -> dict[str, float]:
+    """What the sweep's target (``planned`` drops from the first share to the last at most half as much as
+    ``prepend_first_stage``) asks of ``planned`` at the last share, against the compute bound there."""
+    first, last = SWEEP_SHARES[0], SWEEP_SHARES[-1]
+
+    def rate(placement: Placement, share: str) -> float:
+        return next(
+            r["tokens_per_s"] for r in rows if r["placement"] == str(placement) and r["share"] == share
+        )
+
+    prepend_drop = 1 - rate(Placement.PREPEND_FIRST_STAGE, last) / rate(Placement.PREPEND_FIRST_STAGE, first)
+    planned_first = rate(Placement.PLANNED, first)
+    needed = planned_first * (1 - prepend_drop / 2)
+    return {
+        "prepend_drop": prepend_drop,
+        "planned_first_tokens_per_s": planned_first,
+        "planned_needed_tokens_per_s": needed,
+        "needed_vs_compute_bound": needed / bound[last],
+        "planned_vs_compute_bound": rate(Placement.PLANNED, last) / bound[last],
+    }
+
+
 def _compute_bound(rows: list[dict]) -> dict[str, float]:
     """Per share, the tokens/s of a perfect placement: a step's measured compute (encoder and LLM action
     seconds, summed over ranks) spread evenly over the ranks with no wait and nothing outside the pipeline;
@@ -277,6 +299,15 @@ def main() -> None:
             + "".join(f"{bound[s]:>10.0f}" for s in SWEEP_SHARES)
             + f"{100 * drop:>17.1f}%"
         )
+        if Placement.PREPEND_FIRST_STAGE in args.placements and Placement.PLANNED in args.placements:
+            result["sweep_target"] = target = _sweep_target(result["rows"], bound)
+            print(
+                f"target: planned drops at most half of prepend's {100 * target['prepend_drop']:.1f}%, so from its "
+                f"{target['planned_first_tokens_per_s']:.0f} tokens/s at {SWEEP_SHARES[0]} it needs "
+                f"{target['planned_needed_tokens_per_s']:.0f} at {SWEEP_SHARES[-1]}: "
+                f"{100 * target['needed_vs_compute_bound']:.0f}% of the compute bound "
+                f"(measured: {100 * target['planned_vs_compute_bound']:.0f}%)"
+            )
     out = Path(args.json) if args.json else Path(__file__).resolve().parent / "results" / "train_ab.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2))
