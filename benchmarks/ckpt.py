@@ -100,7 +100,7 @@ def raw_fsspec(
     """Save/load of the bare bytes through fsspec with ``threads`` files and threads (the disk's speed);
     ``checksum``: CRC-32C of every ``_WINDOW`` written and read, the loaded ones compared."""
     fs = fsspec.filesystem("file")
-    crcs: dict[int, list[int]] = {}  # id of the saved tensor's position -> its windows' CRCs
+    crcs: dict[tuple[int, int], list[int]] = {}  # (file, tensor in it) -> its windows' CRCs
 
     def groups(state: State) -> list[list[torch.Tensor]]:
         ts = list(state.values())
@@ -124,7 +124,7 @@ def raw_fsspec(
                     if not checksum:
                         f.write(view)
                         continue
-                    got = crcs[i * len(state) + j] = []
+                    got = crcs[i, j] = []
                     for a in range(0, len(view), _WINDOW):
                         got.append(crc32c(view[a : a + _WINDOW]))
                         f.write(view[a : a + _WINDOW])
@@ -142,7 +142,7 @@ def raw_fsspec(
                     if not checksum:
                         f.readinto(view)
                         continue
-                    want = crcs[i * len(target) + j]
+                    want = crcs[i, j]
                     for w, a in enumerate(range(0, len(view), _WINDOW)):
                         f.readinto(view[a : a + _WINDOW])
                         if crc32c(view[a : a + _WINDOW]) != want[w]:
