@@ -164,6 +164,22 @@ def test_resume_checks_the_runs_config_before_any_worker_starts(tmp_path, data, 
     )
 
 
+def test_resume_step_needs_resume_and_a_committed_step(tmp_path, data, capsys):
+    p = write_config(tmp_path / "c.toml", data, steps=8)
+    run = tmp_path / "run"
+    _fake_run(run, load_config(str(p)), [2, 4, 6])
+    base = ["run", "--config", str(p), "--out", str(run)]
+    assert main([*base, "--resume-step", "4"]) == 2
+    assert "--resume-step: needs --resume" in capsys.readouterr().err
+    assert main([*base, "--resume", "--resume-step", "5"]) == 2
+    err = capsys.readouterr().err
+    assert f"--resume-step: 5 is not a committed step of {run / 'checkpoints'} (committed: 2, 4, 6)" in err
+    args = parse_args(["run", *base[1:], "--resume", "--resume-step", "4"])
+    assert resolve_run(args)[2] == run and args.resume_step == 4
+    # the checks only read: nothing was renamed
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == [f"step-{s:08d}" for s in (2, 4, 6)]
+
+
 def test_resume_differences_compare_every_field_outside_the_allowed_set(data, tmp_path):
     cfg = load_config(str(write_config(tmp_path / "c.toml", data)))
     assert resume_differences(cfg, cfg) == []

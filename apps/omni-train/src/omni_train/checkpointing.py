@@ -112,9 +112,11 @@ class TrainCheckpoint:
         if handle is not None:
             handle.staged.result()  # weights may change once staged; the write continues in the background
 
-    def restore(self) -> int:
+    def restore(self, step: int | None = None) -> int:
         """Load the last committed step (model, optimizer, loader) and return it; 0 and a fresh loader
-        when there is none.
+        when there is none. With ``step``, that committed step instead: the newer step directories are
+        set aside first (``omni_ckpt.CheckpointManager.roll_back``: renamed, kept on disk), so the run
+        goes on from ``step`` and its later saves and pruning never meet them.
 
         Step 0 holds initial weights only (``omni-train import-hf`` writes it; the trainer's own saves
         start at step 1): its model is loaded, the optimizer and the loader start fresh. A step saved under
@@ -127,7 +129,10 @@ class TrainCheckpoint:
                 loader reads anything).
             RuntimeError: the checkpoint's recorded step differs from its directory's, or it was saved
                 with another ``fixed`` value at the same DP size (names the field and both values).
+            omni_ckpt.CheckpointError: ``step`` is not a committed step (the committed ones named).
         """
+        if step is not None:  # every rank joins (a rank that saw ``step`` as the newest must not skip it)
+            self.manager.roll_back(step)
         latest = self.manager.latest()
         if latest is None or latest == 0:
             if latest == 0:

@@ -67,6 +67,14 @@ def build_parser() -> argparse.ArgumentParser:
     )
     run.add_argument("--out", default=None, help="run directory (default: runs/<config>-<time>)")
     run.add_argument("--resume", action="store_true", help="continue from the last committed checkpoint")
+    run.add_argument(
+        "--resume-step",
+        type=int,
+        default=None,
+        metavar="N",
+        help="with --resume: continue from committed step N instead (e.g. when a newer one is damaged); "
+        "newer step directories are renamed step-XXXXXXXX.rolled-back-to-N and kept",
+    )
     run.add_argument("--max-restarts", type=int, default=0, help="restart failed workers this many times")
     run.add_argument(
         "--placement", choices=[str(m) for m in Placement], default=None, help="alias of --parallel.placement"
@@ -254,8 +262,11 @@ def resolve_run(args: argparse.Namespace) -> tuple[RunConfig, int, Path]:
     Raises:
         ConfigError: an invalid config or override (names the field), ``--out`` naming a file,
             ``--resume`` with nothing to resume or with a config the run cannot continue under (the
-            differing fields named), or a run directory that already holds checkpoints without ``--resume``.
+            differing fields named), a run directory that already holds checkpoints without ``--resume``,
+            or ``--resume-step`` without ``--resume`` or naming a step that is not committed.
     """
+    if args.resume_step is not None and not args.resume:
+        raise ConfigError("--resume-step: needs --resume")
     cfg = load_config(args.config, _aliases(args) + list(getattr(args, "overrides", [])))
     if args.max_restarts < 0:
         raise ConfigError(f"--max-restarts: must be >= 0, got {args.max_restarts}")
@@ -292,6 +303,13 @@ def resolve_run(args: argparse.Namespace) -> tuple[RunConfig, int, Path]:
             f"--out: {out} already holds checkpoints ({old[-1]}); pass --resume to continue that run, "
             "or another --out"
         )
+    if args.resume_step is not None:
+        steps = committed_steps(out)
+        if args.resume_step not in steps:
+            raise ConfigError(
+                f"--resume-step: {args.resume_step} is not a committed step of {out / 'checkpoints'} "
+                f"(committed: {', '.join(map(str, steps)) or 'none'})"
+            )
     if args.resume:
         _check_resume(cfg, out)
     return cfg, nproc, out
@@ -316,6 +334,8 @@ def _run(args: argparse.Namespace) -> int:
         return 0
     if args.resume:
         steps = committed_steps(out)
+        if args.resume_step is not None:
+            steps = [args.resume_step]
         if steps and steps[-1] >= cfg.train.steps:
             if _rank0():
                 print(
@@ -331,13 +351,20 @@ def _run(args: argparse.Namespace) -> int:
 
         if _rank0():
             print(f"omni-train: {cfg.name} on {nproc} processes (torchrun) -> {out}", file=sys.stderr)
-        worker_main(cfg, str(out), args.resume)
+        worker_main(cfg, str(out), args.resume, args.resume_step)
         if _rank0():
             print(f"omni-train: done; outputs in {out}", file=sys.stderr)
         return 0
     print(f"omni-train: {cfg.name} on {nproc} processes -> {out}", file=sys.stderr)
     try:
-        launch(cfg, out, nproc=nproc, resume=args.resume, max_restarts=args.max_restarts)
+        launch(
+            cfg,
+            out,
+            nproc=nproc,
+            resume=args.resume,
+            max_restarts=args.max_restarts,
+            resume_step=args.resume_step,
+        )
     except ChildFailedError as exc:
         print(f"omni-train: training failed:\n{exc.format_msg()}", file=sys.stderr)
         return 1

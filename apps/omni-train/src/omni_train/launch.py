@@ -89,7 +89,13 @@ def free_port() -> int:
 
 
 def launch(
-    cfg: RunConfig, out_dir: Path, *, nproc: int, resume: bool, max_restarts: int
+    cfg: RunConfig,
+    out_dir: Path,
+    *,
+    nproc: int,
+    resume: bool,
+    max_restarts: int,
+    resume_step: int | None = None,
 ) -> dict[int, object]:
     """Run :func:`omni_train.trainer.worker_main` on ``nproc`` local processes; return rank -> result.
 
@@ -121,4 +127,4 @@ def launch(
         local_addr="127.0.0.1",
     )
     with _reported_restarts(max_restarts):
-        return elastic_launch(config, worker_main)(cfg, str(out_dir), resume)
+        return elastic_launch(config, worker_main)(cfg, str(out_dir), resume, resume_step)

@@ -138,10 +138,14 @@ class Trainer:
         cfg: the validated run config.
         out_dir: the run directory (shared by all ranks).
         resume: continue from the last committed checkpoint under ``out_dir/checkpoints`` (if any).
+        resume_step: with ``resume``, continue from this committed step instead; newer ones are set aside
+            (:meth:`omni_train.checkpointing.TrainCheckpoint.restore`).
     """
 
-    def __init__(self, cfg: RunConfig, out_dir: Path, *, resume: bool) -> None:
-        self.cfg, self.out, self.resume = cfg, out_dir, resume
+    def __init__(
+        self, cfg: RunConfig, out_dir: Path, *, resume: bool, resume_step: int | None = None
+    ) -> None:
+        self.cfg, self.out, self.resume, self.resume_step = cfg, out_dir, resume, resume_step
         self.out.mkdir(parents=True, exist_ok=True)
         par = cfg.parallel
         self.ps = ParallelState.build(
@@ -444,7 +448,7 @@ class Trainer:
 
     def _run(self, after_backward: Callable[[int, StepInputs, StepResult], None] | None) -> dict[str, Any]:
         total = self.cfg.train.steps
-        start = self.checkpoint.restore() if self.resume else self._fresh_start()
+        start = self.checkpoint.restore(self.resume_step) if self.resume else self._fresh_start()
         run = self._open_run(start)
         t_run, last = time.perf_counter(), None
         try:
@@ -660,11 +664,12 @@ def _close_after(error: BaseException, run: _RunOutputs) -> None:
                 error.add_note(f"omni-train: also, while closing the run's files: {also!r}")
 
 
-def worker_main(cfg: RunConfig, out_dir: str, resume: bool) -> dict[str, Any]:
+def worker_main(cfg: RunConfig, out_dir: str, resume: bool, resume_step: int | None = None) -> dict[str, Any]:
     """Entry point of one worker process (started by the elastic launcher or ``torchrun``).
 
     A worker restarted by the elastic agent (``TORCHELASTIC_RESTART_COUNT > 0``) resumes from the last
-    committed checkpoint.
+    committed checkpoint (not from ``resume_step`` again: the first attempt already went back to it, and
+    the steps it saved since must not be set aside).
     """
     torch.set_num_threads(1)
     restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0
@@ -677,6 +682,7 @@ def worker_main(cfg: RunConfig, out_dir: str, resume: bool) -> dict[str, Any]:
         else:
             dist.init_process_group("gloo")
     try:
-        return Trainer(cfg, Path(out_dir), resume=resume or restarted).run()
+        step = None if restarted else resume_step
+        return Trainer(cfg, Path(out_dir), resume=resume or restarted, resume_step=step).run()
     finally:
         dist.destroy_process_group()

@@ -15,6 +15,10 @@ mid-delete never leaves a step that looks committed but lacks data). A crash at 
 place after every rank wrote its data durably), not blindly what the ``latest`` file says: a crash between
 S's manifest rename and the pointer move leaves the file one step behind, and a job resumed from there
 would later fail to save S again ("already committed"). The ``latest`` file is kept for tools and people.
+
+:meth:`CheckpointManager.roll_back` goes back to an older committed step (a newer one damaged, or steps to
+redo): the newer step directories are renamed out of the ``step-XXXXXXXX`` pattern, kept whole, so later
+saves of the same numbers and pruning never meet them.
 """
 
 from __future__ import annotations
@@ -195,6 +199,60 @@ class CheckpointManager:
             self._finish_pending()
         committed = self.steps()
         return committed[-1] if committed else None
+
+    def roll_back(self, step: int) -> list[str]:
+        """Make committed step ``step`` the latest again (collective over the manager's group): rank 0
+        renames every newer step directory, committed or not, to ``<name>.rolled-back-to-<step>`` (a
+        numbered suffix if that name is taken) and points ``latest`` at ``step``, then every rank gets the
+        outcome. The set-aside directories keep their files, but :meth:`steps`, :meth:`latest`, later
+        saves of those step numbers and pruning no longer see them. For resuming from an older step when
+        a newer one is damaged, or to redo steps with other settings.
+
+        Returns:
+            the new names of the directories set aside, oldest step first (empty when ``step`` was
+            already the newest).
+
+        Raises:
+            CheckpointError: ``step`` is not a committed step (the committed ones named), a rename
+                failed (on every rank), or the in-flight async save failed.
+            ValueError: ``step`` is not an int >= 0.
+        """
+        self.step_url(step)  # validates step
+        self._finish_pending()
+        outcome: list[Any] = [None]
+        if self.rank == 0:
+            try:
+                outcome[0] = ("ok", self._set_aside_after(step))
+            except Exception as exc:  # every rank raises it, not only rank 0
+                outcome[0] = ("error", f"{type(exc).__name__}: {exc}")
+        if self.process_group is not None and dist.get_world_size(self.process_group) > 1:
+            dist.broadcast_object_list(
+                outcome, src=dist.get_global_rank(self.process_group, 0), group=self.process_group
+            )
+        kind, value = outcome[0]
+        if kind == "error":
+            raise CheckpointError(f"{self.root}: roll back to step {step} failed: {value}")
+        return value
+
+    def _set_aside_after(self, step: int) -> list[str]:
+        committed = self.steps()
+        if step not in committed:
+            raise CheckpointError(
+                f"step {step} is not a committed checkpoint (committed: {committed or 'none'})"
+            )
+        moved = []
+        for s, name in self._step_dirs():
+            if s <= step:
+                continue
+            names = {p.rstrip("/").rsplit("/", 1)[-1] for p in self.fs.ls(self.path, detail=False)}
+            new, k = f"{name}.rolled-back-to-{step}", 1
+            while new in names:
+                k += 1
+                new = f"{name}.rolled-back-to-{step}.{k}"
+            self.fs.mv(join(self.path, name), join(self.path, new), recursive=True)
+            moved.append(new)
+        atomic_write(self.fs, join(self.path, LATEST), f"step-{step:08d}".encode())
+        return moved
 
     def load(self, step: int, state: MutableMapping[Any, Any]) -> LoadResult:
         """Load step ``step`` into ``state`` in place (see :func:`omni_ckpt.load`); primes the plan cache."""
