@@ -180,6 +180,23 @@ def test_resume_step_needs_resume_and_a_committed_step(tmp_path, data, capsys):
     assert sorted(p.name for p in (run / "checkpoints").iterdir()) == [f"step-{s:08d}" for s in (2, 4, 6)]
 
 
+def test_resume_step_is_not_checked_again_by_a_worker_that_torchrun_restarted(
+    tmp_path, data, capsys, monkeypatch
+):
+    # torchrun restarts a worker with its command line, --resume-step N included; the restart resumes
+    # from the newest step (trainer.worker_main), and by then N may have been pruned (keep_last)
+    p = write_config(tmp_path / "c.toml", data, steps=8)
+    run = tmp_path / "run"
+    _fake_run(run, load_config(str(p)), [6, 8])
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
+    base = ["run", "--config", str(p), "--out", str(run), "--resume", "--resume-step", "4"]
+    assert resolve_run(parse_args(base))[2] == run
+    # ... and a run that was finished by then is finished (not "resumed from step 4")
+    monkeypatch.setattr("omni_train.launch.launch", lambda *a, **k: pytest.fail("workers launched"))
+    assert main(base) == 0
+    assert "already finished: step 8 of train.steps = 8" in capsys.readouterr().err
+
+
 def test_resume_differences_compare_every_field_outside_the_allowed_set(data, tmp_path):
     cfg = load_config(str(write_config(tmp_path / "c.toml", data)))
     assert resume_differences(cfg, cfg) == []

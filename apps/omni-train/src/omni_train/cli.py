@@ -296,14 +296,16 @@ def resolve_run(args: argparse.Namespace) -> tuple[RunConfig, int, Path]:
         raise ConfigError(f"--resume: {out} holds no checkpoints directory")
     # A worker that torchrun restarted resumes (see trainer.worker_main); anything else must not train
     # into a run directory whose checkpoints it would collide with at its first save.
-    restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0
+    restarted = _restarted()
     old = sorted(p.name for p in (out / "checkpoints").glob("step-*"))
     if old and not (args.resume or restarted):
         raise ConfigError(
             f"--out: {out} already holds checkpoints ({old[-1]}); pass --resume to continue that run, "
             "or another --out"
         )
-    if args.resume_step is not None:
+    # a restarted worker resumes from the newest step, not from --resume-step (trainer.worker_main): its
+    # first attempt already went back to it, and pruning may have deleted it since
+    if args.resume_step is not None and not restarted:
         steps = committed_steps(out)
         if args.resume_step not in steps:
             raise ConfigError(
@@ -317,6 +319,11 @@ def resolve_run(args: argparse.Namespace) -> tuple[RunConfig, int, Path]:
 
 def _rank0() -> bool:
     return os.environ.get("RANK", "0") == "0"
+
+
+def _restarted() -> bool:
+    """Whether this process is a worker that torchrun's elastic agent restarted (it resumes)."""
+    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0
 
 
 def _run(args: argparse.Namespace) -> int:
@@ -334,7 +341,7 @@ def _run(args: argparse.Namespace) -> int:
         return 0
     if args.resume:
         steps = committed_steps(out)
-        if args.resume_step is not None:
+        if args.resume_step is not None and not _restarted():
             steps = [args.resume_step]
         if steps and steps[-1] >= cfg.train.steps:
             if _rank0():
