@@ -4,6 +4,8 @@ on from N, and its losses, metrics and checkpoints equal an uninterrupted run's 
 config trained once without interruption, compared bit for bit)."""
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -26,18 +28,23 @@ def _train(rank, world_size, cfg, runs):
         Trainer(cfg, Path(out), resume=resume, resume_step=step).run()
 
 
+def _damage(step_dir: Path) -> None:
+    for f in step_dir.glob("rank-*.safetensors"):  # every rank's file: each fails its load
+        raw = bytearray(f.read_bytes())
+        raw[-64] ^= 0x10
+        f.write_bytes(bytes(raw))
+
+
 def test_resume_from_an_older_step_when_the_newest_is_damaged_reproduces_the_run(tmp_path):
     data = make_dataset(tmp_path / "data")
-    cfg = load_config(str(write_config(tmp_path / "c.toml", data, steps=6, every=2)))
+    config = write_config(tmp_path / "c.toml", data, steps=6, every=2)
+    cfg = load_config(str(config))
     a, b = tmp_path / "a", tmp_path / "b"
     run_world(_train, 2, timeout_s=600, args=(cfg, [(str(a), False, None), (str(b), False, None)]))
     assert _losses(a) == _losses(b) and len(_losses(a)) == 6
     ckpt = b / "checkpoints"
     assert sorted(p.name for p in ckpt.glob("step-*")) == ["step-00000004", "step-00000006"]
-    for f in (ckpt / "step-00000006").glob("rank-*.safetensors"):  # every rank's file: each fails its load
-        raw = bytearray(f.read_bytes())
-        raw[-64] ^= 0x10
-        f.write_bytes(bytes(raw))
+    _damage(ckpt / "step-00000006")
 
     run_world(_train, 2, timeout_s=600, args=(cfg, [(str(b), True, 4)]))
     assert _losses(b) == _losses(a)  # steps 5 and 6 trained again, bit for bit; one line per step
@@ -47,3 +54,16 @@ def test_resume_from_an_older_step_when_the_newest_is_damaged_reproduces_the_run
     assert (ckpt / "latest").read_text() == "step-00000006"
     summary = json.loads((b / "summary.json").read_text())
     assert summary["resumed_from"] == 4
+
+    # the same from the command line, on the run as it is now: finished (its newest step is train.steps,
+    # which a plain --resume takes for done) and the newest step damaged again
+    _damage(ckpt / "step-00000006")
+    argv = ["run", "--config", str(config), "--out", str(b), "--resume", "--resume-step", "4"]
+    p = subprocess.run([sys.executable, "-m", "omni_train.cli", *argv], capture_output=True, text=True)
+    assert p.returncode == 0, p.stderr
+    assert (
+        "omni-train: rolled back to step 4; newer steps set aside (kept): step-00000006.rolled-back-to-4.2"
+        in p.stderr
+    ), p.stderr
+    assert _losses(b) == _losses(a)
+    assert (ckpt / "step-00000006.rolled-back-to-4.2").is_dir() and (ckpt / "step-00000006").is_dir()

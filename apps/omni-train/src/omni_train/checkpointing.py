@@ -81,6 +81,7 @@ class TrainCheckpoint:
         self.model, self.optimizer, self.stream = model, optimizer, stream
         self.fixed = dict(fixed or {})
         self.manager = CheckpointManager(str(directory), keep_last=cfg.keep_last, async_save=cfg.async_save)
+        self.set_aside: list[str] = []  # what restore(step) renamed, for the run's notice
         self.layout = {a: ps.size(a) if ps else 1 for a in LAYOUT_AXES}
         self.dp_rank = ps.local_rank("dp") if ps else 0
         self.position = 0
@@ -116,7 +117,8 @@ class TrainCheckpoint:
         """Load the last committed step (model, optimizer, loader) and return it; 0 and a fresh loader
         when there is none. With ``step``, that committed step instead: the newer step directories are
         set aside first (``omni_ckpt.CheckpointManager.roll_back``: renamed, kept on disk), so the run
-        goes on from ``step`` and its later saves and pruning never meet them.
+        goes on from ``step`` and its later saves and pruning never meet them; their new names are in
+        :attr:`set_aside`.
 
         Step 0 holds initial weights only (``omni-train import-hf`` writes it; the trainer's own saves
         start at step 1): its model is loaded, the optimizer and the loader start fresh. A step saved under
@@ -132,7 +134,7 @@ class TrainCheckpoint:
             omni_ckpt.CheckpointError: ``step`` is not a committed step (the committed ones named).
         """
         if step is not None:  # every rank joins (a rank that saw ``step`` as the newest must not skip it)
-            self.manager.roll_back(step)
+            self.set_aside = self.manager.roll_back(step)
         latest = self.manager.latest()
         if latest is None or latest == 0:
             if latest == 0:

@@ -471,12 +471,18 @@ class Trainer:
     def _open_run(self, start: int) -> _RunOutputs:
         """The run's outputs from ``start`` on (metrics, records, profiler), the resolved config and the
         run's data flow (planned per step: each step's is in ``actions.jsonl``), and a restart notice
-        under torchrun's elastic agent."""
+        under torchrun's elastic agent (or, after ``resume_step``, a notice naming what was set aside)."""
         self.skips.start()
         restarts = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
         if restarts and self.rank == 0:
             of = os.environ.get("TORCHELASTIC_MAX_RESTARTS", "?")
             print(f"omni-train: restarted ({restarts} of {of}), resuming from step {start}", file=sys.stderr)
+        if self.resume_step is not None and self.rank == 0:  # renamed directories are not silent
+            aside = ", ".join(self.checkpoint.set_aside) or "none (it was the newest)"
+            print(
+                f"omni-train: rolled back to step {start}; newer steps set aside (kept): {aside}",
+                file=sys.stderr,
+            )
         logger = MetricsLogger(self.out, self.cfg.train.steps, start, enabled=self.rank == 0)
         records = self._record_writer(start)
         if self.rank == 0:
