@@ -4,6 +4,7 @@ The oracle for values is the state each step saved (bit-exact ``torch.equal``); 
 a listing of the root taken before and after; the damaged step is made by flipping one byte of its data
 file, which ``load`` must refuse (its checksum)."""
 
+import time
 from pathlib import Path
 
 import pytest
@@ -89,11 +90,21 @@ def test_roll_back_to_a_step_that_is_not_committed_names_the_committed_ones_and_
 
 
 def test_roll_back_after_an_async_save_waits_for_it_first(tmp_path):
-    m = CheckpointManager(str(tmp_path / "ckpt"), keep_last=None, async_save=True)
+    root = tmp_path / "ckpt"
+    m = CheckpointManager(str(root), keep_last=None, async_save=True)
     m.save(1, make_state(1)).staged.result()
+    publish = m._publish
+
+    def late_publish(step):  # the commit's last part lands well after roll_back is called
+        time.sleep(0.5)
+        publish(step)
+
+    m._publish = late_publish
     m.save(2, make_state(2)).staged.result()  # in flight when roll_back is called
     assert m.roll_back(1) == ["step-00000002.rolled-back-to-1"]
-    assert m.steps() == [1]
+    m.wait()
+    assert m.steps() == [1] and (root / "latest").read_text() == "step-00000001"
+    assert (root / "step-00000002.rolled-back-to-1" / "manifest.msgpack").is_file()
 
 
 def _two_ranks(rank, world, root):
