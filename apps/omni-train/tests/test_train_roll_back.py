@@ -35,6 +35,15 @@ def _damage(step_dir: Path) -> None:
         f.write_bytes(bytes(raw))
 
 
+def _restarted_worker(rank, world_size, cfg, out):
+    import os
+
+    from omni_train.trainer import worker_main
+
+    os.environ["TORCHELASTIC_RESTART_COUNT"] = "1"  # as torchrun's elastic agent sets it on a restart
+    worker_main(cfg, out, True, 4)
+
+
 def test_resume_from_an_older_step_when_the_newest_is_damaged_reproduces_the_run(tmp_path):
     data = make_dataset(tmp_path / "data")
     config = write_config(tmp_path / "c.toml", data, steps=6, every=2)
@@ -67,3 +76,11 @@ def test_resume_from_an_older_step_when_the_newest_is_damaged_reproduces_the_run
     ), p.stderr
     assert _losses(b) == _losses(a)
     assert (ckpt / "step-00000006.rolled-back-to-4.2").is_dir() and (ckpt / "step-00000006").is_dir()
+
+    # a worker that torchrun restarted (its command line still says --resume-step 4) resumes from the
+    # newest step: what it saved after the roll back is not set aside again
+    names = {f.name for f in ckpt.iterdir()}
+    longer = load_config(str(config), [("train.steps", "8")])
+    run_world(_restarted_worker, 2, timeout_s=600, args=(longer, str(b)))
+    assert {f.name for f in ckpt.iterdir()} == names - {"step-00000004"} | {"step-00000008"}  # keep_last 2
+    assert _losses(b)[:6] == _losses(a) and len(_losses(b)) == 8
