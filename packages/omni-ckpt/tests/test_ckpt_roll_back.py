@@ -5,6 +5,7 @@ a listing of the root taken before and after; the damaged step is made by flippi
 file, which ``load`` must refuse (its checksum)."""
 
 import time
+import uuid
 from pathlib import Path
 
 import pytest
@@ -128,3 +129,30 @@ def test_roll_back_is_collective_every_rank_gets_the_outcome_and_the_error(tmp_p
         assert moved == ["step-00000003.rolled-back-to-2"] and latest == 2 and loaded == 2
         assert "roll back to step 7 failed" in error and "committed: [1, 2]" in error
         assert x == [20.0 + rank] * 4
+
+
+def test_roll_back_on_an_object_store_copies_then_uncommits_then_deletes(monkeypatch):
+    # memory:// moves as object stores do (copy, then delete); the copy must be whole before the
+    # original loses its manifest, and the original must be uncommitted before the rest goes
+    url = f"memory://roll-back-{uuid.uuid4().hex}"
+    m = CheckpointManager(url, keep_last=None, async_save=False)
+    for step in (1, 2):
+        m.save(step, make_state(step))
+    fs = m.fs
+    calls = []
+    copy, rm = fs.copy, fs.rm
+    monkeypatch.setattr(fs, "copy", lambda *a, **k: (calls.append(("copy", a[0])), copy(*a, **k))[1])
+    monkeypatch.setattr(fs, "rm", lambda *a, **k: (calls.append(("rm", a[0])), rm(*a, **k))[1])
+    assert m.roll_back(1) == ["step-00000002.rolled-back-to-1"]
+    src = m.step_url(2).split("://", 1)[1].strip("/")
+    ours = [(op, p.split("://", 1)[-1].strip("/")) for op, p in calls]
+    ours = [(op, p) for op, p in ours if p.startswith(src)]  # not the `latest` pointer's tmp + rename
+    assert ours == [("copy", src), ("rm", f"{src}/manifest.msgpack"), ("rm", src)]
+    got = blank()
+    assert m.steps() == [1] and m.load_latest(got) == 1 and _equal(got, make_state(1))
+    # the set-aside copy is whole: it loads as step 2 did
+    from omni_ckpt import load
+
+    got = blank()
+    load(got, f"{url}/step-00000002.rolled-back-to-1")
+    assert _equal(got, make_state(2))

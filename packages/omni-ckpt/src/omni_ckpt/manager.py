@@ -35,7 +35,7 @@ from omni_ckpt.layout import MANIFEST
 from omni_ckpt.load import LoadResult, load, plan_from_manifest, read_manifest
 from omni_ckpt.plan import PlanCache
 from omni_ckpt.save import DEFAULT_HOST_BUDGET, DEFAULT_IO_THREADS, AsyncSaveHandle, async_save, save
-from omni_ckpt.storage import CheckpointError, atomic_write, join, open_url
+from omni_ckpt.storage import CheckpointError, atomic_write, is_local, join, open_url
 
 __all__ = ["CheckpointManager"]
 
@@ -249,10 +249,23 @@ class CheckpointManager:
             while new in names:
                 k += 1
                 new = f"{name}.rolled-back-to-{step}.{k}"
-            self.fs.mv(join(self.path, name), join(self.path, new), recursive=True)
+            self._move_aside(name, new)
             moved.append(new)
         atomic_write(self.fs, join(self.path, LATEST), f"step-{step:08d}".encode())
         return moved
+
+    def _move_aside(self, name: str, new: str) -> None:
+        src, dst = join(self.path, name), join(self.path, new)
+        if is_local(self.fs):
+            self.fs.mv(src, dst, recursive=True)  # a rename: atomic
+            return
+        # An object store moves by copy then delete: copy the whole step first, then uncommit the
+        # original (its manifest goes first, as in pruning), so a crash midway never leaves a step that
+        # looks committed and lacks data, and the copy is complete before anything is deleted.
+        self.fs.copy(src, dst, recursive=True)
+        with contextlib.suppress(FileNotFoundError):
+            self.fs.rm(join(src, MANIFEST))
+        self.fs.rm(src, recursive=True)
 
     def load(self, step: int, state: MutableMapping[Any, Any]) -> LoadResult:
         """Load step ``step`` into ``state`` in place (see :func:`omni_ckpt.load`); primes the plan cache."""
