@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 from train_fixtures import make_dataset, write_config
 
-from omni_parallel.testing import run_world
+from omni_parallel.testing import WorldError, run_world
 from omni_train.config import load_config
 
 pytestmark = pytest.mark.slow
@@ -54,6 +54,13 @@ def test_resume_from_an_older_step_when_the_newest_is_damaged_reproduces_the_run
     ckpt = b / "checkpoints"
     assert sorted(p.name for p in ckpt.glob("step-*")) == ["step-00000004", "step-00000006"]
     _damage(ckpt / "step-00000006")
+    # a plain resume fails on the damage, naming the file and what to do about it
+    with pytest.raises(WorldError) as failed:
+        run_world(_train, 2, timeout_s=600, args=(cfg, [(str(b), True, None)]))
+    assert "step-00000006/rank-0000" in str(failed.value) and "checksum mismatch" in str(failed.value)
+    assert "to resume from an older committed step (4): omni-train run --resume --resume-step N" in str(
+        failed.value
+    )
 
     run_world(_train, 2, timeout_s=600, args=(cfg, [(str(b), True, 4)]))
     assert _losses(b) == _losses(a)  # steps 5 and 6 trained again, bit for bit; one line per step

@@ -29,7 +29,13 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from omni_ckpt import BoxShard, CheckpointManager, load_optimizer_state_dict, optimizer_state_dict
+from omni_ckpt import (
+    BoxShard,
+    CheckpointError,
+    CheckpointManager,
+    load_optimizer_state_dict,
+    optimizer_state_dict,
+)
 from omni_data import LayoutMismatchError, ZeroRedundancyFilter, snapshot_async
 from omni_parallel import ParallelState
 from omni_train.config import CheckpointConfig
@@ -131,11 +137,26 @@ class TrainCheckpoint:
                 loader reads anything).
             RuntimeError: the checkpoint's recorded step differs from its directory's, or it was saved
                 with another ``fixed`` value at the same DP size (names the field and both values).
-            omni_ckpt.CheckpointError: ``step`` is not a committed step (the committed ones named).
+            omni_ckpt.CheckpointError: ``step`` is not a committed step (the committed ones named), or
+                the step fails its checks (a damaged file, named; the older committed steps are named
+                with the ``--resume-step`` that resumes from one of them).
         """
         if step is not None:  # every rank joins (a rank that saw ``step`` as the newest must not skip it)
             self.set_aside = self.manager.roll_back(step)
         latest = self.manager.latest()
+        try:
+            return self._restore(latest)
+        except CheckpointError as exc:
+            older = [s for s in self.manager.steps() if latest is not None and s < latest]
+            if not older:
+                raise
+            # what the user can do about a damaged newest step, on the error's last line
+            raise CheckpointError(
+                f"{exc}; to resume from an older committed step ({', '.join(map(str, older))}): "
+                "omni-train run --resume --resume-step N"
+            ) from exc
+
+    def _restore(self, latest: int | None) -> int:
         if latest is None or latest == 0:
             if latest == 0:
                 self.manager.load(0, {"model": self.model.state_dict()})
