@@ -73,7 +73,7 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         metavar="N",
         help="with --resume: continue from committed step N instead (e.g. when a newer one is damaged); "
-        "newer step directories are renamed step-XXXXXXXX.rolled-back-to-N and kept",
+        "newer step directories are renamed <step dir>.rolled-back-to-N and kept",
     )
     run.add_argument("--max-restarts", type=int, default=0, help="restart failed workers this many times")
     run.add_argument(

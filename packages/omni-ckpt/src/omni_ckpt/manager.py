@@ -17,7 +17,7 @@ S's manifest rename and the pointer move leaves the file one step behind, and a 
 would later fail to save S again ("already committed"). The ``latest`` file is kept for tools and people.
 
 :meth:`CheckpointManager.roll_back` goes back to an older committed step (a newer one damaged, or steps to
-redo): the newer step directories are renamed out of the ``step-XXXXXXXX`` pattern, kept whole, so later
+redo): the newer step directories are renamed out of the ``step-<8 digits>`` pattern, kept whole, so later
 saves of the same numbers and pruning never meet them.
 """
 
