@@ -296,7 +296,9 @@ def resolve_run(args: argparse.Namespace) -> tuple[RunConfig, int, Path]:
         raise ConfigError(f"--resume: {out} holds no checkpoints directory")
     # A worker that torchrun restarted resumes (see trainer.worker_main); anything else must not train
     # into a run directory whose checkpoints it would collide with at its first save.
-    restarted = _restarted()
+    from omni_train.launch import restart_count
+
+    restarted = restart_count() > 0
     old = sorted(p.name for p in (out / "checkpoints").glob("step-*"))
     if old and not (args.resume or restarted):
         raise ConfigError(
@@ -321,13 +323,8 @@ def _rank0() -> bool:
     return os.environ.get("RANK", "0") == "0"
 
 
-def _restarted() -> bool:
-    """Whether this process is a worker that torchrun's elastic agent restarted (it resumes)."""
-    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0
-
-
 def _run(args: argparse.Namespace) -> int:
-    from omni_train.launch import ChildFailedError, launch, under_torchrun
+    from omni_train.launch import ChildFailedError, launch, restart_count, under_torchrun
 
     cfg, nproc, out = resolve_run(args)
     if args.print_config:
@@ -340,9 +337,9 @@ def _run(args: argparse.Namespace) -> int:
         print(to_toml(cfg), end="")
         return 0
     if args.resume:
-        steps = committed_steps(out)
-        if args.resume_step is not None and not _restarted():
-            steps = [args.resume_step]
+        # --resume-step was checked against the committed steps already (resolve_run)
+        given = args.resume_step is not None and restart_count() == 0
+        steps = [args.resume_step] if given else committed_steps(out)
         if steps and steps[-1] >= cfg.train.steps:
             if _rank0():
                 print(

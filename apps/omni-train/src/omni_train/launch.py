@@ -81,6 +81,11 @@ def under_torchrun() -> bool:
     return all(k in os.environ for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"))
 
 
+def restart_count() -> int:
+    """How many times torchrun's elastic agent restarted this worker (0: its first start, or no agent)."""
+    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+
+
 def free_port() -> int:
     """A TCP port on 127.0.0.1 that the OS reports free right now."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:

@@ -88,6 +88,7 @@ from omni_train.encoder_parallel import (
 )
 from omni_train.encoders import Encoders
 from omni_train.flops import matmul_params, measure_peak_flops
+from omni_train.launch import restart_count
 from omni_train.metrics import MetricsLogger, finish_run
 from omni_train.optim import build_optimizer, clip_grad_norm_, lr_at
 from omni_train.parallelize import (
@@ -473,7 +474,7 @@ class Trainer:
         run's data flow (planned per step: each step's is in ``actions.jsonl``), and a restart notice
         under torchrun's elastic agent (or, after ``resume_step``, a notice naming what was set aside)."""
         self.skips.start()
-        restarts = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+        restarts = restart_count()
         if restarts and self.rank == 0:
             of = os.environ.get("TORCHELASTIC_MAX_RESTARTS", "?")
             print(f"omni-train: restarted ({restarts} of {of}), resuming from step {start}", file=sys.stderr)
@@ -678,7 +679,7 @@ def worker_main(cfg: RunConfig, out_dir: str, resume: bool, resume_step: int | N
     the steps it saved since must not be set aside).
     """
     torch.set_num_threads(1)
-    restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0
+    restarted = restart_count() > 0
     if not dist.is_initialized():
         if torch.cuda.is_available():
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))

@@ -241,15 +241,16 @@ class CheckpointManager:
                 f"step {step} is not a committed checkpoint (committed: {committed or 'none'})"
             )
         moved = []
+        names = {p.rstrip("/").rsplit("/", 1)[-1] for p in self.fs.ls(self.path, detail=False)}
         for s, name in self._step_dirs():
             if s <= step:
                 continue
-            names = {p.rstrip("/").rsplit("/", 1)[-1] for p in self.fs.ls(self.path, detail=False)}
             new, k = f"{name}.rolled-back-to-{step}", 1
             while new in names:
                 k += 1
                 new = f"{name}.rolled-back-to-{step}.{k}"
             self._move_aside(name, new)
+            names.add(new)
             moved.append(new)
         atomic_write(self.fs, join(self.path, LATEST), f"step-{step:08d}".encode())
         return moved
