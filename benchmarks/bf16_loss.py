@@ -2,7 +2,7 @@
 
 Runs the real trainer (``omni-tiny`` by default: 2 processes, pp=2, gloo on CPU; CUDA when the launcher
 finds GPUs) twice in one world, ``train.dtype = "float32"`` then ``"bfloat16"`` (float32 master weights,
-autocast forward/backward: ``omni_train.parallelize.apply_mixed_precision``), with the recipe's config
+autocast forward/backward: ``omni_parallel.parallelize.apply_mixed_precision``), with the recipe's config
 otherwise unchanged except ``train.steps`` (the learning-rate schedule spans the run). Both runs see the
 same packs in the same order, so their losses compare step for step. Reports, per dtype, the last step's
 loss, the mean loss of the last ``--window`` steps, tokens/s and the per-rank peak of saved activations;

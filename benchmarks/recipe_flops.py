@@ -28,11 +28,10 @@ import torch
 from torch.utils.flop_counter import FlopCounterMode
 
 from omni_data import Modality
-from omni_train.batch import build_llm_microbatch, step_targets
+from omni_pipeline import build_llm_microbatch, microbatch_loss, step_targets
 from omni_train.config import MixturePhase, load_config, load_tokenizer
 from omni_train.data_pipeline import build_step_stream
 from omni_train.encoders import Encoders
-from omni_train.loss import microbatch_loss
 from omni_train.models.llm import LLMStage
 
 PAPER = {"image": 14.7, "audio": 4.54, "llm": 29.0}

@@ -6,7 +6,7 @@ backward in bfloat16 over packs of documents with varlen attention (``omni_paral
 fused ``varlen_attn`` on CUDA), and writes
 
 * ``bench.json``: per model, the 8192-token pack's seconds, model TFLOP/s and MFU. FLOPs as the trainer
-  counts them (``omni_train.flops``: 2 per multiply-add, backward = 2x forward, attention per document,
+  counts them (``omni_parallel.flops``: 2 per multiply-add, backward = 2x forward, attention per document,
   halved when causal); MFU against the GPU's dense bf16 peak from :data:`PEAK_BF16` (matched on
   ``torch.cuda.get_device_name()``), and against the best bf16 matmul measured here (``mfu_measured``),
   which is the only peak there is on a CPU or an unknown GPU;
@@ -45,8 +45,8 @@ from pathlib import Path
 
 import torch
 
+from omni_parallel.flops import attention_flops, matmul_params
 from omni_parallel.varlen import uses_device_kernel
-from omni_train.flops import attention_flops, matmul_params
 from omni_train.models.attention import rope_angles
 from omni_train.models.encoder_block import EncoderBlock
 from omni_train.models.llm import Block, LLMConfig

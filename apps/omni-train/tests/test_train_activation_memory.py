@@ -1,4 +1,5 @@
-"""``omni_train.activation_memory`` and the recompute/offload switches of ``omni_train.parallelize``.
+"""``omni_parallel.activation_memory`` and the recompute/offload steps of ``omni_parallel.parallelize`` on the
+app's model (its blocks by family: ``omni_train.parallelize.family_blocks``).
 
 Reference for the measurement: the autograd graph itself. After a forward, every tensor autograd holds
 for backward is an attribute ``_saved_*`` of some node of the graph; their distinct storages (parameters
@@ -10,12 +11,12 @@ gradients, and to move or drop exactly the bytes they claim to.
 from __future__ import annotations
 
 import torch
-from torch import nn
 
-from omni_train.activation_memory import ActivationMemory
+from omni_parallel.activation_memory import ActivationMemory
+from omni_parallel.parallelize import apply_ac, apply_offload
 from omni_train.encoders import Encoders
 from omni_train.models import AudioConfig, LLMConfig, LLMStage, ViTConfig
-from omni_train.parallelize import apply_ac, apply_offload
+from omni_train.parallelize import BRANCHES, family_blocks
 
 D = torch.float64
 CFG = LLMConfig(vocab_size=40, dim=16, n_layers=2, n_heads=2, n_kv_heads=1, ffn_dim=24)
@@ -107,9 +108,9 @@ def test_selective_recompute_and_offload_are_exact_and_move_the_bytes_they_claim
         names = [n for n, _ in stage.named_parameters()]
         memory = ActivationMemory([stage, encoders], torch.device("cpu"))
         if modules is not None:
-            apply_ac(stage, encoders, ["llm", "image"], modules)
+            apply_ac(family_blocks(stage, encoders, ["llm", "image"]), [BRANCHES[m] for m in modules])
         if offload:
-            apply_offload(stage, encoders, ["llm", "audio"], memory)
+            apply_offload(family_blocks(stage, encoders, ["llm", "audio"]), memory)
         assert [n for n, _ in stage.named_parameters()] == names
         out_x, grads_x, _, peaks = _step(stage, memory)
         torch.testing.assert_close(out_x, out, rtol=0, atol=0, msg=name)
@@ -133,8 +134,8 @@ def test_encoder_blocks_recompute_and_offload_exactly():
     _, ac = _model()
     stage, _ = _model()
     memory = ActivationMemory([ac], torch.device("cpu"))
-    apply_ac(stage, ac, ["image", "audio"], ["attention", "mlp"])
-    apply_offload(stage, ac, ["image", "audio"], memory)
+    apply_ac(family_blocks(stage, ac, ["image", "audio"]), ["attention_branch", "mlp_branch"])
+    apply_offload(family_blocks(stage, ac, ["image", "audio"]), memory)
     g = torch.Generator().manual_seed(3)
     patches = torch.randn(32, 3 * 14 * 14, dtype=D, generator=g)
     grids = torch.tensor([[4, 4], [2, 8]])
@@ -150,18 +151,3 @@ def test_encoder_blocks_recompute_and_offload_exactly():
     torch.testing.assert_close(outs[1][0], outs[0][0], rtol=0, atol=0)
     for n, grad in outs[0][1].items():
         torch.testing.assert_close(outs[1][1][n], grad, rtol=0, atol=0, msg=n)
-
-
-def test_parameters_are_never_counted():
-    lin = nn.Linear(64, 64).double()
-    memory = ActivationMemory([lin], torch.device("cpu"))
-    x = torch.randn(3, 64, dtype=D, requires_grad=True)
-    memory.start_step()
-    with memory.track():
-        y = lin(x)
-    # addmm saves the input (for d weight) and the weight (for d input); only the input is an activation
-    assert (
-        memory.peaks().activation_bytes
-        == x.untyped_storage().nbytes()
-        == _graph_saved_bytes(y, list(lin.parameters()))
-    )

@@ -13,11 +13,13 @@ import pytest
 import torch
 from torch._dynamo.testing import CompileCounterWithBackend
 
+from omni_parallel.parallelize import apply_compile
+from omni_train.config import RECOMPUTE
 from omni_train.encoders import Encoders
 from omni_train.models import AudioConfig, LLMConfig, LLMStage, ViTConfig
 from omni_train.models.audio import AudioEncoder
 from omni_train.models.vit import VisionTransformer
-from omni_train.parallelize import apply_compile
+from omni_train.parallelize import family_blocks
 
 
 def test_models_keep_their_tensors_on_the_inputs_device():
@@ -54,7 +56,7 @@ def test_compiled_bf16_blocks_on_cuda_match_eager_and_compile_once_per_block():
     eager = LLMStage(cfg, seed=3).to("cuda", torch.bfloat16)
     compiled = LLMStage(cfg, seed=3).to("cuda", torch.bfloat16)
     counter = CompileCounterWithBackend("inductor")
-    apply_compile(compiled, Encoders(None, None, cfg.dim, seed=3), True, backend=counter)
+    apply_compile(family_blocks(compiled, Encoders(None, None, cfg.dim, seed=3), RECOMPUTE), backend=counter)
     frames = []
     for seed, lengths in enumerate(([40, 24], [300], [7, 129, 64, 33])):
         outs = []

@@ -1,4 +1,4 @@
-"""Encoder-output delivery (``omni_train.encoder_parallel.EncoderParallel``) on its own, 2 gloo ranks as the
+"""Encoder-output delivery (``omni_pipeline.EncoderParallel``) over the app's encoders, 2 gloo ranks as the
 LLM's sequence group, against one float64 process encoding every image whole.
 
 Long-short SP: the long image (6 merged tokens > threshold 3) is split over both ranks (Ulysses attention
@@ -6,13 +6,12 @@ inside the ViT, each chunk with its own 2-D RoPE rows and columns), the short on
 Then the rows reach the LLM layout through ``reshard_to_llm``: Ulysses (contiguous chunks, one
 all-to-all) and CP (head-tail chunks per document, the reused zero buffer and one all-reduce, Figure 12).
 Each rank must get exactly the media rows of its LLM-local slots, and the encoder gradients summed over
-the ranks must equal the one-process gradients (loss: a fixed weight per pack position). And the
-default reordering group (the DP replicas on one node).
+the ranks must equal the one-process gradients (loss: a fixed weight per pack position). The default
+reordering group (the DP replicas on one node) is tested in omni-parallel's
+``test_parallel_state_groups.py``.
 """
 
 from __future__ import annotations
-
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -21,9 +20,9 @@ import torch.distributed as dist
 from omni_data import Modality, Pack, SampleMeta
 from omni_data.payload import Payload
 from omni_data.zero_redundancy import FilteredStep
-from omni_parallel import ParallelConfig, ReshardMode
+from omni_parallel import ReshardMode
 from omni_parallel.testing import run_world
-from omni_train.encoder_parallel import EncoderParallel, SequenceLayout, default_reorder_group_size
+from omni_pipeline import EncoderParallel, SequenceLayout
 from omni_train.encoders import Encoders
 from omni_train.models import ViTConfig
 
@@ -96,13 +95,3 @@ def test_long_short_sp_then_reshard_matches_one_process(mode):
     fs, _ = _step()
     media = sorted(sp.start + t for sp in fs.packs[0].spans for t in range(sp.length))
     assert sorted(seen) == media  # every media row delivered to exactly one LLM rank
-
-
-def test_default_reordering_group_is_the_replicas_on_one_node(monkeypatch):
-    # pp=2 x dp=4 on 8 ranks (order tp-cp-ep-dp-pp): DP groups [0, 1, 2, 3] and [4, 5, 6, 7]
-    ps = SimpleNamespace(world_size=8, config=ParallelConfig(pp=2, dp=4).resolve(8), order="tp-cp-ep-dp-pp")
-    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
-    assert default_reorder_group_size(ps) == 4  # no node size known: every replica
-    for local, want in ((8, 4), (4, 4), (2, 2), (1, 1)):
-        monkeypatch.setenv("LOCAL_WORLD_SIZE", str(local))
-        assert default_reorder_group_size(ps) == want, local

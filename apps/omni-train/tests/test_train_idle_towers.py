@@ -17,9 +17,9 @@ from train_fixtures import make_dataset, write_config
 from train_reference import assert_runs_match, capture_run, reference_run, with_parallel
 
 from omni_data import Modality
+from omni_parallel.parallelize import EncoderGradientSync
 from omni_parallel.testing import run_world
 from omni_train.config import MixturePhase, load_config
-from omni_train.parallelize import EncoderGradientSync
 
 pytestmark = pytest.mark.slow
 

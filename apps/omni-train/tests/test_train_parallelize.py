@@ -1,4 +1,4 @@
-"""``omni_train.parallelize``: activation checkpointing and ``torch.compile`` per block leave the model's
+"""``omni_parallel.parallelize`` over the app's model (``omni_train.parallelize.family_blocks``): activation checkpointing and ``torch.compile`` per block leave the model's
 numbers and names unchanged (float64, against the same model without them), checkpointing keeps fewer
 activations, compiled blocks compile once whatever the pack length; the trainer's encoder transfers have a group of
 their own, so it computes the same on a backend that ignores P2P tags."""
@@ -13,11 +13,12 @@ import torch.distributed as dist
 from torch._dynamo.testing import CompileCounter
 from train_fixtures import make_dataset, write_config
 
+from omni_parallel.parallelize import apply_ac, apply_compile
 from omni_parallel.testing import run_world
-from omni_train.config import load_config
+from omni_train.config import RECOMPUTE, load_config
 from omni_train.encoders import Encoders
 from omni_train.models import AudioConfig, LLMConfig, LLMStage, ViTConfig
-from omni_train.parallelize import apply_ac, apply_compile
+from omni_train.parallelize import family_blocks
 
 D = torch.float64
 CFG = LLMConfig(vocab_size=40, dim=16, n_layers=2, n_heads=2, n_kv_heads=1, ffn_dim=24)
@@ -56,7 +57,7 @@ def test_activation_checkpointing_is_exact_keeps_names_and_saves_less():
     plain, _ = _model()
     ac, encoders = _model()
     names = [n for n, _ in ac.named_parameters()]
-    apply_ac(ac, encoders, ["llm", "image"])
+    apply_ac(family_blocks(ac, encoders, ["llm", "image"]))
     assert [n for n, _ in ac.named_parameters()] == names
     out, grads, saved = _step(plain, [5, 9, 2], 0)
     out_ac, grads_ac, saved_ac = _step(ac, [5, 9, 2], 0)
@@ -70,7 +71,7 @@ def test_compiled_blocks_match_eager_and_compile_once_for_every_pack_length():
     eager, _ = _model()
     compiled, encoders = _model()
     counter = CompileCounter()
-    apply_compile(compiled, encoders, True, backend=counter)
+    apply_compile(family_blocks(compiled, encoders, RECOMPUTE), backend=counter)
     seen = []
     for seed, lengths in enumerate(([4, 6], [13], [5, 5, 7])):
         out, grads, _ = _step(eager, lengths, seed)

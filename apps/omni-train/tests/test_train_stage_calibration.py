@@ -18,8 +18,9 @@ from tokenizers import Tokenizer
 from train_fixtures import make_dataset, write_config
 
 from omni_parallel.testing import run_world
+from omni_pipeline import layer_costs
 from omni_train.config import ConfigError, load_config, resume_differences, tokenizer_path, validate
-from omni_train.pipeline import layer_costs, measured_layer_costs, stage_split
+from omni_train.pipeline import llm_shape, measured_layer_costs, stage_split
 
 LAYERS = 4
 
@@ -81,7 +82,7 @@ def test_split_follows_the_measured_layer_and_head_costs(data, tmp_path):
     _write_run(tmp_path / "run", recorded, [2 * layer, 2 * layer + head])
     got_layer, got_first, got_head = measured_layer_costs(tmp_path / "run", llm, seq)
     assert got_layer == pytest.approx(layer, rel=1e-3) and got_head == pytest.approx(head, rel=1e-3)
-    block, first, _ = layer_costs(llm, seq)
+    block, first, _ = layer_costs(llm_shape(llm), seq)
     assert got_first == pytest.approx(got_layer * first / block)  # the embedding: its modelled share
     calibrated = dataclasses.replace(cfg.parallel, stage_calibration=str(tmp_path / "run"))
     assert [len(r) for r in stage_split(calibrated, llm, seq)] == [3, 1]
@@ -184,7 +185,7 @@ def test_trainer_splits_by_a_real_runs_measured_stage_times(data, tmp_path):
             sum(r["end_s"] - r["start_s"] for r in mine) / len({(r["step"], r["microbatch"]) for r in mine})
         )
     llm, seq = _llm(cfg), cfg.data.max_seq_len
-    block, first, _ = layer_costs(llm, seq)
+    block, first, _ = layer_costs(llm_shape(llm), seq)
     layer = per_mb[0] / (2 + first / block)  # stage 0: 2 layers + the embedding's modelled share
     head = per_mb[1] - 2 * layer
     want = _best(layer, layer * first / block, max(0.0, head))

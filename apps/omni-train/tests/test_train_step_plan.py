@@ -1,4 +1,4 @@
-"""``placement = "planned"`` plans each step's data flow from that step's metadata (``omni_train.step_plan``).
+"""``placement = "planned"`` plans each step's data flow from that step's metadata (``omni_pipeline.step_plan``).
 
 * In a 2-process run (pp=2) every step records the flow it ran (``"flow"`` records in ``actions.jsonl``);
   the encoder actions each rank ran are exactly those its step's flow placed there (the executor's own
@@ -20,12 +20,18 @@ from train_fixtures import make_dataset, write_config
 
 from omni_data import encoder_microbatch_ids, split_encoder_microbatches
 from omni_parallel.testing import run_world
-from omni_pipeline import Schedule1F1B, read_records, simulate
+from omni_pipeline import (
+    Schedule1F1B,
+    StepPlanner,
+    modelled_step_costs,
+    read_records,
+    simulate,
+    stage_weights,
+)
 from omni_train.config import ConfigError, Placement, load_config, load_tokenizer, validate
 from omni_train.data_pipeline import build_step_stream
-from omni_train.pipeline import stage_split
-from omni_train.simulate import config_scale, modelled_step_costs, simulate_config
-from omni_train.step_plan import StepPlanner, stage_weights
+from omni_train.pipeline import config_scale, llm_shape, planner_spec, stage_split
+from omni_train.simulate import simulate_config
 
 pytestmark = pytest.mark.slow
 STEPS = 5
@@ -50,8 +56,9 @@ def _planner_and_steps(cfg, steps):
     llm = cfg.model.llm_config(tok.get_vocab_size())
     schedule = Schedule1F1B(cfg.parallel.pp, cfg.data.microbatches)
     enc = encoder_microbatch_ids(cfg.data.microbatches, cfg.parallel.pp)
-    weights = stage_weights(cfg, llm, stage_split(cfg.parallel, llm, cfg.data.max_seq_len))
-    planner = StepPlanner(cfg, schedule, enc, weights, pp_rank=0)
+    seq = cfg.data.max_seq_len
+    weights = stage_weights(llm_shape(llm), stage_split(cfg.parallel, llm, seq), seq)
+    planner = StepPlanner(planner_spec(cfg), schedule, enc, weights, pp_rank=0)
     stream = build_step_stream(cfg, tok, dp_rank=0, dp_size=1, dp_group=None, consumes=set(), read_text=False)
     with stream:
         stream.reset()
@@ -87,7 +94,8 @@ def test_each_step_runs_its_own_planned_flow(planned_run):
     records = read_records(out)
     assert not (out / "dataflow.json").exists()  # no one flow for the run: each step's is recorded
     planner, schedule, steps, _ = _planner_and_steps(cfg, STEPS)
-    ranks = [StepPlanner(cfg, schedule, planner.encoder_inputs, planner.weights, pp_rank=r) for r in (0, 1)]
+    spec = planner_spec(cfg)
+    ranks = [StepPlanner(spec, schedule, planner.encoder_inputs, planner.weights, pp_rank=r) for r in (0, 1)]
     flows = []
     for fs in steps:
         flow = records.flow(fs.step)
@@ -121,12 +129,14 @@ def test_the_memory_cap_reaches_the_plan(tmp_path):
     for fs in steps:
         mbs = split_encoder_microbatches(fs.packs, cfg.data.microbatches, cfg.parallel.pp)
         costs = modelled_step_costs(
-            cfg, config_scale(cfg), fs.packs, mbs, cfg.parallel.pp, 1e12, 1, planner.weights
+            config_scale(cfg), fs.packs, mbs, cfg.parallel.pp, 1e12, 1, planner.weights
         )
         free = simulate(schedule, planner.plan(fs.packs, mbs), costs).peak_activation_bytes[0]
         capped = StepPlanner(
-            dataclasses.replace(
-                cfg, parallel=dataclasses.replace(cfg.parallel, planner_memory_cap_mib=0.5 * free / 2**20)
+            planner_spec(
+                dataclasses.replace(
+                    cfg, parallel=dataclasses.replace(cfg.parallel, planner_memory_cap_mib=0.5 * free / 2**20)
+                )
             ),
             schedule,
             planner.encoder_inputs,
@@ -176,4 +186,4 @@ def test_a_missing_calibration_is_named(tmp_path):
         cfg, parallel=dataclasses.replace(cfg.parallel, planner_calibration=str(tmp_path / "none"))
     )
     with pytest.raises(ConfigError, match=r"parallel.planner_calibration: .*none"):
-        StepPlanner(cfg, None, {}, [1.0, 1.0], pp_rank=0)
+        StepPlanner(planner_spec(cfg), None, {}, [1.0, 1.0], pp_rank=0)

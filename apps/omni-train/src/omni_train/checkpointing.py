@@ -115,9 +115,9 @@ class TrainCheckpoint:
         state = self._state(rows)
         state["layout"] = {**self.layout, **self.fixed, "loader_width": width}
         state["step"] = next_step
-        handle = self.manager.save(next_step, state)
-        if handle is not None:
-            handle.staged.result()  # weights may change once staged; the write continues in the background
+        # Returns once the state is staged to host memory (omni-ckpt's default), so the optimizer may step
+        # at once; the write and the commit continue in the background.
+        self.manager.save(next_step, state)
 
     def restore(self, step: int | None = None) -> int:
         """Load the last committed step (model, optimizer, loader) and return it; 0 and a fresh loader

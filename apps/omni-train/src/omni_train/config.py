@@ -67,7 +67,7 @@ __all__ = [
 
 RECOMPUTE = ("llm", "image", "audio")  # train.recompute: the LLM blocks, the ViT's, the audio encoder's
 OFFLOAD = RECOMPUTE  # train.offload: the same block families
-# train.recompute_modules: the residual branches of a block (omni_train.parallelize.apply_ac)
+# train.recompute_modules: the residual branches of a block (omni_parallel.parallelize.apply_ac)
 RECOMPUTE_MODULES = ("attention", "mlp")
 
 
@@ -78,7 +78,7 @@ class ConfigError(ValueError):
 class Placement(StrEnum):
     """Where encoder microbatches run in the LLM pipeline (omni-pipeline placement policies): the paper's
     three, and ``planned`` (``omni_pipeline.planner``: each step's ranks and slots searched by simulating
-    that step's costs from its metadata, before any payload is read: ``omni_train.step_plan``)."""
+    that step's costs from its metadata, before any payload is read: ``omni_pipeline.step_plan``)."""
 
     PREPEND_FIRST_STAGE = "prepend_first_stage"
     ISOLATED = "isolated"
@@ -168,7 +168,7 @@ class DataConfig:
             they move linearly from a phase's start to the next phase's start (``MixtureSchedule(
             interpolate=True)``), constant in the last phase.
         reorder_group_size: DP replicas per reordering group of the decentralised grouped reordering
-            across DP (``omni_train.encoder_parallel``, paper §5.1); must divide ``parallel.dp``; 1 turns
+            across DP (``omni_pipeline.encoder_parallel``, paper §5.1); must divide ``parallel.dp``; 1 turns
             it off; ``None`` (default): the replicas whose ranks share this rank's node
             (``LOCAL_WORLD_SIZE``, else every replica). Active only with ``parallel.reorder`` and
             without CP (under ``parallel.cp`` > 1 or ``hybrid_cp`` it is 1).
@@ -199,17 +199,17 @@ class ParallelConfigSection:
             ``uniform_on_demand`` runs encoder forwards before stage 0 needs them; which rank runs an
             encoder microbatch does not depend on it (slice ``j`` of each LLM microbatch runs on
             pipeline rank ``j``). Must be > 0.
-        encoder_zero: ZeRO stage of the encoders (``omni_train.parallelize.apply_encoder_zero``); 0:
+        encoder_zero: ZeRO stage of the encoders (``omni_parallel.parallelize.apply_encoder_zero``); 0:
             every rank holds them whole and their gradients are summed over every rank; 2: FSDP2 shards
             their gradients and optimizer state over every rank (the gathered parameters stay allocated
             between steps); 3: parameters too.
-        encoder_sp: encoder sequence-parallel size (``omni_train.encoder_parallel``): 1, or the LLM's
+        encoder_sp: encoder sequence-parallel size (``omni_pipeline.encoder_parallel``): 1, or the LLM's
             sequence-parallel size, whose group it then shares: ``ulysses``, or ``cp`` under plain CP
             (not ``hybrid_cp``). With an LLM SP group the samples of each encoder microbatch are spread
             over it (each encoded once, short ones whole on single ranks balanced by cost); with
             ``encoder_sp`` > 1, images of more than ``long_threshold`` LLM tokens are also split along the
             sequence over the group, Ulysses inside the ViT's attention. Under CP with ``encoder_sp`` 1,
-            ``omni_train.cp_sharding`` splits each encoder microbatch's samples whole over the CP ranks
+            ``omni_pipeline.cp_delivery`` splits each encoder microbatch's samples whole over the CP ranks
             (each reads only its own); with ``encoder_sp = cp`` the CP ranks run long-short SP and the
             outputs reach the head-tail layout by ``reshard_to_llm``'s all-reduce. Reordering across DP
             is off under CP either way.
@@ -217,7 +217,7 @@ class ParallelConfigSection:
             image is long (split over the encoder SP group); >= 1.
         cp_attention: attention of context-parallel groups: ``"allgather"`` (K/V all-gathered) or
             ``"ring"`` (K/V passed around the ring, overlapped with compute; less memory per rank).
-        hybrid_cp: hybrid DP/CP (``omni_train.cp_sharding``): the ``dp * cp`` ranks of a stage share
+        hybrid_cp: hybrid DP/CP (``omni_pipeline.cp_delivery``): the ``dp * cp`` ranks of a stage share
             packs of ``dp * cp * data.max_seq_len`` tokens; per pack ``omni_parallel.plan_hybrid_cp``
             keeps short samples whole on single ranks and CP-shards long ones over the smallest aligned
             block that fits ``data.max_seq_len`` tokens per rank. Works with ``pp > 1``.
@@ -234,7 +234,7 @@ class ParallelConfigSection:
         planner_evaluations: simulations ``planned`` may spend per step (``omni_pipeline.plan_placement``'s
             ``max_evaluations``; each is about 50 microseconds at pp=2 with 8 microbatches); >= 1.
         planner_memory_cap_mib: ``planned``: peak stored activations per rank the plan may reach, MiB, in
-            the cost model's modelled bytes (``omni_train.simulate``); unset: no cap; > 0.
+            the cost model's modelled bytes (``omni_pipeline.step_costs``); unset: no cap; > 0.
         planner_calibration: ``planned``: a run directory of this config whose ``actions.jsonl`` (the
             measured per-action times) the planner's costs are fitted from; unset: modelled FLOPs.
         stage_calibration: with ``stage_layers = "auto"``: a run directory of this model (same
@@ -298,7 +298,7 @@ class DType(StrEnum):
     """The training dtype. ``float32`` / ``float64``: parameters and activations in that dtype (float64
     for exactness checks against references); ``bfloat16``: mixed precision, float32 master parameters
     and optimizer, forward and backward under ``torch.autocast`` in bfloat16
-    (``omni_train.parallelize.apply_mixed_precision``; on CUDA attention then runs the fused varlen kernel,
+    (``omni_parallel.parallelize.apply_mixed_precision``; on CUDA attention then runs the fused varlen kernel,
     see ``omni_parallel.varlen``)."""
 
     FLOAT32 = "float32"
@@ -312,15 +312,15 @@ class TrainSection:
 
     Attributes:
         compile: ``torch.compile`` every LLM and encoder block, pack length dynamic
-            (``omni_train.parallelize.apply_compile``).
+            (``omni_parallel.parallelize.apply_compile``).
         recompute: module families whose blocks recompute their activations in backward instead of
-            keeping them (``torch.utils.checkpoint``; ``omni_train.parallelize.apply_ac``): any of
+            keeping them (``torch.utils.checkpoint``; ``omni_parallel.parallelize.apply_ac``): any of
             ``"llm"``, ``"image"``, ``"audio"``.
         recompute_modules: which parts of each recomputed block recompute (selective recompute): any of
             ``"attention"`` (the attention branch: pre-norm, Q/K/V, attention, output projection) and
             ``"mlp"`` (the MLP branch); empty: the whole block.
         offload: module families whose blocks keep the activations they save for backward in host
-            memory (``omni_train.activation_memory``, saved-tensor hooks; pinned copies on CUDA): any
+            memory (``omni_parallel.activation_memory``, saved-tensor hooks; pinned copies on CUDA): any
             of ``"llm"``, ``"image"``, ``"audio"``.
         profile_steps: record this many steps with ``torch.profiler`` (CPU and CUDA activities) into
             ``<run>/profile/rank-<r>.json`` Chrome traces (``omni_train.profiling``); 0: off.
@@ -710,8 +710,8 @@ def validate(cfg: RunConfig, nproc: int) -> None:
         raise ConfigError(f"parallel.planner_memory_cap_mib: must be a number of MiB > 0, got {cap}")
     if par.placement == Placement.PLANNED and par.planner_calibration is not None:
         # read here, before any worker starts, so a wrong run directory is a configuration error and not
-        # a traceback from every rank (lazy import: step_plan imports this module)
-        from omni_train.step_plan import fitted_cost_model
+        # a traceback from every rank (lazy import: pipeline imports this module)
+        from omni_train.pipeline import fitted_cost_model
 
         fitted_cost_model(cfg)
     g = cfg.data.reorder_group_size
@@ -725,7 +725,7 @@ def validate(cfg: RunConfig, nproc: int) -> None:
 
 
 def _validate_cp(cfg: RunConfig) -> None:
-    """CP and hybrid DP/CP: what the trainer's CP path (``omni_train.cp_sharding``) supports."""
+    """CP and hybrid DP/CP: what the trainer's CP path (``omni_pipeline.cp_delivery``) supports."""
     par = cfg.parallel
     if (par.cp > 1 or par.hybrid_cp) and par.tp > 1:
         raise ConfigError(

@@ -1,4 +1,4 @@
-"""The run's data pipeline, built from omni-data's parts (DESIGN.md, omni-data; paper §5).
+"""The run's data pipeline, built from omni-data's parts (DESIGN.md §omni-data; paper §5).
 
 ``WebDatasetSource`` per source -> ``MixtureStream`` (phases of the config's mixture, by step) ->
 ``HybridPacker`` -> ``PackedLoader`` (``microbatches`` packs per step) -> ``ZeroRedundancyFilter`` (this
@@ -45,7 +45,7 @@ from omni_data import (
     ZeroRedundancyFilter,
     encoder_microbatch_ids,
 )
-from omni_data.zero_redundancy import FilteredStep, SampleIndex
+from omni_data.zero_redundancy import SampleIndex
 from omni_train.config import Packing, RunConfig, data_root, expand_urls
 
 __all__ = [
@@ -54,7 +54,6 @@ __all__ = [
     "encoder_imbalance",
     "encoder_load",
     "mixture_schedule",
-    "undecodable_samples",
 ]
 
 
@@ -67,22 +66,6 @@ def mixture_schedule(cfg: RunConfig) -> MixtureSchedule:
         points.append((start, {n: float(ph.weights.get(n, 0.0)) for n in names}))
         start = ph.until_step if ph.until_step is not None else start
     return MixtureSchedule(points, unit="step", interpolate=cfg.data.mixture_interpolate)
-
-
-def undecodable_samples(fs: FilteredStep) -> list[SampleIndex]:
-    """``(pack, sample)`` of every payload this rank read whose image/audio body did not decode.
-
-    omni-data's :class:`ZeroRedundancyFilter` keeps such a sample in its pack (every rank planned the pack
-    from metadata) with zeros of the metadata's shape and ``Payload.error`` set; the trainer must not
-    train on it (its caption/transcript targets are masked). Only the rank that ran the sample's encoder
-    microbatch knows; the trainer shares the result over the pipeline group.
-    """
-    return sorted(
-        idx
-        for e, payloads in fs.payloads.items()
-        for idx, p in zip(fs.microbatches[e], payloads)
-        if p.error is not None
-    )
 
 
 def encoder_load(
@@ -187,10 +170,10 @@ def build_step_stream(
 
     Args:
         consumes: encoder microbatch ids this pipeline rank runs (from the data flow), or a function of
-            each step's metadata giving them (``omni_train.step_plan.StepPlanner.consumes``).
+            each step's metadata giving them (``omni_pipeline.StepPlanner.consumes``).
         read_text: this rank builds LLM inputs or labels (first or last stage): read every sample's text.
         share, text_share: the zero-redundancy filter's narrowing of encoder microbatches and text reads
-            to this rank's part (CP: ``omni_train.cp_sharding.CPSharding``); ``None``: everything.
+            to this rank's part (CP: ``omni_pipeline.CPSharding``); ``None``: everything.
         pack_tokens: pack capacity; default ``data.max_seq_len`` (hybrid DP/CP: the stage's ranks share
             packs of ``dp * cp * max_seq_len`` tokens).
         sources: metadata streams by source name in place of :func:`build_sources`' shards (e.g.

@@ -1,4 +1,5 @@
-"""The encoders of a run (one tower per modality) and how an encoder microbatch is computed.
+"""The encoders of a run: one tower per modality, routed by omni-pipeline's
+:class:`~omni_pipeline.ModalityRouter`, and the model-specific preprocessing of each tower's inputs.
 
 Encoder parameters live on every pipeline rank (decoupled layout: encoder data parallelism spans every
 rank); each rank runs the encoder microbatches the data flow places on it.
@@ -6,70 +7,79 @@ rank); each rank runs the encoder microbatches the data flow places on it.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
-import torch.distributed as dist
-from torch import nn
 
 from omni_data.payload import Payload
 from omni_data.tokens import AudioTokens
-from omni_train.batch import encoder_inputs
-from omni_train.models.audio import AudioConfig
+from omni_pipeline import ModalityRouter, TowerBatch, TowerInputs
+from omni_train.models.audio import AudioConfig, log_mel
 from omni_train.models.multimodal import AudioTower, ImageTower
-from omni_train.models.vit import ViTConfig
+from omni_train.models.vit import ViTConfig, patchify
 
-__all__ = ["Encoders"]
+__all__ = ["Encoders", "audio_inputs", "image_inputs"]
 
 
-class Encoders(nn.Module):
+def image_inputs(payloads: Sequence[Payload], vit: ViTConfig) -> TowerBatch:
+    """The image tower's inputs: ``(patches [N, 3*p*p], grids int64 [n_img, 2])``, and
+    ``grid_h * grid_w / merge**2`` rows per image.
+
+    Raises:
+        ValueError: an image whose patch grid does not give its metadata's media tokens (names it).
+    """
+    patches, grids, rows = [], [], []
+    for p in payloads:
+        m = p.meta
+        x, grid = patchify(p.pixels, vit.patch, vit.merge)
+        if grid[0] * grid[1] // vit.merge**2 != m.media_tokens:
+            raise ValueError(f"sample {m.uid}: {grid} patch grid does not give {m.media_tokens} tokens")
+        patches.append(x)
+        grids.append(grid)
+        rows.append(m.media_tokens)
+    return TowerBatch((torch.cat(patches), torch.tensor(grids, dtype=torch.int64)), rows)
+
+
+def audio_inputs(payloads: Sequence[Payload], audio: AudioConfig, tokens: AudioTokens) -> TowerBatch:
+    """The audio tower's inputs: ``(mels [F, n_mels], mel_lengths int64 [n_clips])``, and
+    ``ceil(frames / subsample)`` rows per clip.
+
+    Raises:
+        ValueError: a clip whose sample rate is not the encoder's (names it).
+    """
+    mels, lengths = [], []
+    for p in payloads:
+        m = p.meta
+        if p.sample_rate != audio.sample_rate:
+            raise ValueError(
+                f"sample {m.uid}: sample rate {p.sample_rate} Hz, the encoder takes {audio.sample_rate}"
+            )
+        frames = tokens.frames(p.waveform.numel(), p.sample_rate)
+        # The STFT yields 1 + S // hop frames; the token accounting counts floor(S / hop).
+        mel = log_mel(p.waveform.to(torch.float32), audio)[:frames]
+        mels.append(mel)
+        lengths.append(mel.shape[0])
+    rows = [-(-n // audio.subsample) for n in lengths]
+    return TowerBatch((torch.cat(mels), torch.tensor(lengths, dtype=torch.int64)), rows)
+
+
+class Encoders(ModalityRouter):
     """``image`` (ViT + projector) and ``audio`` (speech encoder + projector) towers, either optional.
 
-    Forward:
-        payloads: decoded samples of one encoder microbatch (images and/or audio), in output order.
-        long: long-short SP (:mod:`omni_train.encoder_parallel`): the long images of this rank's encoder
-            SP group, packed in this order, and the group; this rank encodes its chunk of them
-            (``VisionTransformer``'s ``sp_group``) after the ``payloads``. Every rank of the group
-            calls it with the same long images.
-
-    Returns:
-        ``[sum media_tokens, llm_dim]``: each sample's embeddings, samples in the given order; with
-        ``long``, then this rank's ``ceil(L / sp)`` rows of the long images' ``L`` merged tokens
-        (padding rows last on the last ranks).
+    Forward (:class:`~omni_pipeline.ModalityRouter`): ``(payloads, long=None) -> [sum media_tokens,
+    llm_dim]``, each sample's embeddings in the given order; with ``long`` (long-short SP:
+    :mod:`omni_pipeline.encoder_parallel`), then this rank's ``ceil(L / sp)`` rows of the long images'
+    ``L`` merged tokens (``VisionTransformer``'s ``sp_group``).
     """
 
     def __init__(self, vit: ViTConfig | None, audio: AudioConfig | None, llm_dim: int, *, seed: int) -> None:
-        super().__init__()
-        self.vit_cfg, self.audio_cfg, self.llm_dim = vit, audio, llm_dim
-        self.towers = nn.ModuleDict()
+        towers: dict[str, torch.nn.Module] = {}
+        inputs: dict[str, TowerInputs] = {}
         if vit is not None:
-            self.towers["image"] = ImageTower(vit, llm_dim, seed=seed + 100)
+            towers["image"] = ImageTower(vit, llm_dim, seed=seed + 100)
+            inputs["image"] = lambda payloads: image_inputs(payloads, vit)
         if audio is not None:
-            self.towers["audio"] = AudioTower(audio, llm_dim, seed=seed + 200)
-        frame_ms = 1000.0 * (audio.hop if audio else 160) / (audio.sample_rate if audio else 16000)
-        self.audio_tokens = AudioTokens(frame_ms=frame_ms, subsample=audio.subsample if audio else 4)
-
-    def forward(
-        self, payloads: list[Payload], long: tuple[list[Payload], dist.ProcessGroup] | None = None
-    ) -> torch.Tensor:
-        p0 = next(self.parameters())
-        dtype, dev = p0.dtype, p0.device
-        out = torch.zeros(0, self.llm_dim, dtype=dtype, device=dev)
-        if payloads:
-            out = self._whole(payloads, dtype, dev)
-        if long is not None:
-            images, group = long
-            x = encoder_inputs(images, self.vit_cfg, self.audio_cfg, self.audio_tokens)
-            chunk = self.towers["image"](x["patches"].to(dev, dtype), x["grids"], group)
-            out = torch.cat([out, chunk])
-        return out
-
-    def _whole(self, payloads: list[Payload], dtype: torch.dtype, dev: torch.device) -> torch.Tensor:
-        x = encoder_inputs(payloads, self.vit_cfg, self.audio_cfg, self.audio_tokens)
-        outs, lengths = [], []
-        if "patches" in x:
-            outs.append(self.towers["image"](x["patches"].to(dev, dtype), x["grids"]))
-            lengths += (x["grids"][:, 0] * x["grids"][:, 1] // self.vit_cfg.merge**2).tolist()
-        if "mels" in x:
-            outs.append(self.towers["audio"](x["mels"].to(dev, dtype), x["mel_lengths"]))
-            lengths += [-(-n // self.audio_cfg.subsample) for n in x["mel_lengths"].tolist()]
-        pieces = torch.cat(outs).split(lengths)
-        return torch.cat([pieces[i] for i in x["order"].tolist()])
+            tokens = AudioTokens(frame_ms=1000.0 * audio.hop / audio.sample_rate, subsample=audio.subsample)
+            towers["audio"] = AudioTower(audio, llm_dim, seed=seed + 200)
+            inputs["audio"] = lambda payloads: audio_inputs(payloads, audio, tokens)
+        super().__init__(towers, inputs, llm_dim)

@@ -1,9 +1,10 @@
-"""The LLM pipeline of a run: its schedule (``parallel.schedule``, ``parallel.virtual_stages``) and the
-stages one pipeline rank holds.
+"""The LLM pipeline of a run: the stages one pipeline rank holds, and the mapping from the run config to
+omni-pipeline's specs (the model's shapes, the layer split, the planner's cost model).
 
-With ``V = virtual_stages`` the layers are split over ``pp * V`` stages (:func:`stage_split`:
-``parallel.stage_layers``, by omni-pipeline's one splitter) and pipeline rank ``r`` holds stages ``r, r + pp, ...,
-r + (V - 1) pp`` (``Schedule.rank_stages``, Megatron-LM's and torch's round-robin). Each stage is an
+With ``V = parallel.virtual_stages`` the layers are split over ``pp * V`` stages (:func:`stage_split`:
+``parallel.stage_layers``, by omni-pipeline's :func:`omni_pipeline.split_layers`) and pipeline rank ``r``
+holds stages ``r, r + pp, ..., r + (V - 1) pp`` (``Schedule.rank_stages``, Megatron-LM's and torch's
+round-robin; the schedule itself: :func:`omni_pipeline.build_schedule`). Each stage is an
 :class:`~omni_train.models.LLMStage`; the executor runs them as separate modules. The trainer sees them
 as one :class:`RankStages` whose parameter names are those of a single ``LLMStage`` over the same layers
 (``tok_embeddings.weight``, ``layers.<global index>.*``, ``norm.weight``, ``output.weight``), so a
@@ -20,22 +21,25 @@ from pathlib import Path
 import torch.distributed as dist
 from torch import nn
 
+from omni_parallel.flops import TransformerShape
 from omni_pipeline import (
+    CostModel,
+    LLMShape,
+    ModelScale,
+    PlannerSpec,
     RecordError,
     Schedule,
-    Schedule1F1B,
-    ScheduleGPipe,
-    ScheduleInterleaved1F1B,
-    balance_stages,
-    explicit_stages,
-    fit_layer_costs,
+    calibrated_layer_costs,
+    model_scale,
     read_records,
+    split_layers,
     stage_slices,
 )
+from omni_pipeline import fitted_cost_model as fit_planner_costs
 from omni_train.config import (
     ConfigError,
     ParallelConfigSection,
-    PipelineSchedule,
+    RunConfig,
     config_from_dict,
     load_tokenizer,
 )
@@ -44,9 +48,12 @@ from omni_train.models.llm import LLMConfig, LLMStage
 __all__ = [
     "RankStages",
     "build_rank_stages",
-    "build_schedule",
-    "layer_costs",
+    "config_scale",
+    "fitted_cost_model",
+    "image_merge",
+    "llm_shape",
     "measured_layer_costs",
+    "planner_spec",
     "stage_split",
 ]
 
@@ -54,29 +61,66 @@ __all__ = [
 _SHAPE = ("dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim", "qkv_bias", "tie_embeddings")
 
 
-def layer_costs(cfg: LLMConfig, max_seq_len: int) -> tuple[float, float, float]:
-    """Modelled forward FLOPs per token (2 per multiply-add) of ``(one block, the embedding, the final
-    norm + LM head + loss)``: a block's matmuls (GQA Q/K/V/O, SwiGLU MLP) plus attention over a whole
-    ``max_seq_len``-token document (the most a pack holds); the embedding a ``dim``-wide row gather;
-    the head its ``dim x vocab`` matmul plus about 5 operations per vocabulary entry for the log-softmax
-    and the loss. Megatron-LM's account-for-embedding/loss split counts each as one layer instead.
+def llm_shape(cfg: LLMConfig) -> LLMShape:
+    """``cfg``'s sizes as omni-pipeline's cost model sees them."""
+    return LLMShape(cfg.dim, cfg.n_layers, cfg.n_heads, cfg.n_kv_heads, cfg.ffn_dim, cfg.vocab_size)
+
+
+def image_merge(cfg: RunConfig) -> int:
+    """The ViT's patch-merge side (2 without a ViT): ``media_tokens * merge**2`` patches per image."""
+    return cfg.model.vit.merge if cfg.model.vit is not None else 2
+
+
+def config_scale(cfg: RunConfig) -> ModelScale:
+    """The config's own model sizes for the cost model (:func:`omni_pipeline.model_scale`): the LLM's
+    SwiGLU GQA blocks and each encoder's GELU blocks of its ``mlp_ratio``."""
+    encoders = {
+        name: TransformerShape(dim=e.dim, n_layers=e.n_layers, n_heads=e.n_heads, mlp_ratio=e.mlp_ratio)
+        for name, e in (("image", cfg.model.vit), ("audio", cfg.model.audio))
+        if e is not None
+    }
+    return model_scale(llm_shape(cfg.model.llm).blocks, encoders, image_merge=image_merge(cfg))
+
+
+def fitted_cost_model(cfg: RunConfig) -> CostModel:
+    """The cost model fitted from ``parallel.planner_calibration``'s ``actions.jsonl``
+    (:func:`omni_pipeline.fitted_cost_model`, its first step dropped as warm-up when it has more).
 
     Raises:
-        ValueError: ``cfg.vocab_size`` is not set.
+        ConfigError: naming ``parallel.planner_calibration``: no readable records there, or they were
+            recorded with another pipeline size than ``parallel.pp``.
     """
-    if cfg.vocab_size is None:
-        raise ValueError("layer_costs: LLMConfig.vocab_size is not set (take it from the tokenizer)")
-    d, kv = cfg.dim, cfg.dim * cfg.n_kv_heads // cfg.n_heads
-    block = 2.0 * (2 * d * d + 2 * d * kv + 3 * d * cfg.ffn_dim) + 4.0 * max_seq_len * d
-    return block, float(d), 2.0 * d * cfg.vocab_size + 5.0 * cfg.vocab_size
+    run = Path(cfg.parallel.planner_calibration or "")
+    try:
+        return fit_planner_costs(run, cfg.parallel.pp)
+    except (OSError, ValueError) as exc:  # RecordError is a ValueError
+        raise ConfigError(f"parallel.planner_calibration: {run}: {exc}") from None
+
+
+def planner_spec(cfg: RunConfig) -> PlannerSpec:
+    """``placement = "planned"``'s per-step planner settings (:class:`omni_pipeline.PlannerSpec`):
+    ``parallel.planner_evaluations``, ``planner_memory_cap_mib`` and ``planner_calibration`` (fitted
+    here), the config's model sizes and dtype.
+
+    Raises:
+        ConfigError: as :func:`fitted_cost_model`.
+    """
+    par = cfg.parallel
+    cap = par.planner_memory_cap_mib
+    return PlannerSpec(
+        scale=config_scale(cfg),
+        max_evaluations=par.planner_evaluations,
+        memory_cap_bytes=None if cap is None else cap * 2**20,
+        fitted=fitted_cost_model(cfg) if par.planner_calibration else None,
+        dtype_bytes=8.0 if str(cfg.train.dtype) == "float64" else 4.0,
+    )
 
 
 def stage_split(par: ParallelConfigSection, cfg: LLMConfig, max_seq_len: int) -> list[range]:
-    """The layers of each of the ``par.pp * par.virtual_stages`` stages from ``par.stage_layers``: a
-    list of counts (:func:`omni_pipeline.explicit_stages`), ``"auto"``
-    (:func:`omni_pipeline.balance_stages` over :func:`layer_costs`, or with ``par.stage_calibration``
-    over :func:`measured_layer_costs`), or unset (:func:`omni_pipeline.stage_slices`, the equal-cost
-    split).
+    """The layers of each of the ``par.pp * par.virtual_stages`` stages from ``par.stage_layers``
+    (:func:`omni_pipeline.split_layers`): a list of counts, ``"auto"`` (balanced over the modelled
+    :func:`omni_pipeline.layer_costs`, or with ``par.stage_calibration`` over
+    :func:`measured_layer_costs`), or unset (the equal-cost split).
 
     Raises:
         ValueError: counts that do not fit the layers (``validate`` in ``omni_train.config`` names the
@@ -90,29 +134,23 @@ def stage_split(par: ParallelConfigSection, cfg: LLMConfig, max_seq_len: int) ->
 def _split(
     par: ParallelConfigSection, cfg: LLMConfig, max_seq_len: int, seen: tuple[Path, ...]
 ) -> list[range]:
-    stages = par.pp * par.virtual_stages
-    if par.stage_layers is None:
-        return stage_slices(cfg.n_layers, stages)
-    if par.stage_layers == "auto":
-        if par.stage_calibration:
-            block, first, last = _measured(Path(par.stage_calibration), cfg, max_seq_len, seen)
-        else:
-            block, first, last = layer_costs(cfg, max_seq_len)
-        return balance_stages([block] * cfg.n_layers, stages, first_stage_extra=first, last_stage_extra=last)
-    split = explicit_stages(par.stage_layers, cfg.n_layers)
-    if len(split) != stages:
-        raise ValueError(f"parallel.stage_layers: {len(split)} stages given, the pipeline has {stages}")
-    return split
+    costs = None
+    if par.stage_layers == "auto" and par.stage_calibration:
+        costs = _measured(Path(par.stage_calibration), cfg, max_seq_len, seen)
+    return split_layers(
+        llm_shape(cfg),
+        par.pp * par.virtual_stages,
+        par.stage_layers,
+        max_seq_len=max_seq_len,
+        costs=costs,
+    )
 
 
 def measured_layer_costs(run: str | Path, cfg: LLMConfig, max_seq_len: int) -> tuple[float, float, float]:
     """``(one block, the embedding, the final norm + LM head + loss)`` in measured seconds per LLM
-    microbatch (forward + backward), from a run of the same model: its ``actions.jsonl`` gives each
-    stage's mean F + B seconds per microbatch (the first recorded step dropped as warm-up), its
-    ``config.json`` the layers of each stage (:func:`stage_split` of that config), and
-    :func:`omni_pipeline.fit_layer_costs` solves ``stage s = layers_s * block + [s last] * head`` (least
-    squares over the stages; exact with 2). The embedding, a row gather that one split cannot tell apart
-    from the layers, is the modelled share of a block (:func:`layer_costs`) of the fitted block.
+    microbatch (forward + backward), from a run of the same model: its ``config.json`` gives the layers
+    of each stage (:func:`stage_split` of that config), its ``actions.jsonl`` each stage's times, and
+    :func:`omni_pipeline.calibrated_layer_costs` fits them.
 
     Raises:
         ConfigError: naming ``parallel.stage_calibration`` and ``run``: no readable ``config.json`` or
@@ -166,48 +204,10 @@ def _measured(
         records = read_records(run)
     except (OSError, RecordError) as exc:
         raise ConfigError(f"{where}: {exc}") from None
-    steps = sorted({r.step for r in records.actions})
-    first = steps[1] if len(steps) > 1 else (steps[0] if steps else 0)
-    busy = [0.0] * len(split)
-    seen_mb: list[set[tuple[int, int]]] = [set() for _ in split]
-    for r in records.actions:
-        if r.stage is not None and not 0 <= r.stage < len(split):
-            raise ConfigError(
-                f"{where}: actions.jsonl records LLM stage {r.stage} (step {r.step}), its config.json splits "
-                f"the layers over {len(split)} stages; are the records another run's?"
-            )
-        if r.stage is not None and r.step >= first:
-            busy[r.stage] += r.end_s - r.start_s
-            seen_mb[r.stage].add((r.step, r.microbatch))
-    missing = [s for s, mbs in enumerate(seen_mb) if not mbs]
-    if missing:
-        raise ConfigError(f"{where}: no LLM actions recorded for stages {missing} of its {len(split)}")
-    per_mb = [b / len(mbs) for b, mbs in zip(busy, seen_mb)]
-    counts = [len(r) for r in split]
-    block_flops, first_flops, _ = layer_costs(dataclasses.replace(cfg, vocab_size=1), max_seq_len)  # no head
-    block, head = fit_layer_costs(per_mb, counts)
-    embedding = block * first_flops / block_flops
-    block, head = fit_layer_costs(per_mb, counts, first_stage_extra=embedding)  # without it in the layers
-    if block <= 0.0:  # balance_stages over zero-cost layers would return an arbitrary split
-        raise ConfigError(
-            f"{where}: the recorded stage times {per_mb} s per microbatch fit no positive seconds per layer"
-        )
-    return block, block * first_flops / block_flops, head
-
-
-def build_schedule(par: ParallelConfigSection, microbatches: int) -> Schedule:
-    """The LLM schedule over ``par.pp`` ranks and ``microbatches`` LLM microbatches.
-
-    Raises:
-        omni_pipeline.ScheduleError: sizes the schedule cannot run (``validate`` in
-            ``omni_train.config`` names the field first).
-    """
-    kind, v = PipelineSchedule(par.schedule), par.virtual_stages
-    if kind is PipelineSchedule.GPIPE:
-        return ScheduleGPipe(par.pp, microbatches, v)
-    if kind is PipelineSchedule.INTERLEAVED:
-        return ScheduleInterleaved1F1B(par.pp, microbatches, v)
-    return Schedule1F1B(par.pp, microbatches, v)
+    try:
+        return calibrated_layer_costs(records, split, llm_shape(cfg), max_seq_len)
+    except ValueError as exc:
+        raise ConfigError(f"{where}: {exc}") from None
 
 
 class RankStages(nn.Module):

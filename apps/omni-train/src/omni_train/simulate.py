@@ -9,7 +9,7 @@ simulator then times a 1F1B step under each placement policy, and the table comp
 * **a calibration** (``calibration=RUN_DIR``): the cost model fitted from the per-action records a run of
   this config wrote (``RUN_DIR/actions.jsonl``, :mod:`omni_pipeline.records`;
   :func:`omni_pipeline.calibrate.fit_cost_model`), applied to each simulated step's token counts
-  (:func:`action_tokens`): the config's own models on the measured machine, P2P latency and bandwidth,
+  (:func:`omni_pipeline.action_tokens`): the config's own models on the measured machine, P2P latency and bandwidth,
   dispatch gaps and the time outside the pipeline included. The run's first recorded step is dropped
   (warm-up). When the run directory also holds ``metrics.jsonl`` and the run's flow (``dataflow.json``,
   or each step's ``"flow"`` record when ``planned`` planned it per step), the flow the run used is
@@ -19,10 +19,9 @@ simulator then times a 1F1B step under each placement policy, and the table comp
   tiny sizes (``scale="config"``).
 
 Modelled device (documented assumptions, not measurements): ``peak_flops`` 989e12 (H100 bf16 dense) at
-``efficiency`` 0.4; point-to-point 10 us latency and 25 GB/s (200 Gb/s InfiniBand); an activation of
-``T`` tokens at width ``d`` is ``2*T*d`` bytes in bf16; a transformer layer stores ``34*T*d`` bytes from
-forward to backward (Korthikanti et al., 2022, bf16, no recomputation). Calibrated runs scale these sizes
-by the run's dtype (4 bytes for float32).
+``efficiency`` 0.4; the interconnect and activation sizes of :mod:`omni_pipeline.step_costs` (which holds
+the cost model: :func:`omni_pipeline.modelled_step_costs`, :func:`omni_pipeline.calibrated_step_costs`).
+Calibrated runs scale the sizes by the run's dtype (4 bytes for float32).
 """
 
 from __future__ import annotations
@@ -31,216 +30,24 @@ import dataclasses
 import json
 from pathlib import Path
 
-from omni_data import Modality, Pack, encoder_microbatch_ids, split_encoder_microbatches
-from omni_data.zero_redundancy import SampleIndex
-from omni_pipeline.calibrate import fit_cost_model
-from omni_pipeline.cost import ActionTokens, CostModel
-from omni_pipeline.dataflow import DataFlow
-from omni_pipeline.placement import PlacementPolicy, place
-from omni_pipeline.records import RECORDS_FILE, RunRecords, read_records
-from omni_pipeline.schedules import Schedule1F1B
-from omni_pipeline.simulator import simulate
+from omni_data import encoder_microbatch_ids, split_encoder_microbatches
+from omni_pipeline import (
+    MODEL_SCALES,
+    RECORDS_FILE,
+    DataFlow,
+    PlacementPolicy,
+    Schedule1F1B,
+    calibrated_step_costs,
+    fit_run,
+    modelled_step_costs,
+    place,
+    simulate,
+)
 from omni_train.config import ConfigError, RunConfig, load_tokenizer
 from omni_train.data_pipeline import build_step_stream
-from omni_train.flops import attention_flops
+from omni_train.pipeline import config_scale, image_merge
 
-__all__ = [
-    "MODEL_SCALES",
-    "ModelScale",
-    "action_tokens",
-    "calibrated_step_costs",
-    "config_scale",
-    "fit_run",
-    "modelled_step_costs",
-    "simulate_config",
-]
-
-
-@dataclasses.dataclass(frozen=True)
-class ModelScale:
-    """Sizes the cost model times: matmul parameters and width/layers (for attention and activations)
-    of the LLM and of each encoder."""
-
-    llm_params: float
-    llm_dim: int
-    llm_layers: int
-    encoder_params: dict[str, float]
-    encoder_dim: dict[str, int]
-    encoder_layers: dict[str, int]
-
-
-MODEL_SCALES = {
-    # MegaScale-Omni's triple-modality setup: ViT-1B, USM-2B, LLaMA-12B (§2.2).
-    "paper": ModelScale(
-        12e9,
-        5120,
-        40,
-        {"image": 1e9, "audio": 2e9},
-        {"image": 1408, "audio": 1536},
-        {"image": 40, "audio": 32},
-    ),
-}
-
-
-def config_scale(cfg: RunConfig) -> ModelScale:
-    """The config's own model sizes (matmul parameters per token, widths, layers) for the cost model."""
-    llm = cfg.model.llm
-    encs = {"image": cfg.model.vit, "audio": cfg.model.audio}
-    return ModelScale(
-        llm.n_layers
-        * (2 * llm.dim**2 + 2 * llm.dim**2 * llm.n_kv_heads // llm.n_heads + 3 * llm.dim * llm.ffn_dim),
-        llm.dim,
-        llm.n_layers,
-        {k: 12.0 * e.n_layers * e.dim**2 for k, e in encs.items() if e is not None},
-        {k: e.dim for k, e in encs.items() if e is not None},
-        {k: e.n_layers for k, e in encs.items() if e is not None},
-    )
-
-
-def _encoder_seq(cfg: RunConfig, modality: Modality, media_tokens: int) -> int:
-    """Encoder sequence of a sample: ViT patches before the merge; audio frames after subsampling."""
-    if modality is Modality.IMAGE:
-        merge = cfg.model.vit.merge if cfg.model.vit is not None else 2
-        return media_tokens * merge * merge
-    return media_tokens
-
-
-def action_tokens(
-    cfg: RunConfig, packs: list[Pack], mbs: dict[int, list[SampleIndex]]
-) -> tuple[dict[int, ActionTokens], dict[int, ActionTokens]]:
-    """Token counts of one step's actions in the convention the trainer records them in (the one
-    calibration fits and predicts with).
-
-    * LLM microbatch ``k`` (pack ``k - 1``), every stage's F and B: ``{"llm": (T, sum L**2)}``, ``T``
-      the pack's tokens, ``L`` each packed document's (sample's) tokens: attention runs per document
-      (``omni_parallel.varlen.varlen_attention``).
-    * Encoder microbatch ``e``: per tower that runs, ``(sum n, sum n**2)`` over its samples, ``n`` a
-      sample's encoder sequence (``"image"``: ViT patches before the 2x2 merge, ``"audio"``: frames after
-      subsampling); attention runs per image / per clip.
-
-    Returns:
-        ``({k: ActionTokens}, {e: ActionTokens})``.
-    """
-    llm = {
-        k: ActionTokens.single("llm", p.num_tokens, sum(n * n for n in p.seqlens))
-        for k, p in enumerate(packs, start=1)
-    }
-    enc = {}
-    for e, items in mbs.items():
-        seq: dict[str, list[float]] = {}
-        for p, i in items:
-            s = packs[p].samples[i]
-            n = _encoder_seq(cfg, s.modality, s.media_tokens)
-            acc = seq.setdefault(str(s.modality), [0.0, 0.0])
-            acc[0] += n
-            acc[1] += n * n
-        enc[e] = ActionTokens({m: (n, sq) for m, (n, sq) in seq.items()})
-    return llm, enc
-
-
-def _sizes(cfg: RunConfig, packs: list[Pack], mbs, pp: int, dtype_bytes: float, ms: ModelScale) -> dict:
-    """Byte sizes of one step (activations, stored activations, encoder outputs) and tokens/microbatch."""
-    tokens = sum(p.num_tokens for p in packs) / len(packs)
-    out_b, stored = {}, {}
-    for e, items in mbs.items():
-        o = st = 0.0
-        for p, i in items:
-            s = packs[p].samples[i]
-            kind = str(s.modality)
-            seq = _encoder_seq(cfg, s.modality, s.media_tokens)
-            o += dtype_bytes * s.media_tokens * ms.llm_dim
-            st += 17.0 * dtype_bytes * ms.encoder_layers[kind] * seq * ms.encoder_dim[kind]
-        out_b[e], stored[e] = o, st
-    return {
-        "llm_activation_bytes": dtype_bytes * tokens * ms.llm_dim,
-        "llm_stored_bytes": 17.0 * dtype_bytes * tokens * ms.llm_dim * ms.llm_layers / pp,
-        "encoder_output_bytes": out_b,
-        "encoder_stored_bytes": stored,
-        "tokens_per_microbatch": tokens,
-    }
-
-
-def fit_run(run: Path) -> tuple[RunRecords, CostModel, int]:
-    """A run's records, the cost model fitted from them (:func:`~omni_pipeline.calibrate.fit_cost_model`,
-    the first recorded step dropped as warm-up when there are more) and the pipeline stages it fitted.
-
-    Raises:
-        OSError: no records file in ``run``. ValueError: malformed records (``RecordError``) or too few
-            to fit.
-    """
-    records = read_records(run)
-    fitted = fit_cost_model(records, skip_steps=1 if len(records.step_ids) > 1 else 0)
-    stages = len(fitted.llm_forward_s) if isinstance(fitted.llm_forward_s, list) else 0
-    return records, fitted, stages
-
-
-def calibrated_step_costs(
-    cfg: RunConfig, fitted: CostModel, packs: list[Pack], mbs: dict[int, list[SampleIndex]]
-) -> CostModel:
-    """``fitted`` (from :func:`~omni_pipeline.calibrate.fit_cost_model`) applied to one step: every
-    action's seconds from its token counts (:func:`action_tokens`), byte sizes from the config's models
-    in the run's dtype.
-
-    Raises:
-        KeyError: the fit has no coefficients for a module this step runs (the run never ran it).
-    """
-    pp = cfg.parallel.pp
-    llm, enc = action_tokens(cfg, packs, mbs)
-    dtype_bytes = 8.0 if str(cfg.train.dtype) == "float64" else 4.0
-    return fitted.for_step(pp, llm, enc, **_sizes(cfg, packs, mbs, pp, dtype_bytes, config_scale(cfg)))
-
-
-def modelled_step_costs(
-    cfg: RunConfig,
-    ms: ModelScale,
-    packs: list[Pack],
-    mbs: dict[int, list[SampleIndex]],
-    pp: int,
-    rate: float,
-    dp: int,
-    stage_weights: list[float] | None = None,
-) -> CostModel:
-    """One step's cost model from modelled FLOPs (no measurement): each action's seconds are its matmul
-    (``2 * params * tokens``) and attention FLOPs over ``rate`` FLOP/s; P2P 10 us + bytes / 25 GB/s;
-    byte sizes as the module docstring says.
-
-    Args:
-        ms: model sizes (:data:`MODEL_SCALES` or :func:`config_scale`).
-        packs, mbs: the step's packs and encoder microbatches ``{e: [(pack, sample)]}``.
-        pp: pipeline stages; rate: FLOP/s; dp: data-parallel replicas.
-        stage_weights: per stage, its LLM cost relative to the mean stage (embedding, LM head and loss
-            counted: ``omni_pipeline.stage_costs``); ``None``: every stage the mean.
-    """
-    llm_fwd = [
-        2.0 * ms.llm_params * p.num_tokens
-        + attention_flops(p.seqlens, ms.llm_dim, ms.llm_layers, causal=True)
-        for p in packs
-    ]
-    enc_fwd_s = {}
-    for e, items in mbs.items():
-        flops = 0.0
-        for p, i in items:
-            s = packs[p].samples[i]
-            kind = str(s.modality)
-            seq = _encoder_seq(cfg, s.modality, s.media_tokens)
-            d, n_layers = ms.encoder_dim[kind], ms.encoder_layers[kind]
-            flops += 2.0 * ms.encoder_params[kind] * seq + attention_flops([seq], d, n_layers, causal=False)
-        enc_fwd_s[e] = flops / rate
-    stage_fwd = sum(llm_fwd) / len(llm_fwd) / pp / rate
-    fwd: float | list[float] = stage_fwd
-    bwd: float | list[float] = 2 * stage_fwd
-    if stage_weights is not None:
-        fwd = [stage_fwd * w for w in stage_weights]
-        bwd = [2 * f for f in fwd]
-    return CostModel(
-        llm_forward_s=fwd,
-        llm_backward_s=bwd,
-        encoder_forward_s=enc_fwd_s,
-        p2p_latency_s=10e-6,
-        p2p_bandwidth_Bps=25e9,
-        data_parallel=dp,
-        **_sizes(cfg, packs, mbs, pp, 2.0, ms),
-    )
+__all__ = ["simulate_config"]
 
 
 def _measured_step_times(run_dir: Path, steps: list[int]) -> dict[int, float]:
@@ -310,7 +117,7 @@ def simulate_config(
         if scale == "config":
             ms = config_scale(cfg)
         elif scale in MODEL_SCALES:
-            ms = MODEL_SCALES[scale]
+            ms = dataclasses.replace(MODEL_SCALES[scale], image_merge=image_merge(cfg))  # the data's patches
         else:
             raise ConfigError(f"--scale: {scale!r} is not 'config' or one of {sorted(MODEL_SCALES)}")
         gpus = 1024 if gpus is None else gpus
@@ -332,6 +139,7 @@ def simulate_config(
     schedule = Schedule1F1B(pp, microbatches)
     encoder_inputs = encoder_microbatch_ids(microbatches, pp)
     rate = peak_flops * efficiency
+    dtype_bytes = 8.0 if str(cfg.train.dtype) == "float64" else 4.0  # a calibrated run's activations
     run_flow = None
     if fitted is not None and (Path(calibration) / "dataflow.json").is_file():
         run_flow = DataFlow.from_json((Path(calibration) / "dataflow.json").read_text())
@@ -350,9 +158,9 @@ def simulate_config(
             mbs = split_encoder_microbatches(packs, microbatches, pp, balance=par.reorder)
             mb_tokens += sum(p.num_tokens for p in packs) / len(packs)
             if fitted is not None:
-                costs = calibrated_step_costs(cfg, fitted, packs, mbs)
+                costs = calibrated_step_costs(fitted, ms, packs, mbs, pp, dtype_bytes)
             else:
-                costs = modelled_step_costs(cfg, ms, packs, mbs, pp, rate, gpus // pp)
+                costs = modelled_step_costs(ms, packs, mbs, pp, rate, gpus // pp)
             flows = {
                 str(policy): place(policy, schedule, encoder_inputs, costs, fixed_ranks=fitted is not None)
                 for policy in PlacementPolicy

@@ -5,7 +5,7 @@ How the ledgers reduce (``omni_data.skips``): metadata skips (a damaged tar head
 UTF-8, a read error, a truncated member, over-long media) are counted identically by every pipeline, TP,
 CP and Ulysses rank of a DP rank, so only the rank at position 0 of those groups contributes them;
 payload skips (media whose body does not decode) are counted by the rank that read the payload, so every
-rank contributes its own. Nothing is dropped silently (DESIGN.md): each skip is counted per source and
+rank contributes its own. Nothing is dropped silently (DESIGN.md §omni-data): each skip is counted per source and
 reason, the first keys of each source are named, and the first time a source skips, rank 0 logs it with
 those keys.
 

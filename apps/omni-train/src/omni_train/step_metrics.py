@@ -2,10 +2,10 @@
 logs to ``metrics.jsonl`` (the fields are listed in the app README, "Outputs").
 
 Model FLOPs count 2 per multiply-add, training = 3x forward, attention per packed document
-(:mod:`omni_train.flops`); MFU divides by the measured peak of every process.
+(:mod:`omni_parallel.flops`); MFU divides by the measured peak of every process.
 
 The same all-reduce carries the step's memory peaks (:data:`MEMORY_METRICS`: saved activations per rank,
-kept and offloaded (:mod:`omni_train.activation_memory`), and on CUDA the allocator's peak) and the
+kept and offloaded (:mod:`omni_parallel.activation_memory`), and on CUDA the allocator's peak) and the
 world's count of skipped items (:class:`omni_train.skip_metrics.SkipMetrics` gathers the named report
 only when that count changed): one collective per step for all of the step's numbers, since every
 collective after the pipeline step is a point where every rank waits for the slowest.
@@ -21,14 +21,12 @@ import torch.distributed as dist
 
 from omni_data import Modality, split_encoder_microbatches
 from omni_parallel import ParallelState
-from omni_pipeline import StepResult
-from omni_train.activation_memory import StepPeaks
-from omni_train.batch import MODALITIES
+from omni_parallel.activation_memory import StepPeaks
+from omni_parallel.flops import attention_flops, model_flops
+from omni_pipeline import MODALITIES, StepInputs, StepResult
 from omni_train.config import RunConfig
 from omni_train.data_pipeline import encoder_imbalance, encoder_load
-from omni_train.flops import attention_flops, model_flops
 from omni_train.models import LLMConfig
-from omni_train.step_inputs import StepInputs
 
 __all__ = ["MEMORY_METRICS", "PHASES", "StepMetrics", "step_phases"]
 

@@ -1,14 +1,15 @@
 """The trainer: every package wired into one training loop, run by each worker process.
 
-Per rank (DESIGN.md, apps/omni-train; MegaScale-Omni §3-§5; ARCHITECTURE.md draws the flow):
+Per rank (DESIGN.md §omni-train; MegaScale-Omni §3-§5; ARCHITECTURE.md draws the flow):
 
-* ``ParallelState`` (omni-parallel) gives the pipeline, data-, tensor- and sequence-parallel groups.
+* ``ParallelState`` (omni-parallel) creates every process group, in one place and order (the loader's,
+  reordering, encoder P2P and hybrid DP/CP ones too: :meth:`Trainer._group_spec`).
 * The model: this pipeline rank's LLM stages (one :class:`~omni_train.models.LLMStage` per virtual stage,
   together a :class:`~omni_train.pipeline.RankStages`) and the encoders (encoder data parallelism spans
   every rank: whole on every rank, or FSDP2-sharded with ``parallel.encoder_zero`` 2 or 3), parallelised
   by :mod:`omni_train.parallelize` (TP, activation checkpointing, compile, and the gradient sync that
   defines the objective's reduction).
-* Encoder work (:mod:`omni_train.encoder_parallel`): grouped reordering across DP replicas
+* Encoder work (:mod:`omni_pipeline.encoder_parallel`): grouped reordering across DP replicas
   (``data.reorder_group_size``), long-short SP over the stage's LLM sequence group (``parallel.encoder_sp``,
   ``parallel.long_threshold``) and resharding of the outputs into the LLM's sequence layout.
   TP and Ulysses peers of a stage read the same packs (the loader reads on their rank 0 and broadcasts);
@@ -20,17 +21,17 @@ Per rank (DESIGN.md, apps/omni-train; MegaScale-Omni §3-§5; ARCHITECTURE.md dr
   placement policy (``uniform_on_demand`` by default), an :class:`EncoderAnchor` holding the encoders, and
   the :class:`PipelineExecutor` running each step over real point-to-point transfers (encoder transfers
   on a group of their own).
-* Activation memory (:mod:`omni_train.activation_memory`): recompute and offload per block family, and
+* Activation memory (:mod:`omni_parallel.activation_memory`): recompute and offload per block family, and
   the peak of saved activations per rank and step in the metrics; ``train.dtype = "bfloat16"``: autocast
-  over float32 master parameters (:func:`omni_train.parallelize.apply_mixed_precision`).
+  over float32 master parameters (:func:`omni_parallel.parallelize.apply_mixed_precision`).
 * Each step: learning rate, gradients zeroed (ZeRO-0 encoder gradients re-attached to their flat
-  buffers) -> the loader's step -> :class:`~omni_train.step_inputs.StepInputs` (a value; the executor's
+  buffers) -> the loader's step -> :class:`~omni_pipeline.StepInputs` (a value; the executor's
   callables close over it) -> executor step -> gradient clipping -> AdamW (:mod:`omni_train.optim`) ->
   metrics (:mod:`omni_train.step_metrics`) -> checkpoint (:mod:`omni_train.checkpointing`). A step's
   wall clock runs from the end of the previous step's metrics reduction, so the previous checkpoint save
   counts in it; where it went, per rank and phase, is ``time_s_per_rank`` in ``metrics.jsonl``.
 * Per-action records: every compute action of every step (from the executor's timeline, with its token
-  counts in :func:`omni_train.simulate.action_tokens`'s convention), the receives waited for and each
+  counts in :func:`omni_pipeline.action_tokens`'s convention), the receives waited for and each
   step's wall time go to ``<run>/actions.jsonl`` (:mod:`omni_pipeline.records`; the first DP replica's
   pipeline, gathered on rank 0), which ``omni-train simulate --calibration`` fits a cost model from.
 * Bad data: a sample whose image/audio body did not decode (omni-data's zero placeholder,
@@ -61,55 +62,49 @@ from torch.profiler import record_function
 
 from omni_data import Modality, encoder_microbatch_ids
 from omni_data.zero_redundancy import FilteredStep
-from omni_parallel import ParallelConfig, ParallelState, ReshardMode, mesh_device_type, rank_groups
+from omni_parallel import GroupSpec, ParallelConfig, ParallelState, ReshardMode, mesh_device_type
 from omni_parallel.encoder_zero import state_bytes
+from omni_parallel.flops import matmul_params, measure_peak_flops
+from omni_parallel.grad_clip import clip_grad_norm_
+from omni_parallel.parallelize import training_dtypes
 from omni_pipeline import (
     RECORDS_FILE,
+    CPSharding,
+    CPSpec,
     EncoderAnchor,
     EncoderDataConfig,
+    EncoderParallel,
     EncoderParallelConfig,
     FlowRecord,
     PipelineExecutor,
     RecordWriter,
+    SequenceLayout,
+    StepBuilder,
+    StepInputs,
+    StepPlanner,
     StepRecord,
     StepResult,
+    StepSpec,
     action_records,
+    action_tokens,
+    build_cp_sharding,
+    build_schedule,
+    stage_weights,
+    static_flow,
 )
-from omni_train.activation_memory import ActivationMemory
 from omni_train.checkpointing import TrainCheckpoint
 from omni_train.config import Placement, RunConfig, load_tokenizer
-from omni_train.cp_sharding import CPSharding, build_cp_sharding
 from omni_train.data_pipeline import build_step_stream
-from omni_train.encoder_parallel import (
-    EncoderParallel,
-    SequenceLayout,
-    default_reorder_group_size,
-    reorder_groups,
-)
 from omni_train.encoders import Encoders
-from omni_train.flops import matmul_params, measure_peak_flops
 from omni_train.launch import restart_count
 from omni_train.metrics import MetricsLogger, finish_run
-from omni_train.optim import build_optimizer, clip_grad_norm_, lr_at
-from omni_train.parallelize import (
-    apply_ac,
-    apply_compile,
-    apply_dp,
-    apply_encoder_zero,
-    apply_mixed_precision,
-    apply_offload,
-    apply_tp,
-    pipeline_groups,
-    training_dtypes,
-)
-from omni_train.pipeline import build_rank_stages, build_schedule, stage_split
+from omni_train.optim import build_optimizer, lr_at
+from omni_train.parallelize import parallelize, pipeline_groups
+from omni_train.pipeline import build_rank_stages, image_merge, llm_shape, planner_spec, stage_split
 from omni_train.profiling import StepProfiler
 from omni_train.run_writes import RunWrites
-from omni_train.simulate import action_tokens
 from omni_train.skip_metrics import SkipMetrics
-from omni_train.step_inputs import StepBuilder, StepInputs
 from omni_train.step_metrics import StepMetrics
-from omni_train.step_plan import StepPlanner, stage_weights, static_flow
 
 __all__ = ["Trainer", "worker_main"]
 
@@ -150,8 +145,10 @@ class Trainer:
         self.out.mkdir(parents=True, exist_ok=True)
         par = cfg.parallel
         self.ps = ParallelState.build(
-            ParallelConfig(tp=par.tp, pp=par.pp, cp=par.cp, ulysses=par.ulysses, dp=par.dp)
+            ParallelConfig(tp=par.tp, pp=par.pp, cp=par.cp, ulysses=par.ulysses, dp=par.dp),
+            groups=self._group_spec(),  # every group of the run, here, in one order
         )
+        self.reorder_group_size = self.ps.reorder_size
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         self.pp_rank, self.pp = self.ps.local_rank("pp"), self.ps.size("pp")
         self.dp, self.tp, self.sp = self.ps.size("dp"), self.ps.size("tp"), self.ps.size("ulysses")
@@ -164,7 +161,7 @@ class Trainer:
         )
         torch.manual_seed(cfg.train.seed)
         self.tokenizer = load_tokenizer(cfg.data)
-        self.schedule = build_schedule(par, cfg.data.microbatches)
+        self.schedule = build_schedule(par.schedule, par.pp, cfg.data.microbatches, par.virtual_stages)
         self._build_model()
         self._build_pipeline()
         self._build_executor()
@@ -202,14 +199,16 @@ class Trainer:
         self.stage.to(self.device, self.dtype)
         self.encoders = Encoders(m.vit, m.audio, self.llm_cfg.dim, seed=m.seed).to(self.device, self.dtype)
         self._llm_matmul = matmul_params(self.stage)  # before TP: global parameter counts
-        apply_tp(self.stage, self.ps)
-        self.memory = ActivationMemory([self.stage, self.encoders], self.device)
-        apply_ac(self.stage, self.encoders, train.recompute, train.recompute_modules)
-        apply_compile(self.stage, self.encoders, train.compile)
-        apply_offload(self.stage, self.encoders, train.offload, self.memory)
-        apply_mixed_precision(self.stage, self.encoders, self.compute_dtype)
-        self.sync_llm = apply_dp(self.stage, self.ps)
-        self.sync_encoders = apply_encoder_zero(self.encoders, self.ps, self.cfg.parallel.encoder_zero)
+        par = parallelize(
+            self.stage,
+            self.encoders,
+            self.ps,
+            train,
+            encoder_zero=self.cfg.parallel.encoder_zero,
+            num_stages=self.schedule.num_stages,
+            device=self.device,
+        )
+        self.memory, self.sync_llm, self.sync_encoders = par.memory, par.sync_llm, par.sync_encoders
         self._step_media: frozenset[str] | None = None  # the running step's StepInputs.media (None: all)
         self.model = nn.ModuleDict({"llm": self.stage, "encoders": self.encoders})
         self.optimizer = build_optimizer([self.stage, self.encoders], self.cfg.optim)
@@ -220,14 +219,22 @@ class Trainer:
         microbatches = cfg.data.microbatches
         self.sharding = self._build_cp_sharding()
         encoder_inputs = encoder_microbatch_ids(microbatches, self.pp)
-        weights = stage_weights(cfg, self.llm_cfg, self.split)
-        self.flow = static_flow(cfg, self.schedule, encoder_inputs, weights)
+        weights = stage_weights(llm_shape(self.llm_cfg), self.split, cfg.data.max_seq_len)
+        self.flow = static_flow(
+            par.placement,
+            self.schedule,
+            encoder_inputs,
+            weights,
+            encoder_forward_share=par.encoder_forward_share,
+        )
         self.planner: StepPlanner | None = None
         self._said_over_cap = False
         consumes: Any = set(self.flow.encoders_on(self.pp_rank))
         if par.placement == Placement.PLANNED:
-            if self.sharding is None and self._reorder_group_size() == 1:
-                self.planner = StepPlanner(cfg, self.schedule, encoder_inputs, weights, self.pp_rank)
+            if self.sharding is None and self.reorder_group_size == 1:
+                self.planner = StepPlanner(
+                    planner_spec(cfg), self.schedule, encoder_inputs, weights, self.pp_rank
+                )
                 consumes = self.planner.consumes  # each step's flow, planned from its metadata
             elif self.rank == 0:
                 print(
@@ -240,7 +247,7 @@ class Trainer:
         options: dict[str, Any] = dict(
             dp_rank=self.ps.local_rank("dp"),
             dp_size=self.dp,
-            dp_group=self._loader_group(),
+            dp_group=self.ps.loader_dp_group,  # the loader's thread has a DP group of its own
             consumes=consumes,
             read_text=self.is_first or self.is_last,
             # TP and Ulysses peers need identical packs: their rank 0 reads, the others get a broadcast
@@ -253,25 +260,21 @@ class Trainer:
         )
         self.stream = build_step_stream(cfg, self.tokenizer, **(options | self._cp_stream_options()))
 
-    def _loader_group(self) -> dist.ProcessGroup | None:
-        """The DP group's ranks as a second group, used only by the loader (collective: every rank
-        creates every DP group): its per-step token-count all-reduce runs on the loader's preparation
-        thread, beside this thread's collectives, so the two must not share a group. ``None`` for dp=1."""
-        if self.dp == 1:
-            return None
-        group, _ = dist.new_subgroups_by_enumeration(
-            rank_groups(self.world, self.ps.config, self.ps.order)["dp"]
-        )
-        return group
+    def _group_spec(self) -> GroupSpec:
+        """The run's optional groups: the loader's DP copy, encoder P2P, the hybrid DP/CP blocks and the
+        reordering groups across DP (``data.reorder_group_size``, ``None``: the node's replicas; 1 with
+        ``parallel.reorder`` off and under CP, where validation refuses larger groups)."""
+        par = self.cfg.parallel
+        reorder = par.reorder and par.cp == 1 and not par.hybrid_cp
+        size = self.cfg.data.reorder_group_size if reorder else 1
+        return GroupSpec(loader_dp=True, reorder_group_size=size, encoder_p2p=True, hybrid_cp=par.hybrid_cp)
 
     def _build_cp_sharding(self) -> CPSharding | None:
-        """CP or hybrid DP/CP layout (``omni_train.cp_sharding``; collective: hybrid creates sub-groups)."""
+        """CP or hybrid DP/CP layout (``omni_pipeline.cp_delivery``; its groups are ``self.ps``'s)."""
         cfg, par = self.cfg, self.cfg.parallel
-        return build_cp_sharding(
-            self.ps,
-            cp=par.cp,
+        spec = CPSpec(
+            par.cp_attention,
             hybrid=par.hybrid_cp,
-            method=par.cp_attention,
             max_tokens=cfg.data.max_seq_len,
             attention_len=6 * self.llm_cfg.dim,
             microbatches=cfg.data.microbatches,
@@ -279,6 +282,7 @@ class Trainer:
             balance=par.reorder,
             encoder_sp=par.encoder_sp if par.cp > 1 and not par.hybrid_cp else 1,
         )
+        return build_cp_sharding(self.ps, spec)
 
     def _pack_tokens(self) -> int:
         """Pack capacity: ``data.max_seq_len``, or under hybrid DP/CP the stage's share of ranks times it."""
@@ -314,20 +318,20 @@ class Trainer:
             EncoderParallelConfig(zero_stage=cfg.parallel.encoder_zero),
             EncoderDataConfig(max_seq_len=self._pack_tokens() * cfg.data.microbatches),
         )
-        self.builder = StepBuilder(
-            schedule=self.schedule,
-            flow=self.flow,
-            encoders=self.encoders,
-            placeholders={
-                Modality.IMAGE: self._special("<|image|>"),
-                Modality.AUDIO: self._special("<|audio|>"),
-            },
-            llm_dim=self.llm_cfg.dim,
-            dtype=self.compute_dtype,
-            device=self.device,
+        spec = StepSpec(
+            {Modality.IMAGE: self._special("<|image|>"), Modality.AUDIO: self._special("<|audio|>")},
+            self.llm_cfg.dim,
+            self.compute_dtype,
+            self.device,
             builds_text=self.is_first or self.is_last,
             sp=self.sp,
             sp_rank=self.ps.local_rank("ulysses"),
+        )
+        self.builder = StepBuilder(
+            spec,
+            schedule=self.schedule,
+            flow=self.flow,
+            encoders=self.encoders,
             pp_group=self.ps.group("pp") if self.pp > 1 else None,
             dp_group=self.ps.group("dp") if self.dp > 1 and not self.cfg.parallel.hybrid_cp else None,
             parallel=self._encoder_parallel(),
@@ -376,12 +380,9 @@ class Trainer:
         return self.ps.group("dp_cp" if self.sharding.hybrid else "cp")
 
     def _encoder_parallel(self) -> EncoderParallel:
-        """The encoders' groups (:mod:`omni_train.encoder_parallel`; collective: every rank creates the
-        reordering groups): the stage's LLM sequence group, and the reordering group across DP of
-        ``data.reorder_group_size`` replicas (1, or ``parallel.reorder`` off: none)."""
+        """The encoders' groups (:mod:`omni_pipeline.encoder_parallel`): the stage's LLM sequence group,
+        and the reordering group across DP (``self.ps.reorder_group``; ``None``: no reordering)."""
         par = self.cfg.parallel
-        self.reorder_group_size = self._reorder_group_size()
-        group = reorder_groups(self.ps, self.reorder_group_size)
         sp, mode, name = self.ps.size("ulysses"), ReshardMode.ULYSSES, "ulysses"
         if self.sharding is not None:
             # encoder_sp = cp: long-short SP over the CP group in its head-tail layout (cp_sharding's
@@ -393,16 +394,8 @@ class Trainer:
             sp_rank=self.ps.local_rank(name) if sp > 1 else 0,
             encoder_sp=par.encoder_sp,
             long_threshold=par.long_threshold,
-            reorder_group=group,
+            reorder_group=self.ps.reorder_group,
         )
-
-    def _reorder_group_size(self) -> int:
-        """DP replicas per reordering group across DP: ``data.reorder_group_size`` or the node's replicas;
-        1 with reordering off and under CP (validation refuses larger groups with CP)."""
-        if not self.cfg.parallel.reorder or self.sharding is not None:
-            return 1
-        size = self.cfg.data.reorder_group_size
-        return size if size is not None else default_reorder_group_size(self.ps)
 
     def _special(self, token: str) -> int:
         i = self.tokenizer.token_to_id(token)
@@ -600,7 +593,7 @@ class Trainer:
         it) and queued on rank 0's writes (:class:`RunWrites`). Other ranks record nothing."""
         if any(self.ps.local_rank(a) for a in ("dp", "tp", "cp", "ulysses")):
             return
-        llm, enc = action_tokens(self.cfg, inputs.packs, fs.microbatches)
+        llm, enc = action_tokens(inputs.packs, fs.microbatches, image_merge=image_merge(self.cfg))
         mine: list[Any] = action_records(step, result.timeline, llm, enc, result.waits)
         end = max((ev.end_s for ev in result.timeline), default=0.0)
         mine += [*result.p2p, StepRecord(step, self.pp_rank, wall, end)]

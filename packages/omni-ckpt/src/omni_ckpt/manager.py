@@ -27,6 +27,7 @@ import contextlib
 import operator
 import re
 from collections.abc import MutableMapping
+from concurrent import futures
 from typing import Any
 
 import torch.distributed as dist
@@ -50,7 +51,8 @@ class CheckpointManager:
         root: fsspec URL of the directory holding the steps.
         keep_last: committed steps to keep (>= 1); older ones, and uncommitted leftovers older than the
             newest committed step, are deleted by rank 0 after each commit. None keeps everything.
-        async_save: ``save`` returns once staged and writes in the background.
+        async_save: ``save`` returns once ``state`` is staged to host memory (the caller may step the
+            optimizer right away) and writes and commits in the background.
         process_group: ranks saving together. With ``torch.distributed`` initialised and None, the manager
             creates its own gloo group (collectively, on every rank), so background commit collectives
             never interleave with training collectives.
@@ -137,19 +139,37 @@ class CheckpointManager:
                     self.fs.rm(manifest)  # uncommit first: a crash mid-delete leaves no half step
                 self.fs.rm(join(self.path, name), recursive=True)
 
-    def save(self, step: int, state: MutableMapping[Any, Any]) -> AsyncSaveHandle | None:
+    def save(
+        self, step: int, state: MutableMapping[Any, Any], *, return_before_staged: bool = False
+    ) -> AsyncSaveHandle | None:
         """Save ``state`` as step ``step`` (collective). Waits for the previous async save first.
 
+        With ``async_save=True`` this returns once every tensor of ``state`` is copied to host memory
+        (``handle.staged``), so the caller may change the saved tensors (the optimizer step) as soon as it
+        returns; writing, checksums and the commit go on in the background. A staging error does not raise
+        here: it surfaces from ``handle.wait()`` and at the manager's next call, like a write error.
+
+        Args:
+            step: the step number (int >= 0).
+            state: nested mapping of tensors (plain, ``DTensor``, ``BoxShard``) and msgpack-able values.
+            return_before_staged: the fast, opt-in way (``async_save=True`` only): return as soon as the
+                save is planned, while the copies to host memory are still running. The caller must then
+                wait on ``handle.staged`` before changing any saved tensor (before the optimizer step);
+                work that leaves them alone (the next forward and backward) may overlap the copies.
+                A tensor changed earlier can reach the checkpoint half old, half new.
+
         Returns:
-            the async handle (``async_save=True``; ``handle.staged`` says when ``state`` may change), else
+            the async handle (``async_save=True``; ``handle.done`` says when the step is committed), else
             None once committed.
 
         Raises:
             CheckpointError: the previous background save failed, or this one failed (sync mode), or
                 ``step`` is already committed.
-            ValueError: ``step`` is not an int >= 0.
+            ValueError: ``step`` is not an int >= 0, or ``return_before_staged`` with ``async_save=False``.
         """
         url = self.step_url(step)
+        if return_before_staged and not self.async_save:
+            raise ValueError("return_before_staged=True needs a manager made with async_save=True")
         self._finish_pending()
         if not self._cache_checked:
             self._cache_checked = True
@@ -172,6 +192,11 @@ class CheckpointManager:
             return None
         handle = async_save(state, url, **options)  # type: ignore[arg-type]
         self._pending = (step, handle)
+        if not return_before_staged:
+            # Returning before the copies end let an optimizer step that followed at once leak new
+            # weights into the checkpoint. A failed staging resolves the future too (with its error,
+            # which surfaces from handle.wait() and the next call), so this never blocks forever.
+            futures.wait([handle.staged])
         return handle
 
     def _step_dirs(self) -> list[tuple[int, str]]:

@@ -28,6 +28,7 @@ from omni_data.workers import RoundRobinWorkers
 from omni_data.zero_redundancy import (
     ConsumesFn,
     FilteredStep,
+    SampleIndex,
     ZeroRedundancyFilter,
     encoder_microbatch_id,
     encoder_microbatch_ids,
@@ -60,6 +61,7 @@ __all__ = [
     "PlanMismatchError",
     "ReorderPlan",
     "RoundRobinWorkers",
+    "SampleIndex",
     "SampleMeta",
     "ScheduleUnit",
     "SkipLedger",

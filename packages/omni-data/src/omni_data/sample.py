@@ -3,7 +3,7 @@
 A sample travels through the pipeline as a :class:`SampleMeta` (small, msgpack-serialisable, identical on
 every rank that holds the same loader state). Its payload (image pixels, audio waveform, text token ids)
 is read and decoded only where it is consumed, from the :class:`MemberRef` byte ranges the metadata
-carries (DESIGN.md, omni-data: "metadata before payload"; paper §5.2 zero-redundancy loaders).
+carries (DESIGN.md §omni-data: "metadata before payload"; paper §5.2 zero-redundancy loaders).
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Skipped data, counted and named: :class:`SkipLedger` per pipeline node, :func:`skip_report` for metrics.
 
-Nothing is dropped silently (DESIGN.md, omni-data): every sample, member or shard a node skips is
+Nothing is dropped silently (DESIGN.md §omni-data): every sample, member or shard a node skips is
 counted per source and reason, its key kept (the first ``max_keys``), and logged once per source and
 reason with the key that started it. Ledgers are part of their node's state, so counts survive resume.
 

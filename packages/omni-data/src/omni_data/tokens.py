@@ -5,8 +5,9 @@ Image: Qwen2-VL dynamic resolution. The image is resized so both sides are multi
 ``[min_pixels, max_pixels]``; it becomes ``(H/patch) * (W/patch)`` ViT patches and, after the
 ``merge x merge`` patch merger, ``patches / merge**2`` LLM tokens.
 Audio: a mel front end at ``frame_ms`` hop, then a convolutional subsampler by ``subsample``.
-Cost: forward FLOPs of a transformer encoder over its sequence, with the quadratic attention term
-(Kaplan et al. 2020 counting: 2 FLOPs per multiply-add).
+Cost: forward FLOPs of a transformer encoder over its sequence, with the quadratic attention term, from
+omni-parallel's one FLOP model (:mod:`omni_parallel.flops`; Kaplan et al. 2020 counting: 2 FLOPs per
+multiply-add), so the balancer ranks work as the pipeline planner and the MFU count it.
 """
 
 from __future__ import annotations
@@ -14,6 +15,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from typing import Protocol
+
+from omni_parallel.flops import TransformerShape, forward_flops
 
 __all__ = [
     "AudioTokens",
@@ -136,7 +139,8 @@ class AudioTokens:
 
 @dataclass(frozen=True, slots=True)
 class EncoderCost:
-    """Forward FLOPs of a pre-norm transformer encoder over one sample.
+    """Forward FLOPs of a pre-norm transformer encoder (multi-head attention, two-matmul GELU MLP,
+    bidirectional attention) over one sample: :func:`omni_parallel.flops.forward_flops`.
 
     Per layer over ``n`` tokens of width ``d``: ``2*n*(4*d^2)`` for Q, K, V and output projections,
     ``2*n*(2*mlp_ratio*d^2)`` for the MLP, ``2*2*n^2*d`` for ``Q K^T`` and ``A V`` (the quadratic term).
@@ -169,7 +173,9 @@ class EncoderCost:
         """
         if seq_len < 0:
             raise ValueError(f"EncoderCost.flops: seq_len must be >= 0 tokens, got {seq_len}")
-        n, d = float(seq_len), float(self.hidden)
-        linear = 2.0 * n * (4.0 + 2.0 * self.mlp_ratio) * d * d
-        attention = 4.0 * n * n * d
-        return self.layers * (linear + attention)
+        return forward_flops(self.shape, [seq_len], causal=False)
+
+    @property
+    def shape(self) -> TransformerShape:
+        """The encoder as omni-parallel's FLOP model sees it."""
+        return TransformerShape(dim=self.hidden, n_layers=self.layers, mlp_ratio=self.mlp_ratio)

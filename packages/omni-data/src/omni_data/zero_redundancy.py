@@ -88,7 +88,7 @@ a per-step data flow's choice, a pure function of the step's metadata (the same 
 def encoder_microbatch_id(k: int, j: int, slices: int) -> int:
     """The id of slice ``j`` (0-based) of LLM microbatch ``k`` (1-based): ``e = (k-1)*slices + j + 1``.
 
-    The one numbering of encoder microbatches (DESIGN.md glossary) that the loader's split, the data
+    The one numbering of encoder microbatches (DESIGN.md §Glossary) that the loader's split, the data
     flow's ``encoder_inputs`` and the trainer share; with ``slices`` = PP size, slice ``j`` is the one the
     paper's uniform on-demand insertion puts on pipeline rank ``j`` (§4.2).
 
@@ -115,7 +115,7 @@ def split_encoder_microbatches(
 ) -> dict[int, list[SampleIndex]]:
     """Encoder microbatches of one step: the media samples of LLM microbatch ``k`` split into ``slices``.
 
-    LLM microbatch ``k`` (1-based, as in DESIGN.md) holds packs ``[(k-1)*B, k*B)`` with
+    LLM microbatch ``k`` (1-based, DESIGN.md §Glossary) holds packs ``[(k-1)*B, k*B)`` with
     ``B = len(packs) // microbatches``. Its media samples (image and audio, in pack order) are split into
     ``slices`` parts; part ``j`` is encoder microbatch ``e = (k-1)*slices + j + 1``. With ``slices`` = PP
     size this is the uniform split of the paper's on-demand insertion (§4.2). Text-only samples have no
@@ -206,8 +206,9 @@ class ZeroRedundancyFilter(StatefulNode[FilteredStep]):
         prepare_on_request: with ``background``, start that preparation at :meth:`prepare`, not when
             :meth:`next` returns.
         decode_workers: threads that read and decode payloads (>= 1).
-        read_text: this rank builds LLM inputs (the first stage): also read the token ids of every
-            sample of the step (``FilteredStep.text_ids``); only ``txt`` members are read for that.
+        read_text: this rank builds LLM inputs or labels (the first stage, and the last stage for its
+            labels): also read the token ids of every sample of the step (``FilteredStep.text_ids``);
+            only ``txt`` members are read for that.
         max_skipped_keys: how many placeholder sample keys to keep by name (counts are always complete).
         share: narrows every encoder microbatch to the samples *this rank* encodes, when several ranks of
             one pipeline rank split its encoder microbatches (context-parallel ranks each encoding part

@@ -3,6 +3,7 @@
 Imports only torch. See the package README for the API table.
 """
 
+from omni_parallel.activation_memory import ActivationMemory, StepPeaks
 from omni_parallel.balance import karmarkar_karp, lpt, partition_loads
 from omni_parallel.comm import all_gather_dim0, all_reduce_sum, all_to_all_dim0
 from omni_parallel.context_parallel import (
@@ -12,6 +13,16 @@ from omni_parallel.context_parallel import (
     shard_for_cp,
     unshard_from_cp,
 )
+from omni_parallel.flops import (
+    TransformerShape,
+    attention_flops,
+    forward_flops,
+    layer_flops_per_token,
+    matmul_params,
+    measure_peak_flops,
+    model_flops,
+)
+from omni_parallel.grad_clip import clip_grad_norm_
 from omni_parallel.hybrid_cp import (
     CPAttention,
     CPSequence,
@@ -26,9 +37,28 @@ from omni_parallel.hybrid_cp import (
     plan_hybrid_cp,
 )
 from omni_parallel.long_short import LongShortPlan, Piece, plan_long_short
+from omni_parallel.parallelize import (
+    TRAINING_DTYPES,
+    EncoderGradientSync,
+    apply_ac,
+    apply_compile,
+    apply_dp,
+    apply_encoder_zero,
+    apply_mixed_precision,
+    apply_offload,
+    apply_tp,
+    training_dtypes,
+)
 from omni_parallel.reshard import ReshardMode, ReshardPlan, reshard_to_llm
 from omni_parallel.ring_attention import ring_attention
-from omni_parallel.state import EncoderLayout, EncoderState, ParallelState, mesh_device_type
+from omni_parallel.state import (
+    EncoderLayout,
+    EncoderState,
+    GroupSpec,
+    ParallelState,
+    default_reorder_group_size,
+    mesh_device_type,
+)
 from omni_parallel.topology import GROUP_NAMES, ParallelConfig, mesh_axes, rank_groups
 from omni_parallel.ulysses import padded_heads, ulysses_attention
 from omni_parallel.varlen import (
@@ -41,11 +71,15 @@ from omni_parallel.varlen import (
 
 __all__ = [
     "GROUP_NAMES",
+    "TRAINING_DTYPES",
+    "ActivationMemory",
     "CPAttention",
     "CPLayout",
     "CPSequence",
+    "EncoderGradientSync",
     "EncoderLayout",
     "EncoderState",
+    "GroupSpec",
     "HybridCPPlan",
     "HybridCPSlot",
     "LocalSegment",
@@ -56,22 +90,39 @@ __all__ = [
     "Piece",
     "ReshardMode",
     "ReshardPlan",
+    "StepPeaks",
+    "TransformerShape",
     "all_gather_dim0",
     "all_reduce_sum",
     "all_to_all_dim0",
+    "apply_ac",
+    "apply_compile",
+    "apply_dp",
+    "apply_encoder_zero",
+    "apply_mixed_precision",
+    "apply_offload",
+    "apply_tp",
     "as_cu_seqlens",
+    "attention_flops",
+    "clip_grad_norm_",
     "context_parallel_attention",
     "cp_layout",
     "cp_sequence_attention",
     "cu_seqlens_from_lengths",
+    "default_reorder_group_size",
+    "forward_flops",
     "hybrid_cp_blocks",
     "hybrid_cp_load",
     "karmarkar_karp",
+    "layer_flops_per_token",
     "local_sequence",
     "lpt",
     "masked_attention",
+    "matmul_params",
+    "measure_peak_flops",
     "mesh_axes",
     "mesh_device_type",
+    "model_flops",
     "padded_heads",
     "partition_loads",
     "plan_hybrid_cp",
@@ -80,6 +131,7 @@ __all__ = [
     "reshard_to_llm",
     "ring_attention",
     "shard_for_cp",
+    "training_dtypes",
     "ulysses_attention",
     "unshard_from_cp",
     "uses_device_kernel",

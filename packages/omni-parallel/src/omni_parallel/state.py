@@ -9,6 +9,12 @@ Groups come from ``torch.distributed.device_mesh.init_device_mesh`` with one nam
 elementary axis of :func:`omni_parallel.topology.mesh_axes`; combined groups (``dp``, ``dp_cp``) are
 created by enumerating :func:`omni_parallel.topology.rank_groups`, whose member lists they all equal.
 
+Every process group of a run is created here, in :meth:`ParallelState.build`, in one fixed order (group
+creation is collective: every rank must create the same groups in the same order, so no caller creates
+any elsewhere): the mesh's elementary axes, ``dp`` and ``dp_cp``, then the optional groups a
+:class:`GroupSpec` asks for, in this order: the loader's copy of ``dp``, the reordering groups across DP,
+the encoders' point-to-point copy of ``pp``, and the hybrid DP/CP blocks.
+
 Decoupled encoders (§ decoupled parallelism): encoder data parallelism spans every rank, pipeline ranks
 included; encoder SP groups are ``sp`` contiguous ranks; ZeRO over all ranks through FSDP2, on the
 step-scoped schedule of :mod:`omni_parallel.encoder_zero` (one all-gather per step before the first encoder
@@ -17,6 +23,7 @@ forward, one reduce-scatter after the last backward, on every rank whatever its 
 
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass, field
 
@@ -24,9 +31,17 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
+from omni_parallel.hybrid_cp import hybrid_cp_blocks
 from omni_parallel.topology import GROUP_NAMES, ParallelConfig, mesh_axes, rank_groups
 
-__all__ = ["EncoderLayout", "EncoderState", "ParallelState", "mesh_device_type"]
+__all__ = [
+    "EncoderLayout",
+    "EncoderState",
+    "GroupSpec",
+    "ParallelState",
+    "default_reorder_group_size",
+    "mesh_device_type",
+]
 
 _COMBINED = ("dp", "dp_cp")
 
@@ -44,6 +59,62 @@ def mesh_device_type(group: dist.ProcessGroup | None = None) -> str:
     backends = dict(entry.split(":", 1) for entry in dist.get_backend_config(group).split(","))
     cuda = backends.get("cuda")
     return "cuda" if cuda is not None and cuda != backends.get("cpu") else "cpu"
+
+
+@dataclass(frozen=True)
+class GroupSpec:
+    """The process groups :meth:`ParallelState.build` creates beyond the parallel axes (all off by default).
+
+    Attributes:
+        loader_dp: a second group over each ``dp`` group's ranks, for a data loader whose per-step
+            collectives run on a thread of their own (two threads must never share a group):
+            :attr:`ParallelState.loader_dp_group`. Not created for ``dp`` 1.
+        reorder_group_size: DP replicas per reordering group of the decentralised grouped reordering
+            across DP (MegaScale-Omni §5.1): ``size`` consecutive members of each ``dp`` group,
+            :attr:`ParallelState.reorder_group`. 1: no reordering across DP (no group); ``None``: the
+            replicas whose ranks share a node (:func:`default_reorder_group_size`).
+        encoder_p2p: a second group over each ``pp`` group's ranks in the same order, for encoder outputs
+            and their gradients, so they never share a communicator with LLM activations (NCCL ignores
+            P2P tags): :attr:`ParallelState.encoder_p2p_group`. Not created for ``pp`` 1.
+        hybrid_cp: every aligned CP block of every CP size of each ``dp_cp`` group
+            (:func:`omni_parallel.hybrid_cp_blocks`), the groups a hybrid DP/CP plan may pick per pack
+            (ByteScale's hybrid DP/CP): :attr:`ParallelState.hybrid_cp_groups`.
+
+    Raises:
+        ValueError: ``reorder_group_size`` neither ``None`` nor a positive int, or a flag not a bool.
+    """
+
+    loader_dp: bool = False
+    reorder_group_size: int | None = 1
+    encoder_p2p: bool = False
+    hybrid_cp: bool = False
+
+    def __post_init__(self) -> None:
+        g = self.reorder_group_size
+        if g is not None and (not isinstance(g, int) or isinstance(g, bool) or g < 1):
+            raise ValueError(f"GroupSpec.reorder_group_size must be a positive int or None, got {g!r}")
+        for name in ("loader_dp", "encoder_p2p", "hybrid_cp"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"GroupSpec.{name} must be a bool, got {getattr(self, name)!r}")
+
+
+def default_reorder_group_size(layout: ParallelState) -> int:
+    """DP replicas per reordering group when :attr:`GroupSpec.reorder_group_size` is ``None``: those whose
+    ranks share a node (``LOCAL_WORLD_SIZE`` consecutive ranks, as ``torchrun`` numbers them), the same on
+    every rank (the gcd over nodes and DP groups); every replica when ``LOCAL_WORLD_SIZE`` is unset.
+
+    ``layout``: anything with ``world_size``, a resolved ``config`` and ``order`` (a :class:`ParallelState`);
+    pure: no process group is needed.
+    """
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", "0"))
+    dp_groups = rank_groups(layout.world_size, layout.config, layout.order)["dp"]
+    if local < 1:
+        return len(dp_groups[0])
+    g = 0
+    for members in dp_groups:
+        for node in {m // local for m in members}:
+            g = math.gcd(g, sum(1 for m in members if m // local == node))
+    return max(1, g)
 
 
 @dataclass(frozen=True)
@@ -161,6 +232,15 @@ class ParallelState:
             ``ep``, ``dp_rest``, ``pp``), slowest first.
         groups: ``{name: ProcessGroup}`` for every name in ``GROUP_NAMES`` plus ``"encoder_dp"`` (world).
         members: ``{name: global ranks of this rank's group}``, equal to ``rank_groups``'s entry.
+        spec: the :class:`GroupSpec` of the optional groups below.
+        loader_dp_group: this rank's copy of its ``dp`` group for the loader (``None``: not asked for, or
+            ``dp`` 1).
+        reorder_group: this rank's reordering group across DP (``None``: size 1).
+        reorder_size: DP replicas per reordering group (``spec.reorder_group_size`` resolved; 1: none).
+        encoder_p2p_group: this rank's copy of its ``pp`` group for encoder transfers (``None``: not asked
+            for, or ``pp`` 1).
+        hybrid_cp_groups: ``{(cp, first): ProcessGroup}`` of the hybrid DP/CP blocks this rank belongs to
+            (``first``: the block's first ``dp_cp`` index); empty unless ``spec.hybrid_cp``.
     """
 
     config: ParallelConfig
@@ -170,6 +250,12 @@ class ParallelState:
     mesh: DeviceMesh
     groups: dict[str, dist.ProcessGroup] = field(default_factory=dict)
     members: dict[str, list[int]] = field(default_factory=dict)
+    spec: GroupSpec = field(default_factory=GroupSpec)
+    loader_dp_group: dist.ProcessGroup | None = None
+    reorder_group: dist.ProcessGroup | None = None
+    reorder_size: int = 1
+    encoder_p2p_group: dist.ProcessGroup | None = None
+    hybrid_cp_groups: dict[tuple[int, int], dist.ProcessGroup] = field(default_factory=dict)
 
     @classmethod
     def build(
@@ -179,8 +265,10 @@ class ParallelState:
         order: str = "tp-cp-ep-dp-pp",
         init_from_env: bool = False,
         backend: str | None = None,
+        groups: GroupSpec | None = None,
     ) -> ParallelState:
-        """Create every group from the default process group (collective: all ranks must call it).
+        """Create every group from the default process group (collective: all ranks must call it, with
+        the same arguments: groups are created in one fixed order, see the module docstring).
 
         Args:
             config: axis sizes; ``dp=None`` is inferred from the world size.
@@ -188,11 +276,13 @@ class ParallelState:
             init_from_env: if no default group exists, initialise one from ``torchrun``'s environment
                 (``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``) with ``backend``.
             backend: for ``init_from_env``; default ``"nccl"`` if CUDA is available, else ``"gloo"``.
+            groups: the optional groups to create as well (default: none).
 
         Raises:
             RuntimeError: no default process group and ``init_from_env`` is False or the environment
                 lacks ``RANK``/``WORLD_SIZE``.
-            ValueError: the sizes do not multiply to the world size (see ``ParallelConfig.resolve``).
+            ValueError: the sizes do not multiply to the world size (see ``ParallelConfig.resolve``), or
+                the reordering group size does not divide ``dp``.
         """
         if not dist.is_initialized():
             if not init_from_env:
@@ -208,6 +298,7 @@ class ParallelState:
             dist.init_process_group(backend or ("nccl" if torch.cuda.is_available() else "gloo"))
         world_size = dist.get_world_size()
         rank = dist.get_rank()
+        groups_spec = groups if groups is not None else GroupSpec()
         resolved = config.resolve(world_size)
         axes = mesh_axes(resolved, order)
         names = tuple(name for name, _ in reversed(axes))  # the mesh's last dimension varies fastest
@@ -217,13 +308,37 @@ class ParallelState:
         table = rank_groups(world_size, resolved, order)
         # Elementary axes come from the root mesh by name. The combined ones are created by enumeration:
         # flattening would slice the mesh, which imports torch._dynamo (seconds per process).
-        groups = {name: mesh.get_group(name) for name in GROUP_NAMES if name not in _COMBINED}
+        axis_groups = {name: mesh.get_group(name) for name in GROUP_NAMES if name not in _COMBINED}
         for name in _COMBINED:
-            groups[name], _ = dist.new_subgroups_by_enumeration(table[name])
-        groups["encoder_dp"] = dist.group.WORLD
+            axis_groups[name], _ = dist.new_subgroups_by_enumeration(table[name])
+        axis_groups["encoder_dp"] = dist.group.WORLD
         members = {name: next(g for g in table[name] if rank in g) for name in GROUP_NAMES}
         members["encoder_dp"] = list(range(world_size))
-        return cls(resolved, order, rank, world_size, mesh, groups, members)
+        state = cls(resolved, order, rank, world_size, mesh, axis_groups, members, groups_spec)
+        state._build_optional(table)
+        return state
+
+    def _build_optional(self, table: dict[str, list[list[int]]]) -> None:
+        """The :class:`GroupSpec`'s groups, in the order of the module docstring (collective)."""
+        spec, dp = self.spec, self.size("dp")
+        if spec.loader_dp and dp > 1:
+            self.loader_dp_group, _ = dist.new_subgroups_by_enumeration(table["dp"])
+        size = spec.reorder_group_size
+        size = default_reorder_group_size(self) if size is None else size
+        if dp % size:
+            raise ValueError(f"reordering group size {size} must divide the DP size {dp}")
+        self.reorder_size = size
+        if size > 1:
+            blocks = [g[i : i + size] for g in table["dp"] for i in range(0, dp, size)]
+            self.reorder_group, _ = dist.new_subgroups_by_enumeration(blocks)
+        if spec.encoder_p2p and self.size("pp") > 1:
+            self.encoder_p2p_group, _ = dist.new_subgroups_by_enumeration(table["pp"])
+        if spec.hybrid_cp:
+            local = self.local_rank("dp_cp")
+            for c, blocks in hybrid_cp_blocks(self.size("dp_cp")).items():
+                enumeration = [[g[i] for i in b] for g in table["dp_cp"] for b in blocks]
+                mine, _ = dist.new_subgroups_by_enumeration(enumeration)
+                self.hybrid_cp_groups[(c, local - local % c)] = mine
 
     def device_mesh(self, name: str) -> DeviceMesh:
         """1-D :class:`DeviceMesh` of group ``name`` (e.g. ``"tp"`` for ``parallelize_module``).

@@ -8,7 +8,7 @@ backward of encoder microbatch ``e`` (no stage: they run on whichever pipeline r
 Microbatch numbering (the one place it is defined):
     * ``Action.microbatch`` of an LLM action is torch's 0-based index ``i`` (so ``to_torch`` is the identity
       and torch's checkers read our schedules unchanged);
-    * the data flow (``DataFlow``, DESIGN.md glossary) numbers LLM microbatches from 1: ``k = i + 1``, because
+    * the data flow (``DataFlow``, DESIGN.md §Glossary) numbers LLM microbatches from 1: ``k = i + 1``, because
       0 there means the schedule's start/end and the sign means forward (+) / backward (-);
     * encoder microbatches are numbered from 1 everywhere (``e >= 1``), for the same reason.
     :func:`flow_index` and :func:`torch_index` convert between the two LLM numberings.
@@ -52,6 +52,15 @@ _ENCODER_KINDS = frozenset({ActionKind.ENCODER_FORWARD, ActionKind.ENCODER_BACKW
 _COMPUTE_KINDS = frozenset({ActionKind.FORWARD, ActionKind.BACKWARD, *_ENCODER_KINDS})
 
 
+# torch's _ComputationType member name -> our kind (its values changed from ints to strings after 2.9)
+_KIND_OF_TORCH_NAME = {
+    "FORWARD": ActionKind.FORWARD,
+    "FULL_BACKWARD": ActionKind.BACKWARD,
+    "SEND_F": ActionKind.SEND_F,
+    "RECV_F": ActionKind.RECV_F,
+    "SEND_B": ActionKind.SEND_B,
+    "RECV_B": ActionKind.RECV_B,
+}
 _LLM_RE = re.compile(r"^(\d+)(SEND_F|RECV_F|SEND_B|RECV_B|F|B)(\d+)$")
 _ENC_RE = re.compile(r"^(EF|EB)(\d+)$")
 
@@ -130,7 +139,8 @@ class Action(_ActionFields):
 
         if self.kind.is_encoder:
             raise ScheduleError(f"{self} is an encoder action; torch's pipelining has no such kind")
-        return _Action(self.stage, _ComputationType(self.kind.value), self.microbatch)
+        # from_str, not _ComputationType(value): the enum's values are ints in torch 2.9, strings in 2.15
+        return _Action(self.stage, _ComputationType.from_str(self.kind.value), self.microbatch)
 
     @classmethod
     def from_torch(cls, action) -> Action:
@@ -140,8 +150,8 @@ class Action(_ActionFields):
             ScheduleError: a torch action kind we do not model (I, W, UNSHARD, ...).
         """
         try:
-            kind = ActionKind(action.computation_type.value)
-        except ValueError:
+            kind = _KIND_OF_TORCH_NAME[action.computation_type.name]  # names agree across torch releases
+        except KeyError:
             raise ScheduleError(f"torch action {action} has a kind omni_pipeline does not model") from None
         return cls(kind, action.microbatch_index, action.stage_index)
 

@@ -9,6 +9,11 @@ simplest form). P2P: ``transfer_s = latency + bytes / bandwidth`` over the messa
 (the only ones whose arrival was observed). Dispatch: the mean gap between consecutive actions of a rank
 not spent waiting on a receive. Step overhead: the mean over steps of the slowest rank's step wall time
 minus the latest end of a pipeline action.
+
+Also from the records: :func:`fit_run` (a run directory's fit, its warm-up step dropped),
+:func:`fitted_cost_model` (that fit checked against the pipeline it will time) and
+:func:`calibrated_layer_costs` (per-layer and LM head + loss seconds for the ``"auto"`` layer split,
+:func:`omni_pipeline.split.split_layers`).
 """
 
 from __future__ import annotations
@@ -17,13 +22,22 @@ import itertools
 import math
 from collections import defaultdict
 from collections.abc import Sequence
+from pathlib import Path
 
 import torch
 
 from omni_pipeline.cost import CostModel, TokenCost, cost_key
-from omni_pipeline.records import ActionRecord, RunRecords
+from omni_pipeline.records import ActionRecord, RunRecords, read_records
+from omni_pipeline.split import LLMShape, layer_costs
+from omni_pipeline.stage_balance import fit_layer_costs
 
-__all__ = ["fit_cost_model", "nonnegative_lstsq"]
+__all__ = [
+    "calibrated_layer_costs",
+    "fit_cost_model",
+    "fit_run",
+    "fitted_cost_model",
+    "nonnegative_lstsq",
+]
 
 
 def nonnegative_lstsq(rows: Sequence[Sequence[float]], y: Sequence[float]) -> list[float]:
@@ -143,3 +157,89 @@ def fit_cost_model(records: RunRecords, *, skip_steps: int = 0) -> CostModel:
         step_overhead_s=sum(overheads) / len(overheads) if overheads else 0.0,
         coefficients=coefficients,
     )
+
+
+def fit_run(run: str | Path) -> tuple[RunRecords, CostModel, int]:
+    """A run's records, the cost model fitted from them (:func:`fit_cost_model`, the first recorded
+    step dropped as warm-up when there are more) and the number of pipeline stages it fitted.
+
+    Raises:
+        OSError: no records file in ``run``. ValueError: malformed records (``RecordError``) or too few
+            to fit.
+    """
+    records = read_records(run)
+    fitted = fit_cost_model(records, skip_steps=1 if len(records.step_ids) > 1 else 0)
+    stages = len(fitted.llm_forward_s) if isinstance(fitted.llm_forward_s, list) else 0
+    return records, fitted, stages
+
+
+def fitted_cost_model(run: str | Path, num_stages: int) -> CostModel:
+    """The cost model fitted from ``run``'s records (:func:`fit_run`), for a pipeline of ``num_stages``
+    stages.
+
+    Raises:
+        OSError: no records file in ``run``.
+        ValueError: malformed or too few records, or records of another number of pipeline stages
+            (the fit times each stage by its own measured coefficients).
+    """
+    _, fitted, stages = fit_run(run)
+    if stages != num_stages:
+        raise ValueError(
+            f"recorded {stages} pipeline stages, the pipeline to time has {num_stages}; calibrate with a run of "
+            "this layout"
+        )
+    return fitted
+
+
+def calibrated_layer_costs(
+    records: RunRecords, split: Sequence[range], shape: LLMShape, max_seq_len: int
+) -> tuple[float, float, float]:
+    """``(one block, the embedding, the final norm + LM head + loss)`` in measured seconds per LLM
+    microbatch (forward + backward), from the records of a run of the same model split as ``split``.
+
+    Each stage's mean F + B seconds per microbatch (the first recorded step dropped as warm-up) feeds
+    :func:`~omni_pipeline.stage_balance.fit_layer_costs`, which solves ``stage s = layers_s * block +
+    [s last] * head`` (least squares over the stages; exact with 2). The embedding, a row gather that
+    one split cannot tell apart from the layers, is its modelled share of a block
+    (:func:`~omni_pipeline.split.layer_costs`) of the fitted block.
+
+    Args:
+        records: the run's (:func:`~omni_pipeline.records.read_records`).
+        split: the layers of each of the run's stages.
+        shape: the model (its ``vocab_size`` is not needed).
+        max_seq_len: tokens per pack of the run.
+
+    Raises:
+        ValueError: fewer than 2 stages in ``split``, a recorded stage outside it, a stage without LLM
+            actions, or stage times that fit no positive seconds per layer.
+    """
+    if len(split) < 2:  # one stage holds the head and every layer: their costs cannot be told apart
+        raise ValueError(f"recorded with {len(split)} LLM stage; calibrate with a run of >= 2 stages")
+    steps = sorted({r.step for r in records.actions})
+    first = steps[1] if len(steps) > 1 else (steps[0] if steps else 0)
+    busy = [0.0] * len(split)
+    seen: list[set[tuple[int, int]]] = [set() for _ in split]
+    for r in records.actions:
+        if r.stage is not None and not 0 <= r.stage < len(split):
+            raise ValueError(
+                f"actions.jsonl records LLM stage {r.stage} (step {r.step}), the run's split puts the "
+                f"layers over {len(split)} stages; are the records another run's?"
+            )
+        if r.stage is not None and r.step >= first:
+            busy[r.stage] += r.end_s - r.start_s
+            seen[r.stage].add((r.step, r.microbatch))
+    missing = [s for s, mbs in enumerate(seen) if not mbs]
+    if missing:
+        raise ValueError(f"no LLM actions recorded for stages {missing} of its {len(split)}")
+    per_mb = [b / len(mbs) for b, mbs in zip(busy, seen, strict=True)]
+    counts = [len(r) for r in split]
+    headless = LLMShape(shape.dim, shape.n_layers, shape.n_heads, shape.n_kv_heads, shape.ffn_dim, 1)
+    block_flops, first_flops, _ = layer_costs(headless, max_seq_len)
+    block, _ = fit_layer_costs(per_mb, counts)
+    embedding = block * first_flops / block_flops
+    block, head = fit_layer_costs(per_mb, counts, first_stage_extra=embedding)  # without it in the layers
+    if block <= 0.0:  # balance_stages over zero-cost layers would return an arbitrary split
+        raise ValueError(
+            f"the recorded stage times {per_mb} s per microbatch fit no positive seconds per layer"
+        )
+    return block, block * first_flops / block_flops, head

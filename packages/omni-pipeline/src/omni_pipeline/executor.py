@@ -32,8 +32,11 @@ Numerics: the step's objective is the sum of the per-microbatch losses ``loss_fn
 ``loss_fn``, e.g. by 1 / microbatches). Gradient reduction is the caller's: ``reduce_gradients`` runs once
 after the last backward. The default (:meth:`PipelineExecutor.reduce_over_groups`) averages LLM gradients
 over ``llm_dp`` and sums encoder gradients over ``encoder_dp`` (every rank of every replica computes a
-slice of the encoder work) divided by the number of DP replicas (``size(encoder_dp) / pp``); a trainer
-with its own objective passes its own hook (``replicate``, a sum).
+slice of the encoder work) divided by the number of DP replicas (``size(encoder_dp) / pp``): the
+objective of a ``loss_fn`` normalised per replica. The step-input bridge's objective
+(:mod:`omni_pipeline.loss`: each microbatch's cross-entropy sum over the whole step's target count on
+every DP replica) is the plain sum over ranks instead; a trainer using it passes a summing hook
+(:func:`omni_parallel.data_parallel.all_reduce_gradients` without ``divide_by``).
 
 Encoder ZeRO-2/3 (``EncoderParallelConfig.zero_stage``, FSDP2-sharded encoders): every rank gathers the
 encoder parameters when the step starts (:meth:`EncoderAnchor.gather`), so no encoder forward or backward

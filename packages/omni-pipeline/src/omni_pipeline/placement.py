@@ -11,6 +11,9 @@
   default); a point after which the rank would wait on stage 0's forward itself is never chosen.
 * ``planned`` (beyond the paper; :mod:`omni_pipeline.planner`) - rank and slots searched by simulation
   under a per-rank activation-memory cap, starting from the best of the three above.
+
+Imports go one way: this module (the baselines) <- :mod:`omni_pipeline.planner` (the search starting from
+them) <- :mod:`omni_pipeline.policy` (:func:`~omni_pipeline.policy.place`, a policy run by name).
 """
 
 from __future__ import annotations
@@ -28,7 +31,6 @@ from omni_pipeline.simulator import action_times
 __all__ = [
     "PlacementPolicy",
     "isolated",
-    "place",
     "prepend_first_stage",
     "split_over_ranks",
     "uniform_on_demand",
@@ -291,36 +293,3 @@ def _uniform_placed(
             bs = next((s for s in b_cands if t_slot[r][s] >= back_at - 1e-12), b_cands[-1])
             placed += [(r, fs, 1, e), (r, bs, 0, -e)]
     return placed
-
-
-def place(
-    policy: PlacementPolicy | str,
-    schedule: Schedule,
-    encoder_inputs: Mapping[int, Sequence[int]],
-    costs: CostModel | None = None,
-    *,
-    fixed_ranks: bool = False,
-    memory_cap_bytes: float | Mapping[int, float] | None = None,
-) -> DataFlow:
-    """Run the named placement policy; ``fixed_ranks`` goes to ``isolated`` / ``uniform_on_demand`` /
-    ``planned`` (``prepend_first_stage`` always runs every encoder microbatch on rank 0);
-    ``memory_cap_bytes`` (per-rank peak stored activations) only to ``planned``
-    (:func:`omni_pipeline.planner.planned`).
-
-    Raises:
-        ValueError: unknown policy name.
-    """
-    policy = PlacementPolicy(policy)
-    if policy == PlacementPolicy.PLANNED:
-        from omni_pipeline.planner import planned  # the planner starts from this module's baselines
-
-        return planned(
-            schedule, encoder_inputs, costs, memory_cap_bytes=memory_cap_bytes, fixed_ranks=fixed_ranks
-        )
-    if policy == PlacementPolicy.PREPEND_FIRST_STAGE:
-        return prepend_first_stage(schedule, encoder_inputs)
-    if policy == PlacementPolicy.ISOLATED:
-        return isolated(
-            schedule, encoder_inputs, costs.encoder_forward_s if costs else None, fixed_ranks=fixed_ranks
-        )
-    return uniform_on_demand(schedule, encoder_inputs, costs, fixed_ranks=fixed_ranks)

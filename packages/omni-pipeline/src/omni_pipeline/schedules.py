@@ -6,16 +6,21 @@ Narayanan et al. 2021 §2.2; microbatch rounds as in torch's ``ScheduleInterleav
 on pipeline rank ``s % num_ranks``. Microbatch indices are torch's 0-based ones (see ``actions``).
 
 Every schedule is checked by :meth:`Schedule.validate` (ours: each stage runs F and B of every microbatch
-exactly once, B after F, no deadlock) and its :meth:`Schedule.to_torch` projection is what torch's
-``_validate_schedule`` / ``_add_send_recv`` / ``_simulate_comms_compute`` take (torch 2.15, pinned in
-uv.lock; those helpers are private).
+exactly once, B after F, no deadlock), then, where the installed torch has them, cross-checked by torch's
+``_validate_schedule`` / ``_add_send_recv`` / ``_simulate_comms_compute`` on its :meth:`Schedule.to_torch`
+projection. Those helpers are private (seen with the same positional arguments in torch 2.9 and 2.15), so
+they are imported when used and their arity checked first; a torch without them only loses the
+cross-check (see :meth:`Schedule.validate`'s ``torch_check``).
 """
 
 from __future__ import annotations
 
+import inspect
+import warnings
 from abc import ABC, abstractmethod
 from collections.abc import Mapping, Sequence
-from functools import cached_property
+from enum import StrEnum
+from functools import cache, cached_property
 
 from omni_pipeline.actions import Action, ActionKind, ScheduleError
 from omni_pipeline.graph import Deadlock, execution_order, llm_encoder_deps, vector_clocks
@@ -26,6 +31,8 @@ __all__ = [
     "ScheduleFromActions",
     "ScheduleGPipe",
     "ScheduleInterleaved1F1B",
+    "ScheduleKind",
+    "build_schedule",
     "validate_comms",
 ]
 
@@ -137,21 +144,34 @@ class Schedule(ABC):
 
         Raises:
             ScheduleError: torch cannot place the communication (a malformed schedule).
+            ImportError: the installed torch has no ``_add_send_recv`` taking these arguments (private API).
         """
-        from torch.distributed.pipelining.schedules import _add_send_recv
-
+        _, add_send_recv, _ = _torch_checkers("Schedule.with_comms")
         try:
-            comm = _add_send_recv(self.to_torch(), self.stage_to_rank, self.num_stages)
+            comm = add_send_recv(self.to_torch(), self.stage_to_rank, self.num_stages)
         except AssertionError as exc:
             raise ScheduleError(f"{self!r}: torch's _add_send_recv rejected the schedule: {exc}") from exc
         return {r: [Action.from_torch(a) for a in acts] for r, acts in comm.items()}
 
-    def validate(self) -> None:
+    def validate(self, torch_check: bool | None = None) -> None:
         """Check the schedule: actions on the right rank, each stage runs F then B of every microbatch
-        exactly once, and the ranks can run their programs without deadlock.
+        exactly once, and the ranks can run their programs without deadlock. Then, once those rules
+        hold, cross-check with torch's private pipelining checkers: ``_validate_schedule`` on
+        :meth:`to_torch`, ``_add_send_recv`` places the SEND/RECV actions, ``_simulate_comms_compute``
+        replays them, and :func:`validate_comms` checks the placement.
+
+        Args:
+            torch_check: ``None`` (default): cross-check when the installed torch has those helpers taking
+                the arguments passed here; when it does not, only our rules are checked and a
+                ``UserWarning`` says torch's cross-check was skipped and why (once per process under
+                Python's default warning filter). ``True``: the cross-check is required. ``False``: our
+                rules only.
 
         Raises:
-            ScheduleError: names every violated rule with its rank, position and action.
+            ScheduleError: names every violated rule with its rank, position and action; or torch's
+                checkers reject a schedule our rules accept (the message quotes torch's).
+            ImportError: ``torch_check=True`` and the installed torch lacks the helpers, or they take
+                other arguments.
         """
         errors: list[str] = []
         seen: dict[Action, tuple[int, int]] = {}
@@ -195,6 +215,81 @@ class Schedule(ABC):
                 errors.append(str(exc))
         if errors:
             raise ScheduleError(f"{self!r} is invalid:\n  " + "\n  ".join(errors))
+        if torch_check is False:
+            return
+        if torch_check:
+            checkers = _torch_checkers("Schedule.validate(torch_check=True)")
+        else:
+            checkers, why = _probe_torch_checkers()
+            if checkers is None:
+                # stacklevel=1 and a text fixed per process: the default filter shows it once
+                warnings.warn(
+                    f"Schedule.validate: torch's pipelining cross-check skipped, only omni-pipeline's "
+                    f"rules checked: {why}",
+                    stacklevel=1,
+                )
+                return
+        self._torch_cross_check(*checkers)
+
+    def _torch_cross_check(self, validate_schedule, add_send_recv, simulate_comms_compute) -> None:
+        try:
+            validate_schedule(self.to_torch(), self.num_ranks, self.num_stages, self.num_microbatches)
+            comms = add_send_recv(self.to_torch(), self.stage_to_rank, self.num_stages)
+            simulate_comms_compute(comms, self.stage_to_rank, self.num_stages)
+        except (AssertionError, ValueError, RuntimeError) as exc:
+            raise ScheduleError(
+                f"{self!r} passes our rules but torch's pipelining checkers reject it: {exc}"
+            ) from exc
+        validate_comms({r: [Action.from_torch(a) for a in acts] for r, acts in comms.items()}, self)
+
+
+# torch.distributed.pipelining.schedules' private checkers and the positional arguments passed to them
+_TORCH_CHECKERS = (
+    ("_validate_schedule", 4),  # (actions, pp_group_size, num_stages, num_microbatches)
+    ("_add_send_recv", 3),  # (compute_actions, stage_to_rank, num_stages)
+    ("_simulate_comms_compute", 3),  # (pipeline_order, stage_to_rank, num_stages)
+)
+
+
+@cache  # describes the installed torch, which cannot change within a process
+def _probe_torch_checkers() -> tuple[tuple | None, str]:
+    """``(checkers, "")``: torch's private checkers in ``_TORCH_CHECKERS`` order, or ``(None, why)`` when
+    this torch lacks one of them (or ``_Action`` / ``_ComputationType.from_str``, which
+    :meth:`Action.to_torch` needs) or one takes other arguments."""
+    try:
+        import torch
+        from torch.distributed.pipelining import schedules as tps
+    except ImportError as exc:
+        return None, f"torch.distributed.pipelining does not import ({exc})"
+    where = f"torch {torch.__version__}'s torch.distributed.pipelining.schedules"
+    if not hasattr(tps, "_Action") or not hasattr(getattr(tps, "_ComputationType", None), "from_str"):
+        return None, f"{where} has no _Action or _ComputationType.from_str"
+    found = []
+    for name, arity in _TORCH_CHECKERS:
+        fn = getattr(tps, name, None)
+        if not callable(fn):
+            return None, f"{where} has no {name}"
+        try:
+            inspect.signature(fn).bind(*range(arity))
+        except (TypeError, ValueError):
+            return None, f"{where}.{name} does not take the {arity} positional arguments omni-pipeline passes"
+        found.append(fn)
+    return tuple(found), ""
+
+
+def _torch_checkers(caller: str) -> tuple:
+    """torch's private checkers for a caller that needs them.
+
+    Raises:
+        ImportError: the installed torch lacks them or they take other arguments.
+    """
+    checkers, why = _probe_torch_checkers()
+    if checkers is None:
+        raise ImportError(
+            f"{caller} needs torch's private pipelining helpers, but {why}; "
+            "omni-pipeline's own checks (Schedule.validate(torch_check=False), validate_comms) need none"
+        )
+    return checkers
 
 
 def _ranks_from(name: str, num_ranks: int | None, num_stages: int | None, virtual: int) -> int | None:
@@ -331,6 +426,34 @@ class ScheduleFromActions(Schedule):
 
     def _build(self, rank: int) -> list[Action]:
         return list(self._given[rank])
+
+
+class ScheduleKind(StrEnum):
+    """Names of the LLM schedules (for configs and command lines): ``1f1b`` (PipeDream-flush),
+    ``gpipe`` (all forwards, then all backwards; looped over virtual stages), ``interleaved``
+    (interleaved 1F1B over virtual stages, Megatron-LM VPP)."""
+
+    ONE_F_ONE_B = "1f1b"
+    GPIPE = "gpipe"
+    INTERLEAVED = "interleaved"
+
+
+def build_schedule(
+    kind: ScheduleKind | str, num_ranks: int, num_microbatches: int, virtual: int = 1
+) -> Schedule:
+    """The schedule named ``kind`` over ``num_ranks`` pipeline ranks, ``num_microbatches`` LLM
+    microbatches and ``virtual`` stages per rank.
+
+    Raises:
+        ValueError: an unknown ``kind``.
+        ScheduleError: sizes the schedule cannot run (e.g. ``1f1b`` with ``virtual > 1``).
+    """
+    kind = ScheduleKind(kind)
+    if kind is ScheduleKind.GPIPE:
+        return ScheduleGPipe(num_ranks, num_microbatches, virtual)
+    if kind is ScheduleKind.INTERLEAVED:
+        return ScheduleInterleaved1F1B(num_ranks, num_microbatches, virtual)
+    return Schedule1F1B(num_ranks, num_microbatches, virtual)
 
 
 def validate_comms(comm_actions: Mapping[int, Sequence[Action]], schedule: Schedule) -> None:

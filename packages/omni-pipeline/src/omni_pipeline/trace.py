@@ -1,4 +1,8 @@
-"""Timelines of pipeline actions: Chrome trace JSON (opens in Perfetto) and a PNG (matplotlib)."""
+"""Timelines of pipeline actions: Chrome trace JSON (opens in Perfetto) and a PNG (matplotlib).
+
+matplotlib is an optional dependency (``pip install 'omni-pipeline[plot]'``): only :func:`plot_timeline`
+imports it, when called, so the scheduler, simulator and executor install and run without it.
+"""
 
 from __future__ import annotations
 
@@ -76,8 +80,18 @@ def plot_timeline(
 
     Returns:
         the path written.
+
+    Raises:
+        ImportError: matplotlib is not installed (it is the ``plot`` extra: ``omni-pipeline[plot]``).
     """
-    import matplotlib
+    try:
+        import matplotlib
+    except ImportError as exc:
+        raise ImportError(
+            "omni_pipeline.plot_timeline draws with matplotlib, which is not installed: it is an optional "
+            "dependency, installed by `pip install 'omni-pipeline[plot]'` (or `pip install 'matplotlib>=3.8'`)",
+            name="matplotlib",
+        ) from exc
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt

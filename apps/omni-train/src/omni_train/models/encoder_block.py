@@ -73,7 +73,7 @@ class EncoderBlock(nn.Module):
         ``[T, dim]``.
 
     The two residual branches are methods, :meth:`attention_branch` and :meth:`mlp_branch`, so selective
-    recompute (``omni_train.parallelize.apply_ac``, ``train.recompute_modules``) can checkpoint either.
+    recompute (``omni_parallel.parallelize.apply_ac``, ``train.recompute_modules``) can checkpoint either.
 
     Raises:
         ValueError: ``dim`` not divisible by ``n_heads``.

@@ -10,7 +10,7 @@ Hugging Face layouts (:mod:`omni_train.hf.llm`): with the defaults this is ``Lla
 the same "rotate half" RoPE layout as :func:`~omni_train.models.attention.apply_rope`, so their Q/K
 weights load unpermuted. ``tie_embeddings`` shares the LM head with the token embedding (one stage only).
 
-Pipeline split (DESIGN.md, *stage*): stage 0 holds the token embedding and the first layers, the last stage
+Pipeline split (DESIGN.md §Glossary, *stage*): stage 0 holds the token embedding and the first layers, the last stage
 the last layers, the final norm and the LM head (layers per stage: ``omni_pipeline.split.stage_slices``);
 every layer is initialised from a generator seeded by ``(seed, layer index)``, so any split of the same
 config holds the same weights as the unsplit model.
@@ -129,7 +129,7 @@ class Block(nn.Module):
     """Pre-norm decoder block: ``x + attn(norm(x))`` then ``x + mlp(norm(x))``.
 
     The two residual branches are methods, :meth:`attention_branch` and :meth:`mlp_branch`, so selective
-    recompute (``omni_train.parallelize.apply_ac``, ``train.recompute_modules``) can checkpoint either.
+    recompute (``omni_parallel.parallelize.apply_ac``, ``train.recompute_modules``) can checkpoint either.
     """
 
     def __init__(self, cfg: LLMConfig, sp_group: dist.ProcessGroup | None = None) -> None:

@@ -7,8 +7,8 @@ One mechanism, PyTorch's saved-tensor hooks (``torch.autograd.graph.saved_tensor
   once), parameters excluded (their storage is the model's, not an activation). A saved tensor stops
   counting when autograd frees it (after the backward that used it). The peak of the live bytes over the
   step is :attr:`StepPeaks.activation_bytes`.
-* :meth:`ActivationMemory.offload` (around one block's forward, ``train.offload``;
-  ``omni_train.parallelize.apply_offload``) keeps what the block saves in host memory until backward:
+* :meth:`ActivationMemory.offload` (around one block's forward;
+  :func:`omni_parallel.parallelize.apply_offload`) keeps what the block saves in host memory until backward:
   a pinned CPU copy of each accelerator tensor, moved back when backward unpacks it (what
   ``torch.autograd.graph.save_on_cpu(pin_memory=True)`` does), counted as
   :attr:`StepPeaks.offloaded_bytes`. On a CPU run host memory is the compute device: the tensors stay
@@ -23,6 +23,9 @@ recomputation in backward is transient), and neither is the input a checkpoint k
 On CUDA :attr:`StepPeaks.allocated_bytes` is also the step's ``torch.cuda.max_memory_allocated`` (the
 allocator's peak over everything: parameters, gradients, optimizer state, activations, temporaries).
 The cost is one Python call per saved tensor (pack) and per release, no device synchronisation.
+
+Source: PyTorch's saved-tensor hooks (``torch.autograd.graph.saved_tensors_hooks``, the mechanism of
+``save_on_cpu``); selective activation offloading as in MegaScale-Omni (its memory evaluation).
 """
 
 from __future__ import annotations
@@ -83,7 +86,7 @@ class _Saved:
 
 
 class ActivationMemory:
-    """Saved-activation accounting and offload for one rank (no global state: one object per trainer).
+    """Saved-activation accounting and offload for one rank (no global state: one object per training run).
 
     Args:
         modules: the rank's modules; their parameters' storages are not activations.

@@ -1,22 +1,24 @@
-"""Context parallelism in the trainer: which tokens of a pack a rank holds, which media it encodes, and
-how encoder embeddings reach the CP ranks (DESIGN.md, omni-parallel; MegaScale-Omni § adaptive
-resharding and §6.2; ByteScale's hybrid DP/CP).
+"""Context parallelism of a step's inputs: which tokens of a pack a rank holds, which media it encodes, and
+how encoder embeddings reach the CP ranks (DESIGN.md §omni-parallel; MegaScale-Omni § adaptive
+resharding and §6.2; ByteScale's hybrid DP/CP). A rank's :class:`CPSharding` caches each pack's layout by
+its sample lengths: the loader's thread and the step then plan a pack once.
 
 Two modes, one code path (a pack's *slots* say which ranks run each of its samples; everything else
 follows from them through :func:`omni_parallel.local_sequence`):
 
-* **CP** (``parallel.cp = C``): the C CP ranks of a stage read the same packs; every sample of a pack is
-  head-tail sharded over all of them (one CP block ``[0, C)`` over the CP group): rank ``r`` holds
+* **CP** (``ParallelConfig.cp = C``): the C CP ranks of a stage read the same packs; every sample of a
+  pack is head-tail sharded over all of them (one CP block ``[0, C)`` over the CP group): rank ``r`` holds
   chunks ``r`` and ``2C - 1 - r`` of every document, with those tokens' in-document positions (RoPE).
-* **Hybrid DP/CP** (``parallel.hybrid_cp``): the ``dp * cp`` ranks of a stage (its ``dp_cp`` group) read
-  one shared stream of packs of ``dp * cp * data.max_seq_len`` tokens; for each pack
-  :func:`omni_parallel.plan_hybrid_cp` (one microbatch, ``data.max_seq_len`` tokens per rank) keeps short
+* **Hybrid DP/CP** (``CPSpec.hybrid``): the ``dp * cp`` ranks of a stage (its ``dp_cp`` group) read
+  one shared stream of packs of ``dp * cp * max_tokens`` tokens; for each pack
+  :func:`omni_parallel.plan_hybrid_cp` (one microbatch, ``CPSpec.max_tokens`` tokens per rank) keeps short
   samples whole on single ranks and head-tail shards long ones over an aligned block of the smallest CP
   size that fits. Every rank plans from metadata alone, so every stage and rank agrees; pack ``k`` is
   LLM microbatch ``k`` on every rank, so each pipeline runs the same schedule with the same microbatch
   count (its token counts differ per rank; stage ``s`` rank ``r`` talks to stage ``s + 1`` rank ``r`` and
   both know the count). The CP sub-groups (every aligned block of every CP size,
-  :func:`omni_parallel.hybrid_cp_blocks`) are created once, at startup (:func:`build_cp_sharding`).
+  :func:`omni_parallel.hybrid_cp_blocks`) are created once, at startup, by ``ParallelState.build``
+  (``GroupSpec(hybrid_cp=True)``), with every other group.
 
 Data, zero redundancy (:meth:`CPSharding.share`, :meth:`CPSharding.text_share`, passed to the
 zero-redundancy loader): the encoder microbatch slice ``j`` of LLM microbatch ``k`` runs on pipeline rank
@@ -35,15 +37,15 @@ rank's rows. Blocks are visited in ``(cp, first)`` order on every rank (collecti
 never interleave differently), a rank with no media in a block still joins its all-reduce (a microbatch
 may hold fewer images than CP ranks).
 
-Long-short SP under CP (``parallel.encoder_sp = cp``, plain CP only): :meth:`owners` keeps samples whole,
-so it cannot split a long image. Rather than grow a second long-short planner here, the trainer hands the
-encoders to :class:`omni_train.encoder_parallel.EncoderParallel` with
+Long-short SP under CP (``CPSpec.encoder_sp = cp``, plain CP only): :meth:`owners` keeps samples whole,
+so it cannot split a long image. Rather than grow a second long-short planner here, the encoders go to
+:class:`omni_pipeline.encoder_parallel.EncoderParallel` with
 ``SequenceLayout(ReshardMode.CP, cp)`` over the CP group, the path Ulysses takes: its layout,
 :func:`omni_parallel.cp_layout` of the whole pack, is this class's plain-CP :meth:`local` (one block
-``[0, C)`` through :func:`omni_parallel.local_sequence` maps every row to the same pack position; the
-trainer test checks it on every pack), so its outputs are this rank's rows in local-slot order and stage 0
+``[0, C)`` through :func:`omni_parallel.local_sequence` maps every row to the same pack position;
+omni-train's ``test_train_cp_encoder_sp.py`` checks it on every pack), so its outputs are this rank's rows in local-slot order and stage 0
 scatters them into its slots; :meth:`deliver_media` and :meth:`share` are not used. Images above
-``parallel.long_threshold`` are split along the sequence over the CP ranks (Ulysses attention in the
+``EncoderParallel.long_threshold`` are split along the sequence over the CP ranks (Ulysses attention in the
 ViT), the rest go whole to single CP ranks balanced by encoder FLOPs
 (:func:`omni_parallel.plan_long_short`), and the rows reach the head-tail layout by ``reshard_to_llm``'s
 CP all-reduce. Every CP rank needs the long images' pixels, so the loader reads whole encoder
@@ -71,16 +73,14 @@ from omni_parallel import (
     LocalSequence,
     ParallelState,
     ReshardPlan,
-    hybrid_cp_blocks,
     karmarkar_karp,
     local_sequence,
     plan_hybrid_cp,
-    rank_groups,
     reshard_to_llm,
 )
-from omni_train.batch import IGNORE, MODALITIES, LLMMicrobatch
+from omni_pipeline.microbatch import IGNORE, MODALITIES, LLMMicrobatch
 
-__all__ = ["CPSharding", "build_cp_sharding"]
+__all__ = ["CPSharding", "CPSpec", "build_cp_sharding"]
 
 logger = logging.getLogger(__name__)
 
@@ -95,16 +95,15 @@ class CPSharding:
         size: ranks sharing a pack: ``cp`` (CP) or ``dp * cp`` (hybrid).
         rank: this rank's index among them (CP rank, or dp_cp rank).
         groups: ``{(cp, first): ProcessGroup}`` of the CP blocks this rank belongs to.
-        method: attention of the CP blocks (``parallel.cp_attention``).
+        method: attention of the CP blocks.
         microbatches, slices, balance: the loader's encoder microbatch split
             (``omni_data.split_encoder_microbatches``), to know every rank's share of each slice.
         hybrid: plan each pack with ``plan_hybrid_cp`` (else every sample is sharded over all ranks).
-        max_tokens: hybrid only: tokens per rank and microbatch (``data.max_seq_len``).
+        max_tokens: hybrid only: tokens per rank and microbatch.
         attention_len: hybrid only: the plan's cost model (``omni_parallel.hybrid_cp_load``), the sample
             length at which attention costs as much as the rest of the model (about ``6 * dim``).
         raised_caps: hybrid only: packs planned above ``max_tokens`` per rank (see :meth:`_plan`).
-        encoder_sp: plain CP only: ``cp`` when the encoders run long-short SP over the CP group
-            (``parallel.encoder_sp``; see "Long-short SP under CP" in the module docstring): the loader
+        encoder_sp: plain CP only: ``cp`` when the encoders run long-short SP over the CP group (see "Long-short SP under CP" in the module docstring): the loader
             then reads whole encoder microbatches (not :meth:`share`) and the encoder outputs arrive in
             this rank's local layout (not through :meth:`deliver_media`); 1 otherwise.
     """
@@ -155,13 +154,13 @@ class CPSharding:
             if cap > self.max_tokens:
                 self.raised_caps += 1
                 logger.warning(
-                    "hybrid DP/CP: samples %s fit %d ranks only at %d tokens per rank (data.max_seq_len %d)",
+                    "hybrid DP/CP: samples %s fit %d ranks only at %d tokens per rank (max_tokens %d)",
                     pack.seqlens, self.size, cap, self.max_tokens,
                 )  # fmt: skip
             return slots
         raise ValueError(
             f"hybrid DP/CP: a pack of samples {pack.seqlens} does not fit {self.size} ranks even at "
-            f"{cap} tokens per rank (data.max_seq_len {self.max_tokens}); raise data.max_seq_len"
+            f"{cap} tokens per rank (max_tokens {self.max_tokens}); raise the tokens per rank"
         )
 
     def slots(self, pack: Pack) -> tuple[HybridCPSlot, ...]:
@@ -214,7 +213,7 @@ class CPSharding:
     def rank_positions(self, packs: list[Pack], k: int) -> list[list[int]]:
         """``[size]`` lists: the pack positions of the media rows each rank holds for LLM microbatch ``k``
         (from 1), in the order its encoder outputs come: encoder microbatch order, and within one, pack
-        position order (``omni_train.encoder_parallel`` returns an encoder microbatch's rows by slot)."""
+        position order (``omni_pipeline.encoder_parallel`` returns an encoder microbatch's rows by slot)."""
         mbs = split_encoder_microbatches(packs, self.microbatches, self.slices, balance=self.balance)
         out: list[list[int]] = [[] for _ in range(self.size)]
         for j in range(self.slices):
@@ -324,43 +323,74 @@ class CPSharding:
         return torch.cat(out_e), torch.cat(out_rows)
 
 
-def build_cp_sharding(
-    ps: ParallelState,
-    *,
-    cp: int,
-    hybrid: bool,
-    method: CPAttention | str,
-    max_tokens: int,
-    attention_len: int,
-    microbatches: int,
-    slices: int,
-    balance: bool,
-    encoder_sp: int = 1,
-) -> CPSharding | None:
-    """The run's :class:`CPSharding` (``None`` without CP). Collective for ``hybrid``: every rank creates
-    every CP sub-group (all aligned blocks of each CP size of every stage's dp_cp group) in one order.
+@dataclass(frozen=True)
+class CPSpec:
+    """What a rank's :class:`CPSharding` is built from (besides its ``ParallelState``).
 
-    ``encoder_sp``: 1, or (plain CP only) ``cp``: long-short SP of the encoders over the CP group.
+    Attributes:
+        method: attention of the CP blocks (:class:`omni_parallel.CPAttention`: ``allgather`` or ``ring``).
+        hybrid: hybrid DP/CP over the stage's ``dp_cp`` ranks (the ``ParallelState`` must hold the blocks:
+            ``GroupSpec(hybrid_cp=True)``); else plain CP over the ``cp`` group.
+        max_tokens: hybrid only: LLM tokens per rank and microbatch (the packs hold ``dp * cp`` times it).
+        attention_len: hybrid only: the sample length at which attention costs as much as the rest of the
+            model (``omni_parallel.hybrid_cp_load``; about ``6 * hidden``).
+        microbatches, slices, balance: the loader's encoder microbatch split (LLM microbatches per step,
+            encoder microbatches per LLM microbatch: the pipeline size, Karmarkar-Karp balancing;
+            ``omni_data.split_encoder_microbatches``).
+        encoder_sp: 1, or (plain CP only) ``cp``: the encoders run long-short SP over the CP group.
 
     Raises:
-        ValueError: ``encoder_sp`` neither 1 nor ``cp``, or > 1 with ``hybrid``.
+        ValueError: a count below 1.
     """
-    if encoder_sp != 1 and (hybrid or encoder_sp != cp):
+
+    method: CPAttention | str = CPAttention.ALLGATHER
+    hybrid: bool = False
+    max_tokens: int = 0
+    attention_len: int = 16384
+    microbatches: int = 1
+    slices: int = 1
+    balance: bool = True
+    encoder_sp: int = 1
+
+    def __post_init__(self) -> None:
+        for name in ("attention_len", "microbatches", "slices", "encoder_sp"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"CPSpec.{name} must be >= 1, got {getattr(self, name)!r}")
+        if self.hybrid and self.max_tokens < 1:
+            raise ValueError(f"CPSpec.max_tokens must be >= 1 under hybrid DP/CP, got {self.max_tokens!r}")
+
+
+def build_cp_sharding(ps: ParallelState, spec: CPSpec) -> CPSharding | None:
+    """This rank's :class:`CPSharding` (``None`` without CP: ``cp`` 1 and not hybrid). Creates no group:
+    hybrid DP/CP takes its blocks from ``ps.hybrid_cp_groups``, plain CP the ``cp`` group.
+
+    Raises:
+        ValueError: ``spec.encoder_sp`` neither 1 nor ``cp``, or > 1 with ``hybrid``; ``hybrid`` with a
+            ``ParallelState`` built without ``GroupSpec(hybrid_cp=True)``.
+    """
+    cp = ps.size("cp")
+    if spec.encoder_sp != 1 and (spec.hybrid or spec.encoder_sp != cp):
         raise ValueError(
-            f"encoder_sp {encoder_sp}: must be 1 or, under plain CP (not hybrid DP/CP), the CP size {cp}"
+            f"encoder_sp {spec.encoder_sp}: must be 1 or, under plain CP (not hybrid DP/CP), the CP size {cp}"
         )
-    method = CPAttention(method)
-    common = dict(method=method, microbatches=microbatches, slices=slices, balance=balance)
-    if hybrid:
+    method = CPAttention(spec.method)
+    common = dict(method=method, microbatches=spec.microbatches, slices=spec.slices, balance=spec.balance)
+    if spec.hybrid:
+        if not ps.spec.hybrid_cp:
+            raise ValueError(
+                "hybrid DP/CP needs the CP blocks: build the ParallelState with GroupSpec(hybrid_cp=True)"
+            )
         size, rank = ps.size("dp_cp"), ps.local_rank("dp_cp")
-        table = rank_groups(ps.world_size, ps.config, ps.order)["dp_cp"]
-        groups = {}
-        for c, blocks in hybrid_cp_blocks(size).items():
-            mine, _ = dist.new_subgroups_by_enumeration([[g[i] for i in b] for g in table for b in blocks])
-            groups[(c, rank - rank % c)] = mine
         return CPSharding(
-            size, rank, groups, hybrid=True, max_tokens=max_tokens, attention_len=attention_len, **common
+            size,
+            rank,
+            dict(ps.hybrid_cp_groups),
+            hybrid=True,
+            max_tokens=spec.max_tokens,
+            attention_len=spec.attention_len,
+            **common,
         )
     if cp > 1:
-        return CPSharding(cp, ps.local_rank("cp"), {(cp, 0): ps.group("cp")}, encoder_sp=encoder_sp, **common)
+        groups = {(cp, 0): ps.group("cp")}
+        return CPSharding(cp, ps.local_rank("cp"), groups, encoder_sp=spec.encoder_sp, **common)
     return None

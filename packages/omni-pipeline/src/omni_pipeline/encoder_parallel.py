@@ -1,4 +1,4 @@
-"""Encoder parallelism of the trainer: grouped reordering across DP replicas, long-short sequence
+"""Encoder parallelism: grouped reordering across DP replicas, long-short sequence
 parallelism over the stage's LLM sequence group, and delivery of encoder outputs into the LLM's
 sequence-parallel layout (MegaScale-Omni §4.1 decoupled parallelism, §5.1 decentralised grouped
 reordering, Figure 11, §5.3 adaptive resharding, Figure 12).
@@ -11,7 +11,8 @@ LLM sequence-parallel rank ``u``; TP ranks repeat the same work), one encoder mi
    exactly the payloads of its own slice ``j`` (TP/SP rank 0 reads, its TP or SP peers get a broadcast:
    ``omni_data.ZeroRedundancyFilter``); no rank decodes a payload another rank of its replica decodes.
 2. **Reorder across DP** (:class:`omni_data.GroupedReorderer`, before the step, collective over the
-   reordering group: the ``reorder_group_size`` DP replicas of one node at this ``(j, u)``): all-gather
+   reordering group: ``ParallelState.reorder_group``, ``GroupSpec.reorder_group_size`` consecutive DP
+   replicas at this ``(j, u)``, by default those of one node): all-gather
    every member's sample metadata and costs, Karmarkar-Karp them into one part per replica, check the
    plan hash (a mismatch raises on every rank before any payload moves) and move the payloads with one
    all-to-all. Replica ``d`` then encodes the samples ``R_d`` the plan gives it, from any replica. The
@@ -39,8 +40,6 @@ so collectives always match. Without SP, reordering or both, the steps collapse 
 
 from __future__ import annotations
 
-import math
-import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -50,17 +49,11 @@ import torch.distributed as dist
 from omni_data import GroupedReorderer, Modality, Pack, ReorderPlan
 from omni_data.payload import Payload
 from omni_data.zero_redundancy import FilteredStep, SampleIndex
-from omni_parallel import LongShortPlan, ParallelState, ReshardMode, ReshardPlan, plan_long_short, rank_groups
+from omni_parallel import LongShortPlan, ReshardMode, ReshardPlan, plan_long_short
 from omni_parallel.context_parallel import cp_layout
 from omni_parallel.reshard import reshard_to_llm
 
-__all__ = [
-    "EncoderParallel",
-    "EncoderWork",
-    "SequenceLayout",
-    "default_reorder_group_size",
-    "reorder_groups",
-]
+__all__ = ["EncoderParallel", "EncoderWork", "SequenceLayout"]
 
 
 @dataclass(frozen=True)
@@ -101,40 +94,6 @@ def _pack_cu(pack: Pack) -> list[int]:
     for n in pack.seqlens:
         cu.append(cu[-1] + n)
     return cu
-
-
-def default_reorder_group_size(ps: ParallelState) -> int:
-    """DP replicas per reordering group when ``data.reorder_group_size`` is unset: those whose ranks share
-    a node (``LOCAL_WORLD_SIZE`` consecutive ranks, as ``torchrun`` numbers them), the same on every rank
-    (the gcd over nodes and DP groups); every replica when ``LOCAL_WORLD_SIZE`` is unset."""
-    local = int(os.environ.get("LOCAL_WORLD_SIZE", "0"))
-    dp_groups = rank_groups(ps.world_size, ps.config, ps.order)["dp"]
-    if local < 1:
-        return len(dp_groups[0])
-    g = 0
-    for members in dp_groups:
-        for node in {m // local for m in members}:
-            g = math.gcd(g, sum(1 for m in members if m // local == node))
-    return max(1, g)
-
-
-def reorder_groups(ps: ParallelState, size: int) -> dist.ProcessGroup | None:
-    """This rank's reordering group: ``size`` consecutive members of its DP group (collective: every rank
-    creates every group). ``None`` for ``size`` 1.
-
-    Raises:
-        ValueError: ``size`` does not divide the DP size.
-    """
-    dp = ps.size("dp")
-    if size < 1 or dp % size:
-        raise ValueError(f"reordering group size {size} must divide parallel.dp {dp}")
-    if size == 1:
-        return None
-    dp_groups = rank_groups(ps.world_size, ps.config, ps.order)["dp"]
-    group, _ = dist.new_subgroups_by_enumeration(
-        [g[i : i + size] for g in dp_groups for i in range(0, dp, size)]
-    )
-    return group
 
 
 @dataclass
@@ -326,7 +285,11 @@ class EncoderParallel:
     # -- running (inside the step: the encoder forward of ``e``) ----------------------------------------
     def encode(self, encoders: torch.nn.Module, work: EncoderWork, dtype: torch.dtype) -> torch.Tensor:
         """``[len(work.slots), llm_dim]``: the rows LLM SP rank ``u`` of stage 0 needs from ``e``, in slot
-        order (collective over this rank's SP and reordering groups when they run one for ``e``)."""
+        order (collective over this rank's SP and reordering groups when they run one for ``e``).
+
+        ``encoders(payloads, long)`` returns ``[rows, llm_dim]``: each payload's rows in the given order,
+        then, with ``long = (images, sp_group)``, this rank's ``ceil(L / sp)`` rows of the long images'
+        ``L`` packed rows (a :class:`omni_pipeline.towers.ModalityRouter` over the towers)."""
         long = (work.long, self.sp_group) if work.long else None
         out = encoders(work.short, long).to(dtype)
         rows = out.index_select(0, torch.tensor(work.index, dtype=torch.int64, device=out.device))

@@ -1,27 +1,39 @@
-"""One step's inputs as a value, and the executor's callables over it.
+"""The step-input bridge: one step's loader output as executor inputs, and the executor's callables over it.
 
-:meth:`StepBuilder.build` turns the loader's :class:`~omni_data.zero_redundancy.FilteredStep` into a
-:class:`StepInputs` before the step runs (the packs as LLM microbatches, the media positions each encoder
-microbatch fills, the samples whose payload did not decode, the step's target count, the executor's
-:class:`~omni_pipeline.StepPlan`); :meth:`StepBuilder.functions` returns the
+:meth:`StepBuilder.build` turns the loader's :class:`~omni_data.zero_redundancy.FilteredStep` (the step's
+packs, its encoder microbatches and their decoded payloads, each sample's text ids) into a
+:class:`StepInputs` before the step runs: the packs as LLM microbatches with labels
+(:mod:`omni_pipeline.microbatch`), the media positions each encoder microbatch fills on stage 0 (its
+planned output shape), the samples whose payload did not decode, the step's target count (the loss
+denominator, :mod:`omni_pipeline.loss`), the encoder work of this rank and the executor's
+:class:`~omni_pipeline.StepPlan`. :meth:`StepBuilder.functions` returns the
 :class:`~omni_pipeline.StepFunctions` of that step, closures over that value. Nothing of a step is kept
-on the trainer.
+on the builder.
+
+What an adopter passes in (:class:`StepSpec`): the placeholder token id of each media modality, the LLM
+width, the activation dtype and device, and this rank's stage role and Ulysses position; the encoder
+towers as one module called ``encoders(payloads, long)`` (a :class:`~omni_pipeline.towers.ModalityRouter`
+over its own towers and input builders); the groups. Stage 0's module then takes
+``(input_ids, position_ids, cu_seqlens, media_embeds, media_rows)`` (CP: a
+:class:`~omni_parallel.CPSequence` in place of ``cu_seqlens``) and scatters ``media_embeds`` into its
+embedded ``input_ids`` at the local rows ``media_rows``; later stages take ``position_ids`` and
+``cu_seqlens`` as keyword arguments; the last stage returns ``[tokens, vocab]`` logits.
 
 Ulysses (``sp > 1``): each SP rank holds a contiguous ``1/sp`` chunk of every pack (padded to a multiple
 of ``sp`` with a padding document that has no targets), its global RoPE positions and the whole pack's
-``cu_seqlens``. Encoder work goes through :mod:`omni_train.encoder_parallel` (reordering across DP,
+``cu_seqlens``. Encoder work goes through :mod:`omni_pipeline.encoder_parallel` (reordering across DP,
 long-short SP over the stage's SP group, resharding into the LLM layout): each encoder microbatch's
 samples are encoded once, spread over the SP ranks, and SP rank ``u`` of stage 0 receives exactly the
 media rows of its chunk, which it scatters into its placeholder slots.
 
-CP and hybrid DP/CP (``cp``, :mod:`omni_train.cp_sharding`): each rank holds its head-tail share of every
-pack (or, hybrid, its whole samples and its shares of the long ones), the RoPE positions of those tokens,
-and a :class:`~omni_parallel.CPSequence` in place of ``cu_seqlens``; its encoder microbatches are its share
-of each slice, and their embeddings reach their tokens through ``CPSharding.deliver_media`` (the CP path of
-``omni_parallel.reshard_to_llm``); :mod:`omni_train.encoder_parallel` then only runs the encoders on
-that share (no reordering across DP). With ``parallel.encoder_sp = cp`` (plain CP) the encoders instead
-run long-short SP over the CP group like Ulysses, and each output already holds the rows of this CP
-rank's head-tail slots, scattered there as under Ulysses.
+CP and hybrid DP/CP (``cp``, :mod:`omni_pipeline.cp_delivery`): each rank holds its head-tail share of
+every pack (or, hybrid, its whole samples and its shares of the long ones), the RoPE positions of those
+tokens, and a :class:`~omni_parallel.CPSequence` in place of ``cu_seqlens``; its encoder microbatches are
+its share of each slice, and their embeddings reach their tokens through ``CPSharding.deliver_media``
+(the CP path of ``omni_parallel.reshard_to_llm``); :mod:`omni_pipeline.encoder_parallel` then only runs
+the encoders on that share (no reordering across DP). With ``CPSpec.encoder_sp = cp`` (plain CP) the
+encoders instead run long-short SP over the CP group like Ulysses, and each output already holds the
+rows of this CP rank's head-tail slots, scattered there as under Ulysses.
 """
 
 from __future__ import annotations
@@ -35,9 +47,13 @@ import torch.distributed as dist
 
 from omni_data import Modality, Pack
 from omni_data.payload import Payload
-from omni_data.zero_redundancy import FilteredStep
-from omni_pipeline import DataFlow, Schedule, StepFunctions, StepPlan
-from omni_train.batch import (
+from omni_data.zero_redundancy import FilteredStep, SampleIndex
+from omni_pipeline.cp_delivery import CPSharding
+from omni_pipeline.dataflow import DataFlow
+from omni_pipeline.encoder_parallel import EncoderParallel, EncoderWork, SequenceLayout
+from omni_pipeline.executor import StepFunctions, StepPlan
+from omni_pipeline.loss import microbatch_loss
+from omni_pipeline.microbatch import (
     MODALITIES,
     LLMMicrobatch,
     build_llm_microbatch,
@@ -45,12 +61,9 @@ from omni_train.batch import (
     ulysses_chunk,
     ulysses_layout,
 )
-from omni_train.cp_sharding import CPSharding
-from omni_train.data_pipeline import undecodable_samples
-from omni_train.encoder_parallel import EncoderParallel, EncoderWork, SequenceLayout
-from omni_train.loss import microbatch_loss
+from omni_pipeline.schedules import Schedule
 
-__all__ = ["StepBuilder", "StepInputs"]
+__all__ = ["StepBuilder", "StepInputs", "StepSpec", "undecodable_samples"]
 
 _MEDIA = (Modality.IMAGE, Modality.AUDIO)  # the modalities with an encoder tower
 
@@ -90,20 +103,51 @@ class StepInputs:
     media: frozenset[str] = frozenset({str(m) for m in _MEDIA})
 
 
+@dataclass(frozen=True)
+class StepSpec:
+    """What a rank's :class:`StepBuilder` needs to know of the model and of its place in the layout.
+
+    Attributes:
+        placeholders: ``{modality: token id}`` of each media modality's placeholder token (``<|image|>``,
+            ``<|audio|>``): the id at its samples' media slots, which stage 0 overwrites with encoder rows.
+        llm_dim: the LLM width (the stage-boundary activation's and encoder outputs' last dim).
+        dtype: activation dtype on the wire (stage boundaries, encoder outputs).
+        device: where model inputs go.
+        builds_text: this rank builds LLM inputs or labels (first or last pipeline stage).
+        sp, sp_rank: Ulysses size and this rank's index in the Ulysses group.
+
+    Raises:
+        ValueError: ``llm_dim`` or ``sp`` below 1, or ``sp_rank`` outside ``[0, sp)``.
+    """
+
+    placeholders: Mapping[Modality, int]
+    llm_dim: int
+    dtype: torch.dtype = torch.float32
+    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+    builds_text: bool = True
+    sp: int = 1
+    sp_rank: int = 0
+
+    def __post_init__(self) -> None:
+        if self.llm_dim < 1 or self.sp < 1 or not 0 <= self.sp_rank < self.sp:
+            raise ValueError(
+                f"StepSpec: llm_dim {self.llm_dim} and sp {self.sp} must be >= 1 and sp_rank {self.sp_rank} "
+                "in [0, sp)"
+            )
+
+
 class StepBuilder:
     """Builds a rank's :class:`StepInputs` and the executor's callables for them.
 
     Args:
+        spec: placeholder ids, LLM width, dtype, device, stage role and Ulysses position.
         schedule, flow: the LLM schedule and the run's data flow (a step may bring its own: :meth:`build`).
-        encoders: the encoder towers' module (``payloads -> [tokens, llm_dim]``).
-        placeholders: token id of ``<|image|>`` / ``<|audio|>``.
-        llm_dim: the LLM width (the stage-boundary activation's last dim).
-        dtype: activation dtype; device: where model inputs go.
-        builds_text: this rank builds LLM inputs or labels (first or last pipeline stage).
-        sp, sp_rank: Ulysses size and this rank's index in the Ulysses group.
+        encoders: the encoder towers, ``encoders(payloads, long) -> [rows, llm_dim]``
+            (:class:`~omni_pipeline.towers.ModalityRouter`).
         pp_group: the pipeline group (shares which samples failed to decode); ``None`` for pp=1.
-        dp_group: the DP group (sums the step's target count); ``None`` for dp=1.
-        parallel: the encoders' groups and layout (:class:`~omni_train.encoder_parallel.EncoderParallel`);
+        dp_group: the DP group (sums the step's target count); ``None`` for dp=1 (and for hybrid DP/CP,
+            whose ranks share one stream of packs).
+        parallel: the encoders' groups and layout (:class:`~omni_pipeline.encoder_parallel.EncoderParallel`);
             default: none (no SP, no reordering across DP).
         cp: this rank's CP / hybrid DP/CP layout; ``None`` without CP.
         cp_group: the ranks of a stage that share the packs under ``cp`` (the CP group, or dp_cp for
@@ -112,28 +156,23 @@ class StepBuilder:
 
     def __init__(
         self,
+        spec: StepSpec,
         *,
         schedule: Schedule,
         flow: DataFlow,
         encoders: torch.nn.Module,
-        placeholders: Mapping[Modality, int],
-        llm_dim: int,
-        dtype: torch.dtype,
-        device: torch.device,
-        builds_text: bool,
-        sp: int = 1,
-        sp_rank: int = 0,
         pp_group: dist.ProcessGroup | None = None,
         dp_group: dist.ProcessGroup | None = None,
         parallel: EncoderParallel | None = None,
         cp: CPSharding | None = None,
         cp_group: dist.ProcessGroup | None = None,
     ) -> None:
+        self.spec = spec
         self.cp, self.cp_group = cp, cp_group
         self.schedule, self.flow, self.encoders = schedule, flow, encoders
-        self.placeholders = dict(placeholders)
-        self.llm_dim, self.dtype, self.device = llm_dim, dtype, device
-        self.builds_text, self.sp, self.sp_rank = builds_text, sp, sp_rank
+        self.placeholders = dict(spec.placeholders)
+        self.llm_dim, self.dtype, self.device = spec.llm_dim, spec.dtype, spec.device
+        self.builds_text, self.sp, self.sp_rank = spec.builds_text, spec.sp, spec.sp_rank
         self.pp_group, self.dp_group = pp_group, dp_group
         self.parallel = parallel or EncoderParallel(SequenceLayout())
 
@@ -268,6 +307,22 @@ class StepBuilder:
             for i in range(len(fs.packs[p].samples))
             if flags[offsets[p] + i]
         )
+
+
+def undecodable_samples(fs: FilteredStep) -> list[SampleIndex]:
+    """``(pack, sample)`` of every payload this rank read whose image/audio body did not decode.
+
+    omni-data's :class:`~omni_data.ZeroRedundancyFilter` keeps such a sample in its pack (every rank
+    planned the pack from metadata) with zeros of the metadata's shape and ``Payload.error`` set; it must
+    not be trained on (its caption/transcript targets are masked). Only the rank that ran the sample's
+    encoder microbatch knows; :meth:`StepBuilder.build` shares the result over the pipeline group.
+    """
+    return sorted(
+        idx
+        for e, payloads in fs.payloads.items()
+        for idx, p in zip(fs.microbatches[e], payloads)
+        if p.error is not None
+    )
 
 
 def _to(mb: LLMMicrobatch, device: torch.device) -> LLMMicrobatch:

@@ -1,4 +1,4 @@
-"""From packs and decoded payloads to model inputs: LLM microbatches and encoder microbatches.
+"""From packs to LLM inputs and labels: one pack as an LLM microbatch, its Ulysses chunk, a step's targets.
 
 Token layout of a pack (omni-data's :class:`~omni_data.packing.Pack`): sample after sample, each
 ``media_tokens`` placeholder slots (``<|image|>`` or ``<|audio|>``, replaced by encoder embeddings on
@@ -15,26 +15,20 @@ from dataclasses import dataclass, field
 import torch
 
 from omni_data.packing import ModalitySpan, Pack
-from omni_data.payload import Payload
 from omni_data.sample import Modality, SampleMeta
-from omni_data.tokens import AudioTokens
-from omni_train.models.audio import AudioConfig, log_mel
-from omni_train.models.vit import ViTConfig, patchify
 
 __all__ = [
     "IGNORE",
     "MODALITIES",
-    "EncoderMicrobatch",
     "LLMMicrobatch",
     "build_llm_microbatch",
-    "encoder_inputs",
     "step_targets",
     "ulysses_chunk",
     "ulysses_layout",
 ]
 
-IGNORE = -100
-MODALITIES = (Modality.IMAGE, Modality.AUDIO, Modality.TEXT)
+IGNORE = -100  # label of a position with no target (``torch.nn.functional.cross_entropy``'s ignore_index)
+MODALITIES = (Modality.IMAGE, Modality.AUDIO, Modality.TEXT)  # the order of per-modality statistics
 
 
 @dataclass
@@ -48,7 +42,7 @@ class LLMMicrobatch:
         labels: int64 ``[T]``: ``labels[t]`` is the target predicted at ``t`` (``IGNORE`` where none).
         label_modality: int64 ``[T]``: index into :data:`MODALITIES` of the sample each position is in.
         spans: the pack's media spans (``ModalitySpan``), in pack order.
-        num_tokens: T.
+        samples: the pack's sample metadata, in pack order.
     """
 
     input_ids: torch.Tensor
@@ -172,86 +166,3 @@ def ulysses_chunk(mb: LLMMicrobatch, sp: int, sp_rank: int) -> LLMMicrobatch:
         spans=mb.spans,
         samples=mb.samples,
     )
-
-
-@dataclass
-class EncoderMicrobatch:
-    """A slice of the encoder work one LLM microbatch needs: some of its media spans.
-
-    Attributes:
-        llm_microbatch: the LLM microbatch (pack) index the outputs feed, from 0.
-        spans: the pack's media spans this slice encodes, in output order.
-        samples: the spans' sample metadata (same order).
-    """
-
-    llm_microbatch: int
-    spans: list[ModalitySpan]
-    samples: list[SampleMeta]
-
-    @property
-    def num_tokens(self) -> int:
-        """Output embeddings (LLM tokens) = sum of span lengths."""
-        return sum(sp.length for sp in self.spans)
-
-    def positions(self) -> torch.Tensor:
-        """int64 ``[num_tokens]``: pack positions the outputs go to, in output order."""
-        if not self.spans:
-            return torch.zeros(0, dtype=torch.int64)
-        return torch.cat([torch.arange(sp.start, sp.start + sp.length) for sp in self.spans])
-
-
-def encoder_inputs(
-    payloads: list[Payload], vit: ViTConfig | None, audio: AudioConfig | None, audio_tokens: AudioTokens
-) -> dict[str, torch.Tensor]:
-    """Model inputs of an encoder microbatch's decoded payloads.
-
-    Returns:
-        ``patches [N, 3*p*p]``, ``grids [n_img, 2]`` (images), ``mels [F, n_mels]``,
-        ``mel_lengths [n_clips]`` (audio), and ``order`` int64 ``[n_samples]``: for each sample in input
-        order, its rank among the outputs when image outputs come first then audio.
-
-    Raises:
-        ValueError: an audio sample rate that is not the encoder's, or a media tokens mismatch (names it).
-    """
-    patches, grids, mels, mel_len = [], [], [], []
-    kinds = []
-    for p in payloads:
-        m = p.meta
-        if m.modality is Modality.IMAGE:
-            if vit is None:
-                raise ValueError(f"sample {m.uid}: an image but the model has no ViT")
-            x, grid = patchify(p.pixels, vit.patch, vit.merge)
-            if grid[0] * grid[1] // vit.merge**2 != m.media_tokens:
-                raise ValueError(f"sample {m.uid}: {grid} patch grid does not give {m.media_tokens} tokens")
-            patches.append(x)
-            grids.append(grid)
-        elif m.modality is Modality.AUDIO:
-            if audio is None:
-                raise ValueError(f"sample {m.uid}: audio but the model has no audio encoder")
-            if p.sample_rate != audio.sample_rate:
-                raise ValueError(
-                    f"sample {m.uid}: sample rate {p.sample_rate} Hz, the encoder takes {audio.sample_rate}"
-                )
-            frames = audio_tokens.frames(p.waveform.numel(), p.sample_rate)
-            # The STFT yields 1 + S // hop frames; the token accounting counts floor(S / hop).
-            mel = log_mel(p.waveform.to(torch.float32), audio)[:frames]
-            mels.append(mel)
-            mel_len.append(mel.shape[0])
-        kinds.append(m.modality)
-    n_img = sum(k is Modality.IMAGE for k in kinds)
-    order, i_img, i_aud = [], 0, n_img
-    for k in kinds:
-        if k is Modality.IMAGE:
-            order.append(i_img)
-            i_img += 1
-        else:
-            order.append(i_aud)
-            i_aud += 1
-    out = {"order": torch.tensor(order, dtype=torch.int64)}
-    if patches:
-        out["patches"] = torch.cat(patches)
-        out["grids"] = torch.tensor(grids, dtype=torch.int64)
-    if mels:
-        out["mels"] = torch.cat(mels)
-        out["mel_lengths"] = torch.tensor(mel_len, dtype=torch.int64)
-    return out

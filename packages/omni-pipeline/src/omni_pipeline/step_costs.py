@@ -1,0 +1,246 @@
+"""One training step's cost model from its packs' metadata: modelled FLOPs, or a fit of measured records.
+
+Both are known before any payload is read: the packs give every LLM microbatch's documents and every
+encoder microbatch's image patches and audio frames, so a step can be simulated or planned
+(:mod:`omni_pipeline.step_plan`) the moment a loader has its metadata.
+
+* **The token convention** (:func:`action_tokens`): the token counts a trainer records with each action
+  in ``actions.jsonl`` (:func:`omni_pipeline.records.action_records`), the ones a calibration fits
+  (:func:`omni_pipeline.calibrate.fit_cost_model`) and predicts from. LLM: a pack's tokens and the sum of
+  its documents' squared lengths (attention runs per document); encoders: per tower, the samples'
+  encoder sequence (``"image"``: ViT patches before the ``merge x merge`` patch merge, ``"audio"``:
+  frames after subsampling) and its squares.
+* **Modelled** (:func:`modelled_step_costs`): each action's forward FLOPs from omni-parallel's one FLOP
+  model (:mod:`omni_parallel.flops`: ``2 * params * tokens`` plus causal attention per document for the
+  LLM, bidirectional per sample for the encoders) over a device rate; backward = 2x forward.
+* **Calibrated** (:func:`calibrated_step_costs`): a fitted :class:`~omni_pipeline.cost.CostModel`'s
+  coefficients applied to the step's token counts.
+
+Modelled sizes (documented assumptions, not measurements): point-to-point 10 us latency and 25 GB/s
+(200 Gb/s InfiniBand); an activation of ``T`` tokens at width ``d`` is ``dtype_bytes * T * d`` bytes
+(2 in bf16); a transformer layer stores ``34 * T * d`` bytes in bf16 (``17 * dtype_bytes * T * d``) from
+forward to backward (Korthikanti et al., 2022, no recomputation).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping, Sequence
+
+from omni_data import Modality, Pack
+from omni_data.zero_redundancy import SampleIndex
+from omni_parallel.flops import TransformerShape, attention_flops, model_flops
+from omni_pipeline.cost import ActionTokens, CostModel
+
+__all__ = [
+    "MODEL_SCALES",
+    "ModelScale",
+    "action_tokens",
+    "calibrated_step_costs",
+    "model_scale",
+    "modelled_step_costs",
+]
+
+# modelled interconnect: 200 Gb/s InfiniBand
+_P2P_LATENCY_S, _P2P_BANDWIDTH_BPS = 10e-6, 25e9
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelScale:
+    """The sizes the cost model times: matmul parameters, width and layers of the LLM and of each
+    encoder tower (keyed by modality name, ``"image"`` / ``"audio"``), and the image tower's patch
+    merge (``image_merge x image_merge`` ViT patches per LLM token: the encoder sequence of an image)."""
+
+    llm_params: float
+    llm_dim: int
+    llm_layers: int
+    encoder_params: dict[str, float]
+    encoder_dim: dict[str, int]
+    encoder_layers: dict[str, int]
+    image_merge: int = 2
+
+
+MODEL_SCALES = {
+    # MegaScale-Omni's triple-modality setup: ViT-1B, USM-2B, LLaMA-12B (§2.2).
+    "paper": ModelScale(
+        12e9,
+        5120,
+        40,
+        {"image": 1e9, "audio": 2e9},
+        {"image": 1408, "audio": 1536},
+        {"image": 40, "audio": 32},
+    ),
+}
+
+
+def model_scale(
+    llm: TransformerShape, encoders: Mapping[str, TransformerShape], *, image_merge: int = 2
+) -> ModelScale:
+    """The :class:`ModelScale` of models of these shapes (matmul parameters from
+    :attr:`omni_parallel.flops.TransformerShape.matmul_params`: GQA, the MLP's width and gating
+    honoured).
+
+    Args:
+        llm: the LLM's blocks. encoders: ``{modality name: tower blocks}``.
+        image_merge: the image tower's patch-merge side.
+    """
+    return ModelScale(
+        llm.matmul_params,
+        llm.dim,
+        llm.n_layers,
+        {k: e.matmul_params for k, e in encoders.items()},
+        {k: e.dim for k, e in encoders.items()},
+        {k: e.n_layers for k, e in encoders.items()},
+        image_merge,
+    )
+
+
+def _encoder_seq(modality: Modality, media_tokens: int, image_merge: int) -> int:
+    """Encoder sequence of a sample: ViT patches before the merge; audio frames after subsampling."""
+    if modality is Modality.IMAGE:
+        return media_tokens * image_merge * image_merge
+    return media_tokens
+
+
+def action_tokens(
+    packs: Sequence[Pack], mbs: Mapping[int, Sequence[SampleIndex]], *, image_merge: int = 2
+) -> tuple[dict[int, ActionTokens], dict[int, ActionTokens]]:
+    """Token counts of one step's actions in the convention a trainer records them in (the one
+    calibration fits and predicts with).
+
+    * LLM microbatch ``k`` (pack ``k - 1``), every stage's F and B: ``{"llm": (T, sum L**2)}``, ``T``
+      the pack's tokens, ``L`` each packed document's (sample's) tokens: attention runs per document
+      (``omni_parallel.varlen.varlen_attention``).
+    * Encoder microbatch ``e``: per tower that runs, ``(sum n, sum n**2)`` over its samples, ``n`` a
+      sample's encoder sequence (``"image"``: ViT patches before the ``image_merge x image_merge``
+      merge, ``"audio"``: frames after subsampling); attention runs per image / per clip.
+
+    Args:
+        packs: the step's packs. mbs: ``{e: [(pack, sample)]}`` (encoder microbatches).
+        image_merge: the image tower's patch-merge side.
+
+    Returns:
+        ``({k: ActionTokens}, {e: ActionTokens})``.
+    """
+    llm = {
+        k: ActionTokens.single("llm", p.num_tokens, sum(n * n for n in p.seqlens))
+        for k, p in enumerate(packs, start=1)
+    }
+    enc = {}
+    for e, items in mbs.items():
+        seq: dict[str, list[float]] = {}
+        for p, i in items:
+            s = packs[p].samples[i]
+            n = _encoder_seq(s.modality, s.media_tokens, image_merge)
+            acc = seq.setdefault(str(s.modality), [0.0, 0.0])
+            acc[0] += n
+            acc[1] += n * n
+        enc[e] = ActionTokens({m: (n, sq) for m, (n, sq) in seq.items()})
+    return llm, enc
+
+
+def _sizes(
+    ms: ModelScale,
+    packs: Sequence[Pack],
+    mbs: Mapping[int, Sequence[SampleIndex]],
+    pp: int,
+    dtype_bytes: float,
+) -> dict:
+    """Byte sizes of one step (activations, stored activations, encoder outputs) and tokens/microbatch."""
+    tokens = sum(p.num_tokens for p in packs) / len(packs)
+    out_b, stored = {}, {}
+    for e, items in mbs.items():
+        o = st = 0.0
+        for p, i in items:
+            s = packs[p].samples[i]
+            kind = str(s.modality)
+            seq = _encoder_seq(s.modality, s.media_tokens, ms.image_merge)
+            o += dtype_bytes * s.media_tokens * ms.llm_dim
+            st += 17.0 * dtype_bytes * ms.encoder_layers[kind] * seq * ms.encoder_dim[kind]
+        out_b[e], stored[e] = o, st
+    return {
+        "llm_activation_bytes": dtype_bytes * tokens * ms.llm_dim,
+        "llm_stored_bytes": 17.0 * dtype_bytes * tokens * ms.llm_dim * ms.llm_layers / pp,
+        "encoder_output_bytes": out_b,
+        "encoder_stored_bytes": stored,
+        "tokens_per_microbatch": tokens,
+    }
+
+
+def calibrated_step_costs(
+    fitted: CostModel,
+    ms: ModelScale,
+    packs: Sequence[Pack],
+    mbs: Mapping[int, Sequence[SampleIndex]],
+    pp: int,
+    dtype_bytes: float = 4.0,
+) -> CostModel:
+    """``fitted`` (from :func:`~omni_pipeline.calibrate.fit_cost_model`) applied to one step: every
+    action's seconds from its token counts (:func:`action_tokens`), byte sizes from ``ms``'s models in
+    the run's dtype (``dtype_bytes`` per element).
+
+    Args:
+        pp: pipeline stages the fit timed.
+
+    Raises:
+        KeyError: the fit has no coefficients for a module this step runs (the run never ran it).
+    """
+    llm, enc = action_tokens(packs, mbs, image_merge=ms.image_merge)
+    return fitted.for_step(pp, llm, enc, **_sizes(ms, packs, mbs, pp, dtype_bytes))
+
+
+def modelled_step_costs(
+    ms: ModelScale,
+    packs: Sequence[Pack],
+    mbs: Mapping[int, Sequence[SampleIndex]],
+    pp: int,
+    rate: float,
+    dp: int = 1,
+    stage_weights: Sequence[float] | None = None,
+) -> CostModel:
+    """One step's cost model from modelled FLOPs (no measurement): each action's seconds are its matmul
+    and attention forward FLOPs (:mod:`omni_parallel.flops`) over ``rate`` FLOP/s, backward twice the
+    forward; P2P 10 us + bytes / 25 GB/s; byte sizes in bf16 as the module docstring says.
+
+    Args:
+        ms: model sizes (:data:`MODEL_SCALES` or :func:`model_scale`).
+        packs, mbs: the step's packs and encoder microbatches ``{e: [(pack, sample)]}``.
+        pp: pipeline stages; rate: FLOP/s; dp: data-parallel replicas.
+        stage_weights: per stage, its LLM cost relative to the mean stage (embedding, LM head and loss
+            counted: :func:`omni_pipeline.step_plan.stage_weights`); ``None``: every stage the mean.
+    """
+    llm_fwd = [
+        model_flops(
+            ms.llm_params,
+            p.num_tokens,
+            attention_flops(p.seqlens, ms.llm_dim, ms.llm_layers, causal=True),
+            training=False,
+        )
+        for p in packs
+    ]
+    enc_fwd_s = {}
+    for e, items in mbs.items():
+        flops = 0.0
+        for p, i in items:
+            s = packs[p].samples[i]
+            kind = str(s.modality)
+            seq = _encoder_seq(s.modality, s.media_tokens, ms.image_merge)
+            d, n_layers = ms.encoder_dim[kind], ms.encoder_layers[kind]
+            attention = attention_flops([seq], d, n_layers, causal=False)
+            flops += model_flops(ms.encoder_params[kind], seq, attention, training=False)
+        enc_fwd_s[e] = flops / rate
+    stage_fwd = sum(llm_fwd) / len(llm_fwd) / pp / rate
+    fwd: float | list[float] = stage_fwd
+    bwd: float | list[float] = 2 * stage_fwd
+    if stage_weights is not None:
+        fwd = [stage_fwd * w for w in stage_weights]
+        bwd = [2 * f for f in fwd]
+    return CostModel(
+        llm_forward_s=fwd,
+        llm_backward_s=bwd,
+        encoder_forward_s=enc_fwd_s,
+        p2p_latency_s=_P2P_LATENCY_S,
+        p2p_bandwidth_Bps=_P2P_BANDWIDTH_BPS,
+        data_parallel=dp,
+        **_sizes(ms, packs, mbs, pp, 2.0),
+    )
