@@ -21,7 +21,8 @@ import tempfile
 from pathlib import Path
 
 from omni_parallel.testing import run_world
-from omni_train.config import load_config, validate
+from omni_train.binder import load_config
+from omni_train.preflight import validate
 
 DTYPES = ("float32", "bfloat16")
 RESULTS = Path(__file__).resolve().parent / "results" / "bf16_loss.json"

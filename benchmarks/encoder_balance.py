@@ -30,7 +30,7 @@ import tempfile
 from pathlib import Path
 
 from omni_parallel.testing import run_world
-from omni_train.config import load_config
+from omni_train.binder import load_config
 from omni_train.metrics import tokens_per_s
 
 # (layout, variant, [parallel] fields, [data] fields); the first variant of each layout is its baseline

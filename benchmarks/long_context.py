@@ -44,7 +44,8 @@ from balance import HYBRID_SETTINGS, lognormal_lengths  # benchmarks/ is on sys.
 
 from omni_parallel import hybrid_cp_load, plan_hybrid_cp
 from omni_parallel.testing import run_world
-from omni_train.config import MixturePhase, SourceConfig, load_config
+from omni_train.binder import load_config
+from omni_train.config import MixturePhase, SourceConfig
 from omni_train.metrics import tokens_per_s
 
 FAMILIES = ["llm", "image", "audio"]
@@ -113,7 +114,7 @@ def _apply(cfg, changes: dict[str, dict[str, Any]]):
 
 
 def _world(rank: int, world_size: int, cfg, variants, root: str) -> dict[str, Any] | None:
-    from omni_train.config import validate
+    from omni_train.preflight import validate
     from omni_train.trainer import Trainer
 
     runs: dict[str, Any] = {}

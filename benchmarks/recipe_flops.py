@@ -29,7 +29,9 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from omni_data import Modality
 from omni_pipeline import build_llm_microbatch, microbatch_loss, step_targets
-from omni_train.config import MixturePhase, load_config, load_tokenizer
+from omni_train.binder import load_config
+from omni_train.config import MixturePhase
+from omni_train.data_files import load_tokenizer
 from omni_train.data_pipeline import build_step_stream
 from omni_train.encoders import Encoders
 from omni_train.models.llm import LLMStage

@@ -49,12 +49,14 @@ import tempfile
 from pathlib import Path
 
 from omni_parallel.testing import run_world
-from omni_train.config import MixturePhase, Placement, RunConfig, load_config
+from omni_pipeline import PlacementPolicy
+from omni_train.binder import load_config
+from omni_train.config import MixturePhase, RunConfig
 from omni_train.metrics import read_metrics, tokens_per_s
 from omni_train.simulate import simulate_config
 from omni_train.step_metrics import PHASES
 
-BASELINE = (Placement.PREPEND_FIRST_STAGE, False)
+BASELINE = (PlacementPolicy.PREPEND_FIRST_STAGE, False)
 SWEEP_SHARES = ("1:9", "5:5", "9:1")
 
 
@@ -63,7 +65,7 @@ def _share_mixture(share: str) -> list[MixturePhase]:
     return [MixturePhase({"image": image, "audio": 0.0, "text": text})]
 
 
-def _variants(sweep: bool, placements: list[Placement], reorder: str) -> list[tuple[Placement, bool]]:
+def _variants(sweep: bool, placements: list[PlacementPolicy], reorder: str) -> list[tuple[PlacementPolicy, bool]]:
     """The variants to run: ``placements`` x reordering (``reorder``: ``"both"``, ``"on"`` or ``"off"``;
     the sweep runs reordering on)."""
     if sweep or reorder == "on":
@@ -71,15 +73,15 @@ def _variants(sweep: bool, placements: list[Placement], reorder: str) -> list[tu
     return [(p, r) for p in placements for r in ((False,) if reorder == "off" else (False, True))]
 
 
-def _placements(text: str) -> list[Placement]:
+def _placements(text: str) -> list[PlacementPolicy]:
     """``--placements``: a comma-separated list of placement names (``all``: every placement).
 
     Raises:
         ValueError: an unknown name (names it and the known ones).
     """
     if text == "all":
-        return list(Placement)
-    known = {str(p): p for p in Placement}
+        return list(PlacementPolicy)
+    known = {str(p): p for p in PlacementPolicy}
     names = [n.strip() for n in text.split(",") if n.strip()]
     unknown = [n for n in names if n not in known]
     if unknown or not names:
@@ -87,7 +89,7 @@ def _placements(text: str) -> list[Placement]:
     return [known[n] for n in dict.fromkeys(names)]
 
 
-def _name(placement: Placement, reorder: bool) -> str:
+def _name(placement: PlacementPolicy, reorder: bool) -> str:
     return f"{placement}, reorder {'on' if reorder else 'off'}"
 
 
@@ -125,20 +127,20 @@ def _sweep_target(rows: list[dict], bound: dict[str, float]) -> dict[str, float]
     ``prepend_first_stage``) asks of ``planned`` at the last share, against the compute bound there."""
     first, last = SWEEP_SHARES[0], SWEEP_SHARES[-1]
 
-    def rate(placement: Placement, share: str) -> float:
+    def rate(placement: PlacementPolicy, share: str) -> float:
         return next(
             r["tokens_per_s"] for r in rows if r["placement"] == str(placement) and r["share"] == share
         )
 
-    prepend_drop = 1 - rate(Placement.PREPEND_FIRST_STAGE, last) / rate(Placement.PREPEND_FIRST_STAGE, first)
-    planned_first = rate(Placement.PLANNED, first)
+    prepend_drop = 1 - rate(PlacementPolicy.PREPEND_FIRST_STAGE, last) / rate(PlacementPolicy.PREPEND_FIRST_STAGE, first)
+    planned_first = rate(PlacementPolicy.PLANNED, first)
     needed = planned_first * (1 - prepend_drop / 2)
     return {
         "prepend_drop": prepend_drop,
         "planned_first_tokens_per_s": planned_first,
         "planned_needed_tokens_per_s": needed,
         "needed_vs_compute_bound": needed / bound[last],
-        "planned_vs_compute_bound": rate(Placement.PLANNED, last) / bound[last],
+        "planned_vs_compute_bound": rate(PlacementPolicy.PLANNED, last) / bound[last],
     }
 
 
@@ -299,7 +301,7 @@ def main() -> None:
             + "".join(f"{bound[s]:>10.0f}" for s in SWEEP_SHARES)
             + f"{100 * drop:>17.1f}%"
         )
-        if Placement.PREPEND_FIRST_STAGE in args.placements and Placement.PLANNED in args.placements:
+        if PlacementPolicy.PREPEND_FIRST_STAGE in args.placements and PlacementPolicy.PLANNED in args.placements:
             result["sweep_target"] = target = _sweep_target(result["rows"], bound)
             print(
                 f"target: planned drops at most half of prepend's {100 * target['prepend_drop']:.1f}%, so from its "

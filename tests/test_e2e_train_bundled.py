@@ -9,7 +9,9 @@ import json
 from pathlib import Path
 
 from omni_parallel.testing import run_world
-from omni_train.config import MixturePhase, load_config, validate
+from omni_train.binder import load_config
+from omni_train.config import MixturePhase
+from omni_train.preflight import validate
 
 
 def _train(rank, world_size, cfg, out):

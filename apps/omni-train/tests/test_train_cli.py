@@ -11,8 +11,9 @@ from pathlib import Path
 import pytest
 from train_fixtures import make_dataset, write_config
 
+from omni_train.binder import RESUME_MAY_CHANGE, load_config, resume_differences
 from omni_train.cli import main, parse_args, resolve_run
-from omni_train.config import RESUME_MAY_CHANGE, bundled_data_dir, load_config, resume_differences
+from omni_train.data_files import bundled_data_dir
 from omni_train.metrics import ema, loss_figure
 
 
@@ -184,7 +185,7 @@ def test_resume_step_is_not_checked_again_by_a_worker_that_torchrun_restarted(
     tmp_path, data, capsys, monkeypatch
 ):
     # torchrun restarts a worker with its command line, --resume-step N included; the restart resumes
-    # from the newest step (trainer.worker_main), and by then N may have been pruned (keep_last)
+    # from the newest step (worker.worker_main), and by then N may have been pruned (keep_last)
     p = write_config(tmp_path / "c.toml", data, steps=8)
     run = tmp_path / "run"
     _fake_run(run, load_config(str(p)), [6, 8])

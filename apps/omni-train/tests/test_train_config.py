@@ -6,16 +6,12 @@ import shutil
 import pytest
 from train_fixtures import make_dataset, write_config
 
+from omni_pipeline import PlacementPolicy as Placement
+from omni_train.binder import config_path, load_config
 from omni_train.cli import build_parser, main, resolve_run
-from omni_train.config import (
-    ConfigError,
-    Placement,
-    bundled_data_dir,
-    config_path,
-    load_config,
-    tokenizer_candidates,
-    validate,
-)
+from omni_train.config import ConfigError
+from omni_train.data_files import bundled_data_dir, tokenizer_candidates
+from omni_train.preflight import validate
 
 
 @pytest.fixture(scope="module")

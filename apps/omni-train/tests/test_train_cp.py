@@ -26,7 +26,8 @@ from train_fixtures import make_dataset, write_config
 
 from omni_parallel import local_sequence, plan_hybrid_cp
 from omni_parallel.testing import run_world
-from omni_train.config import load_config, validate
+from omni_train.binder import load_config
+from omni_train.preflight import validate
 
 pytestmark = pytest.mark.slow
 

@@ -20,7 +20,8 @@ from train_fixtures import make_dataset, write_config
 from train_reference import assert_runs_match, capture_run, reference_run, with_parallel
 
 from omni_parallel.testing import run_world
-from omni_train.config import load_config, validate
+from omni_train.binder import load_config
+from omni_train.preflight import validate
 
 pytestmark = pytest.mark.slow
 

@@ -15,10 +15,13 @@ from tokenizers import Tokenizer
 from train_fixtures import make_dataset, write_config
 
 from omni_data.write import WriteReport
+from omni_train.binder import load_config
 from omni_train.cli import main
-from omni_train.config import ConfigError, bundled_data_dir, data_root, load_config, validate
+from omni_train.config import ConfigError
+from omni_train.data_files import bundled_data_dir, data_root
 from omni_train.data_pipeline import build_sources, build_step_stream
 from omni_train.make_shards import data_toml
+from omni_train.preflight import validate
 
 
 @pytest.fixture(scope="module")

@@ -25,7 +25,8 @@ from train_fixtures import make_dataset, write_config
 from omni_data import skip_report
 from omni_data.testing import FlakyFileSystem, flaky_url, write_tar
 from omni_parallel.testing import run_world
-from omni_train.config import load_config, validate
+from omni_train.binder import load_config
+from omni_train.preflight import validate
 
 CUT = "shard cut off (the samples after the cut are lost)"
 OSERROR = "read error, rest of shard skipped (OSError after 3 retries)"

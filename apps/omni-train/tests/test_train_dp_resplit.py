@@ -14,7 +14,7 @@ from pathlib import Path
 from train_fixtures import make_dataset, write_config
 
 from omni_parallel.testing import run_world
-from omni_train.config import load_config
+from omni_train.binder import load_config
 from omni_train.trainer import Trainer
 
 N_IMAGE, N_AUDIO, N_TEXT = 8, 4, 8

@@ -25,8 +25,9 @@ import pytest
 from train_fixtures import make_dataset, write_config
 
 from omni_parallel.testing import run_world
+from omni_pipeline import PlacementPolicy as Placement
 from omni_pipeline import read_records
-from omni_train.config import Placement, load_config
+from omni_train.binder import load_config
 
 pytestmark = pytest.mark.slow
 

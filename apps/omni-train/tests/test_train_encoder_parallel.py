@@ -36,7 +36,8 @@ from train_fixtures import make_dataset, write_config
 from train_reference import assert_runs_match, capture_run, reference_run, with_parallel
 
 from omni_parallel.testing import WorldError, run_world
-from omni_train.config import MixturePhase, load_config
+from omni_train.binder import load_config
+from omni_train.config import MixturePhase
 
 pytestmark = pytest.mark.slow
 

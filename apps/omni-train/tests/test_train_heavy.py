@@ -2,7 +2,8 @@
 into two balanced stages by the per-token cost of a block against the LM head + loss."""
 
 from omni_pipeline import balance_stages, stage_costs, stage_slices
-from omni_train.config import load_config, validate
+from omni_train.binder import load_config
+from omni_train.preflight import validate
 
 
 def test_omni_heavy_validates_and_sweeps_the_papers_mixtures():

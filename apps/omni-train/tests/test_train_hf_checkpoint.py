@@ -14,8 +14,8 @@ from tokenizers import Tokenizer
 from train_fixtures import make_dataset, write_config
 
 from omni_parallel.testing import run_world
+from omni_train.binder import load_config
 from omni_train.cli import main
-from omni_train.config import load_config
 
 os.environ["HF_HUB_OFFLINE"] = "1"
 transformers = pytest.importorskip("transformers")

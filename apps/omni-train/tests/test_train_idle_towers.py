@@ -19,7 +19,8 @@ from train_reference import assert_runs_match, capture_run, reference_run, with_
 from omni_data import Modality
 from omni_parallel.parallelize import EncoderGradientSync
 from omni_parallel.testing import run_world
-from omni_train.config import MixturePhase, load_config
+from omni_train.binder import load_config
+from omni_train.config import MixturePhase
 
 pytestmark = pytest.mark.slow
 

@@ -14,7 +14,7 @@ here), not through the trainer's ``mixture_schedule``.
 import pytest
 
 from omni_data.testing import SyntheticSource, trained_sources
-from omni_train.config import config_from_dict
+from omni_train.binder import config_from_dict
 from omni_train.data_pipeline import build_step_stream
 
 WINDOW, STRIDE, SAMPLES = 10_000, 500, 26_000

@@ -15,7 +15,8 @@ from train_fixtures import make_dataset, write_config
 
 from omni_parallel.parallelize import apply_ac, apply_compile
 from omni_parallel.testing import run_world
-from omni_train.config import RECOMPUTE, load_config
+from omni_train.binder import load_config
+from omni_train.config import RECOMPUTE
 from omni_train.encoders import Encoders
 from omni_train.models import AudioConfig, LLMConfig, LLMStage, ViTConfig
 from omni_train.parallelize import family_blocks

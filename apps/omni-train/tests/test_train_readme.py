@@ -7,8 +7,9 @@ from pathlib import Path
 from tokenizers import Tokenizer
 from train_fixtures import make_dataset, write_config
 
+from omni_train.binder import load_config
 from omni_train.cli import main
-from omni_train.config import bundled_data_dir, load_config
+from omni_train.data_files import bundled_data_dir
 
 README = Path(__file__).resolve().parents[1] / "README.md"
 

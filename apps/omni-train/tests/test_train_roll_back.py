@@ -12,7 +12,7 @@ import pytest
 from train_fixtures import make_dataset, write_config
 
 from omni_parallel.testing import WorldError, run_world
-from omni_train.config import load_config
+from omni_train.binder import load_config
 
 pytestmark = pytest.mark.slow
 
@@ -38,7 +38,7 @@ def _damage(step_dir: Path) -> None:
 def _restarted_worker(rank, world_size, cfg, out):
     import os
 
-    from omni_train.trainer import worker_main
+    from omni_train.worker import worker_main
 
     os.environ["TORCHELASTIC_RESTART_COUNT"] = "1"  # as torchrun's elastic agent sets it on a restart
     worker_main(cfg, out, True, 4)

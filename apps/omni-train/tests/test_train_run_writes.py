@@ -14,7 +14,7 @@ from train_fixtures import make_dataset, write_config
 
 from omni_parallel.testing import run_world
 from omni_pipeline import RECORDS_FILE
-from omni_train.config import load_config
+from omni_train.binder import load_config
 from omni_train.run_writes import RunWrites
 
 

@@ -35,7 +35,9 @@ from train_fixtures import make_dataset, write_config
 
 from omni_parallel.testing import run_world
 from omni_pipeline import PlacementPolicy
-from omni_train.config import ConfigError, config_from_dict, load_config, validate
+from omni_train.binder import config_from_dict, load_config
+from omni_train.config import ConfigError
+from omni_train.preflight import validate
 
 pytestmark = pytest.mark.slow
 

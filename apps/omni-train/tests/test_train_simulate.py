@@ -21,8 +21,9 @@ from omni_pipeline import (
     simulate,
     uniform_on_demand,
 )
+from omni_train.binder import load_config
 from omni_train.cli import main
-from omni_train.config import load_config, load_tokenizer
+from omni_train.data_files import load_tokenizer
 from omni_train.data_pipeline import build_step_stream
 
 PER_TOKEN = {"F0": 2e-5, "B0": 4e-5, "F1": 3e-5, "B1": 6e-5, "EF:image": 1e-5, "EF:audio": 5e-6}

@@ -15,7 +15,9 @@ import pytest
 from train_fixtures import make_dataset, write_config
 
 from omni_parallel.testing import run_world
-from omni_train.config import ConfigError, load_config, validate
+from omni_train.binder import load_config
+from omni_train.config import ConfigError
+from omni_train.preflight import validate
 
 pytestmark = pytest.mark.slow
 

@@ -19,8 +19,11 @@ from train_fixtures import make_dataset, write_config
 
 from omni_parallel.testing import run_world
 from omni_pipeline import layer_costs
-from omni_train.config import ConfigError, load_config, resume_differences, tokenizer_path, validate
+from omni_train.binder import load_config, resume_differences
+from omni_train.config import ConfigError
+from omni_train.data_files import tokenizer_path
 from omni_train.pipeline import llm_shape, measured_layer_costs, stage_split
+from omni_train.preflight import validate
 
 LAYERS = 4
 

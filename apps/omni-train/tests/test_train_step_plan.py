@@ -20,6 +20,7 @@ from train_fixtures import make_dataset, write_config
 
 from omni_data import encoder_microbatch_ids, split_encoder_microbatches
 from omni_parallel.testing import run_world
+from omni_pipeline import PlacementPolicy as Placement
 from omni_pipeline import (
     Schedule1F1B,
     StepPlanner,
@@ -28,9 +29,12 @@ from omni_pipeline import (
     simulate,
     stage_weights,
 )
-from omni_train.config import ConfigError, Placement, load_config, load_tokenizer, validate
+from omni_train.binder import load_config
+from omni_train.config import ConfigError
+from omni_train.data_files import load_tokenizer
 from omni_train.data_pipeline import build_step_stream
 from omni_train.pipeline import config_scale, llm_shape, planner_spec, stage_split
+from omni_train.preflight import validate
 from omni_train.simulate import simulate_config
 
 pytestmark = pytest.mark.slow

@@ -15,7 +15,7 @@ import pytest
 from train_fixtures import make_dataset, write_config
 
 from omni_parallel.testing import run_world
-from omni_train.config import load_config
+from omni_train.binder import load_config
 
 
 def _run_both(rank, world_size, configs, root):

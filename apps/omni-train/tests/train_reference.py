@@ -153,7 +153,7 @@ def reference_run(cfg, run: Path, dp: int) -> tuple[list[float], list[dict]]:
     """The one-process reference of ``cfg``'s run over ``dp`` replicas (call inside a 1-process world)."""
     from tokenizers import Tokenizer
 
-    from omni_train.config import tokenizer_path
+    from omni_train.data_files import tokenizer_path
 
     ref = with_parallel(
         cfg,

@@ -4,7 +4,7 @@ large cluster with the pipeline simulator), ``import-hf`` / ``export-hf`` (Huggi
 
 Configuration errors are reported before any process starts, naming the field, with exit status 2.
 ``run`` takes an override for every config field (``--parallel.pp 1 --optim.lr 1e-3``, see
-:func:`omni_train.config.apply_overrides`); ``--placement``, ``--reorder``, ``--packing``, ``--max-steps``
+:func:`omni_train.binder.apply_overrides`); ``--placement``, ``--reorder``, ``--packing``, ``--max-steps``
 and ``--profile`` are aliases of ``--parallel.placement``, ``--parallel.reorder``, ``--data.packing``,
 ``--train.steps`` and ``--train.profile_steps``.
 """
@@ -18,21 +18,19 @@ import sys
 import time
 from pathlib import Path
 
-from omni_train.config import (
+from omni_pipeline import PlacementPolicy
+from omni_train.binder import (
     RESUME_MAY_CHANGE,
-    ConfigError,
-    Packing,
-    Placement,
-    RunConfig,
     config_from_dict,
-    data_root,
     field_paths,
     load_config,
     resume_differences,
     to_toml,
-    validate,
 )
+from omni_train.config import ConfigError, Packing, RunConfig
+from omni_train.data_files import data_root
 from omni_train.hf.folder import HFFolderError
+from omni_train.preflight import validate
 
 __all__ = ["build_parser", "main", "parse_args", "resolve_run"]
 
@@ -77,7 +75,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     run.add_argument("--max-restarts", type=int, default=0, help="restart failed workers this many times")
     run.add_argument(
-        "--placement", choices=[str(m) for m in Placement], default=None, help="alias of --parallel.placement"
+        "--placement",
+        choices=[str(m) for m in PlacementPolicy],
+        default=None,
+        help="alias of --parallel.placement",
     )
     run.add_argument(
         "--reorder",
@@ -220,7 +221,7 @@ def committed_steps(out: Path) -> list[int]:
 
 def _check_resume(cfg: RunConfig, out: Path) -> None:
     """``--resume`` into ``out``: its saved ``config.json`` must agree with ``cfg`` in every field a resume
-    cannot change (:data:`omni_train.config.RESUME_MAY_CHANGE`).
+    cannot change (:data:`omni_train.binder.RESUME_MAY_CHANGE`).
 
     Raises:
         ConfigError: naming each differing field, or an unreadable ``config.json``.
@@ -294,7 +295,7 @@ def resolve_run(args: argparse.Namespace) -> tuple[RunConfig, int, Path]:
     _refuse_file(out, "--out", "a run directory")
     if args.resume and not (out / "checkpoints").is_dir():
         raise ConfigError(f"--resume: {out} holds no checkpoints directory")
-    # A worker that torchrun restarted resumes (see trainer.worker_main); anything else must not train
+    # A worker that torchrun restarted resumes (see worker.worker_main); anything else must not train
     # into a run directory whose checkpoints it would collide with at its first save.
     from omni_train.launch import restart_count
 
@@ -305,7 +306,7 @@ def resolve_run(args: argparse.Namespace) -> tuple[RunConfig, int, Path]:
             f"--out: {out} already holds checkpoints ({old[-1]}); pass --resume to continue that run, "
             "or another --out"
         )
-    # a restarted worker resumes from the newest step, not from --resume-step (trainer.worker_main): its
+    # a restarted worker resumes from the newest step, not from --resume-step (worker.worker_main): its
     # first attempt already went back to it, and pruning may have deleted it since
     if args.resume_step is not None and not restarted:
         steps = committed_steps(out)
@@ -350,9 +351,9 @@ def _run(args: argparse.Namespace) -> int:
                 )
             return 0
     out.mkdir(parents=True, exist_ok=True)
-    if under_torchrun():
-        from omni_train.trainer import worker_main
+    from omni_train.worker import worker_main
 
+    if under_torchrun():
         if _rank0():
             print(f"omni-train: {cfg.name} on {nproc} processes (torchrun) -> {out}", file=sys.stderr)
         worker_main(cfg, str(out), args.resume, args.resume_step)
@@ -362,12 +363,13 @@ def _run(args: argparse.Namespace) -> int:
     print(f"omni-train: {cfg.name} on {nproc} processes -> {out}", file=sys.stderr)
     try:
         launch(
+            worker_main,
             cfg,
-            out,
+            str(out),
+            args.resume,
+            args.resume_step,
             nproc=nproc,
-            resume=args.resume,
             max_restarts=args.max_restarts,
-            resume_step=args.resume_step,
         )
     except ChildFailedError as exc:
         print(f"omni-train: training failed:\n{exc.format_msg()}", file=sys.stderr)

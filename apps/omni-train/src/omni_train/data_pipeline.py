@@ -16,7 +16,7 @@ draws packs instead of samples.
 
 Your own data: audio sources are given the encoder's sample rate (``[model.audio] sample_rate``), so clips
 at any rate and channel count are described and decoded as resampled to it; images of any mode decode to
-RGB. Relative ``urls`` resolve against the config file's folder (:func:`omni_train.config.data_root`).
+RGB. Relative ``urls`` resolve against the config file's folder (:func:`omni_train.data_files.data_root`).
 """
 
 from __future__ import annotations
@@ -46,7 +46,8 @@ from omni_data import (
     encoder_microbatch_ids,
 )
 from omni_data.zero_redundancy import SampleIndex
-from omni_train.config import Packing, RunConfig, data_root, expand_urls
+from omni_train.config import DataConfig, Packing, RunConfig
+from omni_train.data_files import data_root, expand_urls
 
 __all__ = [
     "build_sources",
@@ -57,15 +58,15 @@ __all__ = [
 ]
 
 
-def mixture_schedule(cfg: RunConfig) -> MixtureSchedule:
-    """The config's phases as a step-indexed :class:`MixtureSchedule` (weights missing in a phase are 0;
-    with ``data.mixture_interpolate`` linear between the phases' starts)."""
-    names = [s.name for s in cfg.data.sources]
+def mixture_schedule(data: DataConfig) -> MixtureSchedule:
+    """``data.mixture``'s phases as a step-indexed :class:`MixtureSchedule` (weights missing in a phase
+    are 0; with ``data.mixture_interpolate`` linear between the phases' starts)."""
+    names = [s.name for s in data.sources]
     points, start = [], 0
-    for ph in cfg.data.mixture:
+    for ph in data.mixture:
         points.append((start, {n: float(ph.weights.get(n, 0.0)) for n in names}))
         start = ph.until_step if ph.until_step is not None else start
-    return MixtureSchedule(points, unit="step", interpolate=cfg.data.mixture_interpolate)
+    return MixtureSchedule(points, unit="step", interpolate=data.mixture_interpolate)
 
 
 def encoder_load(
@@ -117,9 +118,9 @@ def build_sources(
         modality = Modality(src.modality)
         cost = None
         if modality is Modality.IMAGE and vit is not None:
-            cost = EncoderCost(hidden=vit.dim, layers=vit.n_layers)
+            cost = EncoderCost(hidden=vit.dim, layers=vit.n_layers, mlp_ratio=vit.mlp_ratio)
         elif modality is Modality.AUDIO and aud is not None:
-            cost = EncoderCost(hidden=aud.dim, layers=aud.n_layers)
+            cost = EncoderCost(hidden=aud.dim, layers=aud.n_layers, mlp_ratio=aud.mlp_ratio)
         tokens = image_tokens
         if tokens is not None and (src.min_pixels is not None or src.max_pixels is not None):
             tokens = dataclasses.replace(
@@ -186,7 +187,7 @@ def build_step_stream(
     """
     if sources is None:
         sources = build_sources(cfg, tokenizer, dp_rank=dp_rank, dp_size=dp_size)
-    schedule = mixture_schedule(cfg)
+    schedule = mixture_schedule(cfg.data)
     d = cfg.data
     capacity = pack_tokens or d.max_seq_len
     if d.packing is Packing.HYBRID:

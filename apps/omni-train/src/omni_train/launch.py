@@ -1,9 +1,12 @@
-"""Start the trainer's worker processes on one machine through torch's elastic launcher.
+"""Start worker processes on one machine through torch's elastic launcher, and what a worker learns
+from the launcher's environment.
 
-``omni-train run`` outside ``torchrun`` calls :func:`launch`: a :class:`LaunchConfig` with ``nproc``
-workers, a c10d rendezvous on 127.0.0.1 at a free port and ``max_restarts``; failed workers are restarted
-by the elastic agent and resume from the last committed checkpoint. Under ``torchrun`` (``RANK``,
+``omni-train run`` outside ``torchrun`` calls :func:`launch` with the trainer's worker entry point
+(:func:`omni_train.worker.worker_main`): a :class:`LaunchConfig` with ``nproc`` workers, a c10d rendezvous
+on 127.0.0.1 at a free port and ``max_restarts``; failed workers are restarted by the elastic agent and
+resume from the last committed checkpoint (:func:`restart_count`). Under ``torchrun`` (``RANK``,
 ``WORLD_SIZE``, ``MASTER_ADDR`` ... set) :func:`under_torchrun` is true and the CLI runs the worker inline.
+This module imports nothing of the trainer: the trainer reads :func:`restart_count` from it.
 
 An expected restart is reported in one line per failure ("worker local rank 0 (pid 123) died: SIGKILL;
 restarting the workers (restart 1 of 1)"), then rank 0 of the new workers says which step it resumes
@@ -20,15 +23,12 @@ import signal
 import socket
 import sys
 import uuid
-from collections.abc import Iterator
-from pathlib import Path
+from collections.abc import Callable, Iterator
 
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
-from omni_train.config import RunConfig
-
-__all__ = ["ChildFailedError", "free_port", "launch", "under_torchrun"]
+__all__ = ["ChildFailedError", "free_port", "launch", "restart_count", "under_torchrun"]
 
 # Records of a worker failure the elastic agent logs (with its own traceback) and of the survivors it
 # terminates: replaced by one line each failure (see the module docstring).
@@ -93,22 +93,18 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def launch(
-    cfg: RunConfig,
-    out_dir: Path,
-    *,
-    nproc: int,
-    resume: bool,
-    max_restarts: int,
-    resume_step: int | None = None,
-) -> dict[int, object]:
-    """Run :func:`omni_train.trainer.worker_main` on ``nproc`` local processes; return rank -> result.
+def launch(worker: Callable[..., object], *args: object, nproc: int, max_restarts: int) -> dict[int, object]:
+    """Run ``worker(*args)`` on ``nproc`` local processes; return rank -> result.
+
+    Args:
+        worker: the entry point of each process (e.g. :func:`omni_train.worker.worker_main`): a
+            module-level function, as the processes are spawned and import it by name; ``args`` are
+            pickled to them.
+        max_restarts: how many times the elastic agent restarts the workers after one fails.
 
     Raises:
         ChildFailedError: a worker failed more than ``max_restarts`` times (names the rank and its error).
     """
-    from omni_train.trainer import worker_main
-
     # One OpenMP/MKL thread per worker (as torchrun does), set before the workers start: threads created
     # later (the async checkpoint writer, the loader's prefetch) then cannot change how a kernel splits
     # its work, which keeps float results bit-identical from run to run (exact --resume).
@@ -132,4 +128,4 @@ def launch(
         local_addr="127.0.0.1",
     )
     with _reported_restarts(max_restarts):
-        return elastic_launch(config, worker_main)(cfg, str(out_dir), resume, resume_step)
+        return elastic_launch(config, worker)(*args)

@@ -15,7 +15,7 @@ import re
 from pathlib import Path
 
 from omni_data.write import WriteReport
-from omni_train.config import config_path
+from omni_train.binder import config_path
 
 __all__ = ["data_toml", "write_run_config"]
 

@@ -36,13 +36,9 @@ from omni_pipeline import (
     stage_slices,
 )
 from omni_pipeline import fitted_cost_model as fit_planner_costs
-from omni_train.config import (
-    ConfigError,
-    ParallelConfigSection,
-    RunConfig,
-    config_from_dict,
-    load_tokenizer,
-)
+from omni_train.binder import config_from_dict
+from omni_train.config import ConfigError, ParallelConfigSection, RunConfig
+from omni_train.data_files import load_tokenizer
 from omni_train.models.llm import LLMConfig, LLMStage
 
 __all__ = [
@@ -123,7 +119,7 @@ def stage_split(par: ParallelConfigSection, cfg: LLMConfig, max_seq_len: int) ->
     :func:`measured_layer_costs`), or unset (the equal-cost split).
 
     Raises:
-        ValueError: counts that do not fit the layers (``validate`` in ``omni_train.config`` names the
+        ValueError: counts that do not fit the layers (:func:`omni_train.preflight.validate` names the
             field first).
         ConfigError: ``par.stage_calibration`` cannot calibrate this model (see
             :func:`measured_layer_costs`).

@@ -43,7 +43,8 @@ from omni_pipeline import (
     place,
     simulate,
 )
-from omni_train.config import ConfigError, RunConfig, load_tokenizer
+from omni_train.config import ConfigError, RunConfig
+from omni_train.data_files import load_tokenizer
 from omni_train.data_pipeline import build_step_stream
 from omni_train.pipeline import config_scale, image_merge
 

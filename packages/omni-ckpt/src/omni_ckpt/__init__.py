@@ -10,6 +10,12 @@ from omni_ckpt.load import LoadResult, load, read_manifest
 from omni_ckpt.manager import CheckpointManager
 from omni_ckpt.optim import init_optimizer_state, load_optimizer_state_dict, optimizer_state_dict
 from omni_ckpt.plan import PlanCache
+from omni_ckpt.portable import (
+    load_object_rows,
+    load_portable_optimizer_state_dict,
+    object_rows,
+    portable_optimizer_state_dict,
+)
 from omni_ckpt.save import AsyncSaveHandle, async_save, save, save_ranks
 from omni_ckpt.sharding import BoxShard, FlatShard, describe, dtensor_box
 from omni_ckpt.state import Placeholder
@@ -35,8 +41,12 @@ __all__ = [
     "import_dcp",
     "init_optimizer_state",
     "load",
+    "load_object_rows",
     "load_optimizer_state_dict",
+    "load_portable_optimizer_state_dict",
+    "object_rows",
     "optimizer_state_dict",
+    "portable_optimizer_state_dict",
     "read_full",
     "read_manifest",
     "save",

@@ -8,6 +8,7 @@ from omni_pipeline.calibrate import calibrated_layer_costs, fit_cost_model, fit_
 from omni_pipeline.cost import ActionTokens, CostModel, TokenCost, cost_key
 from omni_pipeline.cp_delivery import CPSharding, CPSpec, build_cp_sharding
 from omni_pipeline.dataflow import DataFlow, DataFlowError
+from omni_pipeline.decoder_stage import DecoderStage, packed_causal_mask
 from omni_pipeline.encoder_parallel import EncoderParallel, EncoderWork, SequenceLayout
 from omni_pipeline.executor import (
     PipelineExecutor,
@@ -73,6 +74,7 @@ from omni_pipeline.step_costs import (
 )
 from omni_pipeline.step_inputs import StepBuilder, StepInputs, StepSpec, undecodable_samples
 from omni_pipeline.step_plan import PlannerSpec, StepPlanner, stage_weights, static_flow
+from omni_pipeline.tower_inputs import image_patches
 from omni_pipeline.towers import ModalityRouter, TowerBatch, TowerInputs
 from omni_pipeline.trace import TimelineEvent, plot_timeline, write_chrome_trace
 
@@ -91,6 +93,7 @@ __all__ = [
     "DataFlow",
     "DataFlowError",
     "Deadlock",
+    "DecoderStage",
     "EncoderAnchor",
     "EncoderDataConfig",
     "EncoderParallel",
@@ -148,11 +151,13 @@ __all__ = [
     "fit_run",
     "fitted_cost_model",
     "flow_index",
+    "image_patches",
     "isolated",
     "layer_costs",
     "microbatch_loss",
     "model_scale",
     "modelled_step_costs",
+    "packed_causal_mask",
     "place",
     "plan_placement",
     "planned",

@@ -33,7 +33,9 @@ from torch import nn
 
 from omni_ckpt import CheckpointManager, load, read_manifest, save_ranks
 from omni_ckpt.layout import dtype_from_name
-from omni_train.config import ConfigError, RunConfig, config_from_dict, load_tokenizer, tokenizer_path
+from omni_train.binder import config_from_dict
+from omni_train.config import ConfigError, RunConfig
+from omni_train.data_files import load_tokenizer, tokenizer_path
 from omni_train.encoders import Encoders
 from omni_train.hf.adapter import StateDictAdapter
 from omni_train.hf.audio import WhisperEncoderAdapter, audio_config_from_hf, whisper_encoder_problems

@@ -1,0 +1,310 @@
+"""The preflight: every check of a run config that can run before any process starts.
+
+:func:`validate` checks the sizes against each other and the process count, and what the config names on
+the file system: each source's shards exist, the tokenizer loads, and the calibration runs
+(``parallel.stage_calibration``, ``parallel.planner_calibration``) are readable runs of this model
+(read by the same :mod:`omni_train.pipeline` functions the workers call, so a bad run directory is a
+configuration error, not a traceback from every rank).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from pathlib import Path
+
+from omni_pipeline import PlacementPolicy, ScheduleKind
+from omni_train.config import OFFLOAD, RECOMPUTE, RECOMPUTE_MODULES, ConfigError, RunConfig
+from omni_train.data_files import data_root, expand_urls, load_tokenizer, tokenizer_candidates
+from omni_train.pipeline import fitted_cost_model, stage_split
+
+__all__ = ["validate"]
+
+
+def _missing_shards(pattern: str, root: Path) -> str | None:
+    """Why a source pattern names no readable shard (where it looked), or None when it does."""
+    urls = expand_urls(pattern, root)
+    if "://" in pattern and not pattern.startswith("file://"):
+        return None if urls else f"no shards match {pattern!r}"
+    local = pattern.removeprefix("file://")
+    where = local if os.path.isabs(local) else str(root / local)
+    how = "" if os.path.isabs(local) else f"; relative urls resolve against {root}"
+    if "{" in where:
+        from webdataset.shardlists import expand_urls as expand_braces
+
+        missing = [u for u in expand_braces(where) if not os.path.isfile(u)]
+        if missing:
+            return f"{len(missing)} shards of {pattern!r} do not exist (first: {missing[0]}{how})"
+        return None
+    return None if urls else f"no shards match {pattern!r} (looked for {where}{how})"
+
+
+def validate(cfg: RunConfig, nproc: int) -> None:
+    """Check everything that can be checked before processes start.
+
+    Raises:
+        ConfigError: naming the first field that is wrong: parallel sizes vs ``nproc``, head counts not
+        divisible (GQA, TP, Ulysses), fewer layers than stages, a source whose ``urls`` name no shard
+        (the message says where it looked), mixture weights naming unknown sources or phases out of
+        order, non-positive sizes, a schedule that does not fit the layers or microbatches, unknown
+        recompute/offload names, a tokenizer found in none of the places it is looked for
+        (:func:`omni_train.data_files.tokenizer_candidates`), a ``parallel.stage_calibration`` or
+        ``parallel.planner_calibration`` run that does not calibrate this model
+        (:func:`omni_train.pipeline.stage_split`, :func:`omni_train.pipeline.fitted_cost_model`).
+    """
+    par, llm = cfg.parallel, cfg.model.llm
+    for name in ("pp", "dp", "tp", "cp", "ulysses"):
+        if getattr(par, name) < 1:
+            raise ConfigError(f"parallel.{name}: must be >= 1, got {getattr(par, name)}")
+    if par.world_size != nproc:
+        raise ConfigError(
+            f"parallel: pp*dp*tp*cp*ulysses = {par.pp}*{par.dp}*{par.tp}*{par.cp}*{par.ulysses} = "
+            f"{par.world_size} does not match the process count {nproc} (--nproc)"
+        )
+    if par.cp > 1 and par.ulysses > 1:
+        raise ConfigError("parallel.cp: choose one LLM sequence-parallel flavour (cp or ulysses), not both")
+    if llm.dim % llm.n_heads:
+        raise ConfigError(f"model.llm.dim: {llm.dim} is not divisible by model.llm.n_heads {llm.n_heads}")
+    if (llm.dim // llm.n_heads) % 2:
+        raise ConfigError(f"model.llm.dim: head_dim {llm.dim // llm.n_heads} must be even for RoPE")
+    if llm.n_heads % llm.n_kv_heads:
+        raise ConfigError(
+            f"model.llm.n_heads: {llm.n_heads} is not divisible by model.llm.n_kv_heads {llm.n_kv_heads} (GQA)"
+        )
+    # Column-parallel Q/K/V and SwiGLU gate/up shard whole heads and equal slices of ffn_dim per TP rank.
+    for name in ("n_heads", "n_kv_heads", "ffn_dim"):
+        if getattr(llm, name) % par.tp:
+            raise ConfigError(
+                f"model.llm.{name}: {getattr(llm, name)} is not divisible by parallel.tp {par.tp}"
+            )
+    _validate_cp(cfg)
+    # Ulysses pads heads that sp does not divide (omni_parallel.ulysses), so no head-count check here.
+    if par.ulysses > 1 and par.tp > 1:
+        raise ConfigError(
+            f"parallel.ulysses: {par.ulysses} together with parallel.tp {par.tp} is not supported "
+            "(the loader shares one pack over either the TP or the Ulysses group)"
+        )
+    if llm.n_layers < par.pp:
+        raise ConfigError(
+            f"model.llm.n_layers: {llm.n_layers} layers cannot fill parallel.pp = {par.pp} stages"
+        )
+    if llm.tie_embeddings and par.pp > 1:
+        raise ConfigError(
+            f"model.llm.tie_embeddings: needs parallel.pp = 1 (got {par.pp}): the embedding and the LM head "
+            "would sit on different stages"
+        )
+    audio = cfg.model.audio
+    if audio is not None and audio.stem == "whisper" and audio.subsample != 2:
+        raise ConfigError(f"model.audio.subsample: the whisper stem subsamples by 2, got {audio.subsample}")
+    for enc in ("vit", "audio"):
+        ec = getattr(cfg.model, enc)
+        if ec is not None and ec.dim % ec.n_heads:
+            raise ConfigError(
+                f"model.{enc}.dim: {ec.dim} is not divisible by model.{enc}.n_heads {ec.n_heads}"
+            )
+        if ec is not None and (ec.dim // ec.n_heads) % 4:
+            raise ConfigError(
+                f"model.{enc}.dim: head_dim {ec.dim // ec.n_heads} must be a multiple of 4 (2-D RoPE)"
+            )
+    data = cfg.data
+    for name in ("max_seq_len", "microbatches", "buffer_size", "decode_workers"):
+        if getattr(data, name) < 1:
+            raise ConfigError(f"data.{name}: must be >= 1, got {getattr(data, name)}")
+    if data.max_pack_age < 0:
+        raise ConfigError(f"data.max_pack_age: must be >= 0 rounds, got {data.max_pack_age}")
+    if data.microbatches < par.pp:
+        raise ConfigError(
+            f"data.microbatches: {data.microbatches} microbatches cannot keep parallel.pp = {par.pp} stages busy"
+        )
+    if not data.sources:
+        raise ConfigError("data.sources: at least one source is needed")
+    names = [s.name for s in data.sources]
+    for i, src in enumerate(data.sources):
+        if src.modality not in ("image", "audio", "text"):
+            raise ConfigError(f"data.sources[{i}].modality: {src.modality!r} is not image, audio or text")
+        if src.modality == "image" and cfg.model.vit is None:
+            raise ConfigError(f"data.sources[{i}].modality: image source {src.name!r} but no [model.vit]")
+        if src.modality == "audio" and cfg.model.audio is None:
+            raise ConfigError(f"data.sources[{i}].modality: audio source {src.name!r} but no [model.audio]")
+        if (src.min_pixels is not None or src.max_pixels is not None) and src.modality != "image":
+            raise ConfigError(f"data.sources[{i}].min_pixels: resize bounds are for image sources only")
+        vit = cfg.model.vit
+        if src.modality == "image" and vit is not None:
+            lo = src.min_pixels if src.min_pixels is not None else vit.min_pixels
+            hi = src.max_pixels if src.max_pixels is not None else vit.max_pixels
+            if not 0 < lo <= hi:
+                raise ConfigError(
+                    f"data.sources[{i}].max_pixels: need 0 < min_pixels ({lo}) <= max_pixels ({hi})"
+                )
+        missing = _missing_shards(src.urls, data_root(cfg))
+        if missing:
+            raise ConfigError(f"data.sources[{i}].urls: {missing} (source {src.name!r})")
+    if names.count(names[0]) != 1 or len(set(names)) != len(names):
+        raise ConfigError(f"data.sources: source names must be unique, got {names}")
+    if not data.mixture:
+        raise ConfigError("data.mixture: at least one phase is needed")
+    last = 0
+    for i, ph in enumerate(data.mixture):
+        bad = sorted(set(ph.weights) - set(names))
+        if bad:
+            raise ConfigError(f"data.mixture[{i}].weights: unknown source {bad[0]!r} (sources: {names})")
+        if any(not math.isfinite(w) or w < 0 for w in ph.weights.values()) or sum(ph.weights.values()) <= 0:
+            raise ConfigError(
+                f"data.mixture[{i}].weights: weights must be finite and >= 0 with a positive sum, got "
+                f"{dict(ph.weights)}"
+            )
+        if i < len(data.mixture) - 1:
+            if ph.until_step is None or ph.until_step <= last:
+                raise ConfigError(f"data.mixture[{i}].until_step: phases need increasing until_step values")
+            last = ph.until_step
+        elif ph.until_step is not None:
+            raise ConfigError(f"data.mixture[{i}].until_step: the last phase runs to the end; leave it out")
+    looked = tokenizer_candidates(cfg)
+    if not any(p.is_file() for p in looked):
+        raise ConfigError(
+            f"data.tokenizer: {data.tokenizer!r} not found; looked in {', '.join(str(p) for p in looked)}"
+        )
+    if cfg.train.steps < 1:
+        raise ConfigError(f"train.steps: must be >= 1, got {cfg.train.steps}")
+    unknown = sorted(set(cfg.train.recompute) - set(RECOMPUTE))
+    if unknown:
+        raise ConfigError(f"train.recompute: {unknown[0]!r} is not one of {list(RECOMPUTE)}")
+    if not par.encoder_forward_share > 0:
+        raise ConfigError(f"parallel.encoder_forward_share: must be > 0, got {par.encoder_forward_share}")
+    if par.encoder_zero not in (0, 2, 3):
+        raise ConfigError(
+            f"parallel.encoder_zero: {par.encoder_zero} is not one of 0 (encoders whole on every rank), "
+            "2 (gradients and optimizer state sharded) or 3 (parameters too)"
+        )
+    sp_size = par.ulysses if par.ulysses > 1 else (par.cp if not par.hybrid_cp else 1)
+    if par.encoder_sp < 1 or (par.encoder_sp > 1 and par.encoder_sp != sp_size):
+        raise ConfigError(
+            f"parallel.encoder_sp: {par.encoder_sp} must be 1 or the LLM's sequence-parallel size, whose "
+            f"group the encoders share: parallel.ulysses ({par.ulysses}) or, for plain CP, parallel.cp "
+            f"({par.cp}; not with parallel.hybrid_cp {par.hybrid_cp}, whose CP blocks change per pack)"
+        )
+    if par.long_threshold < 1:
+        raise ConfigError(f"parallel.long_threshold: must be >= 1 token, got {par.long_threshold}")
+    if par.planner_evaluations < 1:
+        raise ConfigError(f"parallel.planner_evaluations: must be >= 1, got {par.planner_evaluations}")
+    cap = par.planner_memory_cap_mib
+    if cap is not None and not (math.isfinite(cap) and cap > 0):
+        raise ConfigError(f"parallel.planner_memory_cap_mib: must be a number of MiB > 0, got {cap}")
+    if par.placement == PlacementPolicy.PLANNED and par.planner_calibration is not None:
+        # read here, before any worker starts, so a wrong run directory is a configuration error and not
+        # a traceback from every rank
+        fitted_cost_model(cfg)
+    g = cfg.data.reorder_group_size
+    if g is not None and (g < 1 or par.dp % g):
+        raise ConfigError(f"data.reorder_group_size: {g} must be >= 1 and divide parallel.dp {par.dp}")
+    if cfg.checkpoint.every < 0 or cfg.checkpoint.keep_last < 1:
+        raise ConfigError("checkpoint.every: must be >= 0 and checkpoint.keep_last >= 1")
+    if cfg.train.profile_steps < 0:
+        raise ConfigError(f"train.profile_steps: must be >= 0, got {cfg.train.profile_steps}")
+    _validate_schedule_and_memory(cfg)
+
+
+def _validate_cp(cfg: RunConfig) -> None:
+    """CP and hybrid DP/CP: what the trainer's CP path (``omni_pipeline.cp_delivery``) supports."""
+    par = cfg.parallel
+    if (par.cp > 1 or par.hybrid_cp) and par.tp > 1:
+        raise ConfigError(
+            f"parallel.cp: context parallelism together with parallel.tp {par.tp} is not supported yet"
+        )
+    if (par.cp > 1 or par.hybrid_cp) and cfg.train.compile:
+        raise ConfigError("train.compile: not supported with context parallelism (parallel.cp > 1) yet")
+    g = cfg.data.reorder_group_size
+    if (par.cp > 1 or par.hybrid_cp) and g is not None and g > 1 and par.reorder:
+        raise ConfigError(
+            f"data.reorder_group_size: {g} with context parallelism (parallel.cp {par.cp}, hybrid_cp "
+            f"{par.hybrid_cp}): the CP ranks already balance each encoder microbatch; reordering across DP "
+            "is not combined with CP, set it to 1"
+        )
+    if par.hybrid_cp and (par.ulysses > 1 or par.dp * par.cp < 2):
+        raise ConfigError(
+            f"parallel.hybrid_cp: needs dp * cp >= 2 ranks per stage to share (got dp {par.dp} x cp "
+            f"{par.cp}) and no parallel.ulysses"
+        )
+    for i, src in enumerate(cfg.data.sources):
+        if src.join_tokens < 0 or (src.join_tokens and src.modality != "text"):
+            raise ConfigError(
+                f"data.sources[{i}].join_tokens: joins text documents only, must be >= 0 "
+                f"(got {src.join_tokens} on a {src.modality} source)"
+            )
+
+
+def _validate_stage_layers(layers: list[int] | str | None, stages: int, n_layers: int, sizes: str) -> None:
+    """``parallel.stage_layers``: unset, ``"auto"``, or one count >= 1 per stage summing to the layers."""
+    if layers is None or layers == "auto":
+        return
+    if isinstance(layers, str):
+        raise ConfigError(f"parallel.stage_layers: {layers!r} is not 'auto' or a list of layer counts")
+    if len(layers) != stages:
+        raise ConfigError(
+            f"parallel.stage_layers: {len(layers)} entries {layers}, need one per stage: parallel.pp * "
+            f"parallel.virtual_stages = {sizes} = {stages}"
+        )
+    for s, n in enumerate(layers):
+        if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+            raise ConfigError(f"parallel.stage_layers[{s}]: stage {s} must hold >= 1 layers, got {n!r}")
+    if sum(layers) != n_layers:
+        raise ConfigError(
+            f"parallel.stage_layers: {layers} sum to {sum(layers)}, model.llm.n_layers is {n_layers}"
+        )
+
+
+def _validate_schedule_and_memory(cfg: RunConfig) -> None:
+    """``parallel.schedule`` / ``virtual_stages`` against the model and the microbatches, and the
+    activation memory options (``train.recompute_modules``, ``train.offload``)."""
+    par, llm, train = cfg.parallel, cfg.model.llm, cfg.train
+    v, m = par.virtual_stages, cfg.data.microbatches
+    if v < 1:
+        raise ConfigError(f"parallel.virtual_stages: must be >= 1, got {v}")
+    if v > 1 and par.schedule == ScheduleKind.ONE_F_ONE_B:
+        raise ConfigError(
+            f"parallel.virtual_stages: {v} stages per rank need parallel.schedule = 'interleaved' or "
+            "'gpipe' (1f1b holds one stage per rank)"
+        )
+    if llm.n_layers < par.pp * v:
+        raise ConfigError(
+            f"model.llm.n_layers: {llm.n_layers} layers cannot fill parallel.pp * parallel.virtual_stages "
+            f"= {par.pp} * {v} = {par.pp * v} stages"
+        )
+    if llm.tie_embeddings and par.pp * v > 1:
+        raise ConfigError(
+            f"model.llm.tie_embeddings: needs one LLM stage (parallel.pp * parallel.virtual_stages = "
+            f"{par.pp * v}): the embedding and the LM head would sit on different stages"
+        )
+    # The interleaved schedule runs microbatches in rounds of max(1, M // pp) (torch's and Megatron's
+    # ScheduleInterleaved1F1B rule), which must divide M.
+    rounds = max(1, m // par.pp)
+    if par.schedule == ScheduleKind.INTERLEAVED and m % rounds:
+        raise ConfigError(
+            f"data.microbatches: {m} microbatches do not split into the interleaved schedule's "
+            f"{rounds} rounds (max(1, microbatches // parallel.pp) with parallel.pp = {par.pp}, "
+            f"parallel.virtual_stages = {v}); use a multiple of parallel.pp"
+        )
+    _validate_stage_layers(par.stage_layers, par.pp * v, llm.n_layers, f"{par.pp} * {v}")
+    if par.stage_calibration is not None:
+        if not par.stage_calibration.strip():  # "" would read the working directory, or be taken as unset
+            raise ConfigError(
+                "parallel.stage_calibration: an empty path; name a run directory, or leave it unset"
+            )
+        if par.stage_layers != "auto":
+            raise ConfigError(
+                f"parallel.stage_calibration: calibrates the 'auto' split; parallel.stage_layers is "
+                f"{par.stage_layers!r}"
+            )
+        vocab = load_tokenizer(cfg.data).get_vocab_size()  # found: checked above
+        # read here: a bad run directory is a config error
+        stage_split(par, cfg.model.llm_config(vocab), cfg.data.max_seq_len)
+    for name, allowed in (("recompute_modules", RECOMPUTE_MODULES), ("offload", OFFLOAD)):
+        unknown = sorted(set(getattr(train, name)) - set(allowed))
+        if unknown:
+            raise ConfigError(f"train.{name}: {unknown[0]!r} is not one of {list(allowed)}")
+    both = sorted(set(train.offload) & set(train.recompute))
+    if both and not train.recompute_modules:
+        raise ConfigError(
+            f"train.offload: {both[0]!r} is also in train.recompute with whole blocks recomputed (no "
+            "train.recompute_modules): such a block keeps no activations to offload; choose one"
+        )

@@ -1,0 +1,146 @@
+"""State that loads into any parallel layout, pipeline parallelism included: name-keyed optimizer state
+without per-rank membership lists, and per-replica plain state (data-loader positions) as tensor rows.
+
+Why :func:`~omni_ckpt.optimizer_state_dict` alone is not enough under pipeline parallelism: it lists, in
+each of its ``param_groups``, the names of the parameters *this rank* holds, and it lists this rank's
+parameters without state under ``no_state``. Plain objects are saved per rank and load under another
+world size only when every saved rank holds the same value (:func:`omni_ckpt.load`); pipeline ranks hold
+different parameters, so those lists differ and a checkpoint saved at pp=2 does not load into one process.
+:func:`portable_optimizer_state_dict` leaves both lists out: the state tensors stay keyed by parameter name
+(each saved once, by a rank that holds it), the groups keep their hyperparameters only, and
+:func:`load_portable_optimizer_state_dict` takes group membership from the loading optimizer itself (which
+its own layout decided). A parameter whose state the checkpoint lacks resumes with none, as with
+:func:`~omni_ckpt.load_optimizer_state_dict` (its placeholder is removed by the load).
+
+Per-replica plain state (each DP replica's loader position, a msgpack-serialisable value) differs across
+ranks too; :func:`object_rows` stores it as row ``index`` of a ``uint8`` tensor of rows (msgpack bytes with
+an 8-byte little-endian length prefix, zero padded to a common power-of-two width), which any rank of any
+later layout reads with :func:`load_object_rows` (every row is checksummed like any tensor).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import msgpack
+import torch
+import torch.distributed as dist
+
+from omni_ckpt.load import load
+from omni_ckpt.optim import load_optimizer_state_dict, optimizer_state_dict
+from omni_ckpt.sharding import BoxShard
+
+__all__ = [
+    "load_object_rows",
+    "load_portable_optimizer_state_dict",
+    "object_rows",
+    "portable_optimizer_state_dict",
+]
+
+_MIN_WIDTH = 4096
+
+
+def portable_optimizer_state_dict(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    """:func:`~omni_ckpt.optimizer_state_dict` without its per-rank lists (see the module docstring):
+    ``{"state": {name: {...} or Placeholder}, "param_groups": [hyperparameters]}``. Save it, or load into it.
+
+    Raises:
+        ValueError: a parameter of the optimizer is not in ``model``.
+    """
+    sd = optimizer_state_dict(model, optimizer)
+    groups = [{k: v for k, v in g.items() if k != "params"} for g in sd["param_groups"]]
+    return {"state": sd["state"], "param_groups": groups}
+
+
+def load_portable_optimizer_state_dict(
+    model: torch.nn.Module, optimizer: torch.optim.Optimizer, state: dict[str, Any]
+) -> None:
+    """Give ``optimizer`` the loaded ``state`` (a :func:`portable_optimizer_state_dict`, filled by a load):
+    the moments by name, the hyperparameters by group position, group membership its own.
+
+    Raises:
+        ValueError: the state has another number of parameter groups than ``optimizer``, or names a
+            parameter the optimizer does not hold.
+    """
+    members = [g["params"] for g in optimizer_state_dict(model, optimizer)["param_groups"]]
+    groups = state["param_groups"]
+    if len(groups) != len(members):
+        raise ValueError(
+            f"optimizer state has {len(groups)} parameter groups, the optimizer has {len(members)}"
+        )
+    load_optimizer_state_dict(
+        model,
+        optimizer,
+        {"state": state["state"], "param_groups": [dict(g, params=m) for g, m in zip(groups, members)]},
+    )
+
+
+def object_rows(
+    value: Any,
+    index: Sequence[int],
+    shape: Sequence[int],
+    *,
+    process_group: dist.ProcessGroup | None = None,
+) -> dict[str, Any]:
+    """``value`` as row ``index`` of a ``uint8 [*shape, width]`` tensor of rows, to put in a saved state.
+
+    Collective over ``process_group`` (default: the world, when initialised): one all-reduce agrees on the
+    width. Ranks passing the same ``index`` must pass the same value (replicas of one state); one of them
+    is written. Every index of ``shape`` must be passed by some rank.
+
+    Args:
+        value: msgpack-serialisable plain data (e.g. an omni-data loader's ``state_dict()``).
+        index: this value's row, e.g. ``(dp_rank,)`` or ``(dp_rank, pp_rank)``.
+        shape: rows per dimension, e.g. ``(dp,)``.
+
+    Returns:
+        ``{"shape": [...], "width": int, "rows": BoxShard}``.
+
+    Raises:
+        ValueError: ``index`` outside ``shape``.
+    """
+    index, shape = tuple(int(i) for i in index), tuple(int(s) for s in shape)
+    if len(index) != len(shape) or not all(0 <= i < s for i, s in zip(index, shape)):
+        raise ValueError(f"object_rows: index {index} is outside shape {shape}")
+    blob = msgpack.packb(value)
+    need = torch.tensor([8 + len(blob)], dtype=torch.int64)
+    if dist.is_initialized():
+        dist.all_reduce(need, op=dist.ReduceOp.MAX, group=process_group)
+    # a power of two keeps the tensor's shape, and so the manager's cached save plan, stable over saves
+    width = max(_MIN_WIDTH, 1 << (int(need) - 1).bit_length())
+    row = torch.zeros(width, dtype=torch.uint8)
+    row[:8] = torch.frombuffer(bytearray(len(blob).to_bytes(8, "little")), dtype=torch.uint8)
+    row[8 : 8 + len(blob)] = torch.frombuffer(bytearray(blob), dtype=torch.uint8)
+    local = row.reshape(*([1] * len(shape)), width)
+    return {"shape": list(shape), "width": width, "rows": BoxShard(local, (*shape, width), (*index, 0))}
+
+
+def load_object_rows(url: str, key: str, indices: Sequence[Sequence[int]]) -> list[Any]:
+    """The values :func:`object_rows` saved under ``state[key]`` at each of ``indices`` (no collectives).
+
+    Args:
+        url: the checkpoint step (``CheckpointManager.step_url(step)``).
+        key: the top-level key the rows were saved under.
+        indices: rows to read, e.g. ``[(dp_rank,)]``, or every old replica's to re-split a loader.
+
+    Raises:
+        ValueError: an index outside the saved shape, or a row whose length prefix exceeds it (named).
+        omni_ckpt.CheckpointError: as :func:`omni_ckpt.load` (the key missing, a checksum mismatch).
+    """
+    head: dict[str, Any] = {key: {"shape": None, "width": None}}
+    load(head, url)
+    shape, width = tuple(int(s) for s in head[key]["shape"]), int(head[key]["width"])
+    out = []
+    for idx in indices:
+        idx = tuple(int(i) for i in idx)
+        if len(idx) != len(shape) or not all(0 <= i < s for i, s in zip(idx, shape)):
+            raise ValueError(f"{url}: {key} row {idx} is outside the saved rows {shape}")
+        local = torch.zeros(*([1] * len(shape)), width, dtype=torch.uint8)
+        load({key: {"rows": BoxShard(local, (*shape, width), (*idx, 0))}}, url)
+        raw = local.reshape(width).numpy().tobytes()
+        n = int.from_bytes(raw[:8], "little")
+        if not 0 < n <= width - 8:
+            raise ValueError(f"{url}: {key} row {idx}: length {n} does not fit the row of {width - 8} bytes")
+        out.append(msgpack.unpackb(raw[8 : 8 + n], strict_map_key=False))
+    return out
