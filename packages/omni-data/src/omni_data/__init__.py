@@ -85,4 +85,4 @@ __all__ = [
     "text_members",
     "to_rgb",
 ]
-__version__ = "0.2.0"
+__version__ = "0.3.0"

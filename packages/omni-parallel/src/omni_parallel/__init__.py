@@ -137,4 +137,4 @@ __all__ = [
     "uses_device_kernel",
     "varlen_attention",
 ]
-__version__ = "0.3.0"
+__version__ = "0.4.0"

@@ -180,4 +180,4 @@ __all__ = [
     "validate_comms",
     "write_chrome_trace",
 ]
-__version__ = "0.3.0"
+__version__ = "0.4.0"
