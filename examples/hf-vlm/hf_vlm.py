@@ -99,7 +99,7 @@ def train(data, out, *, pp, steps, save_at=None, resume=None, microbatches=MICRO
     )
     # the step's objective is a plain sum over ranks: LLM gradients summed over DP, encoders over all
     sync_llm, sync_encoders = par.apply_dp([stage], ps), par.apply_encoder_zero(encoders, encoders.towers, ps)
-    groups = pipe.PipelineGroups(pp=pp_group, encoder_p2p=ps.encoder_p2p_group)
+    groups = pipe.PipelineGroups.from_state(ps)
     anchor, reduce = pipe.EncoderAnchor(dict(encoders.towers)), lambda: sync_llm() or sync_encoders()
     executor = pipe.PipelineExecutor({pp_rank: stage}, anchor, None, groups, reduce_gradients=reduce)
     manager = ckpt.CheckpointManager(out)  # async: save() returns once staged, the optimizer may step

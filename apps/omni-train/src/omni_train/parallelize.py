@@ -8,7 +8,7 @@ the gradient syncs of the LLM and of the encoders (``parallel.encoder_zero``) th
 reduction (a plain sum; :mod:`omni_parallel.parallelize` states it). :func:`family_blocks` names the
 blocks of a family of this app's model.
 
-:func:`pipeline_groups` gives the executor its process groups.
+The executor's process groups come from ``omni_pipeline.PipelineGroups.from_state``.
 """
 
 from __future__ import annotations
@@ -33,12 +33,11 @@ from omni_parallel.parallelize import (
     training_dtypes,
 )
 from omni_parallel.tensor_parallel import llama_tp_plan
-from omni_pipeline import PipelineGroups
 from omni_train.config import RECOMPUTE, TrainSection
 from omni_train.encoders import Encoders
 from omni_train.pipeline import RankStages
 
-__all__ = ["BRANCHES", "ParallelModel", "family_blocks", "parallelize", "pipeline_groups"]
+__all__ = ["BRANCHES", "ParallelModel", "family_blocks", "parallelize"]
 
 # train.recompute_modules -> the residual-branch method of Block / EncoderBlock it checkpoints
 BRANCHES = {"attention": "attention_branch", "mlp": "mlp_branch"}
@@ -102,20 +101,3 @@ def parallelize(
         apply_dp([stage], ps),
         apply_encoder_zero(encoders, encoders.towers, ps, encoder_zero, blocks=blocks),
     )
-
-
-def pipeline_groups(ps: ParallelState) -> PipelineGroups:
-    """The executor's groups, created by ``ParallelState.build`` with every other group
-    (``GroupSpec(encoder_p2p=True)``): the LLM's ``pp`` group and, for encoder outputs and their
-    gradients, ``ps.encoder_p2p_group`` over the same ranks in the same order, so encoder and LLM
-    transfers between two ranks never share a communicator (NCCL ignores P2P tags). No reduction group:
-    the gradient syncs of :func:`parallelize` are the executor's hook.
-
-    Raises:
-        ValueError: ``pp`` > 1 and ``ps`` was built without the encoders' point-to-point group.
-    """
-    if ps.size("pp") == 1:
-        return PipelineGroups()
-    if ps.encoder_p2p_group is None:
-        raise ValueError("pp > 1: build the ParallelState with GroupSpec(encoder_p2p=True)")
-    return PipelineGroups(pp=ps.group("pp"), encoder_p2p=ps.encoder_p2p_group)

@@ -25,7 +25,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from omni_data.zero_redundancy import FilteredStep
 from omni_parallel import ParallelState
@@ -33,14 +32,12 @@ from omni_pipeline import (
     RECORDS_FILE,
     CPSharding,
     DataFlow,
-    FlowRecord,
     RecordWriter,
     StepInputs,
     StepPlanner,
-    StepRecord,
     StepResult,
-    action_records,
     action_tokens,
+    gather_step_records,
 )
 from omni_train.checkpointing import TrainCheckpoint
 from omni_train.config import RunConfig
@@ -159,19 +156,14 @@ class RunOutputs:
         ranks record nothing."""
         if any(ps.local_rank(a) for a in ("dp", "tp", "cp", "ulysses")):
             return
-        pp_rank, pp = ps.local_rank("pp"), ps.size("pp")
+        pp_rank = ps.local_rank("pp")
         llm, enc = action_tokens(inputs.packs, fs.microbatches, image_merge=image_merge)
-        mine: list[Any] = action_records(step, result.timeline, llm, enc, result.waits)
-        end = max((ev.end_s for ev in result.timeline), default=0.0)
-        mine += [*result.p2p, StepRecord(step, pp_rank, wall, end)]
-        if planned and pp_rank == 0:
-            mine.append(FlowRecord(step, inputs.plan.flow.to_json()))
-        gathered: list[Any] | None = [mine]
-        if pp > 1:
-            gathered = [None] * pp if self.rank == 0 else None
-            dist.gather_object(mine, gathered, dst=0, group=ps.group("pp"))
-        if self.records is not None and gathered is not None:
-            records = [r for rank in gathered for r in rank]
+        flow = inputs.plan.flow if planned and pp_rank == 0 else None
+        pp_group = ps.group("pp") if ps.size("pp") > 1 else None
+        records = gather_step_records(
+            step, result, llm, enc, wall_s=wall, pp_rank=pp_rank, pp_group=pp_group, flow=flow
+        )
+        if self.records is not None and records is not None:
             self.writes.submit(f"{self.records.path}, step {step}", self.records.write, records)
 
     def log(self, step: int, metrics: dict[str, Any]) -> None:

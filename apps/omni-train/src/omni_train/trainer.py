@@ -33,6 +33,7 @@ import torch.distributed as dist
 from torch.profiler import record_function
 
 from omni_data.zero_redundancy import FilteredStep
+from omni_parallel.data_parallel import wait_for_ranks
 from omni_parallel.grad_clip import clip_grad_norm_
 from omni_pipeline import StepInputs, StepResult, build_schedule
 from omni_train import wiring
@@ -228,12 +229,7 @@ class Trainer:
         rank to arrive (a one-element all-reduce over the world, which every rank's sync waits for
         anyway: the slowest rank's last backward), so that ``time_s_per_rank`` tells the pipeline's
         drain imbalance (``reduce_wait``) from the collectives' own cost (``grad_reduce``)."""
-        start = time.perf_counter()
-        if self.world > 1:
-            dist.all_reduce(torch.zeros(1, device=self.device))
-            if self.device.type == "cuda":  # the collective is asynchronous to the host there
-                torch.cuda.synchronize(self.device)
-        wait = time.perf_counter() - start
+        wait = wait_for_ranks(self.device)
         self.sync_llm()
         self.sync_encoders(self._step_media)  # towers that ran nowhere this step have zeros to sum
         return wait

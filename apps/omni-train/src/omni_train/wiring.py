@@ -64,7 +64,7 @@ from omni_train.data_pipeline import build_step_stream
 from omni_train.encoders import Encoders
 from omni_train.models import LLMConfig
 from omni_train.optim import build_optimizer
-from omni_train.parallelize import parallelize, pipeline_groups
+from omni_train.parallelize import parallelize
 from omni_train.pipeline import RankStages, build_rank_stages, llm_shape, planner_spec, stage_split
 from omni_train.step_metrics import StepMetrics
 
@@ -382,7 +382,7 @@ def executor(
     device: torch.device,
     reduce_gradients: Callable[[], float],
 ) -> tuple[PipelineGroups, PipelineExecutor]:
-    """The executor's groups (:func:`omni_train.parallelize.pipeline_groups`) and the executor over this
+    """The executor's groups (``PipelineGroups.from_state``) and the executor over this
     rank's stages and the encoder anchor; ``reduce_gradients`` is its hook after the step's last
     backward. Each step's functions are the step builder's (closures over that step's inputs)."""
     anchor = EncoderAnchor(
@@ -390,7 +390,7 @@ def executor(
         EncoderParallelConfig(zero_stage=cfg.parallel.encoder_zero),
         EncoderDataConfig(max_seq_len=pack_tokens(cfg, sharding) * cfg.data.microbatches),
     )
-    groups = pipeline_groups(ps)
+    groups = PipelineGroups.from_state(ps)
     return groups, PipelineExecutor(
         parts.stage.chunks, anchor, None, groups, device=device, reduce_gradients=reduce_gradients
     )

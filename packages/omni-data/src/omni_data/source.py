@@ -48,6 +48,7 @@ from PIL import Image
 from webdataset.shardlists import expand_urls
 from webdataset.tariterators import base_plus_ext
 
+from omni_data.compressed import GzipShard, UnsupportedCompressionError, wrap_compressed
 from omni_data.node import LayoutMismatchError, StatefulNode
 from omni_data.sample import MemberRef, Modality, SampleMeta
 from omni_data.skips import SkipLedger
@@ -61,13 +62,23 @@ from omni_data.tokens import (
     resampled_length,
 )
 
-__all__ = ["AUDIO_EXTS", "IMAGE_EXTS", "EmptySourceError", "LayoutMismatchError", "WebDatasetSource"]
+__all__ = [
+    "AUDIO_EXTS",
+    "IMAGE_EXTS",
+    "EmptySourceError",
+    "LayoutMismatchError",
+    "UnsupportedCompressionError",
+    "WebDatasetSource",
+]
 
 IMAGE_EXTS = ("jpg", "jpeg", "png", "webp")
 AUDIO_EXTS = ("flac", "wav", "ogg")
 _IMAGE_HEADER_BYTES = 1 << 16  # enough for PNG IHDR and JPEG SOF behind typical EXIF blocks
 _AUDIO_HEADER_BYTES = 1 << 12  # FLAC STREAMINFO (and any leading metadata blocks of test files)
 _INLINE_BYTES = 1 << 13  # json/txt and small members come with the header walk, no seek back
+# a gzip shard is inflated front to back by the header walk anyway: members up to this size come with it
+_GZIP_INLINE_BYTES = 1 << 24
+_UNKNOWN_END = 1 << 62  # a gzip shard's length before its end has been inflated
 _PERSISTENT = (FileNotFoundError, PermissionError, IsADirectoryError, NotADirectoryError)
 
 
@@ -76,11 +87,16 @@ def open_shard(url: str) -> Any:
 
     fsspec's ``memory://`` hands every ``open`` the one shared buffer of the file (and seeks it to 0), so
     two handles would move each other; there the bytes are copied into a private buffer.
+    A gzip shard (by content: magic ``1f 8b``) comes back as a :class:`~omni_data.compressed.GzipShard`,
+    a seekable handle on its decompressed tar, so offsets everywhere are offsets in the tar.
+
+    Raises:
+        UnsupportedCompressionError: the shard is zstd, bzip2 or xz compressed (named in the message).
     """
     f = fsspec.open(url, "rb").open()
     if isinstance(f, MemoryFile):
-        return io.BytesIO(bytes(f.getbuffer()))
-    return f
+        f = io.BytesIO(bytes(f.getbuffer()))
+    return wrap_compressed(f, url)
 
 
 class EmptySourceError(RuntimeError):
@@ -425,10 +441,12 @@ class WebDatasetSource(StatefulNode[SampleMeta]):
                 skip_shard(f"shard:{url}", f"unreadable shard ({type(e).__name__})")
             return
         with f:
-            size = f.seek(0, io.SEEK_END)
+            gz = isinstance(f, GzipShard)
+            size = _extent(f) if gz else f.seek(0, io.SEEK_END)
             if size == 0:
                 skip_shard(f"shard:{url}", "empty shard")
                 return
+            inline = _GZIP_INLINE_BYTES if gz else _INLINE_BYTES
             start = pos["offset"]
             members: dict[str, TarMember] = {}
             cur_key: str | None = None
@@ -438,7 +456,7 @@ class WebDatasetSource(StatefulNode[SampleMeta]):
             counted = False  # damage already counted: a shard of random bytes is one skip, not also empty
             side = _SideFile(url)
             try:
-                for info in itertools.chain(iter_members(f, start, size, inline=_INLINE_BYTES), [None]):
+                for info in itertools.chain(iter_members(f, start, size, inline=inline), [None]):
                     if isinstance(info, TarDamage):
                         # the members between the bad header and the next good one are lost: they belonged
                         # to the sample being read, to samples in between, or to the next one
@@ -456,6 +474,8 @@ class WebDatasetSource(StatefulNode[SampleMeta]):
                         poison = False
                     if cur_key is not None and key != cur_key:
                         any_sample = True
+                        if gz:
+                            size = _extent(f)  # known once the walk has reached the end of the stream
                         meta = self._finish(url, cur_key, members, size, side, cur_key in damaged)
                         # resume point: the header of the next sample's first member (or the shard's end)
                         pos["offset"] = size if info is None else info.header
@@ -471,6 +491,11 @@ class WebDatasetSource(StatefulNode[SampleMeta]):
                     members[ext.lower()] = info
             finally:
                 side.close()
+            if gz:
+                size = _extent(f)
+                if f.damage is not None:
+                    skip_shard(f"shard:{url}@{f.size}", f"damaged gzip stream, rest of shard lost: {f.damage}")
+                    counted = True
             if any(m.offset + m.size > size for m in members.values()):
                 skip_shard(f"shard:{url}@{size}", "shard cut off (the samples after the cut are lost)")
             if not any_sample and not counted:
@@ -592,6 +617,11 @@ class WebDatasetSource(StatefulNode[SampleMeta]):
         if n < 1 or r < 1:
             raise _SkipSample("empty audio")
         return n, r
+
+
+def _extent(f: Any) -> int:
+    """A gzip shard's decompressed length if known yet, else a bound past any offset."""
+    return f.size if f.size is not None else _UNKNOWN_END
 
 
 def _by_shard(walk: _Walk) -> list[_Walk]:

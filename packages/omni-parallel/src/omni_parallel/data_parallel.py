@@ -15,15 +15,33 @@ of ViT gradients the flatten and copy-back cost 5-9 ms per step per rank.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterable
 
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-__all__ = ["FlatGradients", "all_reduce_gradients"]
+__all__ = ["FlatGradients", "all_reduce_gradients", "wait_for_ranks"]
 
 _BUCKET_BYTES = 25 * 2**20
+
+
+def wait_for_ranks(device: torch.device, group: dist.ProcessGroup | None = None) -> float:
+    """Block until every rank of ``group`` (default: the world) arrives; returns the seconds waited.
+
+    A one-element all-reduce that every gradient sync would wait on anyway (the slowest rank's last
+    backward); timed apart, it tells a pipeline's drain imbalance from the cost of the reduction itself.
+    On CUDA the collective is asynchronous to the host, so the device is synchronised before the clock
+    stops. 0.0 without an initialised process group or with one rank (no collective).
+    """
+    if not dist.is_initialized() or dist.get_world_size(group) == 1:
+        return 0.0
+    start = time.perf_counter()
+    dist.all_reduce(torch.zeros(1, device=device), group=group)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter() - start
 
 
 def all_reduce_gradients(

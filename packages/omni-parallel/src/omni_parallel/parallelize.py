@@ -296,8 +296,8 @@ def apply_encoder_zero(
     Raises:
         ValueError: ``zero_stage`` other than 0, 2 or 3, or ``blocks`` naming a tower not in ``towers``.
     """
-    if zero_stage not in (0, 2, 3):
-        raise ValueError(f"apply_encoder_zero: ZeRO stage {zero_stage} is not supported (0, 2 or 3)")
+    if isinstance(zero_stage, bool) or not isinstance(zero_stage, int) or zero_stage not in (0, 2, 3):
+        raise ValueError(f"apply_encoder_zero: ZeRO stage {zero_stage!r} is not supported (zero_stage: 0, 2 or 3)")
     blocks = dict(blocks or {})
     unknown = sorted(set(blocks) - set(towers))
     if unknown:

@@ -49,6 +49,7 @@ from omni_pipeline.records import (
     RunRecords,
     StepRecord,
     action_records,
+    gather_step_records,
     read_records,
 )
 from omni_pipeline.schedules import (
@@ -151,6 +152,7 @@ __all__ = [
     "fit_run",
     "fitted_cost_model",
     "flow_index",
+    "gather_step_records",
     "image_patches",
     "isolated",
     "layer_costs",

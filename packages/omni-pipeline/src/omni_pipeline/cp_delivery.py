@@ -340,7 +340,8 @@ class CPSpec:
         encoder_sp: 1, or (plain CP only) ``cp``: the encoders run long-short SP over the CP group.
 
     Raises:
-        ValueError: a count below 1.
+        ValueError: an unknown ``method``; a count below 1 (``max_tokens``: below 0, or below 1 under
+            ``hybrid``) or not an int; a flag not a bool; ``encoder_sp`` > 1 under ``hybrid``.
     """
 
     method: CPAttention | str = CPAttention.ALLGATHER
@@ -353,9 +354,20 @@ class CPSpec:
     encoder_sp: int = 1
 
     def __post_init__(self) -> None:
-        for name in ("attention_len", "microbatches", "slices", "encoder_sp"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"CPSpec.{name} must be >= 1, got {getattr(self, name)!r}")
+        methods = [str(m) for m in CPAttention]
+        if self.method not in methods:
+            raise ValueError(f"CPSpec.method must be one of {methods}, got {self.method!r}")
+        for name in ("attention_len", "microbatches", "slices", "encoder_sp", "max_tokens"):
+            value, least = getattr(self, name), int(name != "max_tokens")
+            if not isinstance(value, int) or isinstance(value, bool):
+                raise ValueError(f"CPSpec.{name} must be an int, got {value!r}")
+            if value < least:
+                raise ValueError(f"CPSpec.{name} must be >= {least}, got {value!r}")
+        for name in ("hybrid", "balance"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"CPSpec.{name} must be a bool, got {getattr(self, name)!r}")
+        if self.hybrid and self.encoder_sp != 1:
+            raise ValueError(f"CPSpec.encoder_sp must be 1 under hybrid DP/CP, got {self.encoder_sp!r}")
         if self.hybrid and self.max_tokens < 1:
             raise ValueError(f"CPSpec.max_tokens must be >= 1 under hybrid DP/CP, got {self.max_tokens!r}")
 

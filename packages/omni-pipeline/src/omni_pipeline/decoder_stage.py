@@ -106,9 +106,20 @@ class DecoderStage(nn.Module):
         the layer count) the norm and head. The modules are shared with ``lm``, not copied.
 
         Raises:
-            ValueError: ``layers`` not a non-empty ascending slice of the model's layers.
+            ValueError: ``lm`` lacks one of those attributes (naming it), or ``layers`` is not a non-empty
+                ascending slice of the model's layers.
         """
-        body = lm.model
+        body = getattr(lm, "model", None)
+        wanted = {"model.embed_tokens": "embed_tokens", "model.layers": "layers", "model.norm": "norm"}
+        wanted["model.rotary_emb"] = "rotary_emb"
+        missing = [name for name, attr in wanted.items() if not hasattr(body, attr)]
+        missing += [] if hasattr(lm, "lm_head") else ["lm_head"]
+        if missing:
+            raise ValueError(
+                f"DecoderStage.from_causal_lm: {type(lm).__name__} has no {', '.join(missing)} (expects the "
+                "transformers causal-LM layout: model.embed_tokens, model.layers, model.norm, "
+                "model.rotary_emb, lm_head)"
+            )
         n = len(body.layers)
         if layers.step != 1 or not 0 <= layers.start < layers.stop <= n:
             raise ValueError(f"DecoderStage.from_causal_lm: layers {layers} is not a slice of the {n} layers")

@@ -67,6 +67,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from omni_parallel.data_parallel import all_reduce_gradients
+from omni_parallel.state import ParallelState
 from omni_pipeline.actions import Action, ActionKind, flow_index, torch_index
 from omni_pipeline.anchor import EncoderAnchor
 from omni_pipeline.dataflow import DataFlow
@@ -100,6 +101,27 @@ class PipelineGroups:
     encoder_dp: dist.ProcessGroup | None = None
     llm_dp: dist.ProcessGroup | None = None
     encoder_p2p: dist.ProcessGroup | None = None
+
+    @classmethod
+    def from_state(cls, ps: ParallelState) -> PipelineGroups:
+        """The transfer groups of a :class:`~omni_parallel.ParallelState` built with
+        ``GroupSpec(encoder_p2p=True)``: its ``pp`` group and, for encoder outputs and their gradients,
+        ``ps.encoder_p2p_group`` over the same ranks in the same order, so encoder and LLM transfers between
+        two ranks never share a communicator (NCCL ignores P2P tags; DESIGN.md §omni-pipeline). No
+        reduction groups: pass the gradient syncs (``omni_parallel.apply_dp``,
+        ``omni_parallel.apply_encoder_zero``) as the executor's ``reduce_gradients`` hook. Creates no group.
+
+        Raises:
+            ValueError: ``pp`` > 1 and ``ps`` was built without the encoders' point-to-point group.
+        """
+        if ps.size("pp") == 1:
+            return cls()
+        if ps.encoder_p2p_group is None:
+            raise ValueError(
+                f"pp {ps.size('pp')}: build the ParallelState with GroupSpec(encoder_p2p=True) so encoder "
+                "transfers get a communicator of their own"
+            )
+        return cls(pp=ps.group("pp"), encoder_p2p=ps.encoder_p2p_group)
 
 
 @dataclass

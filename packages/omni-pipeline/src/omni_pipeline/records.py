@@ -34,6 +34,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+import torch.distributed as dist
+
 from omni_pipeline.actions import Action, ActionKind, flow_index
 from omni_pipeline.cost import ActionTokens
 from omni_pipeline.dataflow import DataFlow
@@ -49,6 +51,7 @@ __all__ = [
     "RunRecords",
     "StepRecord",
     "action_records",
+    "gather_step_records",
     "read_records",
 ]
 
@@ -219,6 +222,45 @@ def action_records(
             )
         )
     return out
+
+
+def gather_step_records(
+    step: int,
+    result: Any,
+    llm_tokens: Mapping[int, ActionTokens],
+    encoder_tokens: Mapping[int, ActionTokens],
+    *,
+    wall_s: float,
+    pp_rank: int,
+    pp_group: dist.ProcessGroup | None,
+    flow: DataFlow | None = None,
+) -> list[Record] | None:
+    """One step's records of every rank of a pipeline, gathered to the pipeline's first rank.
+
+    Each rank turns its ``result`` (a :class:`~omni_pipeline.PipelineExecutor` ``StepResult``: its
+    ``timeline``, ``waits`` and ``p2p``) into action records (:func:`action_records`), its receives and
+    one :class:`StepRecord` (``wall_s``: the whole training step's wall time, seconds); ``flow``, given on
+    pipeline rank 0 when the data flow changes from step to step, adds a :class:`FlowRecord`. Collective
+    over ``pp_group`` (``gather_object``; ``None`` for pp=1).
+
+    Returns:
+        On the pipeline's first rank, every rank's records in pipeline-rank order (what
+        :class:`RecordWriter` writes); ``None`` on the others.
+
+    Raises:
+        KeyError: an action whose microbatch has no token counts.
+    """
+    mine: list[Record] = list(action_records(step, result.timeline, llm_tokens, encoder_tokens, result.waits))
+    end = max((ev.end_s for ev in result.timeline), default=0.0)
+    mine += [*result.p2p, StepRecord(step, pp_rank, wall_s, end)]
+    if flow is not None:
+        mine.append(FlowRecord(step, flow.to_json()))
+    if pp_group is None or dist.get_world_size(pp_group) == 1:
+        return mine
+    first = dist.get_global_rank(pp_group, 0)
+    gathered: list[Any] | None = [None] * dist.get_world_size(pp_group) if dist.get_rank() == first else None
+    dist.gather_object(mine, gathered, dst=first, group=pp_group)
+    return None if gathered is None else [r for rank in gathered for r in rank]
 
 
 _TYPES = {"action": ActionRecord, "p2p": P2PRecord, "step": StepRecord, "flow": FlowRecord}

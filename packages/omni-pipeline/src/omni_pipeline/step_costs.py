@@ -49,7 +49,12 @@ _P2P_LATENCY_S, _P2P_BANDWIDTH_BPS = 10e-6, 25e9
 class ModelScale:
     """The sizes the cost model times: matmul parameters, width and layers of the LLM and of each
     encoder tower (keyed by modality name, ``"image"`` / ``"audio"``), and the image tower's patch
-    merge (``image_merge x image_merge`` ViT patches per LLM token: the encoder sequence of an image)."""
+    merge (``image_merge x image_merge`` ViT patches per LLM token: the encoder sequence of an image).
+
+    Raises:
+        ValueError: ``llm_params`` not > 0, ``llm_dim``, ``llm_layers`` or ``image_merge`` < 1, or a tower's
+            parameters, width or layers not > 0 (naming the field and tower).
+    """
 
     llm_params: float
     llm_dim: int
@@ -58,6 +63,21 @@ class ModelScale:
     encoder_dim: dict[str, int]
     encoder_layers: dict[str, int]
     image_merge: int = 2
+
+    def __post_init__(self) -> None:
+        scalars = {
+            "llm_params": self.llm_params,
+            "llm_dim": self.llm_dim,
+            "llm_layers": self.llm_layers,
+            "image_merge": self.image_merge,
+        }
+        for name in ("encoder_params", "encoder_dim", "encoder_layers"):
+            scalars.update({f"{name}[{k!r}]": v for k, v in getattr(self, name).items()})
+        for name, value in scalars.items():
+            if isinstance(value, bool) or not isinstance(value, int | float) or not value > 0:
+                raise ValueError(f"ModelScale.{name} must be a number > 0, got {value!r}")
+        if self.image_merge != int(self.image_merge):
+            raise ValueError(f"ModelScale.image_merge must be a whole number, got {self.image_merge!r}")
 
 
 MODEL_SCALES = {

@@ -117,7 +117,9 @@ class StepSpec:
         sp, sp_rank: Ulysses size and this rank's index in the Ulysses group.
 
     Raises:
-        ValueError: ``llm_dim`` or ``sp`` below 1, or ``sp_rank`` outside ``[0, sp)``.
+        ValueError: ``llm_dim`` or ``sp`` below 1, or ``sp_rank`` outside ``[0, sp)`` (or not ints);
+            ``builds_text`` not a bool; a placeholder keyed by something other than ``image`` / ``audio``,
+            or a token id that is not an int >= 0.
     """
 
     placeholders: Mapping[Modality, int]
@@ -129,6 +131,20 @@ class StepSpec:
     sp_rank: int = 0
 
     def __post_init__(self) -> None:
+        for name in ("llm_dim", "sp", "sp_rank"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool):
+                raise ValueError(f"StepSpec.{name} must be an int, got {value!r}")
+        if not isinstance(self.builds_text, bool):
+            raise ValueError(f"StepSpec.builds_text must be a bool, got {self.builds_text!r}")
+        media = {str(m) for m in _MEDIA}
+        for modality, token in self.placeholders.items():
+            if modality not in media:
+                raise ValueError(
+                    f"StepSpec.placeholders: {modality!r} is not a media modality (one of {sorted(media)})"
+                )
+            if not isinstance(token, int) or isinstance(token, bool) or token < 0:
+                raise ValueError(f"StepSpec.placeholders[{modality!r}] must be a token id >= 0, got {token!r}")
         if self.llm_dim < 1 or self.sp < 1 or not 0 <= self.sp_rank < self.sp:
             raise ValueError(
                 f"StepSpec: llm_dim {self.llm_dim} and sp {self.sp} must be >= 1 and sp_rank {self.sp_rank} "

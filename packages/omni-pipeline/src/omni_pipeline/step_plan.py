@@ -59,7 +59,8 @@ class PlannerSpec:
             next to the compute, as on a GPU.
 
     Raises:
-        ValueError: ``max_evaluations < 1``, a cap <= 0, or a rate or ``dtype_bytes`` <= 0.
+        ValueError: ``scale`` not a :class:`ModelScale`, ``max_evaluations < 1``, a cap <= 0, or a rate or
+            ``dtype_bytes`` <= 0.
     """
 
     scale: ModelScale
@@ -70,6 +71,10 @@ class PlannerSpec:
     rate_flops: float = 1e12
 
     def __post_init__(self) -> None:
+        if not isinstance(self.scale, ModelScale):
+            raise ValueError(
+                f"PlannerSpec.scale must be an omni_pipeline.ModelScale (model_scale(...)), got {self.scale!r}"
+            )
         if self.max_evaluations < 1:
             raise ValueError(f"PlannerSpec: max_evaluations must be >= 1, got {self.max_evaluations}")
         if self.memory_cap_bytes is not None and not self.memory_cap_bytes > 0:
