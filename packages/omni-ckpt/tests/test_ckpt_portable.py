@@ -112,3 +112,38 @@ def test_object_rows_checks_its_index_and_the_optimizer_groups():
     with pytest.raises(ValueError, match="1 parameter groups, the optimizer has 2"):
         load_portable_optimizer_state_dict(model, opt, state)
     assert not dist.is_initialized()
+
+
+def _save_uneven_rows(rank, world_size, root):
+    # rank 1's value needs more than the minimum row width, rank 0's does not: one width for both
+    value = {"rank": rank, "text": "x" * (9000 if rank == 1 else 3)}
+    rows = object_rows(value, (rank,), (world_size,))
+    mgr = CheckpointManager(root, async_save=False)
+    mgr.save(1, {"loader": rows})
+    mgr.close()
+    return rows["width"]
+
+
+def test_object_rows_of_different_sizes_agree_on_one_width(tmp_path):
+    root = str(tmp_path / "ckpt")
+    widths = run_world(_save_uneven_rows, 2, args=(root,))
+    assert widths == [16384, 16384]  # 8 + 9000+ bytes, to the next power of two, on both ranks
+    got = load_object_rows(f"{root}/step-00000001", "loader", [(0,), (1,)])
+    assert got == [{"rank": 0, "text": "xxx"}, {"rank": 1, "text": "x" * 9000}]
+
+
+def test_object_rows_width_is_a_power_of_two_and_a_bad_length_prefix_is_named(tmp_path):
+    # the width (and so the saved tensor's shape and the cached save plan) does not move with the value
+    assert (
+        object_rows("x" * 5000, (0,), (1,))["width"] == object_rows("x" * 7000, (0,), (1,))["width"] == 8192
+    )
+    assert object_rows({"a": 1}, (0,), (1,))["width"] == 4096
+    rows = object_rows({"a": 1}, (0,), (1,))
+    rows["rows"].local.view(-1)[:8] = torch.tensor(list((4096).to_bytes(8, "little")), dtype=torch.uint8)
+    mgr = CheckpointManager(str(tmp_path / "ckpt"), async_save=False)
+    mgr.save(1, {"loader": rows})
+    with pytest.raises(
+        ValueError, match=r"loader row \(0,\): length 4096 does not fit the row of 4088 bytes"
+    ):
+        load_object_rows(mgr.step_url(1), "loader", [(0,)])
+    mgr.close()

@@ -35,7 +35,9 @@ class _Block(nn.Module):
 
     def __init__(self, shape: TransformerShape) -> None:
         super().__init__()
-        d, kv, f = shape.dim, shape.kv_dim, int(shape.mlp_dim)
+        # sizes from the shape's fields, not from its derived properties (the model under test)
+        d, kv = shape.dim, (shape.n_kv_heads or shape.n_heads) * (shape.dim // shape.n_heads)
+        f = int(shape.ffn_dim) if shape.ffn_dim is not None else int(shape.mlp_ratio * shape.dim)
         self.shape = shape
         self.norm1, self.norm2 = nn.LayerNorm(d), nn.LayerNorm(d)
         self.q, self.k, self.v = nn.Linear(d, d), nn.Linear(d, kv), nn.Linear(d, kv)
@@ -56,7 +58,7 @@ class _Block(nn.Module):
 
     def forward(self, x: torch.Tensor, docs: list[int], causal: bool) -> torch.Tensor:
         sh = self.shape
-        h, hkv, dh = sh.n_heads, sh.kv_dim // sh.head_dim, sh.head_dim
+        h, hkv, dh = sh.n_heads, sh.n_kv_heads or sh.n_heads, sh.dim // sh.n_heads
         y = self.norm1(x)
         q = self.q(y).view(-1, h, dh).transpose(0, 1)
         k = self.k(y).view(-1, hkv, dh).transpose(0, 1).repeat_interleave(h // hkv, dim=0)
@@ -136,6 +138,14 @@ def test_bad_shapes_and_lengths_are_named():
         forward_flops(TransformerShape(dim=8), [3, -1], causal=False)
     with pytest.raises(ValueError, match="seq_len must be >= 1"):
         layer_flops_per_token(TransformerShape(dim=8), 0, causal=True)
+
+
+def test_matmul_params_counts_linear_and_conv1d_weights_only():
+    # an audio stem's Conv1d costs 2 FLOPs per weight and output frame like a Linear: counted
+    module = nn.Sequential(
+        nn.Conv1d(3, 5, kernel_size=4), nn.LayerNorm(5), nn.Embedding(7, 5), nn.Linear(5, 6)
+    )
+    assert matmul_params(module) == 3 * 5 * 4 + 5 * 6
 
 
 def test_measured_peak_is_a_positive_rate():

@@ -248,3 +248,8 @@ def test_encoder_zero_refuses_unknown_stages_and_towers():
             apply_encoder_zero(encoders, {"image": encoders["image"]}, ps, 1)
         with pytest.raises(ValueError, match=r"blocks given for towers \['video'\]"):
             apply_encoder_zero(encoders, {"image": encoders["image"]}, ps, 3, blocks={"video": []})
+        for stage in ("2", True, 2.0):  # not an int stage: refused, naming the value as given
+            with pytest.raises(
+                ValueError, match=rf"ZeRO stage {stage!r} is not supported \(zero_stage: 0, 2"
+            ):
+                apply_encoder_zero(encoders, {"image": encoders["image"]}, ps, stage)

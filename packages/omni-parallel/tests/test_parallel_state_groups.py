@@ -127,6 +127,27 @@ def test_default_reordering_group_is_the_replicas_on_one_node(monkeypatch):
         assert default_reorder_group_size(ps) == want, local
 
 
+def test_default_reordering_group_divides_every_node_share(monkeypatch):
+    # DP groups [0, 1, 2, 3] and [4, 5, 6, 7] over nodes of 6 ranks: the first group has 4 replicas on
+    # node 0, the second 2 on node 0 and 2 on node 1, so only 2 divides every node's share; nodes of 3
+    # ranks split the first group 3 + 1: only 1 does
+    ps = SimpleNamespace(world_size=8, config=ParallelConfig(pp=2, dp=4).resolve(8), order="tp-cp-ep-dp-pp")
+    for local, want in ((6, 2), (3, 1), (5, 1)):
+        monkeypatch.setenv("LOCAL_WORLD_SIZE", str(local))
+        assert default_reorder_group_size(ps) == want, local
+
+
+def _no_dp_world(rank: int, world_size: int):
+    ps = ParallelState.build(ParallelConfig(pp=2, dp=1), groups=GroupSpec(loader_dp=True, encoder_p2p=True))
+    return ps.loader_dp_group, dist.get_process_group_ranks(ps.encoder_p2p_group)
+
+
+def test_no_loader_copy_of_a_dp_group_of_one_rank():
+    for rank, (loader, p2p) in enumerate(run_world(_no_dp_world, 2, timeout_s=120)):
+        assert loader is None, rank  # documented: not created for dp 1
+        assert p2p == [0, 1], rank
+
+
 @pytest.mark.parametrize(
     "kwargs, message",
     [

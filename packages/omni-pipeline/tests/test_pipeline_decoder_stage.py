@@ -113,6 +113,23 @@ def test_a_pack_equals_its_documents_one_by_one():
         start += n
 
 
+def test_rotary_and_layers_get_the_packs_per_document_positions():
+    # RoPE alone is relative, so positions shifted by a document's offset would give the same outputs
+    # above: check what the rotary module and each layer are given instead
+    lm, seen = _CausalLM(2), []
+    lm.model.rotary_emb.register_forward_pre_hook(lambda _m, args: seen.append(("rotary", args[1])))
+    for layer in lm.model.layers:
+        layer.register_forward_pre_hook(
+            lambda _m, _a, kw: seen.append(("layer", kw["position_ids"])), with_kwargs=True
+        )
+    stage = DecoderStage.from_causal_lm(lm, range(0, 2))
+    pos = torch.tensor([0, 1, 2, 0, 0, 1])
+    stage(torch.arange(6), pos, torch.tensor([0, 3, 4, 6]))
+    assert [name for name, _ in seen] == ["rotary", "layer", "layer"]
+    for name, got in seen:
+        assert torch.equal(got, pos[None]), name
+
+
 def test_two_stages_compose_and_name_parameters_as_one():
     lm = _CausalLM()
     whole = DecoderStage.from_causal_lm(lm, range(0, 3))

@@ -101,10 +101,14 @@ class SourceConfig:
 
 @dataclass
 class MixturePhase:
-    """Source weights until ``until_step`` (exclusive; the last phase has none and runs to the end)."""
+    """Source weights until ``until_step`` (optimizer steps) or ``until_tokens`` (expanded LLM tokens drawn
+    over all DP ranks, media tokens included: the paper's "for the first 10B tokens"), exclusive. A phase
+    names one of the two; every phase of a mixture counts in the same unit; the last phase has neither
+    and runs to the end (preflight refuses anything else)."""
 
     weights: dict[str, float]
     until_step: int | None = None
+    until_tokens: int | None = None
 
 
 @dataclass
@@ -118,7 +122,8 @@ class DataConfig:
             ``HybridPacker(max_pack_age=)``): a sample is trained within ``(max_pack_age + 1) *
             buffer_size`` draws, so the trained mixture tracks the schedule; >= 0.
         decode_workers: threads per rank decoding images and audio (``ZeroRedundancyFilter``); >= 1.
-        mixture_interpolate: ``false``: each phase's weights hold until its ``until_step``; ``true``:
+        mixture_interpolate: ``false``: each phase's weights hold until its ``until_step`` (or
+            ``until_tokens``); ``true``:
             they move linearly from a phase's start to the next phase's start (``MixtureSchedule(
             interpolate=True)``), constant in the last phase.
         reorder_group_size: DP replicas per reordering group of the decentralised grouped reordering

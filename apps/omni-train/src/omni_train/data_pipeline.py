@@ -1,6 +1,7 @@
 """The run's data pipeline, built from omni-data's parts (DESIGN.md §omni-data; paper §5).
 
-``WebDatasetSource`` per source -> ``MixtureStream`` (phases of the config's mixture, by step) ->
+``WebDatasetSource`` per source -> ``MixtureStream`` (phases of the config's mixture, by step or by global
+tokens) ->
 ``HybridPacker`` -> ``PackedLoader`` (``microbatches`` packs per step) -> ``ZeroRedundancyFilter`` (this
 pipeline rank decodes only the payloads of the encoder microbatches the data flow places on it).
 
@@ -46,7 +47,7 @@ from omni_data import (
     encoder_microbatch_ids,
 )
 from omni_data.zero_redundancy import SampleIndex
-from omni_train.config import DataConfig, Packing, RunConfig
+from omni_train.config import ConfigError, DataConfig, Packing, RunConfig
 from omni_train.data_files import data_root, expand_urls
 
 __all__ = [
@@ -55,18 +56,45 @@ __all__ = [
     "encoder_imbalance",
     "encoder_load",
     "mixture_schedule",
+    "mixture_unit",
 ]
 
 
 def mixture_schedule(data: DataConfig) -> MixtureSchedule:
-    """``data.mixture``'s phases as a step-indexed :class:`MixtureSchedule` (weights missing in a phase
-    are 0; with ``data.mixture_interpolate`` linear between the phases' starts)."""
+    """``data.mixture``'s phases as a :class:`MixtureSchedule`: indexed by step when the phases end at
+    ``until_step``, by global drawn tokens (``unit="token"``, expanded LLM tokens over all DP ranks) when
+    they end at ``until_tokens``. Weights missing in a phase are 0; with ``data.mixture_interpolate``
+    linear between the phases' starts, in either unit.
+
+    Raises:
+        ConfigError: phases mixing ``until_step`` and ``until_tokens`` (preflight says so first).
+    """
     names = [s.name for s in data.sources]
+    unit = mixture_unit(data)
     points, start = [], 0
     for ph in data.mixture:
         points.append((start, {n: float(ph.weights.get(n, 0.0)) for n in names}))
-        start = ph.until_step if ph.until_step is not None else start
-    return MixtureSchedule(points, unit="step", interpolate=data.mixture_interpolate)
+        end = ph.until_tokens if unit == "token" else ph.until_step
+        start = end if end is not None else start
+    return MixtureSchedule(points, unit=unit, interpolate=data.mixture_interpolate)
+
+
+def mixture_unit(data: DataConfig) -> str:
+    """``"token"`` when the mixture's phases end at ``until_tokens``, else ``"step"``.
+
+    Raises:
+        ConfigError: some phases end at ``until_step`` and others at ``until_tokens``, or one names both.
+    """
+    steps = [i for i, ph in enumerate(data.mixture) if ph.until_step is not None]
+    tokens = [i for i, ph in enumerate(data.mixture) if ph.until_tokens is not None]
+    if steps and tokens:
+        both = sorted(set(steps) & set(tokens))
+        at = both[0] if both else max(steps[0], tokens[0])
+        raise ConfigError(
+            f"data.mixture[{at}]: phases end at until_step or at until_tokens, one unit for the whole "
+            f"mixture (until_step in phases {steps}, until_tokens in {tokens})"
+        )
+    return "token" if tokens else "step"
 
 
 def encoder_load(

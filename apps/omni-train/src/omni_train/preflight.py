@@ -16,6 +16,7 @@ from pathlib import Path
 from omni_pipeline import PlacementPolicy, ScheduleKind
 from omni_train.config import OFFLOAD, RECOMPUTE, RECOMPUTE_MODULES, ConfigError, RunConfig
 from omni_train.data_files import data_root, expand_urls, load_tokenizer, tokenizer_candidates
+from omni_train.data_pipeline import mixture_unit
 from omni_train.pipeline import fitted_cost_model, stage_split
 
 __all__ = ["validate"]
@@ -45,8 +46,9 @@ def validate(cfg: RunConfig, nproc: int) -> None:
     Raises:
         ConfigError: naming the first field that is wrong: parallel sizes vs ``nproc``, head counts not
         divisible (GQA, TP, Ulysses), fewer layers than stages, a source whose ``urls`` name no shard
-        (the message says where it looked), mixture weights naming unknown sources or phases out of
-        order, non-positive sizes, a schedule that does not fit the layers or microbatches, unknown
+        (the message says where it looked), mixture weights naming unknown sources, phases out of
+        order or mixing ``until_step`` with ``until_tokens``, non-positive sizes, a schedule that does
+        not fit the layers or microbatches, unknown
         recompute/offload names, a tokenizer found in none of the places it is looked for
         (:func:`omni_train.data_files.tokenizer_candidates`), a ``parallel.stage_calibration`` or
         ``parallel.planner_calibration`` run that does not calibrate this model
@@ -143,6 +145,7 @@ def validate(cfg: RunConfig, nproc: int) -> None:
         raise ConfigError(f"data.sources: source names must be unique, got {names}")
     if not data.mixture:
         raise ConfigError("data.mixture: at least one phase is needed")
+    unit = mixture_unit(data)  # raises on phases mixing until_step and until_tokens
     last = 0
     for i, ph in enumerate(data.mixture):
         bad = sorted(set(ph.weights) - set(names))
@@ -153,12 +156,16 @@ def validate(cfg: RunConfig, nproc: int) -> None:
                 f"data.mixture[{i}].weights: weights must be finite and >= 0 with a positive sum, got "
                 f"{dict(ph.weights)}"
             )
+        field = "until_tokens" if unit == "token" else "until_step"
+        end = ph.until_tokens if unit == "token" else ph.until_step
         if i < len(data.mixture) - 1:
-            if ph.until_step is None or ph.until_step <= last:
-                raise ConfigError(f"data.mixture[{i}].until_step: phases need increasing until_step values")
-            last = ph.until_step
-        elif ph.until_step is not None:
-            raise ConfigError(f"data.mixture[{i}].until_step: the last phase runs to the end; leave it out")
+            if end is None or isinstance(end, bool) or not isinstance(end, int) or end <= last:
+                raise ConfigError(
+                    f"data.mixture[{i}].{field}: phases need increasing integer {field} values, got {end!r}"
+                )
+            last = end
+        elif end is not None:
+            raise ConfigError(f"data.mixture[{i}].{field}: the last phase runs to the end; leave it out")
     looked = tokenizer_candidates(cfg)
     if not any(p.is_file() for p in looked):
         raise ConfigError(

@@ -22,7 +22,12 @@ from omni_data.payload import (
 from omni_data.reorder import GroupedReorderer, PlanMismatchError, ReorderPlan, encoder_flops
 from omni_data.sample import MemberRef, Modality, SampleMeta
 from omni_data.skips import SkipLedger, skip_report
-from omni_data.source import EmptySourceError, LayoutMismatchError, WebDatasetSource
+from omni_data.source import (
+    EmptySourceError,
+    LayoutMismatchError,
+    UnsupportedCompressionError,
+    WebDatasetSource,
+)
 from omni_data.tokens import AudioTokens, EncoderCost, ImageTokens, count_text_tokens, resampled_length
 from omni_data.workers import RoundRobinWorkers
 from omni_data.zero_redundancy import (
@@ -70,6 +75,7 @@ __all__ = [
     "StepBatch",
     "UndecodablePayloadError",
     "UnreadablePayloadError",
+    "UnsupportedCompressionError",
     "WebDatasetSource",
     "ZeroRedundancyFilter",
     "collate_packs",

@@ -23,7 +23,9 @@ import io
 import zlib
 from typing import Any, BinaryIO
 
-__all__ = ["GzipShard", "UnsupportedCompressionError", "compression_of", "wrap_compressed"]
+from fsspec.implementations.local import LocalFileSystem
+
+__all__ = ["GzipShard", "UnsupportedCompressionError", "compression_of", "shard_head", "wrap_compressed"]
 
 GZIP_MAGIC = b"\x1f\x8b"
 # other compressions seen on WebDataset corpora, refused by name
@@ -65,6 +67,18 @@ def compression_of(head: bytes) -> str | None:
     return None
 
 
+def shard_head(f: Any) -> bytes:
+    """The first 6 bytes of the open file ``f``, leaving it at byte 0. For a remote fsspec file, one
+    6-byte range request (``fs.cat_file``), not a read through the file, which would fetch a whole
+    read-ahead block (5 MiB by default) from the start of the shard."""
+    fs, path = getattr(f, "fs", None), getattr(f, "path", None)
+    if fs is not None and isinstance(path, str) and not isinstance(fs, LocalFileSystem):
+        return bytes(fs.cat_file(path, start=0, end=6))
+    head = f.read(6)
+    f.seek(0)
+    return head
+
+
 def wrap_compressed(f: Any, url: str, *, span: int = 4 << 20) -> Any:
     """``f`` (a seekable binary handle at byte 0) as a handle on the tar it holds: ``f`` itself for a
     plain file, a :class:`GzipShard` over it for gzip.
@@ -72,9 +86,7 @@ def wrap_compressed(f: Any, url: str, *, span: int = 4 << 20) -> Any:
     Raises:
         UnsupportedCompressionError: the file is zstd, bzip2 or xz (``f`` is closed).
     """
-    head = f.read(6)
-    f.seek(0)
-    kind = compression_of(head)
+    kind = compression_of(shard_head(f))
     if kind is None:
         return f
     if kind == "gzip":
@@ -166,7 +178,7 @@ class GzipShard(io.RawIOBase):
             if out:
                 self._out += len(out)
                 settled = not d.unconsumed_tail and not d.eof and not self._pending
-                if settled and self._out - self._points[-1][0] >= self.span and self._out > self._points[-1][0]:
+                if settled and self._out - self._points[-1][0] >= self.span:
                     self._points.append((self._out, self._in, d.copy()))
                 return out
         return b""

@@ -22,6 +22,7 @@ import torch
 from fsspec.implementations.local import LocalFileSystem
 from PIL import Image
 
+from omni_data.compressed import compression_of
 from omni_data.join import text_members
 from omni_data.sample import MemberRef, Modality, SampleMeta
 from omni_data.source import AUDIO_EXTS, IMAGE_EXTS, open_shard
@@ -178,6 +179,7 @@ class PayloadReader:
         # split document (its txt members' url, offset, size) -> all its ids, least recently used first
         self._split_ids: OrderedDict[tuple[tuple[str, int, int], ...], torch.Tensor] = OrderedDict()
         self._split_held = 0  # ids in _split_ids
+        self._plain: dict[str, bool] = {}  # shard url -> not compressed (batched reads allowed)
 
     @property
     def bytes_read(self) -> int:
@@ -220,10 +222,27 @@ class PayloadReader:
         raise AssertionError("unreachable")
 
     def uses_batches(self, url: str) -> bool:
-        """Whether :meth:`fetch` batches reads of this shard's members (``batched`` and its filesystem)."""
-        if self.batched != "auto":
-            return self.batched == "always"
-        return not _is_local(fsspec.core.url_to_fs(url)[0])
+        """Whether :meth:`fetch` batches reads of this shard's members (``batched`` and its filesystem;
+        never for a compressed shard, whose first bytes are read once per URL to tell)."""
+        if self.batched == "never" or (self.batched == "auto" and _is_local(fsspec.core.url_to_fs(url)[0])):
+            return False
+        return self._plain_shard(url)
+
+    def _plain_shard(self, url: str) -> bool:
+        """Whether the shard is an uncompressed tar (a compressed shard's member ranges are offsets in its
+        decompressed stream: read through a handle, never by byte range). A first-bytes read that fails
+        answers ``False`` (uncached): the per-handle read then retries and reports the error."""
+        with self._lock:
+            plain = self._plain.get(url)
+        if plain is None:
+            fs, path = fsspec.core.url_to_fs(url)
+            try:
+                plain = compression_of(bytes(fs.cat_file(path, start=0, end=6))) is None
+            except OSError:
+                return False
+            with self._lock:
+                self._plain[url] = plain
+        return plain
 
     def fetch(self, refs: Sequence[MemberRef]) -> dict[tuple[str, int], bytes]:
         """The bytes of many members, ``{(url, offset): bytes}``, in one ``fs.cat_ranges`` call per
@@ -231,6 +250,8 @@ class PayloadReader:
 
         Raises:
             UnreadablePayloadError: the batch failed after the retries.
+            PayloadError: a shard is compressed (its ranges are not byte ranges of the file; see
+                :meth:`uses_batches`) or its first bytes cannot be read.
             PayloadError: a shard is missing, or a member comes back short.
         """
         out: dict[tuple[str, int], bytes] = {}
@@ -238,6 +259,9 @@ class PayloadReader:
         for ref in refs:
             fs, path = fsspec.core.url_to_fs(ref.url)
             by_fs.setdefault(id(fs), (fs, []))[1].append((path, ref))
+        for url in sorted({ref.url for ref in refs}):
+            if not self._plain_shard(url):
+                raise PayloadError(f"{url}: compressed or unreadable shard: read its members with read_bytes")
         for fs, items in by_fs.values():
 
             def batch(fs: Any = fs, items: list[tuple[str, MemberRef]] = items) -> list[Any]:

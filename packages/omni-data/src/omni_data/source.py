@@ -9,6 +9,11 @@ lacks the audio length, the first 4 KiB of a FLAC (its STREAMINFO) or the whole 
 (``soundfile.info``). Payloads are read later, where they are consumed
 (:class:`omni_data.payload.PayloadReader`).
 
+Gzip-compressed shards (told by content, :mod:`omni_data.compressed`) are walked through a seekable view
+of their decompressed tar, so offsets, resume points and damage handling are those of a plain shard; the
+walk inflates the shard once and takes members up to 16 MiB inline on the way. zstd, bzip2 and xz
+shards raise :class:`~omni_data.compressed.UnsupportedCompressionError`, never counted as damage.
+
 Splitting (paper §5.1, decentralized loaders): there are ``R = world_size * num_workers`` readers, reader
 ``r = rank * num_workers + worker``. With at least ``R`` shards, reader ``r`` reads shards ``r, r+R, ...``
 of the epoch's shard order; with fewer, every reader walks every shard's headers and keeps samples
@@ -136,7 +141,8 @@ class WebDatasetSource(StatefulNode[SampleMeta]):
     """Metadata stream over WebDataset tar shards, split over ranks and workers, exactly resumable.
 
     Args:
-        urls: fsspec URLs or local paths of tar shards; brace patterns (``shard-{000..009}.tar``) expand.
+        urls: fsspec URLs or local paths of tar shards, plain or gzip-compressed (``.tar.gz``, ``.tgz``,
+            told by content); brace patterns (``shard-{000..009}.tar``) expand.
         modality: what each sample is; image samples need an image member, audio an audio member,
             text a ``txt`` member.
         name: source name in metadata and counters (default: first URL).
@@ -165,6 +171,8 @@ class WebDatasetSource(StatefulNode[SampleMeta]):
 
     Raises:
         ValueError: no URLs, an unknown modality, a text source without a tokenizer, or a bad split.
+        UnsupportedCompressionError: (from ``next``) a shard is zstd, bzip2 or xz compressed; the
+            message names the file.
     """
 
     def __init__(
@@ -494,7 +502,8 @@ class WebDatasetSource(StatefulNode[SampleMeta]):
             if gz:
                 size = _extent(f)
                 if f.damage is not None:
-                    skip_shard(f"shard:{url}@{f.size}", f"damaged gzip stream, rest of shard lost: {f.damage}")
+                    # key: the shard and the decompressed byte where its stream ended (f.damage: why)
+                    skip_shard(f"shard:{url}@{f.size}", "damaged gzip stream (rest of shard lost)")
                     counted = True
             if any(m.offset + m.size > size for m in members.values()):
                 skip_shard(f"shard:{url}@{size}", "shard cut off (the samples after the cut are lost)")

@@ -297,7 +297,9 @@ def apply_encoder_zero(
         ValueError: ``zero_stage`` other than 0, 2 or 3, or ``blocks`` naming a tower not in ``towers``.
     """
     if isinstance(zero_stage, bool) or not isinstance(zero_stage, int) or zero_stage not in (0, 2, 3):
-        raise ValueError(f"apply_encoder_zero: ZeRO stage {zero_stage!r} is not supported (zero_stage: 0, 2 or 3)")
+        raise ValueError(
+            f"apply_encoder_zero: ZeRO stage {zero_stage!r} is not supported (zero_stage: 0, 2 or 3)"
+        )
     blocks = dict(blocks or {})
     unknown = sorted(set(blocks) - set(towers))
     if unknown:

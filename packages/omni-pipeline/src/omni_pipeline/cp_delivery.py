@@ -378,7 +378,8 @@ def build_cp_sharding(ps: ParallelState, spec: CPSpec) -> CPSharding | None:
 
     Raises:
         ValueError: ``spec.encoder_sp`` neither 1 nor ``cp``, or > 1 with ``hybrid``; ``hybrid`` with a
-            ``ParallelState`` built without ``GroupSpec(hybrid_cp=True)``.
+            ``ParallelState`` built without ``GroupSpec(hybrid_cp=True)``, or with a ``dp_cp`` group of one
+            rank.
     """
     cp = ps.size("cp")
     if spec.encoder_sp != 1 and (spec.hybrid or spec.encoder_sp != cp):
@@ -393,6 +394,11 @@ def build_cp_sharding(ps: ParallelState, spec: CPSpec) -> CPSharding | None:
                 "hybrid DP/CP needs the CP blocks: build the ParallelState with GroupSpec(hybrid_cp=True)"
             )
         size, rank = ps.size("dp_cp"), ps.local_rank("dp_cp")
+        if size < 2:
+            raise ValueError(
+                f"hybrid DP/CP needs dp * cp >= 2 ranks per stage to share packs, got dp {ps.size('dp')} "
+                f"x cp {cp}"
+            )
         return CPSharding(
             size,
             rank,

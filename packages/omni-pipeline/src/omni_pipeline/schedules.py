@@ -445,9 +445,13 @@ def build_schedule(
     microbatches and ``virtual`` stages per rank.
 
     Raises:
-        ValueError: an unknown ``kind``.
-        ScheduleError: sizes the schedule cannot run (e.g. ``1f1b`` with ``virtual > 1``).
+        ValueError: an unknown ``kind`` (naming the known ones).
+        ScheduleError: sizes the schedule cannot run (e.g. ``1f1b`` with ``virtual > 1``, or no
+            microbatches).
     """
+    known = [str(k) for k in ScheduleKind]
+    if kind not in known:
+        raise ValueError(f"{kind!r} is not a valid ScheduleKind (build_schedule kind: one of {known})")
     kind = ScheduleKind(kind)
     if kind is ScheduleKind.GPIPE:
         return ScheduleGPipe(num_ranks, num_microbatches, virtual)

@@ -144,7 +144,9 @@ class StepSpec:
                     f"StepSpec.placeholders: {modality!r} is not a media modality (one of {sorted(media)})"
                 )
             if not isinstance(token, int) or isinstance(token, bool) or token < 0:
-                raise ValueError(f"StepSpec.placeholders[{modality!r}] must be a token id >= 0, got {token!r}")
+                raise ValueError(
+                    f"StepSpec.placeholders[{modality!r}] must be a token id >= 0, got {token!r}"
+                )
         if self.llm_dim < 1 or self.sp < 1 or not 0 <= self.sp_rank < self.sp:
             raise ValueError(
                 f"StepSpec: llm_dim {self.llm_dim} and sp {self.sp} must be >= 1 and sp_rank {self.sp_rank} "

@@ -7,7 +7,7 @@ Hugging Face folders provide, and saves it as step 0 of ``RUN_DIR/checkpoints`` 
 A trainer with any pipeline split and TP degree loads it by box intersection (each stage reads its
 layers, each TP rank its slice). Step 0 holds weights only: ``omni-train run --resume`` of such a
 directory starts at step 0 with a fresh optimizer and a fresh loader (the trainer never saves step 0;
-see :meth:`omni_train.trainer.Trainer._restore`).
+see :meth:`omni_train.checkpointing.TrainCheckpoint.restore`).
 
 Export reads the model tensors of a committed step (the latest by default) back whole, whatever layout
 wrote them, and writes one Hugging Face folder per family that the config can express exactly:
