@@ -25,7 +25,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from omni_data.testing import image_samples, text_samples, train_tiny_bpe
+from omni_data.testing import image_samples, merge_replica_steps, text_samples, train_tiny_bpe
 from omni_data.write import write_shards
 from omni_data.zero_redundancy import FilteredStep
 from omni_parallel.testing import run_world
@@ -68,16 +68,7 @@ class _Merged:
             s.reset()
 
     def __next__(self) -> FilteredStep:
-        parts = [next(s) for s in self.streams]
-        packs, mbs, payloads, text = [], {}, {}, []
-        for d, fs in enumerate(parts):
-            base = len(packs)
-            packs.extend(fs.packs)
-            text.extend(fs.text_ids)
-            for e, items in fs.microbatches.items():
-                mbs[d * self.m + e] = [(p + base, i) for p, i in items]
-                payloads[d * self.m + e] = fs.payloads[e]
-        return FilteredStep(parts[0].step, packs, mbs, payloads, text, frozenset(payloads))
+        return merge_replica_steps([next(s) for s in self.streams], self.m)
 
     def close(self) -> None:
         for s in self.streams:

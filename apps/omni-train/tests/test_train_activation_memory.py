@@ -14,6 +14,7 @@ import torch
 
 from omni_parallel.activation_memory import ActivationMemory
 from omni_parallel.parallelize import apply_ac, apply_offload
+from omni_parallel.testing import graph_saved_bytes
 from omni_train.encoders import Encoders
 from omni_train.models import AudioConfig, LLMConfig, LLMStage, ViTConfig
 from omni_train.parallelize import BRANCHES, family_blocks
@@ -37,29 +38,6 @@ def _inputs():
     return ids, pos, cu
 
 
-def _graph_saved_bytes(root: torch.Tensor, params: list[torch.Tensor]) -> int:
-    """Bytes of the distinct storages the autograd graph of ``root`` saved for backward."""
-    skip = {p.untyped_storage().data_ptr() for p in params}
-    seen: dict[int, int] = {}
-    stack, visited = [root.grad_fn], set()
-    while stack:
-        node = stack.pop()
-        if node is None or node in visited:
-            continue
-        visited.add(node)
-        for attr in dir(node):
-            if not attr.startswith("_saved_"):
-                continue
-            value = getattr(node, attr)
-            for t in value if isinstance(value, tuple | list) else (value,):
-                if isinstance(t, torch.Tensor):
-                    s = t.untyped_storage()
-                    if s.data_ptr() not in skip:
-                        seen[s.data_ptr()] = s.nbytes()
-        stack.extend(fn for fn, _ in node.next_functions)
-    return sum(seen.values())
-
-
 def _step(stage: LLMStage, memory: ActivationMemory, *, walk_graph: bool = False):
     """Forward under ``memory.track()``, the graph's own count (``walk_graph``: reading a checkpointed
     node's saved tensors would recompute it), backward; logits and every gradient."""
@@ -68,7 +46,7 @@ def _step(stage: LLMStage, memory: ActivationMemory, *, walk_graph: bool = False
     with memory.track():
         out = stage(*_inputs())
         loss = (out * torch.linspace(-1, 1, out.shape[-1], dtype=D)).sum()
-        in_graph = _graph_saved_bytes(loss, list(stage.parameters())) if walk_graph else None
+        in_graph = graph_saved_bytes(loss, list(stage.parameters())) if walk_graph else None
         peaks = memory.peaks()
         loss.backward()
     grads = {n: p.grad.clone() for n, p in stage.named_parameters()}
@@ -89,7 +67,7 @@ def test_peak_equals_what_the_autograd_graph_saved_and_is_released_by_backward()
     memory.start_step()
     with memory.track():
         y = (x * x).sum() + x.view(10, 100).sin().sum()
-    assert memory.peaks().activation_bytes == 8000 == _graph_saved_bytes(y, [])
+    assert memory.peaks().activation_bytes == 8000 == graph_saved_bytes(y, [])
 
 
 def test_selective_recompute_and_offload_are_exact_and_move_the_bytes_they_claim():

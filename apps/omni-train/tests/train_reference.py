@@ -21,6 +21,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from omni_data.node import StatefulNode
+from omni_data.testing import merge_replica_steps
 from omni_data.zero_redundancy import FilteredStep
 
 __all__ = ["MergedStream", "assert_runs_match", "capture_run", "reference_run", "with_parallel"]
@@ -137,16 +138,7 @@ class MergedStream(StatefulNode[FilteredStep]):
             s.prepare()
 
     def next(self) -> FilteredStep:
-        parts = [next(s) for s in self.streams]
-        packs, mbs, payloads, text = [], {}, {}, []
-        for d, fs in enumerate(parts):
-            base = len(packs)
-            packs.extend(fs.packs)
-            text.extend(fs.text_ids)
-            for e, items in fs.microbatches.items():
-                mbs[d * self.m + e] = [(p + base, i) for p, i in items]
-                payloads[d * self.m + e] = fs.payloads[e]
-        return FilteredStep(parts[0].step, packs, mbs, payloads, text)
+        return merge_replica_steps([next(s) for s in self.streams], self.m)
 
 
 def reference_run(cfg, run: Path, dp: int) -> tuple[list[float], list[dict]]:

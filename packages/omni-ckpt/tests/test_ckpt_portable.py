@@ -147,3 +147,19 @@ def test_object_rows_width_is_a_power_of_two_and_a_bad_length_prefix_is_named(tm
     ):
         load_object_rows(mgr.step_url(1), "loader", [(0,)])
     mgr.close()
+
+
+def test_portable_state_of_other_shapes_is_refused_naming_the_parameter():
+    model = _model()
+    opt = torch.optim.AdamW(model.parameters())
+    for p in model.parameters():
+        p.grad = torch.ones_like(p)
+    opt.step()
+    state = portable_optimizer_state_dict(model, opt)
+    other = nn.ModuleDict(
+        {"s0": nn.Linear(4, 3, dtype=torch.float64), "s1": nn.Linear(3, 5, dtype=torch.float64)}
+    )
+    with pytest.raises(
+        ValueError, match=r"'s1.weight': exp_avg has shape \(2, 3\), the parameter has shape \(5, 3\)"
+    ):
+        load_portable_optimizer_state_dict(other, torch.optim.AdamW(other.parameters()), state)

@@ -13,31 +13,9 @@ from parallel_blocks import blocks
 from torch import nn
 
 from omni_parallel.activation_memory import ActivationMemory
+from omni_parallel.testing import graph_saved_bytes
 
 D = torch.float64
-
-
-def _graph_saved_bytes(root: torch.Tensor, params: list[torch.Tensor]) -> int:
-    """Bytes of the distinct storages the autograd graph of ``root`` saved for backward."""
-    skip = {p.untyped_storage().data_ptr() for p in params}
-    seen: dict[int, int] = {}
-    stack, visited = [root.grad_fn], set()
-    while stack:
-        node = stack.pop()
-        if node is None or node in visited:
-            continue
-        visited.add(node)
-        for attr in dir(node):
-            if not attr.startswith("_saved_"):
-                continue
-            value = getattr(node, attr)
-            for t in value if isinstance(value, tuple | list) else (value,):
-                if isinstance(t, torch.Tensor):
-                    s = t.untyped_storage()
-                    if s.data_ptr() not in skip:
-                        seen[s.data_ptr()] = s.nbytes()
-        stack.extend(fn for fn, _ in node.next_functions)
-    return sum(seen.values())
 
 
 def test_peak_equals_what_the_autograd_graph_saved_and_is_released_by_backward():
@@ -47,7 +25,7 @@ def test_peak_equals_what_the_autograd_graph_saved_and_is_released_by_backward()
     memory.start_step()
     with memory.track():
         loss = model(x).pow(2).sum()
-        in_graph = _graph_saved_bytes(loss, list(model.parameters()))
+        in_graph = graph_saved_bytes(loss, list(model.parameters()))
         peaks = memory.peaks()
         loss.backward()
     assert in_graph > 0 and peaks.activation_bytes == in_graph
@@ -60,7 +38,7 @@ def test_peak_equals_what_the_autograd_graph_saved_and_is_released_by_backward()
     memory.start_step()
     with memory.track():
         y = (x * x).sum() + x.view(10, 100).sin().sum()
-    assert memory.peaks().activation_bytes == 8000 == _graph_saved_bytes(y, [])
+    assert memory.peaks().activation_bytes == 8000 == graph_saved_bytes(y, [])
 
 
 def test_parameters_are_never_counted():
@@ -74,5 +52,5 @@ def test_parameters_are_never_counted():
     assert (
         memory.peaks().activation_bytes
         == x.untyped_storage().nbytes()
-        == _graph_saved_bytes(y, list(lin.parameters()))
+        == graph_saved_bytes(y, list(lin.parameters()))
     )

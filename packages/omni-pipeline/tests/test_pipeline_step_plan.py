@@ -233,6 +233,41 @@ def test_static_flow_keeps_the_fixed_rank_rule(policy):
     }
 
 
+def test_static_planned_flow_sees_the_stage_weights(monkeypatch):
+    import omni_pipeline.step_plan as step_plan
+
+    seen = []
+    real = step_plan.place
+    monkeypatch.setattr(step_plan, "place", lambda *a, **kw: seen.append(a[3]) or real(*a, **kw))
+    enc = encoder_microbatch_ids(4, 3)
+    static_flow("planned", Schedule1F1B(3, 4), enc, [1.2, 1.0, 0.8], encoder_forward_share=0.3)
+    static_flow("uniform_on_demand", Schedule1F1B(3, 4), enc, [1.2, 1.0, 0.8], encoder_forward_share=0.3)
+    planned, uniform = seen
+    assert planned.llm_forward_s == [1.2, 1.0, 0.8] and planned.llm_backward_s == [2.4, 2.0, 1.6]
+    assert (
+        planned.encoder_forward_s == uniform.encoder_forward_s == {e: 0.3 for es in enc.values() for e in es}
+    )
+
+
+def test_the_planner_reports_bytes_over_a_cap_and_forgets_steps_that_never_ran():
+    packs = _packs() * 2
+    schedule, enc = Schedule1F1B(2, 4), encoder_microbatch_ids(4, 2)
+    mbs = split_encoder_microbatches(packs, 4, 2)
+    scale = model_scale(
+        SHAPE.blocks, {"image": TransformerShape(64, 4, 4), "audio": TransformerShape(64, 4, 4)}
+    )
+    weights = stage_weights(SHAPE, split_layers(SHAPE, 2), 64)
+    tight = StepPlanner(PlannerSpec(scale=scale, memory_cap_bytes=1.0), schedule, enc, weights, 0)
+    for step in (5, 6, 7):  # the loader prepared three steps; 5 and 6 never ran
+        tight.consumes(step, packs, mbs)
+    tight.flow(7, packs, mbs)
+    assert not tight._flows  # nothing kept for steps that will never run
+    assert tight.over_cap_bytes > 0  # 1 byte: no placement meets it
+    loose = StepPlanner(PlannerSpec(scale=scale, memory_cap_bytes=1e30), schedule, enc, weights, 0)
+    loose.flow(7, packs, mbs)
+    assert loose.over_cap_bytes == 0.0
+
+
 def _records(stage_seconds: list[float], steps: int = 3, microbatches: int = 2) -> list:
     """F + B of each microbatch on stage ``s`` take ``stage_seconds[s]`` (one third forward)."""
     recs: list = []

@@ -39,6 +39,8 @@ __all__ = [
 ]
 
 _MIN_WIDTH = 4096
+# per-parameter moments of torch's optimizers, each the shape of its parameter
+_MOMENTS = frozenset({"exp_avg", "exp_avg_sq", "max_exp_avg_sq", "momentum_buffer"})
 
 
 def portable_optimizer_state_dict(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
@@ -60,9 +62,21 @@ def load_portable_optimizer_state_dict(
     the moments by name, the hyperparameters by group position, group membership its own.
 
     Raises:
-        ValueError: the state has another number of parameter groups than ``optimizer``, or names a
-            parameter the optimizer does not hold.
+        ValueError: the state has another number of parameter groups than ``optimizer``, names a
+            parameter the optimizer does not hold, or holds a moment of torch's optimizers (``exp_avg``,
+            ``exp_avg_sq``, ``max_exp_avg_sq``, ``momentum_buffer``) whose shape is not its parameter's.
     """
+    params = dict(model.named_parameters())
+    for name, entry in state["state"].items():
+        if not isinstance(entry, dict) or name not in params:
+            continue  # a placeholder the load did not fill; an unknown name is refused below
+        for key in _MOMENTS & set(entry):
+            value = entry[key]
+            if isinstance(value, torch.Tensor) and tuple(value.shape) != tuple(params[name].shape):
+                raise ValueError(
+                    f"optimizer state {name!r}: {key} has shape {tuple(value.shape)}, the parameter has "
+                    f"shape {tuple(params[name].shape)}"
+                )
     members = [g["params"] for g in optimizer_state_dict(model, optimizer)["param_groups"]]
     groups = state["param_groups"]
     if len(groups) != len(members):

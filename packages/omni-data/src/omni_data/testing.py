@@ -18,7 +18,7 @@ import os
 import random
 import tarfile
 import threading
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
 import fsspec
@@ -31,6 +31,7 @@ from tokenizers import Tokenizer, models, pre_tokenizers, trainers
 from omni_data.node import StatefulNode
 from omni_data.sample import Modality, SampleMeta
 from omni_data.write import write_shards
+from omni_data.zero_redundancy import FilteredStep
 
 __all__ = [
     "FlakyFileSystem",
@@ -38,6 +39,7 @@ __all__ = [
     "audio_samples",
     "flaky_url",
     "image_samples",
+    "merge_replica_steps",
     "text_samples",
     "train_tiny_bpe",
     "trained_sources",
@@ -274,3 +276,28 @@ class SyntheticSource(StatefulNode[SampleMeta]):
         return SampleMeta(
             f"{self.name}{self.i}", self.name, self.modality, media, txt, 0.0 if text else 1.0, (n,)
         )
+
+
+def merge_replica_steps(parts: Sequence[FilteredStep], microbatches: int) -> FilteredStep:
+    """The same step of several DP replicas' loaders as one step, for a one-process oracle whose step is
+    the whole global batch: replica ``d``'s packs follow replica ``d - 1``'s, and its encoder microbatch
+    ``e`` (of ``microbatches`` per replica step) becomes ``d * microbatches + e``, with its payloads.
+
+    Raises:
+        ValueError: no parts, or a replica with an encoder microbatch outside ``1..microbatches``.
+    """
+    if not parts:
+        raise ValueError("merge_replica_steps: no replica steps to merge")
+    packs, mbs, payloads, text = [], {}, {}, []
+    for d, fs in enumerate(parts):
+        base = len(packs)
+        packs.extend(fs.packs)
+        text.extend(fs.text_ids)
+        for e, items in fs.microbatches.items():
+            if not 1 <= e <= microbatches:
+                raise ValueError(
+                    f"merge_replica_steps: replica {d} has encoder microbatch {e}, not in 1..{microbatches}"
+                )
+            mbs[d * microbatches + e] = [(p + base, i) for p, i in items]
+            payloads[d * microbatches + e] = fs.payloads[e]
+    return FilteredStep(parts[0].step, packs, mbs, payloads, text, frozenset(payloads))

@@ -7,7 +7,8 @@ all-gather before each unit's forward (and backward) and a reduce-scatter after 
 over the world at schedule points that differ per rank: a rank that encodes waits in the all-gather for a
 rank that never enters it (the multimodal "text-only rank" hang, DeepSpeed #7170 class). FSDP2's
 reduce-scatter also *averages* over its mesh, while this repo's objective is a plain sum of what the ranks
-compute (:mod:`omni_pipeline.loss`, :func:`omni_parallel.apply_encoder_zero`): on 2 ranks every encoder gradient came out exactly 0.5x.
+compute (:mod:`omni_pipeline.loss`, :func:`omni_parallel.apply_encoder_zero`): on 2 ranks every encoder
+gradient came out exactly 0.5x.
 
 The schedule here moves every encoder collective of a step to two points that every rank reaches in the
 same order whatever its encoder work:

@@ -35,7 +35,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-__all__ = ["WorldError", "WorldTimeoutError", "fake_world", "run_world"]
+__all__ = ["WorldError", "WorldTimeoutError", "fake_world", "graph_saved_bytes", "run_world"]
 
 # Pre-imported once in the fork server. DTensor, FSDP2 and DeviceMesh slicing pull in torch._dynamo,
 # which costs 10-15 s of CPU per fresh interpreter; forked ranks inherit it for free.
@@ -309,3 +309,29 @@ def fake_world(world_size: int, rank: int = 0) -> Iterator[None]:
         yield
     finally:
         dist.destroy_process_group()
+
+
+def graph_saved_bytes(root: torch.Tensor, params: Sequence[torch.Tensor]) -> int:
+    """Bytes of the distinct storages the autograd graph of ``root`` saved for backward (each storage
+    once; the storages of ``params`` left out): the brute-force oracle of saved-activation peaks
+    (:class:`omni_parallel.activation_memory.ActivationMemory`), read from the ``_saved_*`` attributes of
+    every node reachable from ``root.grad_fn``."""
+    skip = {p.untyped_storage().data_ptr() for p in params}
+    seen: dict[int, int] = {}
+    stack, visited = [root.grad_fn], set()
+    while stack:
+        node = stack.pop()
+        if node is None or node in visited:
+            continue
+        visited.add(node)
+        for attr in dir(node):
+            if not attr.startswith("_saved_"):
+                continue
+            value = getattr(node, attr)
+            for t in value if isinstance(value, tuple | list) else (value,):
+                if isinstance(t, torch.Tensor):
+                    s = t.untyped_storage()
+                    if s.data_ptr() not in skip:
+                        seen[s.data_ptr()] = s.nbytes()
+        stack.extend(fn for fn, _ in node.next_functions)
+    return sum(seen.values())
