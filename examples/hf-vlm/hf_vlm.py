@@ -70,7 +70,7 @@ def build_loader(data, tok, dp_rank, dp, slices, consumes, read_text, dp_group=N
 def train(data, out, *, pp, steps, save_at=None, resume=None, microbatches=MICROBATCHES, **hooks):
     """Train on this world (every rank calls it); returns the global loss of each step it ran. Hooks: `stream`
     (a loader in place of this rank's own), `on_step(step, model, inputs)` (gradients summed, not clipped)."""
-    spec = par.GroupSpec(encoder_p2p=True, reorder_group_size=None)  # reordering: the replicas of a node
+    spec = par.GroupSpec(encoder_p2p=True, reorder_group_size=None, checkpoint=True)  # reorder: a node
     ps = par.ParallelState.build(par.ParallelConfig(pp=pp), groups=spec)
     pp_rank, dp_rank, dp = ps.local_rank("pp"), ps.local_rank("dp"), ps.size("dp")
     pp_group, dp_group = ps.group("pp") if pp > 1 else None, ps.group("dp") if dp > 1 else None
@@ -102,7 +102,7 @@ def train(data, out, *, pp, steps, save_at=None, resume=None, microbatches=MICRO
     groups = pipe.PipelineGroups.from_state(ps)
     anchor, reduce = pipe.EncoderAnchor(dict(encoders.towers)), lambda: sync_llm() or sync_encoders()
     executor = pipe.PipelineExecutor({pp_rank: stage}, anchor, None, groups, reduce_gradients=reduce)
-    manager = ckpt.CheckpointManager(out)  # async: save() returns once staged, the optimizer may step
+    manager = ckpt.CheckpointManager(out, process_group=ps.checkpoint_group)  # save(): staged on return
 
     def state():
         return {"model": model.state_dict(), "optim": ckpt.portable_optimizer_state_dict(model, optimizer)}

@@ -158,3 +158,28 @@ def test_no_loader_copy_of_a_dp_group_of_one_rank():
 def test_bad_spec_is_refused(kwargs, message):
     with pytest.raises(ValueError, match=message):
         GroupSpec(**kwargs)
+
+
+def _checkpoint_world(rank: int, world_size: int):
+    bare = ParallelState.build(ParallelConfig(pp=2, dp=2))
+    ps = ParallelState.build(ParallelConfig(pp=2, dp=2), groups=GroupSpec(checkpoint=True))
+    group = ps.checkpoint_group
+    return (
+        bare.checkpoint_group,
+        dist.get_process_group_ranks(group),
+        dist.get_backend(group),
+        _sum(group),
+        group is dist.group.WORLD,
+    )
+
+
+def test_checkpoint_group_is_a_gloo_group_over_every_rank():
+    for rank, (bare, ranks, backend, total, is_world) in enumerate(run_world(_checkpoint_world, 4)):
+        assert bare is None, rank  # not asked for: not created
+        assert ranks == [0, 1, 2, 3] and backend == "gloo" and total == 15, rank
+        assert not is_world, rank  # a communicator of its own, not the default group
+
+
+def test_checkpoint_flag_must_be_a_bool():
+    with pytest.raises(ValueError, match=r"GroupSpec.checkpoint must be a bool, got 'yes'"):
+        GroupSpec(checkpoint="yes")

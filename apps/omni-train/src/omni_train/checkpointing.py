@@ -86,7 +86,12 @@ class TrainCheckpoint:
         self.cfg, self.total_steps = cfg, total_steps
         self.model, self.optimizer, self.stream = model, optimizer, stream
         self.fixed = dict(fixed or {})
-        self.manager = CheckpointManager(str(directory), keep_last=cfg.keep_last, async_save=cfg.async_save)
+        self.manager = CheckpointManager(
+            str(directory),
+            keep_last=cfg.keep_last,
+            async_save=cfg.async_save,
+            process_group=ps.checkpoint_group if ps is not None else None,  # ParallelState made it
+        )
         self.set_aside: list[str] = []  # what restore(step) renamed, for the run's notice
         self.layout = {a: ps.size(a) if ps else 1 for a in LAYOUT_AXES}
         self.dp_rank = ps.local_rank("dp") if ps else 0

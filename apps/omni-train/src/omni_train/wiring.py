@@ -88,13 +88,15 @@ __all__ = [
 
 
 def group_spec(cfg: RunConfig) -> GroupSpec:
-    """The run's optional groups: the loader's DP copy, encoder P2P, the hybrid DP/CP blocks and the
-    reordering groups across DP (``data.reorder_group_size``, ``None``: the node's replicas; 1 with
+    """The run's optional groups: the loader's DP copy, encoder P2P, the hybrid DP/CP blocks, the
+    checkpoint manager's gloo group and the reordering groups across DP (``data.reorder_group_size``, ``None``: the node's replicas; 1 with
     ``parallel.reorder`` off and under CP, where validation refuses larger groups)."""
     par = cfg.parallel
     reorder = par.reorder and par.cp == 1 and not par.hybrid_cp
     size = cfg.data.reorder_group_size if reorder else 1
-    return GroupSpec(loader_dp=True, reorder_group_size=size, encoder_p2p=True, hybrid_cp=par.hybrid_cp)
+    return GroupSpec(
+        loader_dp=True, reorder_group_size=size, encoder_p2p=True, hybrid_cp=par.hybrid_cp, checkpoint=True
+    )
 
 
 def parallel_state(cfg: RunConfig) -> ParallelState:

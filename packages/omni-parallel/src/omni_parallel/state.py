@@ -13,7 +13,8 @@ Every process group of a run is created here, in :meth:`ParallelState.build`, in
 creation is collective: every rank must create the same groups in the same order, so no caller creates
 any elsewhere): the mesh's elementary axes, ``dp`` and ``dp_cp``, then the optional groups a
 :class:`GroupSpec` asks for, in this order: the loader's copy of ``dp``, the reordering groups across DP,
-the encoders' point-to-point copy of ``pp``, and the hybrid DP/CP blocks.
+the encoders' point-to-point copy of ``pp``, the hybrid DP/CP blocks, and a gloo group over every rank for
+checkpoint bookkeeping.
 
 Decoupled encoders (§ decoupled parallelism): encoder data parallelism spans every rank, pipeline ranks
 included; encoder SP groups are ``sp`` contiguous ranks; ZeRO over all ranks through FSDP2, on the
@@ -79,6 +80,10 @@ class GroupSpec:
         hybrid_cp: every aligned CP block of every CP size of each ``dp_cp`` group
             (:func:`omni_parallel.hybrid_cp_blocks`), the groups a hybrid DP/CP plan may pick per pack
             (ByteScale's hybrid DP/CP): :attr:`ParallelState.hybrid_cp_groups`.
+        checkpoint: a gloo group over every rank for checkpoint bookkeeping (omni-ckpt's
+            ``CheckpointManager(process_group=...)``: its plan exchange and commit run on CPU objects, an
+            async save's from a thread of its own, so it needs a group no step collective uses):
+            :attr:`ParallelState.checkpoint_group`. Created last.
 
     Raises:
         ValueError: ``reorder_group_size`` neither ``None`` nor a positive int, or a flag not a bool.
@@ -88,12 +93,13 @@ class GroupSpec:
     reorder_group_size: int | None = 1
     encoder_p2p: bool = False
     hybrid_cp: bool = False
+    checkpoint: bool = False
 
     def __post_init__(self) -> None:
         g = self.reorder_group_size
         if g is not None and (not isinstance(g, int) or isinstance(g, bool) or g < 1):
             raise ValueError(f"GroupSpec.reorder_group_size must be a positive int or None, got {g!r}")
-        for name in ("loader_dp", "encoder_p2p", "hybrid_cp"):
+        for name in ("loader_dp", "encoder_p2p", "hybrid_cp", "checkpoint"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"GroupSpec.{name} must be a bool, got {getattr(self, name)!r}")
 
@@ -241,6 +247,8 @@ class ParallelState:
             for, or ``pp`` 1).
         hybrid_cp_groups: ``{(cp, first): ProcessGroup}`` of the hybrid DP/CP blocks this rank belongs to
             (``first``: the block's first ``dp_cp`` index); empty unless ``spec.hybrid_cp``.
+        checkpoint_group: a gloo group over every rank for checkpoint bookkeeping (``None``: not asked
+            for).
     """
 
     config: ParallelConfig
@@ -256,6 +264,7 @@ class ParallelState:
     reorder_size: int = 1
     encoder_p2p_group: dist.ProcessGroup | None = None
     hybrid_cp_groups: dict[tuple[int, int], dist.ProcessGroup] = field(default_factory=dict)
+    checkpoint_group: dist.ProcessGroup | None = None
 
     @classmethod
     def build(
@@ -339,6 +348,8 @@ class ParallelState:
                 enumeration = [[g[i] for i in b] for g in table["dp_cp"] for b in blocks]
                 mine, _ = dist.new_subgroups_by_enumeration(enumeration)
                 self.hybrid_cp_groups[(c, local - local % c)] = mine
+        if spec.checkpoint:
+            self.checkpoint_group = dist.new_group(backend="gloo")
 
     def device_mesh(self, name: str) -> DeviceMesh:
         """1-D :class:`DeviceMesh` of group ``name`` (e.g. ``"tp"`` for ``parallelize_module``).
