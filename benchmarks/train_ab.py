@@ -65,7 +65,9 @@ def _share_mixture(share: str) -> list[MixturePhase]:
     return [MixturePhase({"image": image, "audio": 0.0, "text": text})]
 
 
-def _variants(sweep: bool, placements: list[PlacementPolicy], reorder: str) -> list[tuple[PlacementPolicy, bool]]:
+def _variants(
+    sweep: bool, placements: list[PlacementPolicy], reorder: str
+) -> list[tuple[PlacementPolicy, bool]]:
     """The variants to run: ``placements`` x reordering (``reorder``: ``"both"``, ``"on"`` or ``"off"``;
     the sweep runs reordering on)."""
     if sweep or reorder == "on":
@@ -132,7 +134,9 @@ def _sweep_target(rows: list[dict], bound: dict[str, float]) -> dict[str, float]
             r["tokens_per_s"] for r in rows if r["placement"] == str(placement) and r["share"] == share
         )
 
-    prepend_drop = 1 - rate(PlacementPolicy.PREPEND_FIRST_STAGE, last) / rate(PlacementPolicy.PREPEND_FIRST_STAGE, first)
+    prepend_drop = 1 - rate(PlacementPolicy.PREPEND_FIRST_STAGE, last) / rate(
+        PlacementPolicy.PREPEND_FIRST_STAGE, first
+    )
     planned_first = rate(PlacementPolicy.PLANNED, first)
     needed = planned_first * (1 - prepend_drop / 2)
     return {
@@ -301,7 +305,10 @@ def main() -> None:
             + "".join(f"{bound[s]:>10.0f}" for s in SWEEP_SHARES)
             + f"{100 * drop:>17.1f}%"
         )
-        if PlacementPolicy.PREPEND_FIRST_STAGE in args.placements and PlacementPolicy.PLANNED in args.placements:
+        if (
+            PlacementPolicy.PREPEND_FIRST_STAGE in args.placements
+            and PlacementPolicy.PLANNED in args.placements
+        ):
             result["sweep_target"] = target = _sweep_target(result["rows"], bound)
             print(
                 f"target: planned drops at most half of prepend's {100 * target['prepend_drop']:.1f}%, so from its "
