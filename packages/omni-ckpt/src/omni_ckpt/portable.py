@@ -70,7 +70,7 @@ def load_portable_optimizer_state_dict(
     for name, entry in state["state"].items():
         if not isinstance(entry, dict) or name not in params:
             continue  # a placeholder the load did not fill; an unknown name is refused below
-        for key in _MOMENTS & set(entry):
+        for key in sorted(_MOMENTS & set(entry)):  # sorted: the same moment is named on every run
             value = entry[key]
             if isinstance(value, torch.Tensor) and tuple(value.shape) != tuple(params[name].shape):
                 raise ValueError(
