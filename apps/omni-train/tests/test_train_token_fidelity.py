@@ -11,57 +11,24 @@ here), not through the trainer's ``mixture_schedule``.
 """
 
 import pytest
-
-from omni_data.testing import SyntheticSource
-from omni_train.binder import config_from_dict
-from omni_train.data_pipeline import build_step_stream
+from mixture_oracle import TOKENS, fidelity_config, scheduled_weights, synthetic_stream
 
 WINDOW, STRIDE, SAMPLES = 10_000, 500, 26_000
-TOKENS = {"img": ("image", (64, 1500)), "aud": ("audio", (20, 300)), "txt": ("text", (10, 800))}
 STEP_TOKENS = 4096 * 8  # at most, per step (max_seq_len x microbatches)
 
 
 def _config(mixture, *, interpolate=False, buffer_size=256):
-    return config_from_dict(
-        {
-            "name": "token-fidelity",
-            "model": {"vit": {}, "audio": {}},
-            "data": {
-                "sources": [{"name": n, "modality": m, "urls": f"{n}-*.tar"} for n, (m, _) in TOKENS.items()],
-                "mixture": mixture,
-                "max_seq_len": 4096,
-                "microbatches": 8,
-                "buffer_size": buffer_size,
-                "mixture_interpolate": interpolate,
-            },
-            "parallel": {"pp": 2},
-        }
-    )
+    return fidelity_config("token-fidelity", mixture, interpolate=interpolate, buffer_size=buffer_size)
 
 
 def _want(cfg, position):
     """The config's normalised weights at token ``position``, computed from its phases directly."""
-    phases, starts = cfg.data.mixture, [0] + [p.until_tokens for p in cfg.data.mixture[:-1]]
-    i = max(j for j, s in enumerate(starts) if s <= position)
-
-    def norm(ph):
-        total = sum(ph.weights.values())
-        return {n: ph.weights.get(n, 0.0) / total for n in TOKENS}
-
-    w = norm(phases[i])
-    if cfg.data.mixture_interpolate and i + 1 < len(phases):
-        t = (position - starts[i]) / (starts[i + 1] - starts[i])
-        w = {n: (1 - t) * w[n] + t * norm(phases[i + 1])[n] for n in TOKENS}
-    return w
+    return scheduled_weights(cfg, position, "until_tokens")
 
 
 def _trained(cfg, samples):
     """``[(trained tokens before the sample, its source, its step)]`` in training order."""
-    sources = {n: SyntheticSource(n, m, tok, seed=i + 1) for i, (n, (m, tok)) in enumerate(TOKENS.items())}
-    stream = build_step_stream(
-        cfg, None, dp_rank=0, dp_size=1, dp_group=None, consumes=set(), read_text=False, sources=sources
-    )
-    stream.reset()
+    stream = synthetic_stream(cfg)
     out, seen = [], 0
     with stream:
         while len(out) < samples:
