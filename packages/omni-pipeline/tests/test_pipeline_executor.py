@@ -12,6 +12,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from omni_parallel.data_parallel import all_reduce_gradients
 from omni_parallel.testing import WorldError, run_world
 from omni_pipeline import (
     Action,
@@ -139,6 +140,9 @@ def reference(seeds: list[int], num_mb: int):
 
 
 def run_layout(pp_rank: int, pp: int, virtual: int, seed: int, num_mb: int, groups: PipelineGroups):
+    """One pipeline rank's step. This test's ``loss_fn`` is normalised per replica (``reference`` averages
+    the replicas' losses), so its reduction hook divides the objective's plain sums by the replica count;
+    with one replica it is the executor's default hook."""
     model = Model()
     llm, enc, consumes = make_data(seed, num_mb)
     if virtual == 1:
@@ -161,8 +165,20 @@ def run_layout(pp_rank: int, pp: int, virtual: int, seed: int, num_mb: int, grou
     idle = nn.Linear(3, H).double()  # an encoder no encoder microbatch uses
     unused.update({f"idle.{n}": p for n, p in idle.named_parameters()})
     anchor = EncoderAnchor({**model.encoders, "idle": idle}, data=EncoderDataConfig(max_seq_len=64))
+    replicas = 1 if groups.llm_dp is None else dist.get_world_size(groups.llm_dp)
+
+    def per_replica_mean() -> None:
+        all_reduce_gradients(
+            [p for s in stages.values() for p in s.parameters()], groups.llm_dp, divide_by=replicas
+        )
+        all_reduce_gradients(anchor.parameters(), groups.encoder_dp, divide_by=replicas)
+
     executor = PipelineExecutor(
-        stages, anchor, step_functions(model, llm, {e: v["pos"] for e, v in enc.items()}, num_mb), groups
+        stages,
+        anchor,
+        step_functions(model, llm, {e: v["pos"] for e, v in enc.items()}, num_mb),
+        groups,
+        reduce_gradients=per_replica_mean if replicas > 1 else None,
     )
     plan = StepPlan(
         schedule,

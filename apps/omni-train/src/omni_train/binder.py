@@ -21,7 +21,7 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
-from omni_train.config import ConfigError, RunConfig
+from omni_train.config import ConfigError, RunConfig, check_bounds
 from omni_train.data_files import tokenizer_candidates
 
 __all__ = [
@@ -31,6 +31,7 @@ __all__ = [
     "config_path",
     "field_paths",
     "load_config",
+    "read_toml",
     "resume_differences",
     "to_toml",
 ]
@@ -72,6 +73,17 @@ def _build(tp: Any, value: Any, where: str) -> Any:
         if unknown:
             raise ConfigError(f"{where}.{unknown[0]}: unknown key (allowed: {sorted(names)})".lstrip("."))
         kwargs = {k: _build(hints[k], v, f"{where}.{k}".lstrip(".")) for k, v in value.items()}
+        required = [
+            f.name
+            for f in dataclasses.fields(tp)
+            if f.init and f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
+        ]
+        missing = [name for name in required if name not in value]
+        if missing:
+            what = "tables" if all(dataclasses.is_dataclass(hints[n]) for n in missing) else "keys"
+            raise ConfigError(
+                f"{where}.{missing[0]}: missing (required {what}: {', '.join(missing)})".lstrip(".")
+            )
         try:
             return tp(**kwargs)
         except TypeError as exc:
@@ -111,17 +123,21 @@ def load_config(
             the TOML's tables before type-checking, so they are checked exactly as the TOML is.
 
     Raises:
-        ConfigError: missing file, TOML syntax error, unknown key, wrong type, bad override (message names
-            the field).
+        ConfigError: missing, unreadable, empty, oversized or non-UTF-8 file, TOML syntax error, keys
+            nested deeper than TOML configs need (:func:`read_toml`), unknown key, missing required
+            table or key, wrong type, bad override, a number out of its range
+            (:func:`omni_train.config.check_bounds`); the message names the file or the field.
     """
     path = config_path(name_or_path)
-    try:
-        raw = tomllib.loads(path.read_text())
-    except tomllib.TOMLDecodeError as exc:
-        raise ConfigError(f"config: {path}: {exc}") from None
+    raw = read_toml(path)
+    if not raw and not overrides:
+        raise ConfigError(
+            f"config: {path} is empty; a run config needs at least the [model] and [data] tables"
+        )
     raw.setdefault("name", path.stem)
     apply_overrides(raw, overrides)
     cfg = _build(RunConfig, raw, "")
+    check_bounds(cfg)
     cfg.source = str(path)
     # a tokenizer beside the config wins over a bundled one of the same name; made absolute so that
     # every reader of data.tokenizer (and the run's saved config) finds the same file
@@ -144,7 +160,64 @@ def config_from_dict(raw: dict[str, Any]) -> RunConfig:
     """
     if not isinstance(raw, dict) or not isinstance(raw.get("name"), str):
         raise ConfigError("config: expected a table with a string 'name'")
-    return _build(RunConfig, raw, "")
+    cfg = _build(RunConfig, raw, "")
+    check_bounds(cfg)
+    return cfg
+
+
+# A config is a small hand-written file; these bounds refuse hostile ones before tomllib reads them:
+# tomllib keeps every prefix of a dotted key (``a.a.a...``), so memory and time grow with the square of
+# its length (a key of 100,000 parts got the process killed for memory), and it recurses once per nested
+# array or inline table (RecursionError near 1,000 levels). Run configs nest 4 deep.
+_MAX_CONFIG_BYTES = 1 << 20
+_MAX_KEY_PARTS = 64
+# strings (each kept as one placeholder character and its newlines, so a quoted key part still counts and
+# line numbers stay) and comments
+_TOML_STRINGS = re.compile(r'"""[\s\S]*?"""|\'\'\'[\s\S]*?\'\'\'|"(?:\\.|[^"\\\n])*"|\'[^\'\n]*\'|#[^\n]*')
+# possessive, from word starts only: a long run of key characters cannot make the search quadratic
+_DOTTED_KEY = re.compile(
+    rf"(?<![A-Za-z0-9_-])[A-Za-z0-9_-]++(?:[ \t]*+\.[ \t]*+[A-Za-z0-9_-]++){{{_MAX_KEY_PARTS},}}"
+)
+
+
+def read_toml(path: Path) -> dict[str, Any]:
+    """The tables of the TOML file ``path``, read defensively: at most 1 MiB, UTF-8 (as TOML requires),
+    dotted keys of at most 64 parts, nesting within Python's recursion limit.
+
+    Raises:
+        ConfigError: ``"config: <path>: ..."`` naming why (unreadable, too large, not UTF-8 with the byte
+            offset, a key nested too deeply with its line, the TOML syntax error with line and column).
+    """
+    try:
+        size = path.stat().st_size
+        if size > _MAX_CONFIG_BYTES:
+            raise ConfigError(f"config: {path} is {size} bytes; a run config is at most {_MAX_CONFIG_BYTES}")
+        data = path.read_bytes()
+    except OSError as exc:
+        raise ConfigError(f"config: {path}: cannot read it ({exc.strerror or exc})") from None
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise ConfigError(
+            f"config: {path}: not UTF-8 text (byte 0x{data[exc.start]:02x} at offset {exc.start}); TOML "
+            "files are UTF-8"
+        ) from None
+    bare = _TOML_STRINGS.sub(
+        lambda m: "" if m.group()[0] == "#" else "x" + "\n" * m.group().count("\n"), text
+    )
+    deep = _DOTTED_KEY.search(bare)
+    if deep is not None:
+        line = bare.count("\n", 0, deep.start()) + 1
+        raise ConfigError(
+            f"config: {path}: line {line}: a key of {deep.group().count('.') + 1} dotted parts; keys of a "
+            f"run config nest at most {_MAX_KEY_PARTS} deep"
+        )
+    try:
+        return tomllib.loads(text)
+    except RecursionError:
+        raise ConfigError(f"config: {path}: arrays or inline tables nested too deeply") from None
+    except ValueError as exc:  # TOMLDecodeError, and integers longer than Python converts
+        raise ConfigError(f"config: {path}: {exc}") from None
 
 
 # -- command-line overrides -----------------------------------------------------------------------------
@@ -358,6 +431,13 @@ RESUME_MAY_CHANGE = (
     "train.compile",
     "train.recompute",
     "train.profile_steps",
+    "train.collective_timeout_s",
+    "train.hang_timeout_s",
+    "train.preempt_grace_s",
+    "train.on_nonfinite",
+    "train.max_nonfinite_steps",
+    "train.spike_zscore",
+    "train.spike_window",
     "train.recompute_modules",
     "train.offload",
     "checkpoint",

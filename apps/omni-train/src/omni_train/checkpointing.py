@@ -36,7 +36,7 @@ from omni_ckpt import (
     load_optimizer_state_dict,
     optimizer_state_dict,
 )
-from omni_data import LayoutMismatchError, ZeroRedundancyFilter, snapshot_async
+from omni_data import LayoutMismatchError, ZeroRedundancyFilter
 from omni_parallel import ParallelState
 from omni_train.config import CheckpointConfig
 
@@ -57,7 +57,7 @@ class TrainCheckpoint:
     """Save and restore one rank's share of a run (collective: every rank calls the same methods).
 
     Args:
-        directory: ``<run>/checkpoints``.
+        directory: ``<run>/checkpoints``, or the fsspec URL of ``checkpoint.url`` (``s3://...``).
         cfg: ``[checkpoint]`` (every, keep_last, async_save).
         total_steps: the run's steps (the last one is always saved).
         model: every module of this rank (state dict by name).
@@ -73,7 +73,7 @@ class TrainCheckpoint:
 
     def __init__(
         self,
-        directory: Path,
+        directory: Path | str,
         cfg: CheckpointConfig,
         total_steps: int,
         model: nn.Module,
@@ -86,11 +86,15 @@ class TrainCheckpoint:
         self.cfg, self.total_steps = cfg, total_steps
         self.model, self.optimizer, self.stream = model, optimizer, stream
         self.fixed = dict(fixed or {})
+        # the loader prepares the state of each step this saves while it prepares that step (on its own
+        # thread), so save() takes bytes made ahead instead of walking its buffers (paper §7.4)
+        stream.snapshots = self.due
         self.manager = CheckpointManager(
             str(directory),
             keep_last=cfg.keep_last,
             async_save=cfg.async_save,
             process_group=ps.checkpoint_group if ps is not None else None,  # ParallelState made it
+            require_finite=True,  # a NaN or Inf never reaches a committed step (nor prunes a good one)
         )
         self.set_aside: list[str] = []  # what restore(step) renamed, for the run's notice
         self.layout = {a: ps.size(a) if ps else 1 for a in LAYOUT_AXES}
@@ -107,7 +111,7 @@ class TrainCheckpoint:
         return next_step == self.total_steps or (self.cfg.every > 0 and next_step % self.cfg.every == 0)
 
     def save(self, next_step: int) -> None:
-        blob = snapshot_async(self.stream).result()
+        blob = self.stream.snapshot().blob
         width = torch.tensor([8 + len(blob)], dtype=torch.int64)
         if dist.is_initialized():
             dist.all_reduce(width, op=dist.ReduceOp.MAX)
@@ -212,6 +216,35 @@ class TrainCheckpoint:
         except LayoutMismatchError as e:
             raise LayoutMismatchError(f"{where}: the loader cannot re-split exactly: {e}") from e
         return latest
+
+    def roll_back_state(self, step: int) -> tuple[int | None, list[str]]:
+        """A numerics roll-back at ``step`` (``train.on_nonfinite = "rollback"``; collective): the model
+        and optimizer state of the newest committed step ``N`` with ``0 < N < step`` (step ``step``'s own
+        checkpoint holds the parameters that went bad), the newer step directories set aside
+        (:meth:`omni_ckpt.CheckpointManager.roll_back`, kept on disk). The loader is left where it is:
+        the run goes on with the next step's data, skipping what came since ``N``.
+
+        Returns:
+            ``(N, the set-aside names)``, or ``(None, [])`` when no such step is committed (nothing done).
+
+        Raises:
+            omni_ckpt.CheckpointError: as :meth:`restore` (a damaged step, a failed rename).
+        """
+        self.manager.wait()  # the in-flight save commits (or fails) first, on every rank alike
+        older = [s for s in self.manager.steps() if 0 < s < step]
+        if not older:
+            return None, []
+        back = older[-1]
+        aside = self.manager.roll_back(back)
+        self.set_aside += aside
+        state = self._state(None)
+        del state["loader"], state["step"]
+        members = [g["params"] for g in optimizer_state_dict(self.model, self.optimizer)["param_groups"]]
+        self.manager.load(back, state)
+        groups = state["optim"]["param_groups"]
+        state["optim"]["param_groups"] = [dict(g, params=m) for g, m in zip(groups, members)]
+        load_optimizer_state_dict(self.model, self.optimizer, state["optim"])
+        return back, aside
 
     def steps(self) -> list[int]:
         """Committed steps, oldest first."""

@@ -14,10 +14,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import sys
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
+from omni_ckpt import CheckpointError
 from omni_pipeline import PlacementPolicy
 from omni_train.binder import (
     RESUME_MAY_CHANGE,
@@ -27,10 +30,13 @@ from omni_train.binder import (
     resume_differences,
     to_toml,
 )
-from omni_train.config import ConfigError, Packing, RunConfig
+from omni_train.config import ConfigError, DataConfig, Packing, RunConfig
 from omni_train.data_files import data_root
 from omni_train.hf.folder import HFFolderError
 from omni_train.preflight import validate
+
+if TYPE_CHECKING:
+    from omni_train.launch import RunStopped
 
 __all__ = ["build_parser", "main", "parse_args", "resolve_run"]
 
@@ -118,6 +124,23 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="run directory whose actions.jsonl fits the cost model (the config's models, measured)",
     )
+    sim.add_argument(
+        "--workload",
+        default=None,
+        help="a workload TOML (or bundled name: paper-vlm, paper-omni) instead of the config's recipe; "
+        "adds the paper's baselines (megatron_dist, optimus_static); default 512 GPUs",
+    )
+    sim.add_argument(
+        "--encoder-ranks",
+        type=int,
+        default=None,
+        help="--workload: megatron_dist's encoder ranks per replica",
+    )
+    sim.add_argument(
+        "--timelines",
+        action="store_true",
+        help="--workload: also draw timeline-<placement>.png (matplotlib; seconds per plot at paper scale)",
+    )
     sim.add_argument("--steps", type=int, default=1, help="steps of the recipe to simulate (mean)")
     sim.add_argument("--first-step", type=int, default=0, help="first recipe step to simulate")
     sim.add_argument("--out", default="runs/simulate")
@@ -153,6 +176,13 @@ def build_parser() -> argparse.ArgumentParser:
         "--manifest", help="CSV or JSONL instead of a folder: path, text (caption/transcript), key"
     )
     shards.add_argument("--per-shard", type=int, default=1000, help="samples per shard (default 1000)")
+    shards.add_argument(
+        "--max-image-pixels",
+        type=int,
+        default=DataConfig.max_image_pixels,
+        help="skip images declaring more pixels (width x height) than this, undecoded: decompression "
+        f"bombs (default {DataConfig.max_image_pixels})",
+    )
     shards.add_argument(
         "--write-config",
         metavar="TOML",
@@ -210,13 +240,14 @@ def _aliases(args: argparse.Namespace) -> list[tuple[str, str | None]]:
     return out
 
 
-def committed_steps(out: Path) -> list[int]:
-    """Committed checkpoint steps of the run directory ``out`` (oldest first; read without processes)."""
+def committed_steps(out: Path, url: str = "") -> list[int]:
+    """Committed checkpoint steps of the run directory ``out``, or of ``url`` (``checkpoint.url``, e.g.
+    ``s3://...``) when given (oldest first; read without processes)."""
     from omni_ckpt import CheckpointManager
 
-    if not (out / "checkpoints").is_dir():
+    if not url and not (out / "checkpoints").is_dir():
         return []
-    return CheckpointManager(str(out / "checkpoints"), keep_last=None, async_save=False).steps()
+    return CheckpointManager(url or str(out / "checkpoints"), keep_last=None, async_save=False).steps()
 
 
 def _check_resume(cfg: RunConfig, out: Path) -> None:
@@ -234,7 +265,7 @@ def _check_resume(cfg: RunConfig, out: Path) -> None:
         saved = config_from_dict(json.loads(path.read_text()))
     except (ValueError, ConfigError) as exc:
         raise ConfigError(f"--resume: {path} is not a run config ({exc})") from None
-    steps = committed_steps(out)
+    steps = committed_steps(out, cfg.checkpoint.url)
     weights_only = bool(steps) and steps[-1] == 0
     diffs = resume_differences(saved, cfg, weights_only=weights_only)
     if diffs:
@@ -293,7 +324,13 @@ def resolve_run(args: argparse.Namespace) -> tuple[RunConfig, int, Path]:
     else:
         out = Path("runs") / f"{cfg.name}-{time.strftime('%Y%m%d-%H%M%S')}"
     _refuse_file(out, "--out", "a run directory")
-    if args.resume and not (out / "checkpoints").is_dir():
+    if not getattr(args, "print_config", False):
+        # a running run's lock speaks before its checkpoints do below (omni_train.run_lock)
+        from omni_train.launch import under_torchrun
+        from omni_train.run_lock import refuse_if_locked, torchrun_job
+
+        refuse_if_locked(out, torchrun_job() if under_torchrun() else None)
+    if args.resume and not cfg.checkpoint.url and not (out / "checkpoints").is_dir():
         raise ConfigError(f"--resume: {out} holds no checkpoints directory")
     # A worker that torchrun restarted resumes (see worker.worker_main); anything else must not train
     # into a run directory whose checkpoints it would collide with at its first save.
@@ -301,6 +338,8 @@ def resolve_run(args: argparse.Namespace) -> tuple[RunConfig, int, Path]:
 
     restarted = restart_count() > 0
     old = sorted(p.name for p in (out / "checkpoints").glob("step-*"))
+    if cfg.checkpoint.url:  # an object store holds the steps: the committed ones are what counts
+        old = [f"step-{s:08d}" for s in committed_steps(out, cfg.checkpoint.url)]
     if old and not (args.resume or restarted):
         raise ConfigError(
             f"--out: {out} already holds checkpoints ({old[-1]}); pass --resume to continue that run, "
@@ -309,7 +348,7 @@ def resolve_run(args: argparse.Namespace) -> tuple[RunConfig, int, Path]:
     # a restarted worker resumes from the newest step, not from --resume-step (worker.worker_main): its
     # first attempt already went back to it, and pruning may have deleted it since
     if args.resume_step is not None and not restarted:
-        steps = committed_steps(out)
+        steps = committed_steps(out, cfg.checkpoint.url)
         if args.resume_step not in steps:
             raise ConfigError(
                 f"--resume-step: {args.resume_step} is not a committed step of {out / 'checkpoints'} "
@@ -325,7 +364,8 @@ def _rank0() -> bool:
 
 
 def _run(args: argparse.Namespace) -> int:
-    from omni_train.launch import ChildFailedError, launch, restart_count, under_torchrun
+    from omni_train.launch import restart_count, under_torchrun
+    from omni_train.run_lock import acquire_run_lock, torchrun_job
 
     cfg, nproc, out = resolve_run(args)
     if args.print_config:
@@ -340,7 +380,7 @@ def _run(args: argparse.Namespace) -> int:
     if args.resume:
         # --resume-step was checked against the committed steps already (resolve_run)
         given = args.resume_step is not None and restart_count() == 0
-        steps = [args.resume_step] if given else committed_steps(out)
+        steps = [args.resume_step] if given else committed_steps(out, cfg.checkpoint.url)
         if steps and steps[-1] >= cfg.train.steps:
             if _rank0():
                 print(
@@ -350,7 +390,24 @@ def _run(args: argparse.Namespace) -> int:
                     file=sys.stderr,
                 )
             return 0
-    out.mkdir(parents=True, exist_ok=True)
+        if steps:
+            from omni_ckpt import CheckpointManager, read_manifest
+
+            # the step to resume proves itself (dtypes, shapes, boxes, file sizes) before any worker
+            # starts: a refused checkpoint is then one line and exit 2, not a worker's traceback
+            mgr = CheckpointManager(
+                cfg.checkpoint.url or str(out / "checkpoints"), keep_last=None, async_save=False
+            )
+            read_manifest(mgr.step_url(steps[-1]))
+    # the run directory's lock, taken before any worker starts (omni_train.run_lock: who holds it under
+    # torchrun) and given back however the run ends
+    with acquire_run_lock(out, job=torchrun_job() if under_torchrun() else None):
+        return _train(args, cfg, nproc, out)
+
+
+def _train(args: argparse.Namespace, cfg: RunConfig, nproc: int, out: Path) -> int:
+    """Train into the locked run directory ``out``: inline under torchrun, else on launched workers."""
+    from omni_train.launch import ChildFailedError, RunStopped, launch, under_torchrun
     from omni_train.worker import worker_main
 
     if under_torchrun():
@@ -370,7 +427,13 @@ def _run(args: argparse.Namespace) -> int:
             args.resume_step,
             nproc=nproc,
             max_restarts=args.max_restarts,
+            grace_s=cfg.train.preempt_grace_s,
+            resume_hint=f"resume from the last committed checkpoint with: {_resume_command(args, out)}",
         )
+    except RunStopped as exc:
+        # after a hang the workers were killed mid-step: rank 0's progress bar has no newline yet
+        print(f"{chr(10) if exc.hang else ''}omni-train: {_stopped_line(exc, args, out)}", file=sys.stderr)
+        return exc.exit_code
     except ChildFailedError as exc:
         print(f"omni-train: training failed:\n{exc.format_msg()}", file=sys.stderr)
         return 1
@@ -378,9 +441,53 @@ def _run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _simulate(args: argparse.Namespace) -> int:
-    from omni_train.simulate import simulate_config
+def _resume_command(args: argparse.Namespace, out: Path) -> str:
+    """This run's command line (config, process count, overrides) with ``--out`` and ``--resume``."""
+    words = ["omni-train", "run", "--config", args.config, "--out", str(out)]
+    if args.nproc is not None:
+        words += ["--nproc", str(args.nproc)]
+    for key, value in _aliases(args) + list(getattr(args, "overrides", [])):
+        words += [f"--{key}"] + ([] if value is None else [value])
+    return shlex.join([*words, "--resume"])
 
+
+def _stopped_line(exc: RunStopped, args: argparse.Namespace, out: Path) -> str:
+    """The one line that says why the workers stopped and, after a signal, how to resume."""
+    if exc.hang is not None:
+        return exc.hang
+    resume = _resume_command(args, out)
+    if exc.report is not None:
+        n = exc.report.step
+        return f"stopped by {exc.signal} at step {n}; checkpoint {n} committed; resume with: {resume}"
+    steps = committed_steps(out)
+    last = f"step {steps[-1]}" if steps else "none yet"
+    return (
+        f"stopped by {exc.signal}; the workers committed no checkpoint within train.preempt_grace_s = "
+        f"{exc.grace_s:g} s (the last committed: {last}); resume with: {resume}"
+    )
+
+
+def _simulate(args: argparse.Namespace) -> int:
+    from omni_train.simulate import resolve_workload, simulate_config, simulate_workload
+
+    if args.workload is not None:
+        if args.scale is not None or args.calibration is not None:
+            raise ConfigError(
+                "--workload: the workload gives the model sizes; drop --scale and --calibration"
+            )
+        table = simulate_workload(
+            resolve_workload(args.workload),
+            gpus=512 if args.gpus is None else args.gpus,
+            pp=8 if args.pp is None else args.pp,
+            microbatches=args.microbatches,
+            out_dir=Path(args.out),
+            steps=args.steps,
+            first_step=args.first_step,
+            encoder_ranks=args.encoder_ranks,
+            plots=args.timelines,
+        )
+        print(table)
+        return 0
     cfg = load_config(args.config)
     table = simulate_config(
         cfg,
@@ -444,7 +551,13 @@ def _make_shards(args: argparse.Namespace) -> int:
     if args.input is None and args.manifest is None:
         raise ConfigError("make-shards: give an input folder or --manifest FILE")
     try:
-        report = write_dataset(args.input or ".", args.out, manifest=args.manifest, per_shard=args.per_shard)
+        report = write_dataset(
+            args.input or ".",
+            args.out,
+            manifest=args.manifest,
+            per_shard=args.per_shard,
+            max_image_pixels=args.max_image_pixels,
+        )
     except ValueError as exc:
         raise ConfigError(f"make-shards: {exc}") from None
     for modality, urls in report.shards.items():
@@ -493,6 +606,9 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     except HFFolderError as exc:
         print(f"omni-train: Hugging Face folder error: {exc}", file=sys.stderr)
+        return 2
+    except CheckpointError as exc:
+        print("omni-train: error: " + " ".join(str(exc).split("\n")), file=sys.stderr)
         return 2
     return 2
 

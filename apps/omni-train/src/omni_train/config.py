@@ -3,28 +3,34 @@
 A config is a TOML file (read by :func:`omni_train.binder.load_config`, command-line overrides by
 :func:`omni_train.binder.apply_overrides`) whose every section maps onto a dataclass here; the checks that
 need the file system or more than one field (shards, the tokenizer, parallel sizes against the process
-count, calibration runs) are :func:`omni_train.preflight.validate`'s. Every error is a
-:class:`ConfigError` whose message starts with the dotted field name (``parallel.pp``,
+count, calibration runs) are :func:`omni_train.preflight.validate`'s. Every number has its range in
+:data:`FIELD_BOUNDS` (:func:`check_bounds`, run when a config is read and first in ``validate``). Every
+error is a :class:`ConfigError` whose message starts with the dotted field name (``parallel.pp``,
 ``data.sources[1].urls``).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any
 
+from omni_data import DEFAULT_MAX_IMAGE_PIXELS
 from omni_parallel import CPAttention
+from omni_parallel.numerics import OnNonFinite
 from omni_pipeline import PlacementPolicy, ScheduleKind
 from omni_train.models.audio import AudioConfig
 from omni_train.models.llm import LLMConfig
 from omni_train.models.vit import ViTConfig
 
 __all__ = [
+    "FIELD_BOUNDS",
     "OFFLOAD",
     "RECOMPUTE",
     "RECOMPUTE_MODULES",
+    "Bounds",
     "CheckpointConfig",
     "ConfigError",
     "DType",
@@ -37,6 +43,7 @@ __all__ = [
     "RunConfig",
     "SourceConfig",
     "TrainSection",
+    "check_bounds",
 ]
 
 
@@ -131,6 +138,9 @@ class DataConfig:
             it off; ``None`` (default): the replicas whose ranks share this rank's node
             (``LOCAL_WORLD_SIZE``, else every replica). Active only with ``parallel.reorder`` and
             without CP (under ``parallel.cp`` > 1 or ``hybrid_cp`` it is 1).
+        max_image_pixels: the most ``width * height`` a source image may declare in its header (before
+            any resize); a larger one (a decompression bomb) is skipped and counted, never decoded
+            (omni-data's ``WebDatasetSource`` and ``PayloadReader(max_image_pixels=)``); 1 to 2**28.
     """
 
     sources: list[SourceConfig]
@@ -144,6 +154,7 @@ class DataConfig:
     decode_workers: int = 1
     mixture_interpolate: bool = False
     reorder_group_size: int | None = None
+    max_image_pixels: int = DEFAULT_MAX_IMAGE_PIXELS
 
 
 @dataclass
@@ -252,11 +263,17 @@ class OptimConfig:
 
 @dataclass
 class CheckpointConfig:
-    """Checkpoint every ``every`` steps (0: only at the end), keep the last ``keep_last``."""
+    """Checkpoint every ``every`` steps (0: only at the end), keep the last ``keep_last``.
+
+    ``url``: where the steps go, any fsspec URL (``s3://bucket/run-1/checkpoints``; s3fs installed, its
+    endpoint and credentials from the environment s3fs reads: ``AWS_ENDPOINT_URL``, ``AWS_ACCESS_KEY_ID``,
+    ``AWS_SECRET_ACCESS_KEY``, ``AWS_DEFAULT_REGION``); empty: ``<out>/checkpoints``.
+    """
 
     every: int = 20
     keep_last: int = 2
     async_save: bool = True
+    url: str = ""
 
 
 class DType(StrEnum):
@@ -289,6 +306,26 @@ class TrainSection:
             of ``"llm"``, ``"image"``, ``"audio"``.
         profile_steps: record this many steps with ``torch.profiler`` (CPU and CUDA activities) into
             ``<run>/profile/rank-<r>.json`` Chrome traces (``omni_train.profiling``); 0: off.
+        on_nonfinite: a step whose loss, gradient norm or an encoder's output holds a NaN or Inf, or
+            whose loss spikes (``spike_zscore``): ``"skip_step"`` (no optimizer update, the data moves
+            on), ``"rollback"`` (parameters and optimizer state back to the newest committed checkpoint
+            before the step, the data moves on) or ``"stop"`` (``omni_parallel.numerics``; MegaScale-Omni
+            §7-8).
+        max_nonfinite_steps: bad steps in a row after which the run stops anyway; >= 1.
+        spike_zscore: a step whose loss lies this many standard deviations above the mean of the last
+            ``spike_window`` good steps is a loss spike, handled as ``on_nonfinite`` says; 0: off; >= 0.
+        spike_window: good steps the spike detector's mean and deviation are taken over; >= 2.
+        collective_timeout_s: seconds any collective of any process group waits for the other ranks
+            before it raises (``omni_parallel.ParallelState.build(timeout=)``, the default group's too);
+            0 < value <= 86400.
+        hang_timeout_s: seconds without a heartbeat from a rank (its process stopped), or without
+            progress on any rank, before the others name it (rank, host, step, last pipeline action) and
+            end the run or, under ``--max-restarts``, restart it from the last checkpoint
+            (``omni_parallel.watchdog``); keep it below ``collective_timeout_s`` and above the longest
+            single pipeline action (a first step's compile); 0: no watchdog; 0 <= value <= 86400.
+        preempt_grace_s: on SIGTERM / SIGINT, seconds the launcher lets the workers finish their step
+            and commit a checkpoint before it kills them (``omni_parallel.preemption``); keep it below
+            the scheduler's own kill delay; 0 < value <= 86400.
     """
 
     steps: int = 200
@@ -299,6 +336,13 @@ class TrainSection:
     recompute_modules: list[str] = field(default_factory=list)
     offload: list[str] = field(default_factory=list)
     profile_steps: int = 0
+    on_nonfinite: OnNonFinite = OnNonFinite.SKIP_STEP
+    max_nonfinite_steps: int = 3
+    spike_zscore: float = 0.0
+    spike_window: int = 50
+    collective_timeout_s: float = 1800.0
+    hang_timeout_s: float = 600.0
+    preempt_grace_s: float = 30.0
 
 
 @dataclass
@@ -328,3 +372,182 @@ def _to_plain(obj: Any) -> Any:
     if isinstance(obj, StrEnum):
         return str(obj)
     return obj
+
+
+# -- numeric ranges ------------------------------------------------------------------------------------
+# Every int and float field of a run config has its allowed range here, one row per field (lists of
+# tables as ``[i]``, table entries as ``.KEY``, as ``omni_train.binder.field_paths`` writes them), so a
+# field added to a section gets its range next to the others and a test (test_train_config_ranges.py)
+# fails while one is missing. The upper bounds are far beyond any run this code can train (the paper's
+# LLaMA-12B has dim 5120 and 40 layers) but refuse values that only a typo or a hostile config gives: a
+# pack of 1e10 tokens or a million decode threads would exhaust memory long after the workers started,
+# a dimension of -128 or 0 fails inside torch with a traceback from every rank. Cross-field rules (heads
+# dividing dims, parallel sizes against the process count, phases in order) stay in
+# ``omni_train.preflight.validate``.
+
+
+@dataclass(frozen=True)
+class Bounds:
+    """The allowed values of one numeric config field: finite, ``lo <= value <= hi`` (``lo < value`` with
+    ``lo_open``, ``value < hi`` with ``hi_open``). ``unit`` (e.g. ``"a number of MiB"``) is said in the
+    message."""
+
+    lo: float
+    hi: float
+    lo_open: bool = False
+    hi_open: bool = False
+    unit: str = ""
+
+    def check(self, value: float, where: str, *, subject: str = "", shown: Any = None) -> None:
+        """Raise :class:`ConfigError` (``"<where>: [<subject> ]must be ..., got <shown or value>"``)
+        unless ``value`` is allowed."""
+        said = f"{where}: {subject} must be" if subject else f"{where}: must be"
+        got = value if shown is None else shown
+        if isinstance(value, float) and not math.isfinite(value):
+            raise ConfigError(f"{said} finite, got {got}")
+        unit = f"{self.unit} " if self.unit else ""
+        if value < self.lo or (self.lo_open and value == self.lo):
+            op = ">" if self.lo_open else ">="
+            raise ConfigError(f"{said} {unit}{op} {_num(self.lo)}, got {got}")
+        if value > self.hi or (self.hi_open and value == self.hi):
+            op = "<" if self.hi_open else "<="
+            raise ConfigError(f"{said} {unit}{op} {_num(self.hi)}, got {got}")
+
+
+def _num(x: float) -> str:
+    return str(int(x)) if float(x).is_integer() and abs(x) < 2**63 else f"{x:g}"
+
+
+_COUNT = Bounds(1, 2**20)  # layers, heads, sizes of parallel groups: >= 1
+_WIDTH = Bounds(1, 2**16)  # model widths (features)
+_LAYERS = Bounds(1, 1024)
+_THETA = Bounds(0, 1e12, lo_open=True)  # RoPE base
+_EPS = Bounds(0, 1, lo_open=True)  # norm epsilon
+_PIXELS = Bounds(1, 2**28)  # resized image area: 16384 x 16384 at most
+_SEED = Bounds(0, 2**32 - 1)  # every RNG this code feeds (torch, numpy, random) takes these
+_STEPS = Bounds(0, 2**40)
+_LR = Bounds(0, 1e9)  # finite; large values (a blow-up test's 1e6) are the numerics guard's to catch
+
+
+def _encoder_bounds(section: str) -> dict[str, Bounds]:
+    return {
+        f"{section}.dim": _WIDTH,
+        f"{section}.n_layers": _LAYERS,
+        f"{section}.n_heads": _LAYERS,
+        f"{section}.rope_theta": _THETA,
+        f"{section}.mlp_ratio": Bounds(1, 64),
+        f"{section}.norm_eps": _EPS,
+    }
+
+
+FIELD_BOUNDS: dict[str, Bounds] = {
+    "model.llm.vocab_size": Bounds(1, 2**24),
+    "model.llm.dim": _WIDTH,
+    "model.llm.n_layers": _LAYERS,
+    "model.llm.n_heads": _LAYERS,
+    "model.llm.n_kv_heads": _LAYERS,
+    "model.llm.ffn_dim": _COUNT,
+    "model.llm.rope_theta": _THETA,
+    "model.llm.norm_eps": _EPS,
+    **_encoder_bounds("model.vit"),
+    "model.vit.patch": Bounds(1, 256),  # pixels per patch side
+    "model.vit.merge": Bounds(1, 16),  # patches per merged-token side
+    "model.vit.min_pixels": _PIXELS,
+    "model.vit.max_pixels": _PIXELS,
+    "model.vit.projector_hidden": _COUNT,
+    **_encoder_bounds("model.audio"),
+    "model.audio.n_mels": Bounds(1, 1024),
+    "model.audio.sample_rate": Bounds(1000, 384_000),  # Hz: telephone to studio rates
+    "model.audio.n_fft": Bounds(2, 2**16),  # samples
+    "model.audio.hop": Bounds(1, 2**16),  # samples
+    "model.audio.subsample": Bounds(1, 64),
+    "model.audio.max_positions": _COUNT,
+    "model.seed": _SEED,
+    "data.sources[i].min_pixels": _PIXELS,
+    "data.sources[i].max_pixels": _PIXELS,
+    "data.sources[i].join_tokens": Bounds(0, 2**24),
+    "data.mixture[i].weights.KEY": Bounds(0, 1e12),
+    "data.mixture[i].until_step": Bounds(1, 2**40),
+    "data.mixture[i].until_tokens": Bounds(1, 2**62),
+    "data.max_seq_len": Bounds(1, 2**24),  # tokens per pack: 16M
+    "data.microbatches": Bounds(1, 2**16),
+    "data.buffer_size": _COUNT,
+    "data.max_pack_age": Bounds(0, 2**16),
+    "data.decode_workers": Bounds(1, 256),  # threads per rank
+    "data.reorder_group_size": _COUNT,
+    "data.max_image_pixels": _PIXELS,  # declared source image area (PIL itself refuses > 178,956,970)
+    "parallel.pp": _COUNT,
+    "parallel.dp": _COUNT,
+    "parallel.tp": _COUNT,
+    "parallel.cp": _COUNT,
+    "parallel.ulysses": _COUNT,
+    "parallel.encoder_forward_share": Bounds(0, 1e6, lo_open=True),
+    "parallel.encoder_zero": Bounds(0, 3),  # preflight allows 0, 2 and 3
+    "parallel.virtual_stages": _LAYERS,
+    "parallel.encoder_sp": _COUNT,
+    "parallel.long_threshold": Bounds(1, 2**31),  # tokens
+    "parallel.stage_layers[i]": _LAYERS,
+    "parallel.planner_evaluations": Bounds(1, 10**7),
+    "parallel.planner_memory_cap_mib": Bounds(0, 2**40, lo_open=True, unit="a number of MiB"),
+    "optim.lr": _LR,
+    "optim.min_lr": _LR,
+    "optim.warmup_steps": _STEPS,
+    "optim.weight_decay": Bounds(0, 1e3),
+    "optim.beta1": Bounds(0, 1, hi_open=True),  # torch's AdamW needs 0 <= beta < 1
+    "optim.beta2": Bounds(0, 1, hi_open=True),
+    "optim.grad_clip": Bounds(0, 1e12),  # 0: measure the norm only
+    "checkpoint.every": _STEPS,
+    "checkpoint.keep_last": _COUNT,
+    "train.steps": Bounds(1, 2**40),
+    "train.seed": _SEED,
+    "train.profile_steps": Bounds(0, 2**20),
+    "train.collective_timeout_s": Bounds(0, 86400, lo_open=True, unit="a number of seconds"),
+    "train.hang_timeout_s": Bounds(0, 86400, unit="a number of seconds"),
+    "train.preempt_grace_s": Bounds(0, 86400, lo_open=True, unit="a number of seconds"),
+    "train.max_nonfinite_steps": Bounds(1, 2**20),
+    "train.spike_zscore": Bounds(0, 1e6),  # standard deviations; 0: no spike detection
+    "train.spike_window": Bounds(2, 2**20),  # steps
+}
+
+
+def check_bounds(cfg: RunConfig) -> None:
+    """Check every int and float field of ``cfg`` against :data:`FIELD_BOUNDS` (unset optional fields
+    skipped; a numeric field missing from the table must at least be finite).
+
+    Raises:
+        ConfigError: the first field out of range, named (``"optim.lr: must be finite, got nan"``,
+            ``"data.sources[1].max_pixels: must be <= 268435456, got 10000000000"``); an entry of a
+            table by the table, shown whole (``"data.mixture[0].weights: weights must be >= 0, got
+            {'image': -1.0, 'text': 1.0}"``).
+    """
+    _check_value(cfg, "", "")
+
+
+def _check_value(value: Any, where: str, pattern: str) -> None:
+    if value is None or isinstance(value, bool | str):
+        return
+    if dataclasses.is_dataclass(value):
+        for f in dataclasses.fields(value):
+            if f.init and f.name != "source":
+                name = f"{where}.{f.name}".lstrip(".")
+                _check_value(getattr(value, f.name), name, f"{pattern}.{f.name}".lstrip("."))
+    elif isinstance(value, list):
+        for i, item in enumerate(value):
+            _check_value(item, f"{where}[{i}]", f"{pattern}[i]")
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            if isinstance(item, int | float) and not isinstance(item, bool):
+                # a table of numbers (mixture weights) is named and shown whole: one entry means
+                # little without the others
+                _check_number(item, where, f"{pattern}.KEY", subject=where.rsplit(".", 1)[-1], shown=value)
+            else:
+                _check_value(item, f"{where}.{key}", f"{pattern}.KEY")
+    elif isinstance(value, int | float):
+        _check_number(value, where, pattern)
+
+
+def _check_number(value: float, where: str, pattern: str, *, subject: str = "", shown: Any = None) -> None:
+    bounds = FIELD_BOUNDS.get(pattern)
+    if bounds is None:  # not in the table (a test fails meanwhile): at least finite
+        bounds = Bounds(-math.inf, math.inf)
+    bounds.check(value, where, subject=subject, shown=shown)

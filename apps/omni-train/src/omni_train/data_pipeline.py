@@ -171,6 +171,7 @@ def build_sources(
             shuffle_shards=True,
             seed=cfg.train.seed,
             epochs=None,
+            max_image_pixels=cfg.data.max_image_pixels,
         )
         if src.join_tokens:
             sources[src.name] = JoinDocuments(source, src.join_tokens)
@@ -234,7 +235,7 @@ def build_step_stream(
         consumes,
         microbatches=d.microbatches,
         slices=cfg.parallel.pp,
-        reader=PayloadReader(tokenizer),
+        reader=PayloadReader(tokenizer, max_image_pixels=d.max_image_pixels),
         tp_group=tp_group,
         prefetch=1,
         background=background,

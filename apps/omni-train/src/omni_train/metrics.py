@@ -178,13 +178,15 @@ def finish_run(
     *,
     checkpoints: list[int],
     skipped: dict[str, Any] | None = None,
+    numerics: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """Rank 0 at the end of a run: plot the loss and the last step's timeline, write ``summary.json``
     (first/last mean loss over a window of up to 20 steps, ``tokens_per_s``: the run's tokens over the
     summed wall time of its steps (:func:`tokens_per_s`), skipped payloads, each
     ``*_per_rank`` peak of the steps as its per-rank maximum over the steps, and ``skipped``: every skip
     of the run by scope, source and reason with the first keys, from
-    :class:`~omni_train.skip_metrics.SkipMetrics`) and return it.
+    :class:`~omni_train.skip_metrics.SkipMetrics`; ``numerics``: the steps the numerics guard found bad,
+    :meth:`omni_parallel.numerics.NumericsGuard.summary`) and return it.
     """
     metrics = read_metrics(out_dir / "metrics.jsonl")
     if metrics:
@@ -209,6 +211,8 @@ def finish_run(
     }
     if skipped is not None:
         summary["skipped"] = skipped
+    if numerics is not None:
+        summary["numerics"] = numerics
     (out_dir / "summary.json").write_text(json.dumps(summary, indent=2))
     return summary
 

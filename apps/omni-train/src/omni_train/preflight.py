@@ -14,7 +14,7 @@ import os
 from pathlib import Path
 
 from omni_pipeline import PlacementPolicy, ScheduleKind
-from omni_train.config import OFFLOAD, RECOMPUTE, RECOMPUTE_MODULES, ConfigError, RunConfig
+from omni_train.config import OFFLOAD, RECOMPUTE, RECOMPUTE_MODULES, ConfigError, RunConfig, check_bounds
 from omni_train.data_files import data_root, expand_urls, load_tokenizer, tokenizer_candidates
 from omni_train.data_pipeline import mixture_unit
 from omni_train.pipeline import fitted_cost_model, stage_split
@@ -44,7 +44,9 @@ def validate(cfg: RunConfig, nproc: int) -> None:
     """Check everything that can be checked before processes start.
 
     Raises:
-        ConfigError: naming the first field that is wrong: parallel sizes vs ``nproc``, head counts not
+        ConfigError: naming the first field that is wrong: a number out of its range
+        (:func:`omni_train.config.check_bounds`, checked first, so no rule below divides by a zero
+        size or builds from a negative one), parallel sizes vs ``nproc``, head counts not
         divisible (GQA, TP, Ulysses), fewer layers than stages, a source whose ``urls`` name no shard
         (the message says where it looked), mixture weights naming unknown sources, phases out of
         order or mixing ``until_step`` with ``until_tokens``, non-positive sizes, a schedule that does
@@ -54,6 +56,7 @@ def validate(cfg: RunConfig, nproc: int) -> None:
         ``parallel.planner_calibration`` run that does not calibrate this model
         (:func:`omni_train.pipeline.stage_split`, :func:`omni_train.pipeline.fitted_cost_model`).
     """
+    check_bounds(cfg)
     par, llm = cfg.parallel, cfg.model.llm
     for name in ("pp", "dp", "tp", "cp", "ulysses"):
         if getattr(par, name) < 1:
@@ -206,9 +209,26 @@ def validate(cfg: RunConfig, nproc: int) -> None:
         raise ConfigError(f"data.reorder_group_size: {g} must be >= 1 and divide parallel.dp {par.dp}")
     if cfg.checkpoint.every < 0 or cfg.checkpoint.keep_last < 1:
         raise ConfigError("checkpoint.every: must be >= 0 and checkpoint.keep_last >= 1")
+    if cfg.checkpoint.url:
+        _check_checkpoint_url(cfg.checkpoint.url)
     if cfg.train.profile_steps < 0:
         raise ConfigError(f"train.profile_steps: must be >= 0, got {cfg.train.profile_steps}")
     _validate_schedule_and_memory(cfg)
+
+
+def _check_checkpoint_url(url: str) -> None:
+    """``checkpoint.url`` names a filesystem fsspec has and whose package is installed (``s3://`` needs
+    s3fs), so a typo or a missing backend is one line before any worker starts, not every rank's traceback.
+
+    Raises:
+        ConfigError: naming the field, the URL and what fsspec said.
+    """
+    import fsspec
+
+    try:
+        fsspec.core.url_to_fs(url)
+    except (ValueError, ImportError) as exc:
+        raise ConfigError(f"checkpoint.url: {url!r}: {exc}") from None
 
 
 def _validate_cp(cfg: RunConfig) -> None:

@@ -239,11 +239,21 @@ class RunOutputs:
         *,
         checkpoints: list[int],
         skipped: dict[str, Any],
+        numerics: dict[str, Any] | None = None,
     ) -> dict[str, Any]:
         """Rank 0 at the end: the loss plot, the last step's timeline and ``summary.json``
-        (:func:`omni_train.metrics.finish_run`); returns the summary."""
+        (:func:`omni_train.metrics.finish_run`; ``numerics``: the numerics guard's bad steps); returns the
+        summary."""
         title = f"{cfg.name}: last step, {cfg.parallel.placement}"
         timelines = last.timelines if last is not None else None
         return finish_run(
-            self.out, cfg.name, timelines, title, elapsed, start, checkpoints=checkpoints, skipped=skipped
+            self.out,
+            cfg.name,
+            timelines,
+            title,
+            elapsed,
+            start,
+            checkpoints=checkpoints,
+            skipped=skipped,
+            numerics=numerics,
         )

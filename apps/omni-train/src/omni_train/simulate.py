@@ -18,6 +18,14 @@ simulator then times a 1F1B step under each placement policy, and the table comp
   LLaMA-12B backbone, ViT-1B image encoder, USM-2B audio encoder; Table 1 and §2.2) or of the config's own
   tiny sizes (``scale="config"``).
 
+``--workload FILE|NAME`` (:func:`simulate_workload`) draws the steps from a workload file instead
+(:mod:`omni_pipeline.workload`: per-source length distributions, mixture phases, pack length, batch and
+model sizes; the paper's ``paper-vlm`` and ``paper-omni`` ship in ``omni_train/configs/workloads/``), packs
+whole samples with omni-data's packer, and compares the paper's baselines too: Megatron-LM
+(``prepend_first_stage``), Megatron-Dist / DistTrain (``megatron_dist``: encoders on ranks of their own,
+:func:`omni_pipeline.simulate_disaggregated`), Optimus (``optimus_static``: static bubble filling,
+:func:`omni_pipeline.optimus_static`), beside ``isolated``, ``uniform_on_demand`` and ``planned``.
+
 Modelled device (documented assumptions, not measurements): ``peak_flops`` 989e12 (H100 bf16 dense) at
 ``efficiency`` 0.4; the interconnect and activation sizes of :mod:`omni_pipeline.step_costs` (which holds
 the cost model: :func:`omni_pipeline.modelled_step_costs`, :func:`omni_pipeline.calibrated_step_costs`).
@@ -28,6 +36,8 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import time
+from importlib import resources
 from pathlib import Path
 
 from omni_data import encoder_microbatch_ids, split_encoder_microbatches
@@ -37,18 +47,24 @@ from omni_pipeline import (
     DataFlow,
     PlacementPolicy,
     Schedule1F1B,
+    Workload,
+    WorkloadError,
     calibrated_step_costs,
+    encoder_ranks_for,
     fit_run,
+    load_workload,
     modelled_step_costs,
+    optimus_static,
     place,
     simulate,
+    simulate_disaggregated,
 )
 from omni_train.config import ConfigError, RunConfig
 from omni_train.data_files import load_tokenizer
 from omni_train.data_pipeline import build_step_stream
 from omni_train.pipeline import config_scale, image_merge
 
-__all__ = ["simulate_config"]
+__all__ = ["WORKLOAD_ROWS", "resolve_workload", "simulate_config", "simulate_workload"]
 
 
 def _measured_step_times(run_dir: Path, steps: list[int]) -> dict[int, float]:
@@ -229,6 +245,167 @@ def simulate_config(
                 "calibration": str(calibration) if calibration is not None else None,
                 "results": results,
                 "llm_only_bubble": llm_only_bubble,
+            },
+            indent=2,
+        )
+    )
+    return "\n".join(lines)
+
+
+# the rows of a workload simulation: the paper's baselines (Megatron-LM, Megatron-Dist, Optimus) and ours
+WORKLOAD_ROWS = (
+    "prepend_first_stage",
+    "megatron_dist",
+    "optimus_static",
+    "isolated",
+    "uniform_on_demand",
+    "planned",
+)
+
+
+def resolve_workload(name_or_path: str) -> Workload:
+    """A workload by bundled name (``paper-vlm`` -> ``omni_train/configs/workloads/paper-vlm.toml``) or path.
+
+    Raises:
+        ConfigError: neither a bundled name nor a readable file, or a malformed file (one line naming the
+            file and the key).
+    """
+    p = Path(name_or_path)
+    if not (p.suffix == ".toml" or "/" in name_or_path):
+        bundled = Path(str(resources.files("omni_train") / "configs" / "workloads" / f"{name_or_path}.toml"))
+        if not bundled.is_file():
+            names = sorted(f.stem for f in bundled.parent.glob("*.toml"))
+            raise ConfigError(f"--workload: no bundled workload named {name_or_path!r} (have {names})")
+        p = bundled
+    try:
+        return load_workload(p)
+    except WorkloadError as exc:
+        raise ConfigError(f"--workload: {exc}") from None
+
+
+def simulate_workload(
+    workload: Workload,
+    *,
+    gpus: int = 512,
+    pp: int = 8,
+    microbatches: int | None = None,
+    out_dir: Path,
+    peak_flops: float = 989e12,
+    efficiency: float = 0.4,
+    steps: int = 1,
+    first_step: int = 0,
+    encoder_ranks: int | None = None,
+    plots: bool = False,
+) -> str:
+    """Simulate ``steps`` steps of ``workload`` from ``first_step`` under every row of :data:`WORKLOAD_ROWS`.
+
+    Each step: the workload's packs (:meth:`omni_pipeline.Workload.step_packs`, whole samples), each LLM
+    microbatch's media split into ``pp`` encoder microbatches (Karmarkar-Karp by encoder FLOPs, the
+    reordering on), modelled FLOPs of the workload's model sizes at ``peak_flops * efficiency``
+    (:func:`omni_pipeline.modelled_step_costs`), one 1F1B pipeline replica of ``gpus // pp``.
+    ``megatron_dist`` gives its encoders ``encoder_ranks`` extra ranks per replica (default: sized once
+    from the first simulated step, :func:`omni_pipeline.encoder_ranks_for`) out of the same GPUs, so its
+    throughput counts ``gpus / (pp + encoder_ranks)`` replicas.
+
+    Writes ``simulate.json`` (and with ``plots`` one ``timeline-<row>.png`` of the first step, drawn after
+    the timing: matplotlib takes seconds per plot at paper scale) under ``out_dir``.
+
+    Returns:
+        the comparison table (text), with the seconds the simulation took.
+
+    Raises:
+        ConfigError: ``gpus`` not a positive multiple of ``pp``, fewer microbatches than stages, ``steps < 1``,
+            ``first_step < 0``, ``encoder_ranks < 1``.
+    """
+    t0 = time.perf_counter()
+    microbatches = workload.microbatches if microbatches is None else microbatches
+    if pp < 1 or gpus < pp or gpus % pp:
+        raise ConfigError(f"--gpus: {gpus} is not a positive multiple of --pp {pp}")
+    if microbatches < pp:
+        raise ConfigError(f"--microbatches: {microbatches} cannot fill {pp} stages")
+    if steps < 1 or first_step < 0:
+        raise ConfigError(f"--steps: need steps >= 1 and first step >= 0, got {steps} from {first_step}")
+    if encoder_ranks is not None and encoder_ranks < 1:
+        raise ConfigError(f"--encoder-ranks: must be >= 1, got {encoder_ranks}")
+    dp = gpus // pp
+    schedule = Schedule1F1B(pp, microbatches)
+    encoder_inputs = encoder_microbatch_ids(microbatches, pp)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    acc: dict[str, dict[str, float]] = {}
+    llm_only_bubble = mb_tokens = 0.0
+    for n, step in enumerate(range(first_step, first_step + steps)):
+        packs = workload.step_packs(step, microbatches)
+        mbs = split_encoder_microbatches(packs, microbatches, pp, balance=True)
+        mb_tokens += sum(p.num_tokens for p in packs) / len(packs) / steps
+        costs = modelled_step_costs(workload.model, packs, mbs, pp, peak_flops * efficiency, dp)
+        if encoder_ranks is None:
+            encoder_ranks = encoder_ranks_for(costs, schedule)
+        flows = {
+            "prepend_first_stage": place("prepend_first_stage", schedule, encoder_inputs, costs),
+            "optimus_static": optimus_static(schedule, encoder_inputs, costs),
+            "isolated": place("isolated", schedule, encoder_inputs, costs),
+            "uniform_on_demand": place("uniform_on_demand", schedule, encoder_inputs, costs),
+            "planned": place("planned", schedule, encoder_inputs, costs),
+        }
+        results = {name: simulate(schedule, flow, costs) for name, flow in flows.items()}
+        results["megatron_dist"] = simulate_disaggregated(schedule, encoder_inputs, costs, encoder_ranks)
+        if n == 0:
+            first = results
+        for name in WORKLOAD_ROWS:
+            res = results[name]
+            r = acc.setdefault(
+                name, dict.fromkeys(("step_time_s", "makespan_s", "tokens", "bubble", "peak0"), 0.0)
+            )
+            r["step_time_s"] += res.step_time_s / steps
+            r["makespan_s"] += res.makespan_s / steps
+            r["tokens"] += res.throughput_tokens_per_s * res.step_time_s
+            r["bubble"] += res.mean_bubble_fraction / steps
+            r["peak0"] = max(r["peak0"], res.peak_activation_bytes[0])
+        llm_only_bubble += simulate(schedule, None, costs).mean_bubble_fraction / steps
+    results_out = {
+        name: {
+            "step_time_s": r["step_time_s"],
+            "makespan_s": r["makespan_s"],
+            "throughput_tokens_per_s": r["tokens"] / (r["step_time_s"] * steps),
+            "mean_bubble_fraction": r["bubble"],
+            "stage0_peak_activation_bytes": r["peak0"],
+        }
+        for name, r in acc.items()
+    }
+    wall = time.perf_counter() - t0
+    for name, res in first.items() if plots else ():
+        res.plot(
+            out_dir / f"timeline-{name}.png",
+            title=f"{workload.name}: {name}, {gpus} GPUs, pp={pp}, step {first_step}",
+        )
+    base = results_out["prepend_first_stage"]["throughput_tokens_per_s"]
+    span = f"step {first_step}" if steps == 1 else f"steps {first_step}-{first_step + steps - 1} (mean)"
+    lines = [
+        f"workload {workload.name} on {gpus} GPUs (pp={pp}, dp={dp}, {microbatches} packs of ~{mb_tokens:.0f} tokens "
+        f"(max {workload.max_seq_len}) per replica, global batch {microbatches * dp} packs; {span}; LLM-only 1F1B bubble {llm_only_bubble:.3f}; "
+        f"megatron_dist: {encoder_ranks} encoder ranks per replica); simulated in {wall:.2f} s",
+        f"{'placement':<22}{'step s':>12}{'tokens/s':>14}{'vs prepend':>12}{'bubble':>9}{'stage-0 peak MB':>17}",
+    ]
+    for name, r in results_out.items():
+        lines.append(
+            f"{name:<22}{r['step_time_s']:>12.4g}{r['throughput_tokens_per_s']:>14.4g}"
+            f"{r['throughput_tokens_per_s'] / base:>11.2f}x"
+            f"{r['mean_bubble_fraction']:>9.3f}{r['stage0_peak_activation_bytes'] / 2**20:>17.2f}"
+        )
+    (out_dir / "simulate.json").write_text(
+        json.dumps(
+            {
+                "workload": workload.name,
+                "gpus": gpus,
+                "pp": pp,
+                "microbatches": microbatches,
+                "global_batch_packs": microbatches * dp,
+                "max_seq_len": workload.max_seq_len,
+                "steps": list(range(first_step, first_step + steps)),
+                "encoder_ranks": encoder_ranks,
+                "results": results_out,
+                "llm_only_bubble": llm_only_bubble,
+                "wall_s": wall,
             },
             indent=2,
         )

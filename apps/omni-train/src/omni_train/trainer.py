@@ -9,8 +9,9 @@ is :mod:`omni_train.run_outputs`'s.
 
 Each step: learning rate, gradients zeroed (ZeRO-0 encoder gradients re-attached to their flat buffers)
 -> the loader's step -> :class:`~omni_pipeline.StepInputs` (a value; the executor's callables close over
-it) -> executor step -> gradient clipping across pipeline ranks and encoder replicas -> AdamW ->
-metrics (:mod:`omni_train.step_metrics`, one collective) -> records -> checkpoint. A step's wall clock
+it) -> executor step -> gradient clipping across pipeline ranks and encoder replicas -> the numerics
+guard's verdict (:mod:`omni_train.numerics_guard`: AdamW steps, or the step is skipped, rolled back or
+stops the run) -> metrics (:mod:`omni_train.step_metrics`, one collective) -> records -> checkpoint. A step's wall clock
 runs from the end of the previous step's metrics reduction, so the previous checkpoint save counts in
 it; where it went, per rank and phase, is ``time_s_per_rank`` in ``metrics.jsonl``. Everything the loader
 skipped (undecodable payloads keep their place, their targets masked) is reduced over the ranks each step
@@ -19,6 +20,11 @@ by :class:`~omni_train.skip_metrics.SkipMetrics`.
 Determinism: one intra-op thread per process, parameters initialised from seeded private generators, no
 dropout, data order from seeded shard shuffles and the deterministic mixture; a resumed run therefore
 reproduces the uninterrupted run's losses step for step on CPU.
+
+Hangs and preemption (issue 29): a heartbeat watchdog (:func:`omni_train.wiring.watchdog`,
+``omni_parallel.watchdog``) runs beside the loop and names a rank that stops beating; after each step the
+ranks agree on a stop signal (``omni_parallel.preemption``, one all-reduce of one integer) and, on one,
+commit checkpoint N synchronously and stop (:attr:`Trainer.stopped`).
 """
 
 from __future__ import annotations
@@ -33,13 +39,14 @@ import torch.distributed as dist
 from torch.profiler import record_function
 
 from omni_data.zero_redundancy import FilteredStep
-from omni_parallel.data_parallel import wait_for_ranks
 from omni_parallel.grad_clip import clip_grad_norm_
+from omni_parallel.preemption import StopSignal
 from omni_pipeline import StepInputs, StepResult, build_schedule
 from omni_train import wiring
 from omni_train.config import RunConfig
 from omni_train.data_files import load_tokenizer
-from omni_train.launch import restart_count
+from omni_train.launch import StopReport, restart_count
+from omni_train.numerics_guard import act_on, numerics_guard, stop_error, watch_loss
 from omni_train.optim import lr_at
 from omni_train.pipeline import image_merge
 from omni_train.run_outputs import RunOutputs
@@ -57,12 +64,21 @@ class Trainer:
         resume: continue from the last committed checkpoint under ``out_dir/checkpoints`` (if any).
         resume_step: with ``resume``, continue from this committed step instead; newer ones are set aside
             (:meth:`omni_train.checkpointing.TrainCheckpoint.restore`).
+        stop: the process's stop signals (installed by the caller): after each step the ranks agree on
+            them and, on one, commit a checkpoint and stop (:attr:`stopped`); ``None``: not asked.
     """
 
     def __init__(
-        self, cfg: RunConfig, out_dir: Path, *, resume: bool, resume_step: int | None = None
+        self,
+        cfg: RunConfig,
+        out_dir: Path,
+        *,
+        resume: bool,
+        resume_step: int | None = None,
+        stop: StopSignal | None = None,
     ) -> None:
         self.cfg, self.out, self.resume, self.resume_step = cfg, out_dir, resume, resume_step
+        self.stop, self.stopped = stop, None  # stopped: a StopReport once the ranks stopped on a signal
         self.out.mkdir(parents=True, exist_ok=True)
         self.ps = wiring.parallel_state(cfg)  # every group of the run, here, in one order
         self.reorder_group_size = self.ps.reorder_size
@@ -90,9 +106,12 @@ class Trainer:
         self.groups, self.executor = wiring.executor(
             cfg, self.ps, parts, self.sharding, self.device, reduce_gradients=self._reduce_gradients
         )
+        self.watchdog = wiring.watchdog(cfg, self.ps, self.executor)  # started with the loop
         self.checkpoint = wiring.checkpoint(cfg, self.out, self.ps, parts, self.stream)
         self.metrics = wiring.step_metrics(cfg, self.ps, parts, self.device)
         self.skips = SkipMetrics(self.stream, self.ps)
+        # loss, gradient norm and each tower's output checked every step (omni_train.numerics_guard)
+        self.guard = numerics_guard(cfg.train, self.ps, dict(self.encoders.towers.items()), self.device)
 
     # -- the loop -----------------------------------------------------------------------------------------
     def run(
@@ -107,6 +126,8 @@ class Trainer:
         try:
             return self._run(after_backward)
         finally:
+            if self.watchdog is not None:
+                self.watchdog.stop()
             self.stream.close()
 
     def _run(self, after_backward: Callable[[int, StepInputs, StepResult], None] | None) -> dict[str, Any]:
@@ -124,10 +145,18 @@ class Trainer:
             set_aside=self.checkpoint.set_aside if self.resume_step is not None else None,
         )
         t_run, last = time.perf_counter(), None
+        if self.watchdog is not None:
+            self.watchdog.start()
         try:
             for step in range(start, total):
+                if self.watchdog is not None:
+                    self.watchdog.progress(step)
                 result = self._train_step(step, run, after_backward)
                 last = result if step == total - 1 else last
+                if self._stop_requested(step + 1, run):
+                    break
+            if self.watchdog is not None:
+                self.watchdog.stop()  # rank 0's summary below is no hang
             run.stop()
             self.checkpoint.close()
         except BaseException as exc:
@@ -137,7 +166,15 @@ class Trainer:
         elapsed, summary = time.perf_counter() - t_run, {}
         if self.rank == 0:
             done, skipped = self.checkpoint.steps(), self.skips.summary()
-            summary = run.summary(self.cfg, last, elapsed, start, checkpoints=done, skipped=skipped)
+            summary = run.summary(
+                self.cfg,
+                last,
+                elapsed,
+                start,
+                checkpoints=done,
+                skipped=skipped,
+                numerics=self.guard.summary(),
+            )
         dist.barrier()
         return summary
 
@@ -163,7 +200,7 @@ class Trainer:
             result = self.executor.step(
                 inputs.plan,
                 inputs.encoder_work,
-                functions=self.builder.functions(inputs),
+                functions=watch_loss(self.builder.functions(inputs), self.guard),
                 gather_timelines=step == self.cfg.train.steps - 1,
                 step=step,
             )
@@ -171,7 +208,8 @@ class Trainer:
             after_backward(step, inputs, result)
         t = time.perf_counter()
         grad_norm = self._clip()
-        self.optimizer.step()
+        verdict = self.guard.verdict(step, grad_norm)  # the same on every rank
+        numerics = act_on(verdict, self.guard, self.optimizer, self.checkpoint, self.rank)
         optimizer_s = time.perf_counter() - t
         self.stream.wait_prepared()  # skips found preparing step + 1 count in this step, as without it
         wall = time.perf_counter() - run.clock
@@ -188,11 +226,28 @@ class Trainer:
         if self.rank == 0:
             metrics = self.metrics.row(inputs, row, lr, grad_norm)
             over_cap = run.planner_metrics(self.planner, self.cfg.parallel.planner_memory_cap_mib)
-            extra = {**row["memory"], **skipped, **run.cp_metrics(self.sharding), **over_cap}
+            extra = {**row["memory"], **skipped, **run.cp_metrics(self.sharding), **over_cap, **numerics}
             run.log(step, {**metrics, **extra})
+        stop = stop_error(verdict, self.guard)
+        if stop is not None:  # after the step's metrics, before its checkpoint
+            self.checkpoint.close()  # the save in flight commits: a resume starts from it
+            raise stop
         run.save(self.checkpoint, step + 1)
         run.profiler.step()
         return result
+
+    def _stop_requested(self, done: int, run: RunOutputs) -> bool:
+        """After ``done`` steps: whether any rank received a stop signal (one all-reduce of one integer,
+        the same answer on every rank); if so, checkpoint ``done`` is committed before it returns."""
+        agreed = self.stop.agree() if self.stop is not None else None
+        if agreed is None:
+            return False
+        if not self.checkpoint.due(done):  # a due one was saved with the step
+            run.writes.drain()  # the steps before the checkpoint are on disk before it commits
+            self.checkpoint.save(done)
+        self.checkpoint.close()  # committed (synchronously) before rank 0 reports it
+        self.stopped = StopReport(agreed.name, done)
+        return True
 
     def _fresh_start(self) -> int:
         self.stream.reset()
@@ -226,10 +281,11 @@ class Trainer:
     @record_function("omni_train.reduce_gradients")
     def _reduce_gradients(self) -> float:
         """The LLM's and the encoders' gradient sync; returns the seconds spent first waiting for every
-        rank to arrive (a one-element all-reduce over the world, which every rank's sync waits for
-        anyway: the slowest rank's last backward), so that ``time_s_per_rank`` tells the pipeline's
-        drain imbalance (``reduce_wait``) from the collectives' own cost (``grad_reduce``)."""
-        wait = wait_for_ranks(self.device)
+        rank to arrive (a small all-reduce over the world, which every rank's sync waits for anyway: the
+        slowest rank's last backward; it carries the numerics guard's flags), so that
+        ``time_s_per_rank`` tells the pipeline's drain imbalance (``reduce_wait``) from the collectives'
+        own cost (``grad_reduce``)."""
+        wait = self.guard.reduce()  # wait_for_ranks' all-reduce, carrying the step's numerics flags
         self.sync_llm()
         self.sync_encoders(self._step_media)  # towers that ran nowhere this step have zeros to sum
         return wait

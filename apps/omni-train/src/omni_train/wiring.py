@@ -23,6 +23,7 @@ import os
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -38,6 +39,7 @@ from omni_parallel.activation_memory import ActivationMemory
 from omni_parallel.encoder_zero import state_bytes
 from omni_parallel.flops import matmul_params, measure_peak_flops
 from omni_parallel.parallelize import EncoderGradientSync, training_dtypes
+from omni_parallel.watchdog import Watchdog, WatchdogSpec, default_store_client
 from omni_pipeline import (
     CPSharding,
     CPSpec,
@@ -62,6 +64,7 @@ from omni_train.checkpointing import TrainCheckpoint
 from omni_train.config import RunConfig
 from omni_train.data_pipeline import build_step_stream
 from omni_train.encoders import Encoders
+from omni_train.launch import report_dir, restart_count
 from omni_train.models import LLMConfig
 from omni_train.optim import build_optimizer
 from omni_train.parallelize import parallelize
@@ -84,6 +87,7 @@ __all__ = [
     "step_metrics",
     "step_stream",
     "training_device",
+    "watchdog",
 ]
 
 
@@ -106,6 +110,7 @@ def parallel_state(cfg: RunConfig) -> ParallelState:
     return ParallelState.build(
         ParallelConfig(tp=par.tp, pp=par.pp, cp=par.cp, ulysses=par.ulysses, dp=par.dp),
         groups=group_spec(cfg),
+        timeout=timedelta(seconds=cfg.train.collective_timeout_s),
     )
 
 
@@ -398,6 +403,31 @@ def executor(
     )
 
 
+def watchdog(cfg: RunConfig, ps: ParallelState, executor: PipelineExecutor) -> Watchdog | None:
+    """The run's hang watchdog (``train.hang_timeout_s``; ``None`` when 0), not started: heartbeats
+    through a client of the default group's store under a prefix per elastic attempt, naming the
+    executor's current action. Under :func:`omni_train.launch.launch` the verdict goes to the launcher's
+    report folder (it prints it) and rank 0 hosts the store; each rank watches its next 64 ranks at most."""
+    hang = cfg.train.hang_timeout_s
+    if hang == 0 or ps.world_size == 1:  # one process: no other rank to name it
+        return None
+    reports = report_dir()
+    spec = WatchdogSpec(
+        hang_timeout_s=hang,
+        prefix=f"omni-train/watchdog/{restart_count()}",
+        verdict_file=str(reports / "hang") if reports is not None else None,
+        watch=None if ps.world_size <= 65 else 64,
+        store_owner=0 if reports is not None else None,
+    )
+    try:
+        store = default_store_client(spec.interval, spec.prefix)
+    except RuntimeError as exc:  # e.g. a file:// rendezvous: said, not skipped silently
+        if ps.rank == 0:
+            print(f"omni-train: no hang watchdog (train.hang_timeout_s): {exc}", file=sys.stderr)
+        return None
+    return Watchdog(spec, store, ps.rank, ps.world_size, where=lambda: executor.current_action)
+
+
 def checkpoint(
     cfg: RunConfig, out: Path, ps: ParallelState, parts: ModelParts, stream: ZeroRedundancyFilter
 ) -> TrainCheckpoint:
@@ -405,7 +435,7 @@ def checkpoint(
     must share (which replicas trade samples decides which rank encodes what)."""
     fixed = {"data.reorder_group_size": ps.reorder_size}
     return TrainCheckpoint(
-        out / "checkpoints",
+        cfg.checkpoint.url or out / "checkpoints",
         cfg.checkpoint,
         cfg.train.steps,
         parts.model,

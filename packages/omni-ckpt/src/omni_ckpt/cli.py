@@ -1,4 +1,8 @@
-"""``omni-ckpt`` command line: ``omni-ckpt export --format safetensors|torch CKPT OUT``."""
+"""``omni-ckpt`` command line: ``omni-ckpt export --format safetensors|torch CKPT OUT``.
+
+A checkpoint that fails its checks (:class:`~omni_ckpt.CheckpointError`) is reported as one line,
+``omni-ckpt: error: ...``, with exit status 2, like a usage error: it is bad input, not a crash.
+"""
 
 from __future__ import annotations
 
@@ -6,11 +10,21 @@ import argparse
 import sys
 
 from omni_ckpt.interop import ExportFormat, export
+from omni_ckpt.storage import CheckpointError
 
 __all__ = ["main"]
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Entry point of the ``omni-ckpt`` console script; returns the exit status (2: refused checkpoint)."""
+    try:
+        return _main(argv)
+    except CheckpointError as exc:
+        print("omni-ckpt: error: " + " ".join(str(exc).split("\n")), file=sys.stderr)
+        return 2
+
+
+def _main(argv: list[str] | None) -> int:
     parser = argparse.ArgumentParser(prog="omni-ckpt", description="omni-ckpt checkpoint tools")
     sub = parser.add_subparsers(dest="command", required=True)
     ex = sub.add_parser("export", help="write a checkpoint's full tensors to one file")

@@ -42,6 +42,7 @@ from omni_ckpt.checksum import crc
 
 __all__ = [
     "CHUNK_BYTES",
+    "DTYPES",
     "FORMAT",
     "FORMAT_VERSION",
     "MANIFEST",
@@ -88,33 +89,56 @@ _ST_DTYPES = {
 }
 
 
+# The dense dtypes a checkpoint may hold, by name; a manifest naming any other is refused (an untrusted
+# name must never reach ``getattr(torch, name)``), and saving any other raises before anything is written.
+_DTYPES: MappingProxyType[str, torch.dtype] = MappingProxyType(
+    {
+        n: getattr(torch, n)
+        for n in (
+            "float64", "float32", "float16", "bfloat16", "complex128", "complex64", "complex32",
+            "int64", "int32", "int16", "int8", "uint64", "uint32", "uint16", "uint8", "bool",
+            "float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz",
+        )
+        if isinstance(getattr(torch, n, None), torch.dtype)
+    }
+)  # fmt: skip
+DTYPES = frozenset(_DTYPES)
+_ITEMSIZES = MappingProxyType({n: d.itemsize for n, d in _DTYPES.items()})
+
+
 def dtype_name(dtype: torch.dtype) -> str:
-    """``torch.float32`` -> ``"float32"``."""
-    return str(dtype).removeprefix("torch.")
+    """``torch.float32`` -> ``"float32"``.
 
-
-_ITEMSIZES = MappingProxyType({dtype_name(d): d.itemsize for d in _ST_DTYPES})
+    Raises:
+        ValueError: a dtype outside :data:`DTYPES` (quantized, bit-packed...), which no checkpoint holds.
+    """
+    name = str(dtype).removeprefix("torch.")
+    if name not in _DTYPES:
+        raise ValueError(f"dtype {dtype} cannot be checkpointed (supported: {', '.join(sorted(DTYPES))})")
+    return name
 
 
 def itemsize(name: str) -> int:
     """Bytes per element of the dtype called ``name``.
 
     Raises:
-        ValueError: not a torch dtype name.
+        ValueError: not a name in :data:`DTYPES`.
     """
-    size = _ITEMSIZES.get(name)
-    return size if size is not None else dtype_from_name(name).itemsize
+    size = _ITEMSIZES.get(name) if isinstance(name, str) else None
+    if size is None:
+        raise ValueError(f"unknown dtype {name!r:.80} in checkpoint")
+    return size
 
 
 def dtype_from_name(name: str) -> torch.dtype:
     """``"float32"`` -> ``torch.float32``.
 
     Raises:
-        ValueError: not a torch dtype name.
+        ValueError: not a name in :data:`DTYPES`.
     """
-    dtype = getattr(torch, name, None)
-    if not isinstance(dtype, torch.dtype):
-        raise ValueError(f"unknown dtype {name!r} in checkpoint")
+    dtype = _DTYPES.get(name) if isinstance(name, str) else None
+    if dtype is None:
+        raise ValueError(f"unknown dtype {name!r:.80} in checkpoint")
     return dtype
 
 

@@ -23,6 +23,7 @@ import torch.distributed as dist
 from omni_ckpt.box import Box, check_boxes
 from omni_ckpt.checksum import ALGORITHM, chunk_count, crc
 from omni_ckpt.layout import (
+    DTYPES,
     MANIFEST,
     MAX_MANIFEST_BYTES,
     decode_manifest,
@@ -46,21 +47,50 @@ from omni_ckpt.storage import (
 )
 from omni_ckpt.transfer import WINDOW_BYTES, host_bytes
 
-__all__ = ["DEFAULT_IO_THREADS", "LoadResult", "load", "plan_from_manifest", "read_manifest", "read_objects"]
+__all__ = [
+    "DEFAULT_IO_THREADS",
+    "MAX_NDIM",
+    "LoadResult",
+    "load",
+    "plan_from_manifest",
+    "read_manifest",
+    "read_objects",
+]
 
 DEFAULT_IO_THREADS = 4
+MAX_NDIM = 64  # torch's own limit on tensor dimensions
+_MAX_TENSOR_BYTES = 1 << 62  # torch counts bytes in int64; a shape past this is absurd, not just large
 _DIRECT_BYTES = 256 << 10  # whole boxes at least this big are read straight into their target
 _JOB_BYTES = 32 << 20  # bytes per read job (a multiple of the checksum chunk)
 
 
 def read_manifest(url: str) -> dict[str, Any]:
-    """The manifest of the committed checkpoint at ``url``, its own checksum and its schema checked.
+    """The manifest of the committed checkpoint at ``url``, proven before anything trusts it: its own
+    checksum, its schema, every tensor's dtype, shape and boxes (see :func:`_verify_manifest`), and every
+    data file's size against the byte ranges the manifest places in it (one ``size`` call per file).
+    After it returns, allocating every tensor it lists costs at most the data files' bytes.
 
     Raises:
         CheckpointError: no committed manifest there, it is larger than the limit, its checksum fails, it
-            does not decode, it is not an omni-ckpt manifest of this version, or a field is malformed
-            (named).
+            does not decode, it is not an omni-ckpt manifest of this version, a field is malformed, a
+            tensor's entry is refused, or a data file is missing or shorter than its byte ranges (the
+            checkpoint, tensor, box and fault named).
     """
+    verified = _verify_manifest(url)
+    fs, path = open_url(url)
+    for file, (end, owner) in enumerate(verified.file_end):
+        fname = join(path, verified.manifest["files"][file])
+        try:
+            size = fs.size(fname)
+        except FileNotFoundError:
+            raise CheckpointError(f"{fname}: data file missing") from None
+        if size < end:
+            raise CheckpointError(f"{fname}: truncated, {size} bytes but the manifest places {owner} in it")
+    return verified.manifest
+
+
+def _read_checked_manifest(url: str) -> dict[str, Any]:
+    """The manifest at ``url`` with its own checksum and top-level schema checked (nothing per tensor)."""
     fs, path = open_url(url)
     mpath = join(path, MANIFEST)
     if not fs.exists(mpath):
@@ -75,6 +105,65 @@ def read_manifest(url: str) -> dict[str, Any]:
         raise CheckpointError(str(exc)) from None
     _check_schema(manifest, mpath)
     return manifest
+
+
+@dataclass(frozen=True, slots=True)
+class _Verified:
+    """A manifest whose every tensor entry was checked: ``tensors[name] = (dtype, shape, [(Box, entry)])``;
+    ``file_end[f] = (end, what)``: the end of the last byte range placed in file ``f``, and what placed it."""
+
+    manifest: dict[str, Any]
+    tensors: dict[str, tuple[str, tuple[int, ...], list[tuple[Box, list[Any]]]]]
+    file_end: list[tuple[int, str]]
+    full: dict[tuple[int, ...], Box]  # whole-tensor boxes by shape, shared with ``describe``
+
+
+def _verify_manifest(url: str) -> _Verified:
+    """Read the manifest at ``url`` and check every tensor entry before anything is allocated from it.
+
+    Per tensor: a dtype from :data:`~omni_ckpt.layout.DTYPES`; a shape of at most :data:`MAX_NDIM` ints
+    ``>= 0`` under 2**62 bytes; well-formed boxes whose byte length is their element count times the
+    dtype's size; boxes inside the tensor that tile it exactly (:func:`~omni_ckpt.box.check_boxes`,
+    no per-element work). Per data file: the byte ranges of all boxes and plain objects are disjoint
+    (sorted by start), so no byte is read into two places and the tensors together hold at most the
+    files' bytes (a manifest pointing many boxes at the same bytes would otherwise inflate a small
+    checkpoint into a huge allocation). ``O(B log B)`` for ``B`` boxes.
+
+    Raises:
+        CheckpointError: as :func:`read_manifest`, without the file sizes (the caller checks those).
+    """
+    m = _read_checked_manifest(url)
+    full: dict[tuple[int, ...], Box] = {}
+    tensors = {}
+    spans: list[list[tuple[int, int, str, Any]]] = [[] for _ in range(m["world_size"])]
+    for name, entry in m["tensors"].items():
+        checked = tensors[name] = _checked_boxes(name, entry, m, url, full)
+        for _, b in checked[2]:
+            if b[4]:
+                spans[b[2]].append((b[3], b[3] + b[4], name, b))
+    for r, (file, offset, length, _) in enumerate(m["objects"]):
+        if length:
+            spans[file].append((offset, offset + length, "", r))
+    file_end = []
+    for file, todo in enumerate(spans):
+        todo.sort(key=lambda s: s[0])
+        end, owner = m["data_start"][file], "the header"
+        for span in todo:
+            if span[0] < end:
+                raise CheckpointError(
+                    f"{url}: {_span_name(span)} overlaps {owner} in {m['files'][file]} (bytes "
+                    f"[{span[0]}, {min(end, span[1])}) are claimed twice; a checkpoint stores each byte once)"
+                )
+            end, owner = span[1], _span_name(span)
+        file_end.append((end, owner))
+    return _Verified(m, tensors, file_end, full)
+
+
+def _span_name(span: tuple[int, int, str, Any]) -> str:
+    lo, hi, name, b = span
+    if not name:
+        return f"the plain objects of rank {b} (bytes [{lo}, {hi}))"
+    return f"tensor {name!r} box offsets={tuple(b[0])} sizes={tuple(b[1])} (bytes [{lo}, {hi}))"
 
 
 def _is_int(x: Any, lo: int = 0) -> bool:
@@ -111,47 +200,63 @@ def _check_schema(m: dict[str, Any], where: str) -> None:
         raise bad("rank_fingerprints", f"expected a list of {world}")
 
 
-def _box_ok(b: Any, ndim: int, item: int, m: dict[str, Any]) -> bool:
+def _box_fault(b: Any, ndim: int, item: int, m: dict[str, Any]) -> str | None:
+    """What is wrong with one box entry ``[offsets, sizes, file, offset, length, crcs]``, or None."""
     if not (isinstance(b, list) and len(b) == 6):
-        return False
+        return "not [offsets, sizes, file, offset, length, chunk crcs]"
     offsets, sizes, file, offset, length, crcs = b
-    return (
-        isinstance(offsets, list)
-        and isinstance(sizes, list)
-        and len(offsets) == len(sizes) == ndim
-        and all(_is_int(x) for x in offsets)
-        and all(_is_int(x) for x in sizes)
-        and _is_int(file)
-        and file < m["world_size"]
-        and _is_int(offset, m["data_start"][file])
-        and length == math.prod(sizes) * item
-        and isinstance(crcs, list)
-        and len(crcs) == chunk_count(length, m["chunk_bytes"])
-    )
+    for field, v in (("offsets", offsets), ("sizes", sizes)):
+        if not (isinstance(v, list) and len(v) == ndim and all(_is_int(x) for x in v)):
+            return f"{field} are not {ndim} ints >= 0"
+    if not (_is_int(file) and file < m["world_size"]):
+        return f"file {file!r:.40} is not a rank file index below {m['world_size']}"
+    if not _is_int(offset, m["data_start"][file]):
+        return (
+            f"byte offset {offset!r:.40} is not an int >= the data start {m['data_start'][file]} of its file"
+        )
+    if length != math.prod(sizes) * item:
+        return f"length {length!r:.40} is not {math.prod(sizes)} elements x {item} bytes"
+    if not (isinstance(crcs, list) and len(crcs) == chunk_count(length, m["chunk_bytes"])):
+        return f"expected {chunk_count(length, m['chunk_bytes'])} chunk checksums"
+    return None
 
 
 def _checked_boxes(
     name: str, entry: Any, m: dict[str, Any], where: str, full: dict[tuple[int, ...], Box]
 ) -> tuple[str, tuple[int, ...], list[tuple[Box, list[Any]]]]:
-    """One tensor's manifest entry, checked: well-formed boxes whose byte lengths match their sizes, in
-    files of this checkpoint, covering the tensor exactly (no gap, no overlap). ``full`` memoises whole-
-    tensor boxes by shape (20,000 tiny tensors share a few).
+    """One tensor's manifest entry, checked: a known dtype, a sane shape, well-formed boxes whose byte
+    lengths match their sizes, in files of this checkpoint, covering the tensor exactly (no gap, no
+    overlap). ``full`` memoises whole-tensor boxes by shape (20,000 tiny tensors share a few).
 
     Raises:
-        CheckpointError: naming the tensor and what is wrong (the missing or doubly covered region).
+        CheckpointError: naming the checkpoint, the tensor, the box and what is wrong (for coverage, the
+            missing or doubly covered region).
     """
-    try:
-        dt, shape, boxes = entry
-        item = itemsize(dt)
-        shape = tuple(shape)
-        if not all(_is_int(s) for s in shape) or not isinstance(boxes, list):
-            raise ValueError("shape or boxes malformed")
-    except (TypeError, ValueError) as exc:
-        raise CheckpointError(f"{where}: tensor {name!r}: malformed manifest entry ({exc})") from None
+
+    def bad(why: str) -> CheckpointError:
+        return CheckpointError(f"{where}: tensor {name!r}: {why}")
+
+    if not (isinstance(entry, list) and len(entry) == 3):
+        raise bad(f"malformed manifest entry {entry!r:.200} (not [dtype, shape, boxes])")
+    dt, shape, boxes = entry
+    if not (isinstance(dt, str) and dt in DTYPES):
+        raise bad(f"unknown dtype {dt!r:.80} (a checkpoint holds only {', '.join(sorted(DTYPES))})")
+    item = itemsize(dt)
+    if not (isinstance(shape, list) and len(shape) <= MAX_NDIM):
+        raise bad(f"malformed shape {shape!r:.200} (not a list of at most {MAX_NDIM} sizes)")
+    for d, size in enumerate(shape):
+        if not _is_int(size):
+            raise bad(f"malformed shape {shape!r:.200}: size {size!r:.40} of dim {d} is not an int >= 0")
+    shape = tuple(shape)
+    if math.prod(shape) * item >= _MAX_TENSOR_BYTES:
+        raise bad(f"shape {shape} of {dt} would need {math.prod(shape) * item} bytes")
+    if not isinstance(boxes, list):
+        raise bad(f"malformed manifest entry: boxes {boxes!r:.80} is not a list")
     ndim = len(shape)
     for b in boxes:
-        if not _box_ok(b, ndim, item, m):
-            raise CheckpointError(f"{where}: tensor {name!r}: malformed box entry {b!r:.200}")
+        fault = _box_fault(b, ndim, item, m)
+        if fault is not None:
+            raise bad(f"malformed box entry {b!r:.200}: {fault}")
     if len(boxes) == 1 and tuple(boxes[0][1]) == shape and not any(boxes[0][0]):
         box = full.get(shape)
         if box is None:
@@ -324,7 +429,8 @@ class _Read:
 def _load(
     state_dict: MutableMapping[Any, Any], url: str, rank: int, world: int, strict: bool, threads: int
 ) -> LoadResult:
-    manifest = read_manifest(url)
+    verified = _verify_manifest(url)
+    manifest = verified.manifest
     fs, path = open_url(url)
     saved = manifest["tensors"]
     chunk = manifest["chunk_bytes"]
@@ -333,7 +439,7 @@ def _load(
     objects_wanted: list[tuple[str, MutableMapping[Any, Any], Any]] = []
     placeholders: list[PlaceholderRef] = []
     reads: dict[int, list[_Read]] = {}
-    full: dict[tuple[int, ...], Box] = {}
+    full = verified.full
     n_tensors = 0
     for name, container, key, value in flatten_state(state_dict, placeholders):
         requested.add(name)
@@ -344,7 +450,7 @@ def _load(
         if entry is None:
             missing.append(name)
             continue
-        dt, shape, boxes = _checked_boxes(name, entry, manifest, url, full)
+        dt, shape, boxes = verified.tensors[name]
         gshape, _, pieces = describe(value, full)
         if shape != tuple(gshape):
             raise ValueError(f"tensor {name!r}: checkpoint shape {shape}, state dict shape {tuple(gshape)}")
@@ -390,7 +496,7 @@ def _load(
             )
         elif strict:
             raise CheckpointError(f"{url}: object {name!r} is not in the checkpoint")
-    bytes_read = _read_tensors(fs, path, manifest, reads, chunk, threads)
+    bytes_read = _read_tensors(fs, path, verified, reads, chunk, threads)
     for container, key, value in assign:
         container[key] = value
     for _, parent, key, _ in complete:
@@ -423,17 +529,17 @@ def _resolve_placeholders(
 
 
 def _read_tensors(
-    fs: Any, path: str, m: dict[str, Any], reads: dict[int, list[_Read]], chunk: int, threads: int
+    fs: Any, path: str, v: _Verified, reads: dict[int, list[_Read]], chunk: int, threads: int
 ) -> int:
     """Check every data file's header and size, then read and verify all ``reads`` with ``threads``
     threads (the header and size checks come first, so a bad file raises before the target changes)."""
+    m = v.manifest
     local = is_local(fs)
     fds: dict[int, int] = {}
     try:
         for file in reads:
             fname = join(path, m["files"][file])
-            ends = [o[1] + o[2] for o in m["objects"] if o[0] == file]
-            end = max(*ends, *(r.b[3] + r.b[4] for r in reads[file]), 0)
+            end, owner = v.file_end[file]
             if local:
                 try:
                     fds[file] = fd = os.open(local_path(fs, fname), os.O_RDONLY)
@@ -443,7 +549,9 @@ def _read_tensors(
             else:
                 size = fs.size(fname)
             if size < end:
-                raise CheckpointError(f"{fname}: truncated, {size} bytes but the manifest needs {end}")
+                raise CheckpointError(
+                    f"{fname}: truncated, {size} bytes but the manifest places {owner} in it"
+                )
             start = m["data_start"][file]
             (head,) = read_spans(fs, fname, [(0, start)], fd=fds.get(file))
             if crc(head) != m["header_crc"][file]:

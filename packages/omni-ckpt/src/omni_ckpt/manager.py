@@ -36,7 +36,7 @@ from omni_ckpt.layout import MANIFEST
 from omni_ckpt.load import LoadResult, load, plan_from_manifest, read_manifest
 from omni_ckpt.plan import PlanCache
 from omni_ckpt.save import DEFAULT_HOST_BUDGET, DEFAULT_IO_THREADS, AsyncSaveHandle, async_save, save
-from omni_ckpt.storage import CheckpointError, atomic_write, is_local, join, open_url
+from omni_ckpt.storage import CheckpointError, atomic_write, forget_listings, is_local, join, open_url
 
 __all__ = ["CheckpointManager"]
 
@@ -59,6 +59,9 @@ class CheckpointManager:
         host_budget_bytes: host staging budget of a save (bytes): all of an async save's copies, and a
             sync save's copies of device tensors, go through buffers of at most this many bytes in all.
         io_threads: reader and writer threads per rank.
+        require_finite: refuse to save a step whose floating-point tensors hold a NaN or Inf
+            (:func:`omni_ckpt.save`'s ``require_finite``): :meth:`save` raises on every rank and nothing is
+            committed, so pruning never removes an older step for it.
 
     Raises:
         ValueError: ``keep_last < 1``, ``host_budget_bytes <= 0`` or ``io_threads < 1``.
@@ -73,6 +76,7 @@ class CheckpointManager:
         process_group: dist.ProcessGroup | None = None,
         host_budget_bytes: int = DEFAULT_HOST_BUDGET,
         io_threads: int = DEFAULT_IO_THREADS,
+        require_finite: bool = False,
     ) -> None:
         if keep_last is not None and keep_last < 1:
             raise ValueError(f"keep_last must be >= 1 or None, got {keep_last}")
@@ -81,6 +85,7 @@ class CheckpointManager:
                 f"host_budget_bytes and io_threads must be >= 1, got {host_budget_bytes}, {io_threads}"
             )
         self.io_threads = io_threads
+        self.require_finite = require_finite
         self.root = root.rstrip("/")
         self.keep_last = keep_last
         self.async_save = async_save
@@ -171,6 +176,7 @@ class CheckpointManager:
         if return_before_staged and not self.async_save:
             raise ValueError("return_before_staged=True needs a manager made with async_save=True")
         self._finish_pending()
+        forget_listings(self.fs, self.path)  # "already committed?" must see other jobs' commits
         if not self._cache_checked:
             self._cache_checked = True
             latest = self.latest()
@@ -186,6 +192,7 @@ class CheckpointManager:
             "on_commit": on_commit,
             "io_threads": self.io_threads,
             "host_budget_bytes": self.host_budget_bytes,
+            "require_finite": self.require_finite,
         }
         if not self.async_save:
             save(state, url, **options)  # type: ignore[arg-type]
@@ -200,6 +207,7 @@ class CheckpointManager:
         return handle
 
     def _step_dirs(self) -> list[tuple[int, str]]:
+        forget_listings(self.fs, self.path)  # other ranks and jobs commit, prune and roll back too
         if not self.fs.exists(self.path):
             return []
         out = []
@@ -297,6 +305,7 @@ class CheckpointManager:
         """Load step ``step`` into ``state`` in place (see :func:`omni_ckpt.load`); primes the plan cache."""
         self._finish_pending()
         url = self.step_url(step)
+        forget_listings(self.fs, self.path)  # the step may be newer than this process's listings
         result = load(state, url, process_group=self.process_group, io_threads=self.io_threads)
         if not self._cache_checked:
             self._cache_checked = True

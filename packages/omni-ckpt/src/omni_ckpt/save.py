@@ -61,7 +61,15 @@ from omni_ckpt.transfer import (
     write_segments,
 )
 
-__all__ = ["DEFAULT_HOST_BUDGET", "DEFAULT_IO_THREADS", "AsyncSaveHandle", "async_save", "save", "save_ranks"]
+__all__ = [
+    "DEFAULT_HOST_BUDGET",
+    "DEFAULT_IO_THREADS",
+    "AsyncSaveHandle",
+    "async_save",
+    "nonfinite_tensors",
+    "save",
+    "save_ranks",
+]
 
 DEFAULT_HOST_BUDGET = 2 << 30
 DEFAULT_IO_THREADS = 4
@@ -156,8 +164,49 @@ def _after_previous(cache: PlanCache | None) -> None:
         cache.in_flight = None
 
 
+def nonfinite_tensors(items: Iterator[tuple[str, torch.Tensor]]) -> dict[str, int]:
+    """``{name: NaN or Inf elements}`` of the floating-point tensors among ``items`` that hold any (summed
+    over a tensor's pieces).
+
+    Each tensor is summed first (one vectorised pass without allocation; a NaN or Inf anywhere makes the
+    sum non-finite), one host synchronisation per device for all of them; only the tensors whose sum is
+    not finite are counted element by element (a sum that merely overflowed counts nothing)."""
+    named = [(n, t.detach()) for n, t in items if t.is_floating_point() or t.is_complex()]
+    by_device: dict[torch.device, list[int]] = {}
+    for i, (_, t) in enumerate(named):
+        by_device.setdefault(t.device, []).append(i)
+    suspects = []
+    for members in by_device.values():
+        # complex128 holds any real or complex sum: one stack, one transfer per device
+        sums = torch.stack([named[i][1].sum().to(torch.complex128) for i in members])
+        suspects += [i for i, ok in zip(members, torch.isfinite(sums).tolist()) if not ok]
+    out: dict[str, int] = {}
+    for i in sorted(suspects):
+        name, t = named[i]
+        c = int(torch.count_nonzero(~torch.isfinite(t)))
+        if c:
+            out[name] = out.get(name, 0) + c
+    return out
+
+
+def _refuse_nonfinite(collected: _Collected, url: str) -> None:
+    """Raises CheckpointError naming the tensors of this rank's share that hold a NaN or Inf."""
+    bad = nonfinite_tensors((name, t) for (name, _), t in collected.pieces.items())
+    if bad:
+        first = ", ".join(f"{n!r} ({c})" for n, c in list(bad.items())[:3])
+        more = f" and {len(bad) - 3} more" if len(bad) > 3 else ""
+        raise CheckpointError(
+            f"{url}: refusing to save non-finite values (require_finite): NaN or Inf in {len(bad)} "
+            f"tensor{'s' if len(bad) > 1 else ''} (elements): {first}{more}"
+        )
+
+
 def _prepare(
-    state: MutableMapping[Any, Any], url: str, pg: dist.ProcessGroup | None, cache: PlanCache | None
+    state: MutableMapping[Any, Any],
+    url: str,
+    pg: dist.ProcessGroup | None,
+    cache: PlanCache | None,
+    require_finite: bool = False,
 ) -> _Prepared:
     _after_previous(cache)
     pg, rank, world = _group_info(pg)
@@ -168,6 +217,8 @@ def _prepare(
             raise CheckpointError(f"{url}: a committed checkpoint is already there; refusing to overwrite it")
         with gc_paused():
             collected = _collect(state)
+            if require_finite:
+                _refuse_nonfinite(collected, url)
             mine = local_plan(rank, world, collected.items)
     except Exception as exc:
         error = f"{type(exc).__name__}: {exc}"
@@ -366,6 +417,7 @@ def save(
     on_commit: Callable[[], None] | None = None,
     io_threads: int = DEFAULT_IO_THREADS,
     host_budget_bytes: int = DEFAULT_HOST_BUDGET,
+    require_finite: bool = False,
 ) -> None:
     """Save a nested state dict to the checkpoint directory ``url``; returns once it is committed.
 
@@ -384,14 +436,17 @@ def save(
         on_commit: run on rank 0 right after the manifest is renamed into place.
         io_threads: writer threads per rank (positional writes on a local disk).
         host_budget_bytes: bytes of host staging buffers for device tensors.
+        require_finite: refuse the save if a floating-point tensor of any rank holds a NaN or Inf (checked
+            in the caller before planning: one ``isfinite`` pass over the state; every rank raises, naming
+            the rank and the tensors, and nothing is written, committed or pruned).
 
     Raises:
         CheckpointError: a rank failed, including a failed ``fsync`` or ``close`` (all ranks raise, naming it;
-            nothing is committed) or ``url`` is already committed.
+            nothing is committed), ``url`` is already committed, or ``require_finite`` found NaN or Inf.
         ValueError: the boxes of a tensor overlap or leave a region uncovered (tensor and region named).
     """
     _check_budget(host_budget_bytes)
-    prep = _prepare(state_dict, url, process_group, plan_cache)
+    prep = _prepare(state_dict, url, process_group, plan_cache, require_finite)
     result: dict[str, Any] | str
     if prep.error is not None:
         result = prep.error
@@ -530,6 +585,7 @@ def async_save(
     on_commit: Callable[[], None] | None = None,
     host_budget_bytes: int = DEFAULT_HOST_BUDGET,
     io_threads: int = DEFAULT_IO_THREADS,
+    require_finite: bool = False,
 ) -> AsyncSaveHandle:
     """Like :func:`save`, but stage to host memory and write in background threads.
 
@@ -543,11 +599,14 @@ def async_save(
     for this one's ``handle.done`` before its first collective; without a shared cache, do not start
     another save on the group before ``handle.done`` resolves.
 
+    ``require_finite`` is checked in the caller, before planning, as in :func:`save`.
+
     Raises:
         ValueError: ``host_budget_bytes <= 0``; planning errors as in :func:`save` (raised here).
+        CheckpointError: ``require_finite`` found NaN or Inf (raised here, on every rank).
     """
     _check_budget(host_budget_bytes)
-    prep = _prepare(state_dict, url, process_group, plan_cache)
+    prep = _prepare(state_dict, url, process_group, plan_cache, require_finite)
     staging = _Staging([], [], None)
     pool = BufferPool(host_budget_bytes)
     if prep.error is None:

@@ -51,6 +51,7 @@ __all__ = [
     "FileSink",
     "atomic_write",
     "coalesce",
+    "forget_listings",
     "fsync_dir",
     "is_local",
     "join",
@@ -92,6 +93,24 @@ def is_local(fs: AbstractFileSystem) -> bool:
 
 def local_path(fs: AbstractFileSystem, path: str) -> str:
     return fs._strip_protocol(path)
+
+
+def forget_listings(fs: AbstractFileSystem, path: str) -> None:
+    """Drop what ``fs`` remembers of the listings of ``path``, its parents and everything under it.
+
+    Remote filesystems (s3fs, gcsfs) keep each directory listing they fetched (fsspec's ``dircache``) and
+    answer later ``ls`` and ``exists`` calls from it. They drop it on their own writes, never on another
+    process's: a manager that listed its root once would keep missing steps other ranks or jobs committed
+    since, and keep seeing pruned ones (S3 itself has been strongly consistent for list-after-write since
+    December 2020, so a fresh listing is a true one). Call it before any listing a decision rests on.
+    """
+    fs.invalidate_cache(path)
+    cache = getattr(fs, "dircache", None)
+    if not cache:
+        return
+    prefix = fs._strip_protocol(path).rstrip("/") + "/"
+    for key in [k for k in list(cache) if k.startswith(prefix)]:
+        cache.pop(key, None)
 
 
 def fsync_dir(path: str) -> None:

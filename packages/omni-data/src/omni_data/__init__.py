@@ -6,7 +6,8 @@ only the payloads this pipeline rank encodes, and :class:`GroupedReorderer` bala
 """
 
 from omni_data.join import JoinDocuments, document_part, text_members
-from omni_data.loader import PackedLoader, StepBatch, snapshot_async
+from omni_data.loader import LoaderSnapshot, PackedLoader, StepBatch, snapshot_async
+from omni_data.media_checks import DEFAULT_MAX_IMAGE_PIXELS, MediaRefusedError
 from omni_data.mixture import MixtureSchedule, MixtureStream, ScheduleUnit
 from omni_data.node import StatefulNode
 from omni_data.packing import HybridPacker, ModalitySpan, Overlong, OverlongSampleError, Pack, collate_packs
@@ -14,6 +15,7 @@ from omni_data.payload import (
     Payload,
     PayloadError,
     PayloadReader,
+    RefusedPayloadError,
     SkippedPayloadError,
     UndecodablePayloadError,
     UnreadablePayloadError,
@@ -41,6 +43,7 @@ from omni_data.zero_redundancy import (
 )
 
 __all__ = [
+    "DEFAULT_MAX_IMAGE_PIXELS",
     "AudioTokens",
     "ConsumesFn",
     "EmptySourceError",
@@ -51,6 +54,8 @@ __all__ = [
     "ImageTokens",
     "JoinDocuments",
     "LayoutMismatchError",
+    "LoaderSnapshot",
+    "MediaRefusedError",
     "MemberRef",
     "MixtureSchedule",
     "MixtureStream",
@@ -64,6 +69,7 @@ __all__ = [
     "PayloadError",
     "PayloadReader",
     "PlanMismatchError",
+    "RefusedPayloadError",
     "ReorderPlan",
     "RoundRobinWorkers",
     "SampleIndex",

@@ -73,6 +73,11 @@ def shard_head(f: Any) -> bytes:
     read-ahead block (5 MiB by default) from the start of the shard."""
     fs, path = getattr(f, "fs", None), getattr(f, "path", None)
     if fs is not None and isinstance(path, str) and not isinstance(fs, LocalFileSystem):
+        # S3 refuses a range that starts past an object's end (HTTP 416, an OSError): an empty shard
+        # would read as a failing one instead of an empty one
+        size = getattr(f, "size", None)
+        if isinstance(size, int) and size < 6:
+            return bytes(fs.cat_file(path, start=0, end=size)) if size > 0 else b""
         return bytes(fs.cat_file(path, start=0, end=6))
     head = f.read(6)
     f.seek(0)

@@ -17,7 +17,7 @@ from omni_data.mixture import MixtureStream
 from omni_data.node import LayoutMismatchError, StatefulNode, common, resplit_child
 from omni_data.packing import HybridPacker, Pack
 
-__all__ = ["PackedLoader", "StepBatch", "snapshot_async"]
+__all__ = ["LoaderSnapshot", "PackedLoader", "StepBatch", "snapshot_async"]
 
 
 @dataclass(slots=True)
@@ -159,6 +159,32 @@ class PackedLoader(StatefulNode[StepBatch]):
         self.step += 1
         self.stats["steps"] += 1
         return batch
+
+
+@dataclass(frozen=True, slots=True)
+class LoaderSnapshot:
+    """A loader state as an immutable value: what a checkpoint stores for the loader.
+
+    Made ahead of the save by :meth:`omni_data.ZeroRedundancyFilter.snapshot` (the paper's asynchronous
+    loader-state snapshot with ahead-of-time preparation, §7.4), so that taking it at save time is a
+    reference handoff rather than a walk of the pipeline's buffers.
+
+    Attributes:
+        step: the step the state resumes at (the next step the loader hands out).
+        blob: ``msgpack.packb(state_dict(), use_bin_type=True)``: byte for byte what the synchronous path
+            (:func:`snapshot_async`) gives for the same state.
+    """
+
+    step: int
+    blob: bytes
+
+    def state(self) -> dict[str, Any]:
+        """The state dict back (for ``load_state_dict``).
+
+        Raises:
+            msgpack.exceptions.ExtraData, ValueError: ``blob`` is not one msgpack value.
+        """
+        return msgpack.unpackb(self.blob, strict_map_key=False)
 
 
 def snapshot_async(node: BaseNode[Any], executor: ThreadPoolExecutor | None = None) -> Future[bytes]:

@@ -24,6 +24,7 @@ from PIL import Image
 
 from omni_data.compressed import compression_of
 from omni_data.join import text_members
+from omni_data.media_checks import DEFAULT_MAX_IMAGE_PIXELS, MediaRefusedError, open_image, waveform_problem
 from omni_data.sample import MemberRef, Modality, SampleMeta
 from omni_data.source import AUDIO_EXTS, IMAGE_EXTS, open_shard
 from omni_data.tokens import TextTokenizer, resampled_length
@@ -32,6 +33,7 @@ __all__ = [
     "Payload",
     "PayloadError",
     "PayloadReader",
+    "RefusedPayloadError",
     "SkippedPayloadError",
     "UndecodablePayloadError",
     "UnreadablePayloadError",
@@ -45,7 +47,13 @@ class PayloadError(RuntimeError):
 
 class SkippedPayloadError(PayloadError):
     """Bad *data*, not a bad setup: the :class:`~omni_data.zero_redundancy.ZeroRedundancyFilter` puts a
-    placeholder in the sample's place, counts it with its key and goes on."""
+    placeholder in the sample's place, counts it with its key under :meth:`skip_reason` and goes on."""
+
+    kind = "undecodable"
+
+    def skip_reason(self, modality: Modality | str) -> str:
+        """What skip reports count this under, e.g. ``"undecodable image payload"``."""
+        return f"{self.kind} {Modality(modality)} payload"
 
 
 class UndecodablePayloadError(SkippedPayloadError):
@@ -56,6 +64,23 @@ class UndecodablePayloadError(SkippedPayloadError):
 class UnreadablePayloadError(SkippedPayloadError):
     """A member whose bytes could not be read (an ``OSError`` other than a missing file) after the
     reader's bounded retries."""
+
+    kind = "unreadable"
+
+
+class RefusedPayloadError(UndecodablePayloadError):
+    """Hostile media refused before the expensive decode (:mod:`omni_data.media_checks`): audio whose
+    decoded samples are NaN, Inf or absurdly large, or that has no frames, checked before resampling;
+    an image over the pixel limit or of no pixels, checked on its header before decoding. ``reason``
+    (:attr:`MediaRefusedError.reason <omni_data.media_checks.MediaRefusedError>`, e.g.
+    ``"non-finite audio samples"``) is what skip reports count it under."""
+
+    def __init__(self, message: str, reason: str) -> None:
+        super().__init__(message)
+        self.reason = reason
+
+    def skip_reason(self, modality: Modality | str) -> str:
+        return self.reason
 
 
 @dataclass(slots=True)
@@ -144,12 +169,15 @@ class PayloadReader:
         batched: ``"auto"`` (``cat_ranges`` for non-local filesystems), ``"always"`` or ``"never"``.
         split_cache_tokens: token ids of split documents kept (int64, 8 bytes each; a document with
             more is not kept); 0 turns the cache off.
+        max_image_pixels: the most ``width * height`` an image may declare (>= 1); checked on the header
+            before decoding (:func:`omni_data.media_checks.open_image`).
 
     Counters (:attr:`stats`, thread-safe): ``bytes``, ``retries``, ``batched_calls``, ``batched_ranges``,
     ``split_text_hits``.
 
     Raises:
-        ValueError: ``retries``, ``backoff_s`` or ``split_cache_tokens`` < 0, or an unknown ``batched``.
+        ValueError: ``retries``, ``backoff_s`` or ``split_cache_tokens`` < 0, ``max_image_pixels`` < 1, or
+            an unknown ``batched``.
     """
 
     def __init__(
@@ -161,15 +189,19 @@ class PayloadReader:
         backoff_s: float = 0.05,
         batched: str = "auto",
         split_cache_tokens: int = 1 << 20,
+        max_image_pixels: int = DEFAULT_MAX_IMAGE_PIXELS,
     ) -> None:
         if retries < 0 or backoff_s < 0:
             raise ValueError(f"PayloadReader: retries ({retries}) and backoff_s ({backoff_s}) must be >= 0")
         if split_cache_tokens < 0:
             raise ValueError(f"PayloadReader: split_cache_tokens must be >= 0, got {split_cache_tokens}")
+        if max_image_pixels < 1:
+            raise ValueError(f"PayloadReader: max_image_pixels must be >= 1, got {max_image_pixels}")
         if batched not in ("auto", "always", "never"):
             raise ValueError(f"PayloadReader: batched must be 'auto', 'always' or 'never', got {batched!r}")
         self.tokenizer = tokenizer
         self.max_open_files = max_open_files
+        self.max_image_pixels = max_image_pixels
         self.retries, self.backoff_s, self.batched = retries, backoff_s, batched
         self._local = threading.local()
         self._lock = threading.Lock()  # guards _caches and stats
@@ -355,6 +387,9 @@ class PayloadReader:
         """Read and decode ``meta``'s payload (members from ``fetched`` where it holds them, see :meth:`fetch`).
 
         Raises:
+            RefusedPayloadError: hostile media, refused before the expensive decode: an image over
+                ``max_image_pixels`` or of no pixels (from its header), audio with no frames or a NaN,
+                Inf or absurdly large sample (after decoding the PCM, before resampling).
             UndecodablePayloadError: the image/audio member does not decode, or decodes to another
                 size or length than ``meta`` says.
             UnreadablePayloadError: a member read kept failing after the retries.
@@ -445,8 +480,10 @@ class PayloadReader:
         where = f"sample {meta.source}/{meta.key} in {ref.url}"
         if meta.modality is Modality.IMAGE:
             try:
-                with Image.open(io.BytesIO(data)) as im:
+                with open_image(data, self.max_image_pixels) as im:  # header only, then the size check
                     rgb = to_rgb(im).resize((meta.shape[2], meta.shape[1]), Image.Resampling.BICUBIC)
+            except MediaRefusedError as e:
+                raise RefusedPayloadError(f"{where}: {e}", e.reason) from e
             except Exception as e:  # PIL raises many types for a damaged body
                 raise UndecodablePayloadError(f"{where}: undecodable image: {type(e).__name__}: {e}") from e
             # HWC -> CHW in numpy on uint8: a torch permute-copy of float32 spins up intra-op threads
@@ -457,6 +494,10 @@ class PayloadReader:
             wave, rate = soundfile.read(io.BytesIO(data), dtype="float32", always_2d=True)
         except Exception as e:  # libsndfile errors on a damaged body
             raise UndecodablePayloadError(f"{where}: undecodable audio: {type(e).__name__}: {e}") from e
+        # before soxr and the encoder's log-mel: one NaN/Inf sample makes the whole run's loss NaN
+        bad = waveform_problem(wave)
+        if bad is not None:
+            raise RefusedPayloadError(f"{where}: {bad}", bad.reason)
         target = meta.sample_rate or int(rate)
         want = resampled_length(wave.shape[0], int(rate), target) if wave.shape[0] else 0
         if want != meta.shape[0]:

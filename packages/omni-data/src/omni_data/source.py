@@ -28,7 +28,9 @@ state that does not fit (another shard list, a missing reader) is refused before
 Bad data is skipped, never fatal, never silent: a member cut off by a truncated shard (and the rest of
 the shard), a damaged tar header (the walk resynchronises at the next valid header; the samples on both
 sides of the damage are skipped), a damaged PAX record, a key that is not UTF-8, an image whose header
-PIL cannot parse, audio ``soundfile`` cannot read, a sample missing its main member, an empty or
+PIL cannot parse, declares no pixels or more than ``max_image_pixels`` (a decompression bomb, refused
+undecoded), a 0-byte image, a tar member with an absolute or ``..`` name and a link or device member
+(:class:`~omni_data.tar_index.TarRefused`, keyed ``shard:URL@BYTE:NAME``), audio ``soundfile`` cannot read, a sample missing its main member, an empty or
 unreadable shard, and a read that keeps failing (an ``OSError`` is retried ``retries`` times with
 backoff, from the start of the sample, before the rest of the shard is given up). Each is counted per
 reason with its key in :attr:`WebDatasetSource.ledger` (:class:`~omni_data.skips.SkipLedger`) and logged
@@ -49,15 +51,15 @@ from typing import Any
 import fsspec
 import soundfile
 from fsspec.implementations.memory import MemoryFile
-from PIL import Image
 from webdataset.shardlists import expand_urls
 from webdataset.tariterators import base_plus_ext
 
 from omni_data.compressed import GzipShard, UnsupportedCompressionError, wrap_compressed
+from omni_data.media_checks import DEFAULT_MAX_IMAGE_PIXELS, MediaRefusedError, open_image
 from omni_data.node import LayoutMismatchError, StatefulNode
 from omni_data.sample import MemberRef, Modality, SampleMeta
 from omni_data.skips import SkipLedger
-from omni_data.tar_index import TarDamage, TarMember, iter_members
+from omni_data.tar_index import TarDamage, TarMember, TarRefused, iter_members
 from omni_data.tokens import (
     AudioTokens,
     EncoderCost,
@@ -168,6 +170,9 @@ class WebDatasetSource(StatefulNode[SampleMeta]):
         retries: extra attempts after an ``OSError`` while reading a shard (>= 0), from the start of the
             sample being read; then the rest of the shard is skipped and counted.
         backoff_s: wait before the first retry, seconds (doubled each time).
+        max_image_pixels: image sources: the most ``width * height`` an image may declare (>= 1); a larger
+            one (a decompression bomb), one of no pixels or a 0-byte member is skipped and counted from
+            its header, never decoded (:mod:`omni_data.media_checks`).
 
     Raises:
         ValueError: no URLs, an unknown modality, a text source without a tokenizer, or a bad split.
@@ -196,6 +201,7 @@ class WebDatasetSource(StatefulNode[SampleMeta]):
         max_skipped_keys: int = 1000,
         retries: int = 3,
         backoff_s: float = 0.05,
+        max_image_pixels: int = DEFAULT_MAX_IMAGE_PIXELS,
     ) -> None:
         super().__init__()
         self.urls: list[str] = (
@@ -225,6 +231,11 @@ class WebDatasetSource(StatefulNode[SampleMeta]):
         self.rank, self.world_size, self.worker, self.num_workers = rank, world_size, worker, num_workers
         self.shuffle_shards, self.seed, self.epochs = shuffle_shards, seed, epochs
         self.retries, self.backoff_s = retries, backoff_s
+        if max_image_pixels < 1:
+            raise ValueError(
+                f"WebDatasetSource {self.name!r}: max_image_pixels must be >= 1, got {max_image_pixels}"
+            )
+        self.max_image_pixels = max_image_pixels
         self.ledger = SkipLedger(f"source {self.name!r}", max_keys=max_skipped_keys)
         self._it: Iterator[SampleMeta] | None = None
         self._epoch = 0
@@ -474,6 +485,14 @@ class WebDatasetSource(StatefulNode[SampleMeta]):
                             damaged.add(cur_key)
                         poison = True
                         continue
+                    if isinstance(info, TarRefused):  # a link, a device, an absolute or '..' name: named
+                        raw = info.name.encode("utf-8", "surrogateescape")
+                        skip_shard(
+                            f"shard:{url}@{info.header}:{raw.decode('utf-8', 'backslashreplace')}",
+                            info.reason,
+                        )
+                        counted = True
+                        continue
                     key, ext = (None, None) if info is None else base_plus_ext(info.name)
                     if info is not None and (key is None or key.startswith("__")):
                         continue
@@ -594,8 +613,10 @@ class WebDatasetSource(StatefulNode[SampleMeta]):
     def _image_size(self, info: dict[str, Any], ref: MemberRef, f: Any) -> tuple[int, int]:
         head = self._read(f, ref, _IMAGE_HEADER_BYTES)
         try:
-            with Image.open(io.BytesIO(head)) as im:  # parses the header only
+            with open_image(head, self.max_image_pixels) as im:  # parses the header only
                 w, h = im.size
+        except MediaRefusedError as e:  # a bomb, no pixels or no bytes: refused before any decode
+            raise _SkipSample(e.reason) from e
         except Exception as e:  # PIL raises many types for garbage; all mean "not an image"
             raise _SkipSample("undecodable image") from e
         if "width" in info and "height" in info and (int(info["width"]), int(info["height"])) != (w, h):

@@ -19,8 +19,11 @@ resamples to the encoder's rate and averages channels), plus ``"path"`` (where i
 fields of the sidecar json. Keys are the relative path without extension, with ``/`` as ``__`` and
 characters outside ``[A-Za-z0-9_-]`` as ``_`` (WebDataset keys cannot hold dots), made unique.
 ``OUT/manifest.json`` lists the shards, counts per modality and every file skipped, by reason (a file
-that does not decode, text that is not UTF-8, a caption without media, a file of another type). Files
-under ``OUT`` are not read when ``OUT`` lies inside the input folder.
+that does not decode, text that is not UTF-8, a caption without media, a file of another type, and
+hostile media refused before the expensive decode, :mod:`omni_data.media_checks`: an empty file, an
+image of no pixels or declaring more than ``max_image_pixels`` (a decompression bomb), audio with no
+frames or a NaN, Inf or absurdly large sample). Files under ``OUT`` are not read when ``OUT`` lies
+inside the input folder.
 
 Source: WebDataset's shard format (``webdataset.ShardWriter``), through fsspec (``OUT`` may be any
 fsspec URL).
@@ -45,8 +48,8 @@ from typing import Any
 import fsspec
 import soundfile
 import webdataset as wds
-from PIL import Image
 
+from omni_data.media_checks import DEFAULT_MAX_IMAGE_PIXELS, MediaRefusedError, open_image, waveform_problem
 from omni_data.sample import Modality
 from omni_data.source import AUDIO_EXTS, IMAGE_EXTS
 
@@ -242,7 +245,9 @@ def _from_manifest(manifest: Path, report: WriteReport) -> Iterator[_Item]:
         yield _Item(_key(name, taken), path, text, extra, str(row.get("path") or f"{manifest.name}:{n}"))
 
 
-def _encode(item: _Item, modality: Modality, report: WriteReport) -> dict[str, Any] | None:
+def _encode(
+    item: _Item, modality: Modality, report: WriteReport, max_image_pixels: int = DEFAULT_MAX_IMAGE_PIXELS
+) -> dict[str, Any] | None:
     sample: dict[str, Any] = {"__key__": item.key}
     info: dict[str, Any] = {"path": item.origin, **item.extra}
     if item.text is not None:
@@ -256,8 +261,10 @@ def _encode(item: _Item, modality: Modality, report: WriteReport) -> dict[str, A
     data = item.path.read_bytes()
     ext = item.path.suffix.lower().lstrip(".")
     try:
+        if not data:
+            raise MediaRefusedError("empty file", "0 bytes")
         if modality is Modality.IMAGE:
-            with Image.open(io.BytesIO(data)) as im:
+            with open_image(data, max_image_pixels) as im:  # the declared size is checked before load
                 im.load()  # decodes the whole file: a damaged body is found here, not in training
                 info.update(width=im.width, height=im.height)
                 if ext not in IMAGE_EXTS:
@@ -268,14 +275,17 @@ def _encode(item: _Item, modality: Modality, report: WriteReport) -> dict[str, A
                     data, ext = buf.getvalue(), "png"
         else:
             wave, rate = soundfile.read(io.BytesIO(data), dtype="float32", always_2d=True)
-            if wave.shape[0] == 0:
-                report.skip(item.origin, "empty audio")
-                return None
+            bad = waveform_problem(wave)  # no frames, or a NaN/Inf/absurd sample that would poison the run
+            if bad is not None:
+                raise bad
             info.update(num_frames=int(wave.shape[0]), sample_rate=int(rate), channels=int(wave.shape[1]))
             if ext not in AUDIO_EXTS:
                 buf = io.BytesIO()
                 soundfile.write(buf, wave, rate, format="FLAC", subtype="PCM_24")
                 data, ext = buf.getvalue(), "flac"
+    except MediaRefusedError as e:
+        report.skip(item.origin, e.reason)
+        return None
     except Exception as e:  # PIL and libsndfile raise many types for files they cannot decode
         report.skip(item.origin, f"undecodable {modality} ({type(e).__name__})")
         return None
@@ -292,17 +302,25 @@ def write_dataset(
     *,
     manifest: str | os.PathLike[str] | None = None,
     per_shard: int = 1000,
+    max_image_pixels: int = DEFAULT_MAX_IMAGE_PIXELS,
 ) -> WriteReport:
     """Write shards of every modality found in ``source`` (a folder) or ``manifest`` to ``out``.
+
+    ``max_image_pixels``: the most ``width * height`` an image may declare; larger ones are skipped
+    (``"image over the pixel limit"``) from their header, never decoded. The loader applies its own
+    limit (``WebDatasetSource(max_image_pixels=)``) to whatever shards it reads.
 
     Returns:
         The :class:`WriteReport` (also written to ``out/manifest.json``).
 
     Raises:
-        ValueError: ``per_shard`` < 1, no input, a malformed manifest, or nothing usable found.
+        ValueError: ``per_shard`` or ``max_image_pixels`` < 1, no input, a malformed manifest, or nothing
+            usable found.
     """
     if per_shard < 1:
         raise ValueError(f"write_dataset: per_shard must be >= 1, got {per_shard}")
+    if max_image_pixels < 1:
+        raise ValueError(f"write_dataset: max_image_pixels must be >= 1, got {max_image_pixels}")
     report = WriteReport()
     if manifest is not None:
         items = list(_from_manifest(Path(manifest), report))
@@ -320,7 +338,8 @@ def write_dataset(
     out = out.rstrip("/")
     fsspec.core.url_to_fs(out)[0].makedirs(out, exist_ok=True)
     for modality, group in sorted(groups.items()):
-        samples = (s for s in (_encode(it, modality, report) for it in group) if s is not None)
+        encoded = (_encode(it, modality, report, max_image_pixels) for it in group)
+        samples = (s for s in encoded if s is not None)
         first = next(samples, None)
         if first is None:  # every file of it was skipped (named in the report): no empty shard, no source
             continue
@@ -356,11 +375,23 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("out", help="output folder (or fsspec URL) for {modality}-NNNNNN.tar and manifest.json")
     ap.add_argument("--manifest", help="CSV or JSONL with columns path, text (or caption/transcript), key")
     ap.add_argument("--per-shard", type=int, default=1000, help="samples per shard (default 1000)")
+    ap.add_argument(
+        "--max-image-pixels",
+        type=int,
+        default=DEFAULT_MAX_IMAGE_PIXELS,
+        help=f"skip images declaring more pixels than this, undecoded (default {DEFAULT_MAX_IMAGE_PIXELS})",
+    )
     args = ap.parse_args(argv)
     if args.input is None and args.manifest is None:
         ap.error("give an input folder or --manifest FILE")
     try:
-        report = write_dataset(args.input or ".", args.out, manifest=args.manifest, per_shard=args.per_shard)
+        report = write_dataset(
+            args.input or ".",
+            args.out,
+            manifest=args.manifest,
+            per_shard=args.per_shard,
+            max_image_pixels=args.max_image_pixels,
+        )
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -37,6 +37,7 @@ from omni_parallel.hybrid_cp import (
     plan_hybrid_cp,
 )
 from omni_parallel.long_short import LongShortPlan, Piece, plan_long_short
+from omni_parallel.numerics import NonFiniteError, NumericsGuard, NumericsSpec, OnNonFinite, StepVerdict
 from omni_parallel.parallelize import (
     TRAINING_DTYPES,
     EncoderGradientSync,
@@ -85,12 +86,17 @@ __all__ = [
     "LocalSegment",
     "LocalSequence",
     "LongShortPlan",
+    "NonFiniteError",
+    "NumericsGuard",
+    "NumericsSpec",
+    "OnNonFinite",
     "ParallelConfig",
     "ParallelState",
     "Piece",
     "ReshardMode",
     "ReshardPlan",
     "StepPeaks",
+    "StepVerdict",
     "TransformerShape",
     "all_gather_dim0",
     "all_reduce_sum",

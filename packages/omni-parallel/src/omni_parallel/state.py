@@ -27,6 +27,7 @@ from __future__ import annotations
 import math
 import os
 from dataclasses import dataclass, field
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -249,6 +250,7 @@ class ParallelState:
             (``first``: the block's first ``dp_cp`` index); empty unless ``spec.hybrid_cp``.
         checkpoint_group: a gloo group over every rank for checkpoint bookkeeping (``None``: not asked
             for).
+        timeout: the collective timeout of every group (``None``: torch's defaults; see :meth:`build`).
     """
 
     config: ParallelConfig
@@ -265,6 +267,7 @@ class ParallelState:
     encoder_p2p_group: dist.ProcessGroup | None = None
     hybrid_cp_groups: dict[tuple[int, int], dist.ProcessGroup] = field(default_factory=dict)
     checkpoint_group: dist.ProcessGroup | None = None
+    timeout: timedelta | None = None
 
     @classmethod
     def build(
@@ -275,6 +278,7 @@ class ParallelState:
         init_from_env: bool = False,
         backend: str | None = None,
         groups: GroupSpec | None = None,
+        timeout: timedelta | None = None,
     ) -> ParallelState:
         """Create every group from the default process group (collective: all ranks must call it, with
         the same arguments: groups are created in one fixed order, see the module docstring).
@@ -286,6 +290,10 @@ class ParallelState:
                 (``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``) with ``backend``.
             backend: for ``init_from_env``; default ``"nccl"`` if CUDA is available, else ``"gloo"``.
             groups: the optional groups to create as well (default: none).
+            timeout: how long any collective of any group built here (the default group too, and the
+                encoder groups of :meth:`encoder_state`) waits for the other ranks before it raises;
+                ``None``: torch's defaults (30 minutes for gloo, 10 for NCCL). A rank that stops answering
+                then fails the others in bounded time instead of hanging them.
 
         Raises:
             RuntimeError: no default process group and ``init_from_env`` is False or the environment
@@ -304,7 +312,9 @@ class ParallelState:
                 raise RuntimeError(
                     f"init_from_env: environment variables {missing} are not set (torchrun sets them)"
                 )
-            dist.init_process_group(backend or ("nccl" if torch.cuda.is_available() else "gloo"))
+            dist.init_process_group(
+                backend or ("nccl" if torch.cuda.is_available() else "gloo"), timeout=timeout
+            )
         world_size = dist.get_world_size()
         rank = dist.get_rank()
         groups_spec = groups if groups is not None else GroupSpec()
@@ -319,11 +329,18 @@ class ParallelState:
         # flattening would slice the mesh, which imports torch._dynamo (seconds per process).
         axis_groups = {name: mesh.get_group(name) for name in GROUP_NAMES if name not in _COMBINED}
         for name in _COMBINED:
-            axis_groups[name], _ = dist.new_subgroups_by_enumeration(table[name])
+            axis_groups[name], _ = dist.new_subgroups_by_enumeration(table[name], timeout=timeout)
         axis_groups["encoder_dp"] = dist.group.WORLD
+        if timeout is not None:
+            # init_device_mesh takes no timeout (only per-backend options): set it on what it built, and
+            # on the default group, which the mesh and encoder_dp may reuse
+            for g in {id(g): g for g in [dist.group.WORLD, *axis_groups.values()]}.values():
+                dist.set_timeout(timeout, g)
         members = {name: next(g for g in table[name] if rank in g) for name in GROUP_NAMES}
         members["encoder_dp"] = list(range(world_size))
-        state = cls(resolved, order, rank, world_size, mesh, axis_groups, members, groups_spec)
+        state = cls(
+            resolved, order, rank, world_size, mesh, axis_groups, members, groups_spec, timeout=timeout
+        )
         state._build_optional(table)
         return state
 
@@ -331,7 +348,7 @@ class ParallelState:
         """The :class:`GroupSpec`'s groups, in the order of the module docstring (collective)."""
         spec, dp = self.spec, self.size("dp")
         if spec.loader_dp and dp > 1:
-            self.loader_dp_group, _ = dist.new_subgroups_by_enumeration(table["dp"])
+            self.loader_dp_group, _ = dist.new_subgroups_by_enumeration(table["dp"], timeout=self.timeout)
         size = spec.reorder_group_size
         size = default_reorder_group_size(self) if size is None else size
         if dp % size:
@@ -339,17 +356,17 @@ class ParallelState:
         self.reorder_size = size
         if size > 1:
             blocks = [g[i : i + size] for g in table["dp"] for i in range(0, dp, size)]
-            self.reorder_group, _ = dist.new_subgroups_by_enumeration(blocks)
+            self.reorder_group, _ = dist.new_subgroups_by_enumeration(blocks, timeout=self.timeout)
         if spec.encoder_p2p and self.size("pp") > 1:
-            self.encoder_p2p_group, _ = dist.new_subgroups_by_enumeration(table["pp"])
+            self.encoder_p2p_group, _ = dist.new_subgroups_by_enumeration(table["pp"], timeout=self.timeout)
         if spec.hybrid_cp:
             local = self.local_rank("dp_cp")
             for c, blocks in hybrid_cp_blocks(self.size("dp_cp")).items():
                 enumeration = [[g[i] for i in b] for g in table["dp_cp"] for b in blocks]
-                mine, _ = dist.new_subgroups_by_enumeration(enumeration)
+                mine, _ = dist.new_subgroups_by_enumeration(enumeration, timeout=self.timeout)
                 self.hybrid_cp_groups[(c, local - local % c)] = mine
         if spec.checkpoint:
-            self.checkpoint_group = dist.new_group(backend="gloo")
+            self.checkpoint_group = dist.new_group(backend="gloo", timeout=self.timeout)
 
     def device_mesh(self, name: str) -> DeviceMesh:
         """1-D :class:`DeviceMesh` of group ``name`` (e.g. ``"tp"`` for ``parallelize_module``).
@@ -451,6 +468,9 @@ class ParallelState:
         mesh = init_device_mesh(
             self.mesh.device_type, (self.world_size // layout.sp, layout.sp), mesh_dim_names=("edp", "esp")
         )
+        if self.timeout is not None:
+            for name in ("edp", "esp"):
+                dist.set_timeout(self.timeout, mesh.get_group(name))
         return EncoderState(
             layout=layout,
             mesh=mesh,

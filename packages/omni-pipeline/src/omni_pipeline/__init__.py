@@ -31,9 +31,13 @@ from omni_pipeline.microbatch import (
 from omni_pipeline.p2p import P2PError
 from omni_pipeline.placement import (
     PlacementPolicy,
+    disaggregated_programs,
+    encoder_ranks_for,
     feasible_slots,
     isolated,
+    optimus_static,
     prepend_first_stage,
+    simulate_disaggregated,
     split_over_ranks,
     uniform_on_demand,
 )
@@ -62,14 +66,18 @@ from omni_pipeline.schedules import (
     build_schedule,
     validate_comms,
 )
-from omni_pipeline.simulator import SimulationResult, simulate
+from omni_pipeline.simulator import SimulationResult, simulate, simulate_programs
 from omni_pipeline.split import LLMShape, layer_costs, split_layers, stage_slices
 from omni_pipeline.stage_balance import balance_stages, explicit_stages, fit_layer_costs, stage_costs
 from omni_pipeline.step_costs import (
     MODEL_SCALES,
+    MODEL_SHAPES,
+    P2P_BANDWIDTH_BPS,
+    P2P_LATENCY_S,
     ModelScale,
     action_tokens,
     calibrated_step_costs,
+    encoder_forward_flops,
     model_scale,
     modelled_step_costs,
 )
@@ -78,11 +86,23 @@ from omni_pipeline.step_plan import PlannerSpec, StepPlanner, stage_weights, sta
 from omni_pipeline.tower_inputs import image_patches
 from omni_pipeline.towers import ModalityRouter, TowerBatch, TowerInputs
 from omni_pipeline.trace import TimelineEvent, plot_timeline, write_chrome_trace
+from omni_pipeline.workload import (
+    LengthDistribution,
+    MixturePhase,
+    Workload,
+    WorkloadError,
+    WorkloadSource,
+    load_workload,
+    parse_workload,
+)
 
 __all__ = [
     "IGNORE",
     "MODALITIES",
     "MODEL_SCALES",
+    "MODEL_SHAPES",
+    "P2P_BANDWIDTH_BPS",
+    "P2P_LATENCY_S",
     "RECORDS_FILE",
     "Action",
     "ActionKind",
@@ -103,6 +123,8 @@ __all__ = [
     "FlowRecord",
     "LLMMicrobatch",
     "LLMShape",
+    "LengthDistribution",
+    "MixturePhase",
     "ModalityRouter",
     "ModelScale",
     "P2PError",
@@ -136,6 +158,9 @@ __all__ = [
     "TokenCost",
     "TowerBatch",
     "TowerInputs",
+    "Workload",
+    "WorkloadError",
+    "WorkloadSource",
     "action_records",
     "action_tokens",
     "balance_stages",
@@ -145,6 +170,9 @@ __all__ = [
     "calibrated_layer_costs",
     "calibrated_step_costs",
     "cost_key",
+    "disaggregated_programs",
+    "encoder_forward_flops",
+    "encoder_ranks_for",
     "explicit_stages",
     "feasible_slots",
     "fit_cost_model",
@@ -156,10 +184,13 @@ __all__ = [
     "image_patches",
     "isolated",
     "layer_costs",
+    "load_workload",
     "microbatch_loss",
     "model_scale",
     "modelled_step_costs",
+    "optimus_static",
     "packed_causal_mask",
+    "parse_workload",
     "place",
     "plan_placement",
     "planned",
@@ -167,6 +198,8 @@ __all__ = [
     "prepend_first_stage",
     "read_records",
     "simulate",
+    "simulate_disaggregated",
+    "simulate_programs",
     "split_layers",
     "split_over_ranks",
     "stage_costs",

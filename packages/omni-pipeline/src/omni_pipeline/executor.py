@@ -28,21 +28,19 @@ torch's 0-based index ``mb``; the public API (:class:`StepPlan`, :class:`StepFun
 :class:`StepResult`) numbers them as the :class:`DataFlow` does, ``k = mb + 1``, and the conversion happens
 only where the interpreter meets that API.
 
-Numerics: the step's objective is the sum of the per-microbatch losses ``loss_fn`` returns (scale inside
-``loss_fn``, e.g. by 1 / microbatches). Gradient reduction is the caller's: ``reduce_gradients`` runs once
-after the last backward. The default (:meth:`PipelineExecutor.reduce_over_groups`) averages LLM gradients
-over ``llm_dp`` and sums encoder gradients over ``encoder_dp`` (every rank of every replica computes a
-slice of the encoder work) divided by the number of DP replicas (``size(encoder_dp) / pp``): the
-objective of a ``loss_fn`` normalised per replica. The step-input bridge's objective
-(:mod:`omni_pipeline.loss`: each microbatch's cross-entropy sum over the whole step's target count on
-every DP replica) is the plain sum over ranks instead; a trainer using it passes a summing hook
-(:func:`omni_parallel.data_parallel.all_reduce_gradients` without ``divide_by``).
+Numerics: one objective (:mod:`omni_pipeline.loss`): the step's loss is the plain sum of what ``loss_fn``
+returns, over the microbatches and over every rank (normalise inside ``loss_fn``, e.g. by the step's
+target tokens on every DP replica, as :func:`omni_pipeline.loss.microbatch_loss` does). Gradient reduction
+therefore sums: the default hook (:meth:`PipelineExecutor.reduce_over_groups`) sums LLM gradients over
+``llm_dp`` and encoder gradients over ``encoder_dp`` (every rank of every replica computes a slice of the
+encoder work), one flattened all-reduce per bucket (:func:`omni_parallel.data_parallel.all_reduce_gradients`).
+``reduce_gradients`` runs once after the last backward; a caller with other groups to reduce over (TP
+peers that duplicate encoder work, hybrid DP/CP) passes its own hook, which sums the same way.
 
 Encoder ZeRO-2/3 (``EncoderParallelConfig.zero_stage``, FSDP2-sharded encoders): every rank gathers the
 encoder parameters when the step starts (:meth:`EncoderAnchor.gather`), so no encoder forward or backward
 issues a collective, and the gradient reduction sums them into sharded gradients and reshards
-(:meth:`EncoderAnchor.reduce_gradients`; the default hook divides by the replicas as above, never by
-FSDP2's whole mesh). Every rank reaches both points whatever encoder work the flow gives it (none
+(:meth:`EncoderAnchor.reduce_gradients`; a plain sum, never FSDP2's mean over its mesh). Every rank reaches both points whatever encoder work the flow gives it (none
 included): see :mod:`omni_parallel.encoder_zero`. A custom ``reduce_gradients`` hook must call
 ``anchor.reduce_gradients``; the executor checks that the encoders were resharded.
 
@@ -304,6 +302,7 @@ class _StepRun:
             self.post_llm_receive(j)
             self.post_llm_receive(j + 1)
             self.run_encoders(a)
+            self.ex.current_action = a
             run_llm[a.kind](a)
         self.run_encoders(None)
         self.wires.wait_sends()
@@ -321,6 +320,7 @@ class _StepRun:
 
     def run_encoders(self, before: Action | None) -> None:
         for a in self.ex.anchor.at(before):
+            self.ex.current_action = a
             (self.encoder_forward if a.kind == EF else self.encoder_backward)(a)
 
     # -- receives --------------------------------------------------------------------------------------
@@ -496,6 +496,11 @@ class PipelineExecutor:
             for the other ranks to arrive (``StepResult.reduce_wait_s``: pipeline drain imbalance, not
             the reduction's own cost).
 
+    Attributes:
+        current_action: the :class:`~omni_pipeline.actions.Action` (LLM or encoder) this rank is running,
+            blocked in, or ran last (``None`` before its first step); read by a watchdog thread to name
+            where a hung rank stopped.
+
     Raises:
         ValueError: an empty ``stages`` mapping.
     """
@@ -523,6 +528,9 @@ class PipelineExecutor:
             p = next((p for m in self.stages.values() for p in m.parameters()), None)
             device = p.device if p is not None else torch.device("cpu")
         self.device = torch.device(device)
+        # the action this rank runs or ran last: a plain attribute that a hang watchdog's thread reads
+        # without a lock (omni_parallel.watchdog)
+        self.current_action: Action | None = None
 
     def parameters(self) -> list[nn.Parameter]:
         """LLM stage parameters on this rank, each once (a module shared by two stages counts once; the
@@ -622,21 +630,17 @@ class PipelineExecutor:
                 p.grad = torch.zeros_like(p)
 
     def reduce_over_groups(self) -> None:
-        """The default gradient reduction: LLM gradients averaged over ``groups.llm_dp``; encoder gradients
-        summed over ``groups.encoder_dp`` (ZeRO-2/3: over the encoders' FSDP2 mesh, which is
-        ``encoder_dp`` or, without one, the world) and divided by the DP replicas (``size / pp``). One
-        flattened all-reduce (or, sharded, one reduce-scatter) per bucket
+        """The default gradient reduction, the objective's plain sum (:mod:`omni_pipeline.loss`): LLM
+        gradients summed over ``groups.llm_dp``; encoder gradients summed over ``groups.encoder_dp``
+        (ZeRO-2/3: over the encoders' FSDP2 mesh, which is ``encoder_dp`` or, without one, the world, into
+        sharded gradients). One flattened all-reduce (or, sharded, one reduce-scatter) per bucket
         (:func:`omni_parallel.data_parallel.all_reduce_gradients`,
         :func:`omni_parallel.encoder_zero.reduce_scatter_gradients`)."""
-        all_reduce_gradients(self.parameters(), self.groups.llm_dp, divide_by=_size(self.groups.llm_dp))
+        all_reduce_gradients(self.parameters(), self.groups.llm_dp)
         if self.anchor.sharded:
-            ranks = (
-                _size(self.groups.encoder_dp) if self.groups.encoder_dp is not None else dist.get_world_size()
-            )
-            self.anchor.reduce_gradients(divide_by=max(1, ranks // self.pp_size))
+            self.anchor.reduce_gradients()
         else:
-            replicas = max(1, _size(self.groups.encoder_dp) // self.pp_size)
-            all_reduce_gradients(self.anchor.parameters(), self.groups.encoder_dp, divide_by=replicas)
+            all_reduce_gradients(self.anchor.parameters(), self.groups.encoder_dp)
 
     def _check_resharded(self) -> None:
         # Gathered, an FSDP2 unit holds plain tensors; resharded, its parameters are DTensors again.

@@ -8,9 +8,9 @@ step, on every DP replica.
 * **Microbatches**: the step's objective is the plain *sum* of the microbatch losses
   (``StepResult.loss``); nothing divides by the microbatch count.
 * **DP and sequence ranks**: the objective is the plain sum of what the ranks compute, so every gradient
-  reduction is a plain sum (the executor's ``reduce_gradients`` hook; its default,
-  :meth:`omni_pipeline.PipelineExecutor.reduce_over_groups`, still averages LLM gradients over DP for a
-  per-replica ``loss``): LLM gradients over the stage's data group (DP x CP/Ulysses ranks), encoder
+  reduction is a plain sum (the executor's ``reduce_gradients`` hook, whose default,
+  :meth:`omni_pipeline.PipelineExecutor.reduce_over_groups`, sums too; it is the package's one
+  objective): LLM gradients over the stage's data group (DP x CP/Ulysses ranks), encoder
   gradients over every rank holding an encoder replica, divided only by the number of ranks that run the
   *same* encoder work on the same data (TP peers).
 

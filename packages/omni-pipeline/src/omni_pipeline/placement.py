@@ -11,6 +11,11 @@
   default); a point after which the rank would wait on stage 0's forward itself is never chosen.
 * ``planned`` (beyond the paper; :mod:`omni_pipeline.planner`) - rank and slots searched by simulation
   under a per-rank activation-memory cap, starting from the best of the three above.
+* ``optimus_static`` - the paper's Optimus baseline (§6): encoders colocated on every pipeline rank and
+  scheduled statically into the bubbles of the LLM's 1F1B timeline, planned once for a static workload.
+  Not a :class:`PlacementPolicy` (the trainer does not run it); the simulator and benchmarks compare it.
+  The paper's Megatron-Dist / DistTrain baseline (encoders on ranks of their own) is not a data flow over
+  the pipeline's ranks: :func:`simulate_disaggregated` simulates it (:func:`disaggregated_programs`).
 
 Imports go one way: this module (the baselines) <- :mod:`omni_pipeline.planner` (the search starting from
 them) <- :mod:`omni_pipeline.policy` (:func:`~omni_pipeline.policy.place`, a policy run by name).
@@ -26,12 +31,16 @@ from omni_pipeline.cost import CostModel
 from omni_pipeline.dataflow import DataFlow, DataFlowError
 from omni_pipeline.graph import happens_before
 from omni_pipeline.schedules import Schedule
-from omni_pipeline.simulator import action_times
+from omni_pipeline.simulator import SimulationResult, action_times, simulate_programs
 
 __all__ = [
     "PlacementPolicy",
+    "disaggregated_programs",
+    "encoder_ranks_for",
     "isolated",
+    "optimus_static",
     "prepend_first_stage",
+    "simulate_disaggregated",
     "split_over_ranks",
     "uniform_on_demand",
 ]
@@ -146,6 +155,11 @@ def _addressable(program: Sequence[Action], rank: int, slot: int) -> bool:
 def prepend_first_stage(schedule: Schedule, encoder_inputs: Mapping[int, Sequence[int]]) -> DataFlow:
     """All encoder microbatches on rank 0, right before stage 0's forward that consumes them, their
     backward right after stage 0's backward of that microbatch (Megatron-LM / torchtitan baseline).
+
+    Reproduces the paper's Megatron-LM baseline (§6: "treating encoders as the embedding layers of the
+    first LLM pipeline stage"): stage 0 carries every encoder's compute and stored activations. Simplifies:
+    Megatron's stage split does not move LLM layers off stage 0 to make room (the paper's Megatron-LM
+    neither); the encoders' own TP/DP inside stage 0 is not modelled (one rank's compute).
 
     Raises:
         DataFlowError: ``encoder_inputs`` names an LLM microbatch the schedule lacks, an encoder
@@ -293,3 +307,170 @@ def _uniform_placed(
             bs = next((s for s in b_cands if t_slot[r][s] >= back_at - 1e-12), b_cands[-1])
             placed += [(r, fs, 1, e), (r, bs, 0, -e)]
     return placed
+
+
+def optimus_static(
+    schedule: Schedule,
+    encoder_inputs: Mapping[int, Sequence[int]],
+    costs: CostModel | None = None,
+    *,
+    static_encoder_s: float | None = None,
+) -> DataFlow:
+    """Optimus-style static bubble filling (Feng et al., 2024, "Optimus: accelerating large-scale
+    multi-modal LLM training by bubble exploitation"; the paper's baseline (4), §6).
+
+    Encoder microbatches are colocated on the pipeline ranks with the fixed split (``encoder_inputs[k][j]``
+    on rank ``j % P``, :func:`split_over_ranks` with ``fixed_ranks``) and placed into the idle gaps
+    ("bubbles") of the LLM-only 1F1B timeline, planned **once for a static workload**: every encoder
+    forward is assumed to take ``static_encoder_s`` seconds (default: the mean of ``costs``'
+    ``encoder_forward_s``; a plan made for the average step), its backward twice that. Per rank, by
+    consuming LLM microbatch: a forward goes to the earliest feasible slot (:func:`feasible_slots`) whose
+    remaining gap holds it, else to the latest feasible slot (it then delays the pipeline); a backward to
+    the earliest feasible slot after its gradient whose remaining gap holds it, else the rank's end.
+
+    Reproduces: encoder work scheduled into the pipeline's bubbles on the LLM's own ranks, with a static
+    plan that does not follow the step's sample lengths (the paper: Optimus' "fixed encoder-LLM 3D
+    parallelization", planned "for static workloads"). Simplifies: only the pipeline tier of Optimus'
+    multi-tier bubble scheduling (no DP / TP bubbles); encoder work is placed in whole encoder microbatches,
+    not decomposed into kernels sized to each bubble; the plan's gaps are those of the LLM-only timeline
+    (placing one encoder action does not re-time the others).
+
+    Args:
+        schedule: the LLM schedule. encoder_inputs: ``{k: [e, ...]}``.
+        costs: the cost model whose LLM times give the bubbles (unit F=1, B=2 when ``None``) and whose mean
+            encoder forward is the static estimate.
+        static_encoder_s: the planned seconds of every encoder forward (overrides the mean).
+
+    Raises:
+        DataFlowError: as every policy (bad ``encoder_inputs``).
+    """
+    enc = _inputs(schedule, encoder_inputs)
+    costs = costs or CostModel()
+    if static_encoder_s is None:
+        fwd = [float(costs.encoder_forward_s.get(e, 0.0)) for es in enc.values() for e in es]
+        static_encoder_s = sum(fwd) / len(fwd) if fwd else 0.0
+    ranks = split_over_ranks(enc, schedule.num_ranks, fixed_ranks=True)
+    programs = schedule.program_view
+    llm_only = CostModel(
+        llm_forward_s=costs.llm_forward_s,
+        llm_backward_s=costs.llm_backward_s,
+        p2p_latency_s=costs.p2p_latency_s,
+        p2p_bandwidth_Bps=costs.p2p_bandwidth_Bps,
+        llm_activation_bytes=costs.llm_activation_bytes,
+        llm_action_s=costs.llm_action_s,
+    )
+    _, start, end, _ = action_times(programs, schedule.num_stages, {}, llm_only, order=schedule.analysis[0])
+    makespan = max(end.values(), default=0.0)
+    # gap[r][s]: idle seconds before slot s of rank r's program (slot len: from its last action to the end)
+    gap = {
+        r: [start[prog[0]] if prog else makespan]
+        + [start[prog[i]] - end[prog[i - 1]] for i in range(1, len(prog))]
+        + ([makespan - end[prog[-1]]] if prog else [])
+        for r, prog in programs.items()
+    }
+    placed: Placed = []
+    for k, es in enc.items():
+        for e in es:
+            r = ranks[e]
+            f_cands, b_cands = feasible_slots(schedule, r, k)
+            fs = next((s for s in f_cands if gap[r][s] >= static_encoder_s), f_cands[-1])
+            gap[r][fs] = max(0.0, gap[r][fs] - static_encoder_s)
+            bs = next((s for s in b_cands if gap[r][s] >= 2 * static_encoder_s), b_cands[-1])
+            gap[r][bs] = max(0.0, gap[r][bs] - 2 * static_encoder_s)
+            placed += [(r, fs, 1, e), (r, bs, 0, -e)]
+    return _build(schedule, enc, placed)
+
+
+def encoder_ranks_for(costs: CostModel, schedule: Schedule) -> int:
+    """Encoder ranks a disaggregated layout gives its encoders, statically, in proportion to their share of
+    the step's compute: ``max(1, round(P * encoder seconds / LLM seconds))`` over one step of ``costs``
+    (DistTrain sizes its encoder and LLM units by their compute; a static allocation is made once, from
+    one representative step, and kept as the mixture moves: the paper's "statically allocated encoder
+    resources", §6)."""
+    p = schedule.num_ranks
+    llm = sum(costs.duration(a) for prog in schedule.program_view.values() for a in prog)
+    enc = sum(
+        costs.duration(Action(kind, e))
+        for e in costs.encoder_forward_s
+        for kind in (ActionKind.ENCODER_FORWARD, ActionKind.ENCODER_BACKWARD)
+    )
+    return max(1, round(p * enc / llm)) if llm > 0 else 1
+
+
+def disaggregated_programs(
+    schedule: Schedule,
+    encoder_inputs: Mapping[int, Sequence[int]],
+    encoder_ranks: int,
+    encoder_costs: Mapping[int, float] | None = None,
+) -> tuple[dict[int, list[Action]], dict[int, int]]:
+    """Programs of a disaggregated layout: the LLM's ranks ``0 .. P-1`` run the schedule alone; encoder ranks
+    ``P .. P+E-1`` run every encoder microbatch, as the first stage of a ``P + 1``-stage 1F1B pipeline.
+
+    Each LLM microbatch's encoder microbatches are spread over the ``E`` encoder ranks (:func:`split_over_ranks`,
+    cost-balanced by ``encoder_costs``); every encoder rank runs 1F1B as stage 0 of ``P + 1`` stages:
+    ``min(P, m)`` warm-up microbatches' forwards, then per step the next microbatch's forwards and the oldest
+    one's backwards, then the remaining backwards (its encoder microbatches of each LLM microbatch
+    together).
+
+    Returns:
+        ``(programs, encoder_consumer)``: ``{rank: [Action, ...]}`` and ``{e: torch index of its consumer}``.
+
+    Raises:
+        ValueError: ``encoder_ranks < 1``. DataFlowError: bad ``encoder_inputs``.
+    """
+    if encoder_ranks < 1:
+        raise ValueError(f"disaggregated_programs: encoder_ranks must be >= 1, got {encoder_ranks}")
+    enc = _inputs(schedule, encoder_inputs)
+    p, m = schedule.num_ranks, schedule.num_microbatches
+    ranks = split_over_ranks(enc, encoder_ranks, encoder_costs)
+    programs = {r: list(prog) for r, prog in schedule.programs().items()}
+    mine: dict[int, dict[int, list[int]]] = {p + q: {} for q in range(encoder_ranks)}
+    for k, es in enc.items():
+        for e in es:
+            mine[p + ranks[e]].setdefault(k, []).append(e)
+    EF, EB = ActionKind.ENCODER_FORWARD, ActionKind.ENCODER_BACKWARD
+    warm = min(p, m)
+    for r, by_k in mine.items():
+        # stage 0 of P + 1 stages in 1F1B: warm-up forwards, then forward of the next and backward of the
+        # oldest, then the remaining backwards
+        order = [(EF, k) for k in range(1, warm + 1)]
+        for i in range(m - warm):
+            order += [(EF, warm + 1 + i), (EB, 1 + i)]
+        order += [(EB, k) for k in range(m - warm + 1, m + 1)]
+        programs[r] = [Action(kind, e) for kind, k in order for e in by_k.get(k, ())]
+    consumer = {e: k - 1 for k, es in enc.items() for e in es}
+    return programs, consumer
+
+
+def simulate_disaggregated(
+    schedule: Schedule,
+    encoder_inputs: Mapping[int, Sequence[int]],
+    costs: CostModel,
+    encoder_ranks: int,
+) -> SimulationResult:
+    """The paper's Megatron-Dist / DistTrain baseline (§6 baseline (2): "encoders as the first pipeline stage
+    and the LLM backbone as other stages with distinct resources and parallelism strategies"; DistTrain,
+    Zhang et al., 2024): encoders on ``encoder_ranks`` ranks of their own (:func:`disaggregated_programs`),
+    their outputs sent to stage 0 over P2P (``costs.encoder_output_bytes``), their gradients back.
+
+    Throughput counts every GPU: the same GPUs that hold ``costs.data_parallel`` replicas of the
+    ``P``-rank colocated pipeline hold ``data_parallel * P / (P + E)`` replicas of this ``P + E``-rank one
+    (fractional: a per-GPU comparison). ``bubble_fraction`` and ``peak_activation_bytes`` cover the encoder
+    ranks too (keys ``P .. P+E-1``).
+
+    Simplifies: the encoder stage's own parallelism is data parallelism over its ``E`` ranks (each encoder
+    microbatch whole on one rank, balanced per LLM microbatch; no TP/SP inside the encoder); its size is
+    given (see :func:`encoder_ranks_for` for the static, compute-proportional choice); the encoder ranks
+    do not share P2P links with the pipeline's own transfers (links never contend in this simulator).
+
+    Raises:
+        ValueError, DataFlowError: as :func:`disaggregated_programs`. Deadlock: never for valid inputs.
+    """
+    programs, consumer = disaggregated_programs(
+        schedule, encoder_inputs, encoder_ranks, costs.encoder_forward_s or None
+    )
+    p = schedule.num_ranks
+    replicas = costs.data_parallel * p / (p + encoder_ranks)
+    return simulate_programs(
+        programs, schedule.num_stages, schedule.num_microbatches, consumer, costs, replicas=replicas
+    )

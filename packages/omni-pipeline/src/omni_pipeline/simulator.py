@@ -29,7 +29,7 @@ from omni_pipeline.graph import execution_order, llm_encoder_deps
 from omni_pipeline.schedules import Schedule
 from omni_pipeline.trace import TimelineEvent, plot_timeline, write_chrome_trace
 
-__all__ = ["SimulationResult", "action_times", "peak_activation_bytes", "simulate"]
+__all__ = ["SimulationResult", "action_times", "peak_activation_bytes", "simulate", "simulate_programs"]
 
 
 @dataclass
@@ -168,7 +168,35 @@ def simulate(schedule: Schedule, flow: DataFlow | None, costs: CostModel) -> Sim
     """
     programs = flow.programs(schedule) if flow is not None else schedule.programs()
     consumer = flow.encoder_consumer if flow is not None else {}
-    _, start, end, arrival = action_times(programs, schedule.num_stages, consumer, costs)
+    return simulate_programs(programs, schedule.num_stages, schedule.num_microbatches, consumer, costs)
+
+
+def simulate_programs(
+    programs: Mapping[int, list[Action]],
+    num_stages: int,
+    num_microbatches: int,
+    encoder_consumer: Mapping[int, int],
+    costs: CostModel,
+    *,
+    replicas: float | None = None,
+) -> SimulationResult:
+    """Simulate one step of explicit per-rank programs (what :func:`simulate` does for a schedule and a
+    flow; here ranks may also hold only encoder work, e.g. a disaggregated encoder stage,
+    :func:`omni_pipeline.placement.simulate_disaggregated`).
+
+    Args:
+        programs: ``{rank: [Action, ...]}``; LLM stage 0 runs on rank 0.
+        num_stages: LLM stages. num_microbatches: LLM microbatches per step.
+        encoder_consumer: ``{e: torch index of the LLM microbatch consuming e}``.
+        costs: the cost model.
+        replicas: pipeline replicas the throughput counts (default ``costs.data_parallel``); may be
+            fractional when another layout of the same GPUs is compared.
+
+    Raises:
+        Deadlock: the programs cannot run.
+    """
+    _, start, end, arrival = action_times(programs, num_stages, encoder_consumer, costs)
+    consumer = encoder_consumer
     makespan = max(end.values(), default=0.0)
     timelines = {
         r: [
@@ -181,7 +209,11 @@ def simulate(schedule: Schedule, flow: DataFlow | None, costs: CostModel) -> Sim
     enc_busy = {r: sum(end[a] - start[a] for a in prog if a.kind.is_encoder) for r, prog in programs.items()}
     peak = peak_activation_bytes(programs, start, end, arrival, consumer, costs)
     step_time = makespan + costs.step_overhead_s
-    tokens = costs.tokens_per_microbatch * schedule.num_microbatches * costs.data_parallel
+    tokens = (
+        costs.tokens_per_microbatch
+        * num_microbatches
+        * (costs.data_parallel if replicas is None else replicas)
+    )
     return SimulationResult(
         timelines=timelines,
         makespan_s=makespan,

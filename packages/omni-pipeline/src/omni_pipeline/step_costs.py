@@ -16,8 +16,8 @@ encoder microbatch's image patches and audio frames, so a step can be simulated 
 * **Calibrated** (:func:`calibrated_step_costs`): a fitted :class:`~omni_pipeline.cost.CostModel`'s
   coefficients applied to the step's token counts.
 
-Modelled sizes (documented assumptions, not measurements): point-to-point 10 us latency and 25 GB/s
-(200 Gb/s InfiniBand); an activation of ``T`` tokens at width ``d`` is ``dtype_bytes * T * d`` bytes
+Modelled sizes (documented assumptions, not measurements): point-to-point :data:`P2P_LATENCY_S` (20 us)
+and :data:`P2P_BANDWIDTH_BPS` (50 GB/s; see there); an activation of ``T`` tokens at width ``d`` is ``dtype_bytes * T * d`` bytes
 (2 in bf16); a transformer layer stores ``34 * T * d`` bytes in bf16 (``17 * dtype_bytes * T * d``) from
 forward to backward (Korthikanti et al., 2022, no recomputation).
 """
@@ -34,15 +34,23 @@ from omni_pipeline.cost import ActionTokens, CostModel
 
 __all__ = [
     "MODEL_SCALES",
+    "MODEL_SHAPES",
+    "P2P_BANDWIDTH_BPS",
+    "P2P_LATENCY_S",
     "ModelScale",
     "action_tokens",
     "calibrated_step_costs",
+    "encoder_forward_flops",
     "model_scale",
     "modelled_step_costs",
 ]
 
-# modelled interconnect: 200 Gb/s InfiniBand
-_P2P_LATENCY_S, _P2P_BANDWIDTH_BPS = 10e-6, 25e9
+# The one modelled interconnect of every simulator consumer (omni-train simulate, benchmarks/pipeline_sim.py):
+# the paper's Cluster-A (§6, "8*400 Infiniband" per 8-GPU node) gives each GPU one 400 Gb/s NIC, 50 GB/s;
+# pipeline neighbours sit on different nodes once TP fills a node, so P2P crosses that NIC. Latency: an
+# assumption (NCCL send/recv of a small message between nodes is tens of us; 20 us taken), not a paper number.
+P2P_LATENCY_S = 20e-6
+P2P_BANDWIDTH_BPS = 50e9
 
 
 @dataclasses.dataclass(frozen=True)
@@ -80,19 +88,6 @@ class ModelScale:
             raise ValueError(f"ModelScale.image_merge must be a whole number, got {self.image_merge!r}")
 
 
-MODEL_SCALES = {
-    # MegaScale-Omni's triple-modality setup: ViT-1B, USM-2B, LLaMA-12B (§2.2).
-    "paper": ModelScale(
-        12e9,
-        5120,
-        40,
-        {"image": 1e9, "audio": 2e9},
-        {"image": 1408, "audio": 1536},
-        {"image": 40, "audio": 32},
-    ),
-}
-
-
 def model_scale(
     llm: TransformerShape, encoders: Mapping[str, TransformerShape], *, image_merge: int = 2
 ) -> ModelScale:
@@ -115,11 +110,54 @@ def model_scale(
     )
 
 
+MODEL_SHAPES: dict[str, TransformerShape] = {
+    # The paper's models (§2.2 and §6: ViT-1B, USM-2B, LLaMA-12B); it publishes names, not shapes, so:
+    # LLaMA-12B: LLaMA-2-13B's blocks (width 5120, 40 layers, 40 heads, SwiGLU 13824), 12.7e9 matmul weights.
+    "llama-12b": TransformerShape(dim=5120, n_layers=40, n_heads=40, ffn_dim=13824, gated_mlp=True),
+    # ViT-1B: ViT-g/14 (Zhai et al., 2022; EVA's "ViT-1B"): width 1408, 40 layers, 16 heads, MLP 6144,
+    # 1.0e9 matmul weights. (benchmarks/pipeline_sim.py once used width 1536; this is the one definition.)
+    "vit-1b": TransformerShape(dim=1408, n_layers=40, n_heads=16, ffn_dim=6144),
+    # USM-2B: a Conformer of width 1536 and 32 blocks (Zhang et al., 2023). A Conformer block's two
+    # half-step 4x FFNs (16 d^2) and its conv module's pointwise convolutions (3 d^2) count as one MLP of
+    # 9.5 d (attention 4 d^2 + 2 d * 9.5 d = 23 d^2 per block): 1.74e9 matmul weights; the depthwise
+    # convolution (kernel 32: 32 d weights per block) is left out, as norms are.
+    "usm-2b": TransformerShape(dim=1536, n_layers=32, n_heads=16, ffn_dim=9.5 * 1536),
+}
+
+MODEL_SCALES = {
+    # MegaScale-Omni's triple-modality setup: ViT-1B, USM-2B, LLaMA-12B (§2.2), shapes from MODEL_SHAPES.
+    "paper": model_scale(
+        MODEL_SHAPES["llama-12b"], {"image": MODEL_SHAPES["vit-1b"], "audio": MODEL_SHAPES["usm-2b"]}
+    ),
+}
+
+
 def _encoder_seq(modality: Modality, media_tokens: int, image_merge: int) -> int:
     """Encoder sequence of a sample: ViT patches before the merge; audio frames after subsampling."""
     if modality is Modality.IMAGE:
         return media_tokens * image_merge * image_merge
     return media_tokens
+
+
+def encoder_forward_flops(ms: ModelScale, modality: Modality | str, media_tokens: int) -> float:
+    """Forward FLOPs of one sample's encoder (:mod:`omni_parallel.flops`: matmul weights twice per token of
+    its encoder sequence, bidirectional attention over the sample): what :func:`modelled_step_costs` times
+    and what a sample's ``encoder_flops`` balances by. 0 for text.
+
+    Args:
+        ms: model sizes. modality: the sample's tower (``"image"`` / ``"audio"``; ``"text"``: 0).
+        media_tokens: the sample's LLM media tokens (images: after the ``image_merge`` patch merge).
+
+    Raises:
+        KeyError: ``ms`` has no tower for ``modality``.
+    """
+    modality = Modality(modality)
+    if modality is Modality.TEXT or media_tokens <= 0:
+        return 0.0
+    kind = str(modality)
+    seq = _encoder_seq(modality, media_tokens, ms.image_merge)
+    attention = attention_flops([seq], ms.encoder_dim[kind], ms.encoder_layers[kind], causal=False)
+    return model_flops(ms.encoder_params[kind], seq, attention, training=False)
 
 
 def action_tokens(
@@ -220,7 +258,7 @@ def modelled_step_costs(
 ) -> CostModel:
     """One step's cost model from modelled FLOPs (no measurement): each action's seconds are its matmul
     and attention forward FLOPs (:mod:`omni_parallel.flops`) over ``rate`` FLOP/s, backward twice the
-    forward; P2P 10 us + bytes / 25 GB/s; byte sizes in bf16 as the module docstring says.
+    forward; P2P :data:`P2P_LATENCY_S` + bytes / :data:`P2P_BANDWIDTH_BPS`; byte sizes in bf16 as the module docstring says.
 
     Args:
         ms: model sizes (:data:`MODEL_SCALES` or :func:`model_scale`).
@@ -240,14 +278,10 @@ def modelled_step_costs(
     ]
     enc_fwd_s = {}
     for e, items in mbs.items():
-        flops = 0.0
-        for p, i in items:
-            s = packs[p].samples[i]
-            kind = str(s.modality)
-            seq = _encoder_seq(s.modality, s.media_tokens, ms.image_merge)
-            d, n_layers = ms.encoder_dim[kind], ms.encoder_layers[kind]
-            attention = attention_flops([seq], d, n_layers, causal=False)
-            flops += model_flops(ms.encoder_params[kind], seq, attention, training=False)
+        flops = sum(
+            encoder_forward_flops(ms, packs[p].samples[i].modality, packs[p].samples[i].media_tokens)
+            for p, i in items
+        )
         enc_fwd_s[e] = flops / rate
     stage_fwd = sum(llm_fwd) / len(llm_fwd) / pp / rate
     fwd: float | list[float] = stage_fwd
@@ -259,8 +293,8 @@ def modelled_step_costs(
         llm_forward_s=fwd,
         llm_backward_s=bwd,
         encoder_forward_s=enc_fwd_s,
-        p2p_latency_s=_P2P_LATENCY_S,
-        p2p_bandwidth_Bps=_P2P_BANDWIDTH_BPS,
+        p2p_latency_s=P2P_LATENCY_S,
+        p2p_bandwidth_Bps=P2P_BANDWIDTH_BPS,
         data_parallel=dp,
         **_sizes(ms, packs, mbs, pp, 2.0),
     )

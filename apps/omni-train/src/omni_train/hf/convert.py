@@ -275,6 +275,8 @@ def export_hf(
 
     Raises:
         ConfigError: no ``config.json`` or no committed step (or ``step`` is not one).
+        omni_ckpt.CheckpointError: the step fails omni-ckpt's checks (checkpoint, tensor and fault named);
+            raised by ``read_manifest`` before any tensor is allocated from the manifest.
     """
     run_dir, out = Path(run_dir), Path(out)
     if not (run_dir / "config.json").is_file():

@@ -1,0 +1,493 @@
+"""Workloads as data: per-source sample-length distributions, mixture phases, pack length, batch and model
+sizes, read from a TOML file, and the packs of any step drawn from them deterministically.
+
+A workload stands in for a dataset at a scale the bundled data cannot reach (16K packs of OpenImages-sized
+images, paper §2.2 and §6): it draws :class:`~omni_data.SampleMeta` metadata, never payloads, and packs
+whole samples with omni-data's own :class:`~omni_data.HybridPacker`, so a simulated step holds the same
+kind of packs a loader would give (no fractional encoder work: a sample's encoder cost goes to exactly one
+encoder microbatch). Step ``s``'s samples come from a private RNG seeded by ``(seed, s)``, so any step is
+reproducible alone, whatever steps were drawn before.
+
+File format (every key checked; unknown keys refused)::
+
+    name = "paper-vlm"
+    seed = 0                      # RNG seed of the draws
+    max_seq_len = 16384           # pack length, tokens (16 .. 2**21)
+    microbatches = 32             # packs (LLM microbatches) per pipeline replica per step (1 .. 4096)
+    packer_buffer = 256           # optional: HybridPacker look-ahead, samples (1 .. 65536)
+
+    [model]                       # names of MODEL_SHAPES presets or {dim, n_layers, n_heads, ...} tables
+    llm = "llama-12b"
+    image = "vit-1b"              # a tower per media modality the sources use
+    image_merge = 2               # optional: ViT patches per LLM token = image_merge ** 2
+
+    [[sources]]
+    name = "openimages"
+    modality = "image"            # "image", "audio" or "text"
+    text_tokens = 16              # optional (media): caption tokens inside each sample's length
+    length = { lognormal = { median = 3340, sigma = 0.5 }, min = 64, max = 16384 }
+    # or: length = { histogram = { edges = [64, 1024, 4096], weights = [3, 1] } }   (bins [lo, hi))
+    # or: length = { fixed = 340 }
+
+    [[phases]]                    # mixture phases in order: sample-count weights per source
+    weights = { openimages = 1, bytedlong = 1 }
+    until_step = 100              # this phase covers steps < 100; the last phase has none (open-ended)
+
+``length`` is a sample's whole LLM length in tokens (media embeddings plus its text); ``min`` (default 1)
+and ``max`` clip it (default ``max_seq_len``; a media sample cannot be longer than a pack, so ``max`` of a
+media source may not exceed it; a longer text sample is split by the packer, as a loader's would be).
+A lognormal's mean is ``median * exp(sigma**2 / 2)`` before clipping.
+
+Untrusted input: the file is at most 1 MiB, every count and size bounded; a bad value raises
+:class:`WorkloadError` whose one-line message names the file and the key.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import math
+import random
+import tomllib
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from omni_data import HybridPacker, Modality, Pack, SampleMeta
+from omni_data.node import StatefulNode
+from omni_parallel.flops import TransformerShape
+from omni_pipeline.step_costs import MODEL_SHAPES, ModelScale, encoder_forward_flops, model_scale
+
+__all__ = [
+    "LengthDistribution",
+    "MixturePhase",
+    "Workload",
+    "WorkloadError",
+    "WorkloadSource",
+    "load_workload",
+    "parse_workload",
+]
+
+MAX_FILE_BYTES = 1 << 20
+MAX_SOURCES = 64
+MAX_PHASES = 1024
+MAX_BINS = 4096
+MAX_SEQ_LEN = 1 << 21
+MAX_SAMPLE_TOKENS = 1 << 24
+MAX_MICROBATCHES = 4096
+MAX_BUFFER = 1 << 16
+MAX_SIGMA = 4.0
+_SHAPE_KEYS = {"dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim", "mlp_ratio", "gated_mlp"}
+
+
+class WorkloadError(ValueError):
+    """A workload file or value is malformed; the message is one line naming the file and the key."""
+
+
+@dataclasses.dataclass(frozen=True)
+class LengthDistribution:
+    """A sample-length distribution in LLM tokens, clipped to ``[low, high]``.
+
+    ``kind``: ``"lognormal"`` (``median``, ``sigma``: ``median * exp(sigma * N(0, 1))``, rounded),
+    ``"histogram"`` (a bin ``[edges[i], edges[i+1])`` drawn with probability ``weights[i] / sum``, then a
+    whole number uniform inside it) or ``"fixed"`` (``median`` every time).
+
+    Raises:
+        ValueError: a parameter out of range (named).
+    """
+
+    kind: str
+    median: float = 0.0
+    sigma: float = 0.0
+    edges: tuple[int, ...] = ()
+    weights: tuple[float, ...] = ()
+    low: int = 1
+    high: int = MAX_SEQ_LEN
+
+    def __post_init__(self) -> None:
+        if self.kind not in ("lognormal", "histogram", "fixed"):
+            raise ValueError(f"kind must be lognormal, histogram or fixed, got {self.kind!r}")
+        if not 1 <= self.low <= self.high <= MAX_SAMPLE_TOKENS:
+            raise ValueError(
+                f"min/max must satisfy 1 <= min <= max <= {MAX_SAMPLE_TOKENS}, got {self.low}, {self.high}"
+            )
+        if self.kind in ("lognormal", "fixed") and not 1 <= self.median <= MAX_SAMPLE_TOKENS:
+            raise ValueError(f"median must be in [1, {MAX_SAMPLE_TOKENS}] tokens, got {self.median!r}")
+        if self.kind == "lognormal" and not 0 < self.sigma <= MAX_SIGMA:
+            raise ValueError(f"sigma must be in (0, {MAX_SIGMA}], got {self.sigma!r}")
+        if self.kind == "histogram":
+            e, w = self.edges, self.weights
+            if not 2 <= len(e) <= MAX_BINS + 1 or len(w) != len(e) - 1:
+                raise ValueError(
+                    f"edges needs 2..{MAX_BINS + 1} values and weights one fewer, got {len(e)} and {len(w)}"
+                )
+            if any(not 1 <= a < b <= MAX_SAMPLE_TOKENS for a, b in itertools.pairwise(e)):
+                raise ValueError(f"edges must rise strictly within [1, {MAX_SAMPLE_TOKENS}], got {list(e)}")
+            if any(not (x >= 0 and math.isfinite(x)) for x in w) or not sum(w) > 0:
+                raise ValueError(f"weights must be finite, >= 0 and not all 0, got {list(w)}")
+
+    def sample(self, rng: random.Random) -> int:
+        """One length, tokens, from ``rng``."""
+        if self.kind == "fixed":
+            n = round(self.median)
+        elif self.kind == "lognormal":
+            n = round(self.median * math.exp(self.sigma * rng.gauss(0.0, 1.0)))
+        else:
+            i = rng.choices(range(len(self.weights)), self.weights)[0]
+            n = rng.randrange(self.edges[i], self.edges[i + 1])
+        return min(self.high, max(self.low, n))
+
+
+@dataclasses.dataclass(frozen=True)
+class WorkloadSource:
+    """One data source: its modality, its samples' lengths (LLM tokens, media and text together) and, for
+    media, the text tokens (caption, transcript) inside each sample's length (at least one media token
+    is kept)."""
+
+    name: str
+    modality: Modality
+    length: LengthDistribution
+    text_tokens: int = 0
+
+
+@dataclasses.dataclass(frozen=True)
+class MixturePhase:
+    """Sample-count weights per source, for the steps before ``until_step`` (``None``: every later step)."""
+
+    weights: Mapping[str, float]
+    until_step: int | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class Workload:
+    """A workload (see the module docstring): sources, phases, pack length, batch, model sizes, seed.
+
+    Attributes:
+        microbatches: packs per pipeline replica per step, each one LLM microbatch.
+        model: the sizes the cost model times (:class:`~omni_pipeline.step_costs.ModelScale`); also what a
+            sample's ``encoder_flops`` (the encoder split's balance) is computed from.
+    """
+
+    name: str
+    sources: tuple[WorkloadSource, ...]
+    phases: tuple[MixturePhase, ...]
+    max_seq_len: int
+    microbatches: int
+    model: ModelScale
+    seed: int = 0
+    packer_buffer: int = 256
+
+    def phase(self, step: int) -> MixturePhase:
+        """The mixture phase of ``step`` (the first whose ``until_step`` is above it; else the last)."""
+        for p in self.phases:
+            if p.until_step is None or step < p.until_step:
+                return p
+        return self.phases[-1]
+
+    def with_weights(self, weights: Mapping[str, float]) -> Workload:
+        """This workload with one phase of ``weights`` (e.g. an image:text sweep).
+
+        Raises:
+            WorkloadError: an unknown source, a negative weight, or none above 0.
+        """
+        names = {s.name for s in self.sources}
+        _check_weights(dict(weights), names, f"{self.name}: weights")
+        return dataclasses.replace(self, phases=(MixturePhase(dict(weights)),))
+
+    def samples(self, step: int) -> _Draws:
+        """The endless stream of step ``step``'s sample metadata (a fresh RNG seeded by ``(seed, step)``)."""
+        return _Draws(self, step)
+
+    def step_packs(self, step: int, microbatches: int | None = None) -> list[Pack]:
+        """Step ``step``'s packs: its samples packed whole by :class:`~omni_data.HybridPacker` (best-fit
+        decreasing over ``packer_buffer`` samples, never over ``max_seq_len``), the first
+        ``microbatches`` (default :attr:`microbatches`) packs it emits.
+
+        Raises:
+            ValueError: ``microbatches < 1``.
+        """
+        m = self.microbatches if microbatches is None else microbatches
+        if m < 1:
+            raise ValueError(f"Workload.step_packs: microbatches must be >= 1, got {m}")
+        packer = HybridPacker(self.samples(step), self.max_seq_len, self.packer_buffer)
+        packer.reset()
+        return [next(packer) for _ in range(m)]
+
+
+class _Draws(StatefulNode[SampleMeta]):
+    """Endless sample metadata of one step of a workload, in draw order (a HybridPacker source)."""
+
+    def __init__(self, workload: Workload, step: int) -> None:
+        super().__init__()
+        self.workload, self.step, self.i = workload, step, 0
+        phase = workload.phase(step)
+        by_name = {s.name: s for s in workload.sources}
+        chosen = [(by_name[n], w) for n, w in phase.weights.items() if w > 0]
+        self._sources = [s for s, _ in chosen]
+        self._weights = [w for _, w in chosen]
+        self._rng = random.Random(f"{workload.seed}/{step}")
+
+    def reset(self, initial_state: dict[str, Any] | None = None) -> None:
+        super().reset(initial_state)
+        self._rng = random.Random(f"{self.workload.seed}/{self.step}")
+        self.i = 0
+        for _ in range(0 if initial_state is None else int(initial_state["i"])):
+            self._draw()
+
+    def get_state(self) -> dict[str, Any]:
+        return {"i": self.i}
+
+    def _draw(self) -> SampleMeta:
+        src = self._rng.choices(self._sources, self._weights)[0]
+        n = src.length.sample(self._rng)
+        self.i += 1
+        key = f"{self.step}-{self.i}"
+        if src.modality is Modality.TEXT:
+            return SampleMeta(key, src.name, src.modality, 0, n, 0.0, (n,))
+        text = min(src.text_tokens, n - 1)
+        media = n - text
+        flops = encoder_forward_flops(self.workload.model, src.modality, media)
+        return SampleMeta(key, src.name, src.modality, media, text, flops, (media,))
+
+    def next(self) -> SampleMeta:
+        return self._draw()
+
+
+# -- parsing ------------------------------------------------------------------------------------------
+
+
+def load_workload(path: str | Path) -> Workload:
+    """Read a workload TOML file (see the module docstring).
+
+    Raises:
+        WorkloadError: the file is missing, larger than 1 MiB, not TOML, or a key is missing or bad
+            (one line naming the file and the key).
+    """
+    path = Path(path)
+    try:
+        size = path.stat().st_size
+        if size > MAX_FILE_BYTES:
+            raise WorkloadError(f"{path}: {size} bytes, more than a workload may hold ({MAX_FILE_BYTES})")
+        text = path.read_bytes().decode("utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise WorkloadError(f"{path}: cannot read the workload: {exc}") from None
+    return parse_workload(text, str(path))
+
+
+def parse_workload(text: str, where: str = "<workload>") -> Workload:
+    """Parse a workload from TOML text; ``where`` names it in errors.
+
+    Raises:
+        WorkloadError: as :func:`load_workload`.
+    """
+    if len(text) > MAX_FILE_BYTES:
+        raise WorkloadError(f"{where}: more than {MAX_FILE_BYTES} characters")
+    try:
+        doc = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as exc:
+        raise WorkloadError(f"{where}: not valid TOML: {exc}") from None
+    p = _Reader(where)
+    p.keys(
+        doc,
+        "",
+        {"name", "seed", "max_seq_len", "microbatches", "packer_buffer", "model", "sources", "phases"},
+    )
+    name = p.string(doc, "name", default=Path(where).stem)
+    seed = p.integer(doc, "seed", 0, 2**63 - 1, default=0)
+    max_seq_len = p.integer(doc, "max_seq_len", 16, MAX_SEQ_LEN)
+    microbatches = p.integer(doc, "microbatches", 1, MAX_MICROBATCHES)
+    buffer = p.integer(doc, "packer_buffer", 1, MAX_BUFFER, default=256)
+    raw_sources = p.array(doc, "sources", MAX_SOURCES)
+    sources: list[WorkloadSource] = []
+    for i, raw in enumerate(raw_sources):
+        sources.append(p.source(raw, f"sources[{i}]", max_seq_len))
+    names = [s.name for s in sources]
+    dup = sorted({n for n in names if names.count(n) > 1})
+    if dup:
+        p.fail("sources", f"source names must be unique, {dup} repeated")
+    media = {str(s.modality) for s in sources if s.modality is not Modality.TEXT}
+    model = p.model(p.table(doc, "model"), media)
+    raw_phases = p.array(doc, "phases", MAX_PHASES)
+    phases: list[MixturePhase] = []
+    last = -1
+    for i, raw in enumerate(raw_phases):
+        key = f"phases[{i}]"
+        if not isinstance(raw, dict):
+            p.fail(key, "must be a table")
+        p.keys(raw, key, {"weights", "until_step"})
+        weights = p.table(raw, "weights", prefix=key)
+        try:
+            _check_weights(weights, set(names), f"{where}: {key}.weights")
+        except WorkloadError:
+            raise
+        until = p.integer(raw, "until_step", 1, 2**62, default=None, prefix=key)
+        if i < len(raw_phases) - 1 and until is None:
+            p.fail(f"{key}.until_step", "only the last phase may omit until_step")
+        if until is not None and until <= last:
+            p.fail(f"{key}.until_step", f"must rise from phase to phase ({until} after {last})")
+        last = until if until is not None else last
+        phases.append(MixturePhase({k: float(v) for k, v in weights.items()}, until))
+    return Workload(name, tuple(sources), tuple(phases), max_seq_len, microbatches, model, seed, buffer)
+
+
+def _check_weights(weights: dict, names: set[str], what: str) -> None:
+    unknown = sorted(set(weights) - names)
+    if unknown:
+        raise WorkloadError(f"{what}: unknown source(s) {unknown} (sources: {sorted(names)})")
+    for k, v in weights.items():
+        if isinstance(v, bool) or not isinstance(v, int | float) or not (v >= 0 and math.isfinite(v)):
+            raise WorkloadError(f"{what}.{k}: a weight must be a finite number >= 0, got {v!r}")
+    if not any(v > 0 for v in weights.values()):
+        raise WorkloadError(f"{what}: at least one weight must be > 0")
+
+
+class _Reader:
+    """Typed, bounded reads of a parsed TOML document; every failure names the file and the key."""
+
+    def __init__(self, where: str) -> None:
+        self.where = where
+
+    def fail(self, key: str, msg: str):
+        raise WorkloadError(f"{self.where}: {key}: {msg}")
+
+    @staticmethod
+    def _k(prefix: str, key: str) -> str:
+        return f"{prefix}.{key}" if prefix else key
+
+    def keys(self, doc: dict, prefix: str, allowed: set[str]) -> None:
+        unknown = sorted(set(doc) - allowed)
+        if unknown:
+            self.fail(self._k(prefix, unknown[0]), f"unknown key (expected one of {sorted(allowed)})")
+
+    def get(self, doc: dict, key: str, default: Any, prefix: str) -> Any:
+        if key not in doc:
+            if default is _REQUIRED:
+                self.fail(self._k(prefix, key), "missing")
+            return default
+        return doc[key]
+
+    def string(self, doc, key, *, default=..., prefix="") -> str:
+        v = self.get(doc, key, _REQUIRED if default is ... else default, prefix)
+        if not isinstance(v, str) or not 1 <= len(v) <= 128:
+            self.fail(self._k(prefix, key), f"must be a string of 1..128 characters, got {v!r}")
+        return v
+
+    def integer(self, doc, key, lo, hi, *, default=..., prefix="") -> Any:
+        v = self.get(doc, key, _REQUIRED if default is ... else default, prefix)
+        if v is None and default is None:
+            return None
+        if isinstance(v, bool) or not isinstance(v, int) or not lo <= v <= hi:
+            self.fail(self._k(prefix, key), f"must be a whole number in [{lo}, {hi}], got {v!r}")
+        return v
+
+    def number(self, doc, key, lo, hi, *, default=..., prefix="") -> float:
+        v = self.get(doc, key, _REQUIRED if default is ... else default, prefix)
+        if isinstance(v, bool) or not isinstance(v, int | float) or not lo <= v <= hi:
+            self.fail(self._k(prefix, key), f"must be a number in [{lo}, {hi}], got {v!r}")
+        return float(v)
+
+    def table(self, doc, key, *, prefix="") -> dict:
+        v = self.get(doc, key, _REQUIRED, prefix)
+        if not isinstance(v, dict):
+            self.fail(self._k(prefix, key), f"must be a table, got {type(v).__name__}")
+        return v
+
+    def array(self, doc, key, bound) -> list:
+        v = self.get(doc, key, _REQUIRED, "")
+        if not isinstance(v, list) or not 1 <= len(v) <= bound:
+            self.fail(key, f"must be an array of 1..{bound} tables, got {v!r:.60}")
+        return v
+
+    def source(self, raw: Any, key: str, max_seq_len: int) -> WorkloadSource:
+        if not isinstance(raw, dict):
+            self.fail(key, "must be a table")
+        self.keys(raw, key, {"name", "modality", "length", "text_tokens"})
+        name = self.string(raw, "name", prefix=key)
+        mod = self.get(raw, "modality", _REQUIRED, key)
+        if mod not in {str(m) for m in Modality}:
+            self.fail(f"{key}.modality", f"must be one of {[str(m) for m in Modality]}, got {mod!r}")
+        modality = Modality(mod)
+        text = self.integer(raw, "text_tokens", 0, max_seq_len, default=0, prefix=key)
+        if modality is Modality.TEXT and text:
+            self.fail(
+                f"{key}.text_tokens", "a text source's length is all text; give text_tokens only for media"
+            )
+        length = self.length(self.table(raw, "length", prefix=key), f"{key}.length", modality, max_seq_len)
+        return WorkloadSource(name, modality, length, text)
+
+    def length(self, raw: dict, key: str, modality: Modality, max_seq_len: int) -> LengthDistribution:
+        self.keys(raw, key, {"lognormal", "histogram", "fixed", "min", "max"})
+        kinds = [k for k in ("lognormal", "histogram", "fixed") if k in raw]
+        if len(kinds) != 1:
+            self.fail(key, f"give exactly one of lognormal, histogram or fixed, got {kinds or 'none'}")
+        top = max_seq_len if modality is not Modality.TEXT else MAX_SAMPLE_TOKENS
+        low = self.integer(raw, "min", 1, top, default=1, prefix=key)
+        high = self.integer(raw, "max", low, top, default=max_seq_len, prefix=key)
+        kind = kinds[0]
+        sub = f"{key}.{kind}"
+        args: dict[str, Any] = {}
+        if kind == "fixed":
+            args["median"] = float(self.integer(raw, "fixed", 1, top, prefix=key))
+        else:
+            body = self.table(raw, kind, prefix=key)
+            if kind == "lognormal":
+                self.keys(body, sub, {"median", "sigma"})
+                args["median"] = self.number(body, "median", 1, MAX_SAMPLE_TOKENS, prefix=sub)
+                args["sigma"] = self.number(body, "sigma", 1e-6, MAX_SIGMA, prefix=sub)
+            else:
+                self.keys(body, sub, {"edges", "weights"})
+                edges, weights = body.get("edges"), body.get("weights")
+                for k, v in (("edges", edges), ("weights", weights)):
+                    if not isinstance(v, list) or len(v) > MAX_BINS + 1:
+                        self.fail(f"{sub}.{k}", f"must be an array of at most {MAX_BINS + 1} numbers")
+                if any(isinstance(x, bool) or not isinstance(x, int) for x in edges):
+                    self.fail(f"{sub}.edges", "must be whole numbers of tokens")
+                if any(isinstance(x, bool) or not isinstance(x, int | float) for x in weights):
+                    self.fail(f"{sub}.weights", "must be numbers")
+                if edges and edges[-1] - 1 > top:
+                    self.fail(
+                        f"{sub}.edges", f"a {modality} sample cannot exceed {top} tokens (the pack length)"
+                    )
+                args["edges"], args["weights"] = tuple(edges), tuple(float(w) for w in weights)
+        try:
+            return LengthDistribution(kind, low=low, high=high, **args)
+        except ValueError as exc:
+            self.fail(sub, str(exc))
+
+    def model(self, raw: dict, media: set[str]) -> ModelScale:
+        self.keys(raw, "model", {"llm", "image", "audio", "image_merge"})
+        shapes = {}
+        for part in ("llm", "image", "audio"):
+            if part not in raw:
+                if part == "llm" or part in media:
+                    self.fail(
+                        f"model.{part}", "missing" + ("" if part == "llm" else f" (a source is {part})")
+                    )
+                continue
+            v, key = raw[part], f"model.{part}"
+            if isinstance(v, str):
+                if v not in MODEL_SHAPES:
+                    self.fail(key, f"unknown model {v!r} (presets: {sorted(MODEL_SHAPES)})")
+                shapes[part] = MODEL_SHAPES[v]
+            elif isinstance(v, dict):
+                self.keys(v, key, _SHAPE_KEYS)
+                for k, x in v.items():
+                    number = int if k in ("dim", "n_layers", "n_heads", "n_kv_heads") else int | float
+                    ok = (
+                        isinstance(x, bool)
+                        if k == "gated_mlp"
+                        else (not isinstance(x, bool) and isinstance(x, number) and 0 < x <= 1 << 20)
+                    )
+                    if not ok:
+                        self.fail(f"{key}.{k}", f"bad value {x!r}")
+                try:
+                    shapes[part] = TransformerShape(**v)
+                except (TypeError, ValueError) as exc:
+                    self.fail(key, str(exc))
+            else:
+                self.fail(key, f"must be a preset name or a shape table, got {v!r}")
+        merge = self.integer(raw, "image_merge", 1, 64, default=2, prefix="model")
+        return model_scale(shapes["llm"], {k: s for k, s in shapes.items() if k != "llm"}, image_merge=merge)
+
+
+_REQUIRED = object()
