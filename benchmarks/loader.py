@@ -38,18 +38,16 @@ import torch
 import webdataset as wds
 from PIL import Image
 
-from omni_data import (
-    HybridPacker,
-    ImageTokens,
-    MixtureSchedule,
-    MixtureStream,
-    PackedLoader,
-    PayloadReader,
-    WebDatasetSource,
-    ZeroRedundancyFilter,
-)
+from omni_data import ImageTokens, PayloadReader, WebDatasetSource, ZeroRedundancyFilter
 from omni_data.sample import Modality
-from omni_data.testing import audio_samples, image_samples, train_tiny_bpe, write_shards
+from omni_data.testing import (
+    audio_samples,
+    image_samples,
+    packed_loader,
+    train_tiny_bpe,
+    webdataset_sources,
+    write_shards,
+)
 
 
 def best_interleaved(fns, repeats: int = 5) -> list[tuple[float, float, int]]:
@@ -127,9 +125,8 @@ def main() -> None:
         """Decoded images per pass through the full pipeline with ``workers`` decode threads."""
 
         def run():
-            src = WebDatasetSource(urls, modality="image", name="img", tokenizer=tok)
-            mix = MixtureStream({"img": src}, MixtureSchedule.constant({"img": 1.0}))
-            loader = PackedLoader(HybridPacker(mix, 4096, 64), 4, mixture=mix)
+            src = webdataset_sources({"img": (urls, "image")}, tokenizer=tok)
+            loader = packed_loader(src, {"img": 1.0}, 4096, 64, 4)
             n = 0
             with ZeroRedundancyFilter(
                 loader,

@@ -66,18 +66,12 @@ from omni_pipeline import (
     simulate_disaggregated,
     uniform_on_demand,
 )
+from omni_train.simulate import WORKLOAD_ROWS
 
 ROOT = Path(__file__).resolve().parents[1]
 WORKLOADS = ROOT / "apps/omni-train/src/omni_train/configs/workloads"
 RATE = 989e12 * 0.4
-POLICIES = (
-    "prepend_first_stage",
-    "megatron_dist",
-    "optimus_static",
-    "isolated",
-    "uniform_on_demand",
-    "planned",
-)
+POLICIES = WORKLOAD_ROWS  # the rows of `omni-train simulate --workload`: the paper's baselines and ours
 # the paper's triple-modality FLOPs at 16K packs x 32, image:audio:text 4:4:2 (§2.2), TFLOPs
 PAPER_TFLOPS = {"image": 14.7e3, "audio": 4.54e3, "llm": 29.0e3}
 

@@ -15,6 +15,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 from omni_ckpt import save_ranks
@@ -71,6 +72,43 @@ def test_export_hf_and_resume_refuse_a_crafted_checkpoint_in_one_line(tmp_path, 
     err = capsys.readouterr().err
     refusal = [x for x in err.splitlines() if "error" in x or "Traceback" in x]
     assert len(refusal) == 1 and refusal[0].startswith("omni-train: error: ") and re.search(FAULT, err), err
+
+
+def test_resume_refusing_the_newest_step_names_the_older_ones(tmp_path, capsys, monkeypatch):
+    """The check before any worker starts offers the way out the workers' own restore offers: a good
+    step 1 under the crafted step 2 is named with ``--resume-step``."""
+    run = _crafted_run(tmp_path)
+    weight = torch.arange(N, dtype=torch.float32).reshape(N // 64, 64)
+    save_ranks(
+        [{"model": {"llm.tok_embeddings.weight": weight}, "step": 1}],
+        str(run / "checkpoints" / "step-00000001"),
+    )
+    import omni_train.launch
+
+    def no_workers(*args, **kwargs):
+        raise AssertionError("workers were started on a checkpoint that fails its checks")
+
+    monkeypatch.setattr(omni_train.launch, "launch", no_workers)
+    assert main(["run", "--out", str(run), "--resume"]) == 2
+    line = _one_error_line(capsys.readouterr().err)
+    assert re.search(FAULT, line), line
+    assert line.endswith(
+        "; to resume from an older committed step (1): omni-train run --resume --resume-step N"
+    ), line
+
+
+@pytest.mark.parametrize("raw", [b"{not json", b"\xff\xfe", b'{"model": {}}'])
+def test_export_hf_of_a_run_with_a_damaged_config_json_is_one_line(tmp_path, capsys, raw):
+    """(Was a JSONDecodeError traceback, exit 1.)"""
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "config.json").write_bytes(raw)
+    assert main(["export-hf", str(run), str(tmp_path / "hf")]) == 2
+    line = _one_error_line(capsys.readouterr().err)
+    assert line.startswith(
+        f"omni-train: configuration error: export-hf: {run / 'config.json'} is not a run config ("
+    ), line
+    assert not (tmp_path / "hf").exists()
 
 
 _PEAKS = """

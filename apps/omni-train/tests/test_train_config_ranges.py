@@ -171,12 +171,17 @@ def test_a_value_just_outside_a_fields_range_is_refused_naming_it(base, pattern)
     # an entry of a table (mixture weights) is named by its table: "data.mixture[0].weights: weights ..."
     table = field.rpartition(".")[0]
     said = f"{table}: {table.rpartition('.')[2]}" if pattern.endswith(".KEY") else f"{field}:"
+    # an entry of a list named per entry ("parallel.stage_layers[0]: stage 0 must hold >= 1")
+    bounds = FIELD_BOUNDS[pattern]
+    if bounds.item:
+        said += f" {bounds.item} {field.rpartition('[')[2].rstrip(']')}"
+    must = f"must {bounds.verb} "
     for value in _outside(pattern):
         cfg = _with(base, field, value)
-        with pytest.raises(ConfigError, match=rf"^{re.escape(said)} must be ") as refused:
+        with pytest.raises(ConfigError, match=rf"^{re.escape(said)} {must}") as refused:
             validate(cfg, 2)
         # a run directory's saved config.json is read through the same check
-        with pytest.raises(ConfigError, match=rf"^{re.escape(said)} must be "):
+        with pytest.raises(ConfigError, match=rf"^{re.escape(said)} {must}"):
             config_from_dict(cfg.to_dict())
         assert "\n" not in str(refused.value)
     for value in _inside(pattern):
@@ -202,6 +207,20 @@ def test_the_range_edges_that_matter_to_torch(base):
     ]:
         check_bounds(_with(base, field, value))
     check_bounds(base)
+
+
+def test_a_hang_timeout_not_below_the_collective_timeout_is_refused(tmp_path, config, capsys):
+    """A stopped rank blocks the others in a collective: with ``hang_timeout_s >= collective_timeout_s``
+    gloo's timeout would end the run before the watchdog names the rank, so the pair is refused."""
+    out = tmp_path / "run"
+    pair = ["--train.hang_timeout_s", "5", "--train.collective_timeout_s", "3"]
+    assert main(["run", "--config", str(config), "--out", str(out), "--print-config", *pair]) == 2
+    assert _one_line_error(capsys.readouterr().err).startswith(
+        "train.hang_timeout_s: 5 s must be below train.collective_timeout_s 3 s"
+    )
+    assert not out.exists()
+    ok = ["--train.hang_timeout_s", "0", "--train.collective_timeout_s", "3"]  # 0: no watchdog
+    assert main(["run", "--config", str(config), "--out", str(out), "--print-config", *ok]) == 0
 
 
 # -- malformed TOML -------------------------------------------------------------------------------------

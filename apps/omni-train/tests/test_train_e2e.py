@@ -22,7 +22,7 @@ import time
 from pathlib import Path
 
 import pytest
-from train_fixtures import make_dataset, write_config
+from train_fixtures import make_dataset, spawned_workers, write_config
 
 from omni_parallel.testing import run_world
 from omni_pipeline import PlacementPolicy as Placement
@@ -89,22 +89,6 @@ def _cli(*args: str, **kw) -> subprocess.Popen:
     return subprocess.Popen(exe, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, **kw)
 
 
-def _workers(launcher_pid: int) -> list[int]:
-    """PIDs of the worker processes the launcher spawned (not its resource tracker)."""
-    pids = []
-    # /proc rather than pgrep: slim images lack procps. Field 4 of /proc/PID/stat is the parent PID;
-    # the command name (field 2) may hold spaces, so split after its closing parenthesis.
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            ppid = int(stat.read_text().rsplit(")", 1)[1].split()[1])
-            cmd = (stat.parent / "cmdline").read_bytes()
-        except (OSError, IndexError, ValueError):
-            continue
-        if ppid == launcher_pid and b"spawn_main" in cmd:
-            pids.append(int(stat.parent.name))
-    return sorted(pids)
-
-
 def _wait(p: subprocess.Popen, cond, what: str, timeout_s: float = 300) -> None:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
@@ -143,9 +127,13 @@ def test_cli_run_outputs_restart_and_sigkill_resume_are_exact(tmp_path):
     p = _cli("run", "--config", str(cfg), "--out", str(b), "--max-restarts", "1", start_new_session=True)
     latest = b / "checkpoints" / "latest"
     _wait(p, lambda: latest.exists() and (b / "metrics.jsonl").exists() and len(_losses(b)) >= 3, "step 3")
-    first = _workers(p.pid)
+    first = spawned_workers(p.pid)
     os.kill(first[0], signal.SIGKILL)
-    _wait(p, lambda: set(_workers(p.pid)).isdisjoint(first) and len(_workers(p.pid)) == 2, "the restart")
+    _wait(
+        p,
+        lambda: set(spawned_workers(p.pid)).isdisjoint(first) and len(spawned_workers(p.pid)) == 2,
+        "the restart",
+    )
     restarted_at = int(latest.read_text().removeprefix("step-"))
     _wait(
         p,

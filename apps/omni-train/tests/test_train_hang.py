@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 
 import pytest
-from train_fixtures import make_dataset, write_config
+from train_fixtures import make_dataset, spawned_workers, write_config
 
 pytestmark = pytest.mark.slow
 
@@ -27,21 +27,6 @@ HANG_S = 5
 def _rows(out: Path) -> int:
     path = out / "metrics.jsonl"
     return len([ln for ln in path.read_text().splitlines() if ln.strip()]) if path.exists() else 0
-
-
-def _workers(launcher_pid: int) -> list[int]:
-    """PIDs of the launcher's spawned workers (not its resource tracker), in start order: local rank 0
-    first (the agent starts them in rank order)."""
-    pids = []
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            ppid = int(stat.read_text().rsplit(")", 1)[1].split()[1])
-            cmd = (stat.parent / "cmdline").read_bytes()
-        except (OSError, IndexError, ValueError):
-            continue
-        if ppid == launcher_pid and b"spawn_main" in cmd:
-            pids.append(int(stat.parent.name))
-    return sorted(pids)
 
 
 def test_a_stopped_worker_is_named_and_the_run_ends_in_bounded_time(tmp_path):
@@ -62,7 +47,7 @@ def test_a_stopped_worker_is_named_and_the_run_ends_in_bounded_time(tmp_path):
             assert p.poll() is None, p.communicate()[0]
             assert time.monotonic() < deadline, "the run logged no third step"
             time.sleep(0.02)
-        workers = _workers(p.pid)
+        workers = spawned_workers(p.pid)
         assert len(workers) == 2, workers
         stopped = workers[1]
         os.kill(stopped, signal.SIGSTOP)

@@ -13,75 +13,37 @@ Reference: the damage is placed by hand at known names, so the expected reasons 
 per-step counts must add up to the summary's totals.
 """
 
-import io
 import json
 import math
-import struct
 import tarfile
-import zlib
 from pathlib import Path
 
 import numpy as np
-import soundfile
-from PIL import Image
 from train_fixtures import make_dataset, write_config
 
+from omni_data.testing import (
+    declared_png,
+    float_wav,
+    hostile_media_folder,
+    hostile_waves,
+    solid_png,
+    write_tar,
+)
 from omni_parallel.testing import run_world
 from omni_train.binder import load_config
 from omni_train.cli import main
 
 
-def _png(h: int, w: int) -> bytes:
-    buf = io.BytesIO()
-    Image.fromarray(np.full((h, w, 3), 90, np.uint8)).save(buf, format="PNG")
-    return buf.getvalue()
-
-
-def _declared_png(w: int, h: int) -> bytes:
-    """A PNG of a few dozen bytes whose IHDR declares ``w`` x ``h`` pixels (PNG spec 11.2.2)."""
-
-    def chunk(kind: bytes, data: bytes) -> bytes:
-        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
-
-    ihdr = struct.pack(">IIBBBBB", w, h, 8, 2, 0, 0, 0)
-    return (
-        b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", ihdr) + chunk(b"IDAT", zlib.compress(b"")) + chunk(b"IEND", b"")
-    )
-
-
-def _wav(wave: np.ndarray, rate: int = 22050) -> bytes:
-    buf = io.BytesIO()
-    soundfile.write(buf, wave.astype(np.float32), rate, format="WAV", subtype="FLOAT")  # keeps NaN/Inf
-    return buf.getvalue()
-
-
 def _waves() -> dict[str, np.ndarray]:
     """0.25 s at 22.05 kHz (resampled to the encoder's 16 kHz): the poisons, then good clips."""
-    t = np.arange(5512) / 22050
-    sine = 0.3 * np.sin(2 * np.pi * 300 * t)
-    one_inf = sine.copy()
-    one_inf[100] = -np.inf
-    return {
-        "nan": np.full_like(sine, np.nan),
-        "inf": np.full_like(sine, np.inf),
-        "one_ninf": one_inf,
-        "loud": sine * 1e30,
-        "ok0": sine,
-        "ok1": sine[::-1].copy(),
-    }
+    waves = hostile_waves(inf_at=100)
+    ok = waves.pop("ok")
+    return {**waves, "ok0": ok, "ok1": ok[::-1].copy()}
 
 
 def test_make_shards_names_hostile_media(tmp_path, capsys):
     src = tmp_path / "in"
-    src.mkdir()
-    (src / "ok.png").write_bytes(_png(20, 24))
-    (src / "bomb.png").write_bytes(_declared_png(50_000, 50_000))
-    (src / "empty.png").write_bytes(b"")
-    (src / "zero.png").write_bytes(_declared_png(0, 0))
-    for name, w in _waves().items():
-        (src / f"a_{name}.wav").write_bytes(_wav(w))
-    for p in list(src.iterdir()):
-        p.with_suffix(".txt").write_text(f"a caption of {p.stem}")
+    hostile_media_folder(src, _waves(), caption="a caption of")
     assert main(["make-shards", str(src), str(tmp_path / "shards")]) == 0
     err = capsys.readouterr().err
     want = {
@@ -103,38 +65,30 @@ def test_make_shards_names_hostile_media(tmp_path, capsys):
 def _hostile_shards(d: Path) -> None:
     """``image-900.tar``: traversal names, links and image bombs first, then good images;
     ``audio-900.tar``: an empty WAV and the poisoned clips first, then good ones."""
-    good = _png(30, 40)
-    with tarfile.open(d / "image-900.tar", "w", format=tarfile.PAX_FORMAT) as tf:
-
-        def add(name: str, data: bytes = b"", kind: bytes = tarfile.REGTYPE, target: str = "") -> None:
-            info = tarfile.TarInfo(name)
-            info.type, info.linkname, info.size = kind, target, len(data)
-            tf.addfile(info, io.BytesIO(data) if data else None)
-
-        add("../../x.png", good)
-        add("../../x.txt", b"red cat")
-        add("/abs/x.png", good)
-        add("lnk.png", kind=tarfile.SYMTYPE, target="/etc/passwd")
-        add("hard.png", kind=tarfile.LNKTYPE, target="../../x.png")
-        for key, data in (
-            ("bomb", _declared_png(50_000, 50_000)),
-            ("empty", b""),
-            ("zero", _declared_png(0, 0)),
-        ):
-            add(f"{key}.png", data)
-            add(f"{key}.txt", b"red cat")
-        for i in range(8):
-            add(f"img{i}.png", _png(20 + 4 * i, 40))
-            add(f"img{i}.txt", b"a red square")
-    with tarfile.open(d / "audio-900.tar", "w", format=tarfile.PAX_FORMAT) as tf:
-        clips = {"silent": np.zeros(0), **_waves()}
-        for i in range(4):
-            clips[f"ok{i + 2}"] = _waves()["ok0"]
-        for key, w in clips.items():
-            for name, data in ((f"{key}.wav", _wav(w)), (f"{key}.txt", b"blue dog")):
-                info = tarfile.TarInfo(name)
-                info.size = len(data)
-                tf.addfile(info, io.BytesIO(data))
+    good = solid_png(30, 40)
+    images = [
+        ("../../x.png", good),
+        ("../../x.txt", b"red cat"),
+        ("/abs/x.png", good),
+        ("lnk.png", tarfile.SYMTYPE, "/etc/passwd"),
+        ("hard.png", tarfile.LNKTYPE, "../../x.png"),
+    ]
+    for key, data in (("bomb", declared_png(50_000, 50_000)), ("empty", b""), ("zero", declared_png(0, 0))):
+        images += [(f"{key}.png", data), (f"{key}.txt", b"red cat")]
+    for i in range(8):
+        images += [(f"img{i}.png", solid_png(20 + 4 * i, 40)), (f"img{i}.txt", b"a red square")]
+    write_tar(d / "image-900.tar", images)
+    clips = {"silent": np.zeros(0), **_waves()}
+    for i in range(4):
+        clips[f"ok{i + 2}"] = _waves()["ok0"]
+    write_tar(
+        d / "audio-900.tar",
+        [
+            m
+            for key, w in clips.items()
+            for m in ((f"{key}.wav", float_wav(w, 22050)), (f"{key}.txt", b"blue dog"))
+        ],
+    )
 
 
 def _train(rank, world_size, cfg, out):

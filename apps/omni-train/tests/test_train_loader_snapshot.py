@@ -3,40 +3,13 @@ stragglers until an asynchronous snapshot prepared ahead of time cut them to abo
 wait for the loader's preparation of the next step, however slow, and the run resumes from it exactly (the
 oracle: the uninterrupted stream's next steps and the saved weights)."""
 
-import threading
-
 import torch
 from torch import nn
 
-from omni_data import (
-    HybridPacker,
-    MixtureSchedule,
-    MixtureStream,
-    PackedLoader,
-    PayloadReader,
-    ZeroRedundancyFilter,
-)
-from omni_data.testing import SyntheticSource
+from omni_data import PayloadReader, ZeroRedundancyFilter
+from omni_data.testing import GatedLoader, SyntheticSource, packed_loader
 from omni_train.checkpointing import TrainCheckpoint
 from omni_train.config import CheckpointConfig
-
-
-class GatedLoader(PackedLoader):
-    """A :class:`PackedLoader` whose next step can be held back: a deliberately slow preparation."""
-
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
-        self.gate = threading.Event()
-        self.gate.set()
-        self.entered, self.left = threading.Event(), threading.Event()
-
-    def next(self):
-        self.entered.set()
-        self.gate.wait(timeout=5)  # bounded: a save that waits for it fails the test instead of hanging
-        try:
-            return super().next()
-        finally:
-            self.left.set()
 
 
 def _stream():
@@ -44,8 +17,9 @@ def _stream():
         "img": SyntheticSource("img", "image", (20, 90), seed=1),
         "txt": SyntheticSource("txt", "text", (10, 120), seed=2),
     }
-    mix = MixtureStream(sources, MixtureSchedule.constant({"img": 0.5, "txt": 0.5}))
-    loader = GatedLoader(HybridPacker(mix, 128, 32, max_open_packs=2), 4, mixture=mix)
+    loader = packed_loader(
+        sources, {"img": 0.5, "txt": 0.5}, 128, 32, 4, max_open_packs=2, loader=GatedLoader
+    )
     # the trainer's preparation mode (omni_train.wiring.step_stream); metadata only: nothing consumed
     return ZeroRedundancyFilter(
         loader,
@@ -86,16 +60,7 @@ def test_checkpoint_save_does_not_wait_for_the_loaders_preparation_and_resumes_e
         # step 3 handed out; the preparation of step 4 is held inside the loader while state 4 is saved
         fs = next(stream)
         assert fs.step == 3 and ckpt.due(4)
-        loader = stream.loader
-        loader.gate.clear()
-        loader.entered.clear()
-        loader.left.clear()
-        stream.prepare()
-        assert loader.entered.wait(timeout=10)
-        ckpt.save(4)
-        held = not loader.left.is_set()
-        loader.gate.set()
-        stream.wait_prepared()
+        _, held = stream.loader.while_held(stream, lambda: ckpt.save(4))
         later = [_step(stream, s) for s in (4, 5, 6)]
         ckpt.close()
     assert held, "TrainCheckpoint.save waited for the loader's preparation of the next step"

@@ -205,3 +205,20 @@ steps = {steps}
 {extra}
 """)
     return path
+
+
+def spawned_workers(launcher_pid: int) -> list[int]:
+    """PIDs of the worker processes the launcher spawned (not its resource tracker), in start order: local
+    rank 0 first (the agent starts them in rank order)."""
+    pids = []
+    # /proc rather than pgrep: slim images lack procps. Field 4 of /proc/PID/stat is the parent PID;
+    # the command name (field 2) may hold spaces, so split after its closing parenthesis.
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            ppid = int(stat.read_text().rsplit(")", 1)[1].split()[1])
+            cmd = (stat.parent / "cmdline").read_bytes()
+        except (OSError, IndexError, ValueError):
+            continue
+        if ppid == launcher_pid and b"spawn_main" in cmd:
+            pids.append(int(stat.parent.name))
+    return sorted(pids)

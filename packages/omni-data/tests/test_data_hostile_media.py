@@ -14,81 +14,40 @@
   names each with its reason in its report and ``manifest.json``; the shards hold only the good ones.
 """
 
-import io
 import json
 import os
-import struct
 import tarfile
-import zlib
 from pathlib import Path
 
 import numpy as np
 import pytest
-import soundfile
 import torch
-from PIL import Image
 
 import omni_data.payload as payload_module
 import omni_data.tar_index as tar_index
 from omni_data import (
-    HybridPacker,
-    MixtureSchedule,
-    MixtureStream,
-    PackedLoader,
     PayloadReader,
     WebDatasetSource,
     ZeroRedundancyFilter,
     skip_report,
 )
-from omni_data.testing import train_tiny_bpe, write_tar
+from omni_data.testing import (
+    declared_png,
+    float_wav,
+    hostile_media_folder,
+    hostile_waves,
+    packed_loader,
+    solid_png,
+    train_tiny_bpe,
+    webdataset_sources,
+    write_tar,
+)
 from omni_data.write import write_dataset
 
 
-def _png(h: int, w: int) -> bytes:
-    buf = io.BytesIO()
-    Image.fromarray(np.full((h, w, 3), 90, np.uint8)).save(buf, format="PNG")
-    return buf.getvalue()
-
-
-def declared_png(w: int, h: int) -> bytes:
-    """A PNG of a few dozen bytes whose IHDR declares ``w`` x ``h`` RGB pixels (a decompression bomb when
-    large; PNG spec 11.2.2): its IDAT holds almost nothing."""
-
-    def chunk(kind: bytes, data: bytes) -> bytes:
-        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
-
-    ihdr = struct.pack(">IIBBBBB", w, h, 8, 2, 0, 0, 0)
-    return (
-        b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", ihdr) + chunk(b"IDAT", zlib.compress(b"")) + chunk(b"IEND", b"")
-    )
-
-
-def wav(wave: np.ndarray, rate: int = 16000) -> bytes:
-    """A float32 WAV: it stores NaN and Inf as they are (PCM subtypes would clip them)."""
-    buf = io.BytesIO()
-    soundfile.write(buf, wave.astype(np.float32), rate, format="WAV", subtype="FLOAT")
-    return buf.getvalue()
-
-
-def hostile_waves() -> dict[str, np.ndarray]:
-    """name -> 0.25 s of samples at 22.05 kHz (a rate the loader resamples): a sine, and the poisons."""
-    t = np.arange(5512) / 22050
-    sine = 0.3 * np.sin(2 * np.pi * 300 * t)
-    one_inf = sine.copy()
-    one_inf[1234] = -np.inf
-    return {
-        "nan": np.full_like(sine, np.nan),
-        "inf": np.full_like(sine, np.inf),
-        "one_ninf": one_inf,
-        "loud": sine * 1e30,
-        "ok": sine,
-    }
-
-
 def _filter(urls, tok, modality, *, reader_pixels=None, max_seq_len=128):
-    src = WebDatasetSource(urls, modality=modality, name=modality, tokenizer=tok, sample_rate=16000)
-    mix = MixtureStream({modality: src}, MixtureSchedule.constant({modality: 1.0}))
-    loader = PackedLoader(HybridPacker(mix, max_seq_len=max_seq_len, buffer_size=4), 1, mixture=mix)
+    src = webdataset_sources({modality: (urls, modality)}, tokenizer=tok, sample_rate=16000)
+    loader = packed_loader(src, {modality: 1.0}, max_seq_len, 4, 1)
     reader = (
         PayloadReader(tok) if reader_pixels is None else PayloadReader(tok, max_image_pixels=reader_pixels)
     )
@@ -97,19 +56,6 @@ def _filter(urls, tok, modality, *, reader_pixels=None, max_seq_len=128):
 
 def _drain(zr):
     return [p for fs in zr for e in sorted(fs.payloads) for p in fs.payloads[e]]
-
-
-def _link_tar(path: Path, members: list[tuple[str, bytes]], links: list[tuple[str, bytes, str]]) -> None:
-    """Regular members, then links ``(name, tarfile.SYMTYPE | LNKTYPE, target)``, names stored as given."""
-    with tarfile.open(path, "w", format=tarfile.PAX_FORMAT) as tf:
-        for name, data in members:
-            info = tarfile.TarInfo(name)
-            info.size = len(data)
-            tf.addfile(info, io.BytesIO(data))
-        for name, kind, target in links:
-            info = tarfile.TarInfo(name)
-            info.type, info.linkname = kind, target
-            tf.addfile(info)
 
 
 def _files(root: Path) -> set[str]:
@@ -121,8 +67,8 @@ def test_traversal_names_and_links_are_named_never_loaded_and_nothing_is_written
     work.mkdir(parents=True)
     monkeypatch.chdir(work)
     shard = tmp_path / "a" / "b" / "s.tar"
-    good = _png(20, 24)
-    _link_tar(
+    good = solid_png(20, 24)
+    write_tar(
         shard,
         [
             ("ok0.png", good),
@@ -133,8 +79,9 @@ def test_traversal_names_and_links_are_named_never_loaded_and_nothing_is_written
             ("d/../../y.png", good),
             ("ok1.png", good),
             ("ok1.txt", b"a blue dog"),
+            ("lnk.png", tarfile.SYMTYPE, "/etc/passwd"),
+            ("hard.png", tarfile.LNKTYPE, "ok0.png"),
         ],
-        [("lnk.png", tarfile.SYMTYPE, "/etc/passwd"), ("hard.png", tarfile.LNKTYPE, "ok0.png")],
     )
     before = _files(tmp_path)
     want = {
@@ -192,10 +139,10 @@ def test_traversal_names_and_links_are_named_never_loaded_and_nothing_is_written
 
 def test_image_bombs_and_empty_images_refused_from_the_header(tmp_path):
     garbage_body = declared_png(200, 200)  # IHDR says 200 x 200; its empty IDAT does not decode
-    truncated = _png(64, 64)
+    truncated = solid_png(64, 64)
     truncated = truncated[: len(truncated) // 2]
     members = [
-        ("ok.png", _png(20, 24)),
+        ("ok.png", solid_png(20, 24)),
         ("bomb.png", declared_png(50_000, 50_000)),
         ("empty.png", b""),
         ("zero.png", declared_png(0, 0)),
@@ -240,11 +187,11 @@ def test_non_finite_loud_and_empty_audio_refused_before_resampling(tmp_path, mon
     waves = hostile_waves()
     members = []
     for name, w in waves.items():
-        members += [(f"{name}.wav", wav(w, 22050)), (f"{name}.txt", b"a sound")]
+        members += [(f"{name}.wav", float_wav(w, 22050)), (f"{name}.txt", b"a sound")]
     # no frames at all: found in the metadata pass; a json claiming frames the file lacks: at payload time
-    members += [("silent.wav", wav(np.zeros(0))), ("silent.txt", b"nothing")]
+    members += [("silent.wav", float_wav(np.zeros(0))), ("silent.txt", b"nothing")]
     members += [
-        ("liar.wav", wav(np.zeros(0))),
+        ("liar.wav", float_wav(np.zeros(0))),
         ("liar.json", json.dumps({"num_frames": 4000, "sample_rate": 16000}).encode()),
         ("liar.txt", b"nothing"),
     ]
@@ -290,18 +237,10 @@ def test_non_finite_loud_and_empty_audio_refused_before_resampling(tmp_path, mon
 
 def test_write_dataset_skips_and_names_hostile_media(tmp_path, capsys):
     src = tmp_path / "in"
-    src.mkdir()
-    (src / "ok.png").write_bytes(_png(20, 24))
-    (src / "bomb.png").write_bytes(declared_png(50_000, 50_000))
-    (src / "empty.png").write_bytes(b"")
-    (src / "zero.png").write_bytes(declared_png(0, 0))
-    cut = _png(64, 64)
-    (src / "cut.png").write_bytes(cut[: len(cut) // 2])
-    for name, w in hostile_waves().items():
-        (src / f"a_{name}.wav").write_bytes(wav(w, 22050))  # "ok.png" and "ok.wav" would be one sample
-    (src / "a_silent.wav").write_bytes(wav(np.zeros(0)))
-    for p in list(src.iterdir()):
-        p.with_suffix(".txt").write_text(f"caption of {p.stem}")
+    cut = solid_png(64, 64)
+    hostile_media_folder(
+        src, hostile_waves(), extra={"cut.png": cut[: len(cut) // 2], "a_silent.wav": float_wav(np.zeros(0))}
+    )
     from omni_data.write import main
 
     out = tmp_path / "shards"

@@ -10,18 +10,21 @@ import msgpack
 import pytest
 
 from omni_data import (
-    HybridPacker,
     JoinDocuments,
-    MixtureSchedule,
-    MixtureStream,
-    PackedLoader,
     PayloadReader,
     WebDatasetSource,
     ZeroRedundancyFilter,
     document_part,
     text_members,
 )
-from omni_data.testing import image_samples, text_samples, train_tiny_bpe, write_shards
+from omni_data.testing import (
+    image_samples,
+    packed_loader,
+    text_samples,
+    train_tiny_bpe,
+    webdataset_sources,
+    write_shards,
+)
 
 # Interleaved parts (as the bundled Shakespeare shards store plays), a gap in docC, a key without a part
 # index, and a long docD that max_tokens cuts into runs.
@@ -87,12 +90,12 @@ def test_join_documents_joins_consecutive_parts_and_resumes(data):
 
 
 def _filter(d, tok, **kw):
-    src = {
-        "img": WebDatasetSource(f"{d}/img-000.tar", modality="image", name="img", tokenizer=tok, epochs=None),
-        "txt": WebDatasetSource(f"{d}/txt-000.tar", modality="text", name="txt", tokenizer=tok, epochs=None),
-    }
-    mix = MixtureStream(src, MixtureSchedule.constant({"img": 0.6, "txt": 0.4}))
-    loader = PackedLoader(HybridPacker(mix, 96, buffer_size=12), 2, mixture=mix)
+    src = webdataset_sources(
+        {"img": (f"{d}/img-000.tar", "image"), "txt": (f"{d}/txt-000.tar", "text")},
+        tokenizer=tok,
+        epochs=None,
+    )
+    loader = packed_loader(src, {"img": 0.6, "txt": 0.4}, 96, 12, 2)
     zr = ZeroRedundancyFilter(
         loader, [1, 2], microbatches=2, slices=1, reader=PayloadReader(tok), read_text=True, **kw
     )

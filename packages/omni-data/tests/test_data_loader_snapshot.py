@@ -3,22 +3,20 @@ prepared bytes equal the synchronous path's (``snapshot_async``: ``state_dict()`
 every step, in every preparation mode; a resume from them is exact (the oracle: the uninterrupted run's
 steps); and taking one does not wait for a preparation in flight."""
 
-import threading
-
 import msgpack
 import pytest
 
-from omni_data import (
-    HybridPacker,
-    MixtureSchedule,
-    MixtureStream,
-    PackedLoader,
-    PayloadReader,
-    WebDatasetSource,
-    ZeroRedundancyFilter,
-    snapshot_async,
+from omni_data import MixtureSchedule, PayloadReader, ZeroRedundancyFilter, snapshot_async
+from omni_data.testing import (
+    GatedLoader,
+    audio_samples,
+    image_samples,
+    packed_loader,
+    text_samples,
+    train_tiny_bpe,
+    webdataset_sources,
+    write_shards,
 )
-from omni_data.testing import audio_samples, image_samples, text_samples, train_tiny_bpe, write_shards
 
 STEPS = 14
 # (background, prepare_on_request, prefetch): the foreground filter, and the trainer's background one
@@ -38,39 +36,20 @@ def data(tmp_path_factory):
     return str(d), train_tiny_bpe()
 
 
-class GatedLoader(PackedLoader):
-    """A :class:`PackedLoader` whose next step can be held back: a deliberately slow preparation."""
-
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
-        self.gate = threading.Event()
-        self.gate.set()
-        self.entered, self.left = threading.Event(), threading.Event()
-
-    def next(self):
-        self.entered.set()
-        self.gate.wait(timeout=5)  # bounded: the old path, which waits for this, fails instead of hanging
-        try:
-            return super().next()
-        finally:
-            self.left.set()
-
-
 def _filter(data, background=False, on_request=False, prefetch=1, snapshots=True):
     d, tok = data
     kw = dict(tokenizer=tok, epochs=None, shuffle_shards=True, seed=5)
-    sources = {
-        "img": WebDatasetSource(f"{d}/img-{{000..001}}.tar", modality="image", name="img", **kw),
-        "aud": WebDatasetSource(f"{d}/aud-{{000..001}}.tar", modality="audio", name="aud", **kw),
-        "txt": WebDatasetSource(f"{d}/txt-{{000..001}}.tar", modality="text", name="txt", **kw),
-    }
-    mix = MixtureStream(
-        sources,
-        MixtureSchedule(
-            [(0, {"img": 0.6, "aud": 0.2, "txt": 0.2}), (6, {"img": 0.1, "aud": 0.8, "txt": 0.1})]
-        ),
+    sources = webdataset_sources(
+        {
+            n: (f"{d}/{n}-{{000..001}}.tar", m)
+            for n, m in (("img", "image"), ("aud", "audio"), ("txt", "text"))
+        },
+        **kw,
     )
-    loader = GatedLoader(HybridPacker(mix, 192, 24, max_open_packs=2), 4, mixture=mix)
+    sched = MixtureSchedule(
+        [(0, {"img": 0.6, "aud": 0.2, "txt": 0.2}), (6, {"img": 0.1, "aud": 0.8, "txt": 0.1})]
+    )
+    loader = packed_loader(sources, sched, 192, 24, 4, max_open_packs=2, loader=GatedLoader)
     zr = ZeroRedundancyFilter(
         loader,
         consumes=[1, 2],
@@ -157,16 +136,7 @@ def test_snapshot_does_not_wait_for_a_slow_preparation(data):
     zr = _filter(data, background=True, on_request=True)
     with zr:
         head = [_record(next(zr)) for _ in range(4)]
-        loader = zr.loader
-        loader.gate.clear()
-        loader.entered.clear()
-        loader.left.clear()
-        zr.prepare()
-        assert loader.entered.wait(timeout=10)
-        snap = zr.snapshot()
-        held = not loader.left.is_set()
-        loader.gate.set()
-        zr.wait_prepared()
+        snap, held = zr.loader.while_held(zr, zr.snapshot)
     assert held, "the snapshot waited for the loader's preparation"
     assert snap.step == 4
     with _filter(data) as resumed:

@@ -15,16 +15,15 @@ import threading
 
 import msgpack
 
-from omni_data import (
-    HybridPacker,
-    MixtureSchedule,
-    MixtureStream,
-    PackedLoader,
-    PayloadReader,
-    WebDatasetSource,
-    ZeroRedundancyFilter,
+from omni_data import PayloadReader, WebDatasetSource, ZeroRedundancyFilter
+from omni_data.testing import (
+    audio_samples,
+    image_samples,
+    packed_loader,
+    train_tiny_bpe,
+    webdataset_sources,
+    write_shards,
 )
-from omni_data.testing import audio_samples, image_samples, train_tiny_bpe, write_shards
 
 
 def test_reader_shared_between_threads_reads_exact_bytes(tmp_path):
@@ -65,12 +64,11 @@ def test_reader_shared_between_threads_reads_exact_bytes(tmp_path):
 
 def _filter(d, tok, reader, seed, decode_workers=2):
     kw = dict(tokenizer=tok, epochs=None, shuffle_shards=True, seed=seed)
-    sources = {
-        "img": WebDatasetSource(f"{d}/s-{{000..001}}.tar", modality="image", name="img", **kw),
-        "aud": WebDatasetSource(f"{d}/a-000.tar", modality="audio", name="aud", **kw),
-    }
-    mix = MixtureStream(sources, MixtureSchedule.constant({"img": 0.6, "aud": 0.4}))
-    loader = PackedLoader(HybridPacker(mix, 256, 16, max_open_packs=2), 4, mixture=mix)
+    sources = webdataset_sources(
+        {"img": (f"{d}/s-{{000..001}}.tar", "image"), "aud": (f"{d}/a-000.tar", "audio")},
+        **kw,
+    )
+    loader = packed_loader(sources, {"img": 0.6, "aud": 0.4}, 256, 16, 4, max_open_packs=2)
     return ZeroRedundancyFilter(
         loader,
         [1, 2],

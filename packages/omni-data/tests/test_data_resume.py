@@ -5,17 +5,16 @@ the uninterrupted run's, at several save points and after a previous resume."""
 import msgpack
 import pytest
 
-from omni_data import (
-    HybridPacker,
-    MixtureSchedule,
-    MixtureStream,
-    PackedLoader,
-    PayloadReader,
-    WebDatasetSource,
-    ZeroRedundancyFilter,
-    snapshot_async,
+from omni_data import MixtureSchedule, PayloadReader, ZeroRedundancyFilter, snapshot_async
+from omni_data.testing import (
+    audio_samples,
+    damaged_image_shards,
+    packed_loader,
+    text_samples,
+    train_tiny_bpe,
+    webdataset_sources,
+    write_shards,
 )
-from omni_data.testing import audio_samples, image_samples, text_samples, train_tiny_bpe, write_shards
 
 STEPS = 95
 PHASE_STEP = 20
@@ -24,12 +23,7 @@ PHASE_STEP = 20
 @pytest.fixture(scope="module")
 def data(tmp_path_factory):
     d = tmp_path_factory.mktemp("resume")
-    imgs = list(image_samples(90, sizes=(16, 40)))
-    imgs[7]["png"] = b"not an image at all"
-    urls = write_shards(f"{d}/img-%03d.tar", imgs, per_shard=30)
-    with open(urls[2], "r+b") as f:  # cut the last shard in the middle of a member
-        f.truncate(f.seek(0, 2) // 2 + 100)
-    open(f"{d}/img-003.tar", "wb").close()  # an empty shard
+    damaged_image_shards(f"{d}/img-%03d.tar", 90, per_shard=30, bad=7)  # img-002 cut, img-003 empty
     write_shards(f"{d}/aud-%03d.tar", audio_samples(60, seconds=(0.05, 0.3), with_json=True), per_shard=20)
     write_shards(f"{d}/txt-%03d.tar", text_samples(60, words=(5, 120)), per_shard=20)
     return d, train_tiny_bpe()
@@ -38,18 +32,18 @@ def data(tmp_path_factory):
 def _pipeline(data):
     d, tok = data
     kw = dict(tokenizer=tok, epochs=None, shuffle_shards=True, seed=3)
-    sources = {
-        "img": WebDatasetSource(f"{d}/img-{{000..003}}.tar", modality="image", name="img", **kw),
-        "aud": WebDatasetSource(f"{d}/aud-{{000..002}}.tar", modality="audio", name="aud", **kw),
-        "txt": WebDatasetSource(f"{d}/txt-{{000..002}}.tar", modality="text", name="txt", **kw),
-    }
+    sources = webdataset_sources(
+        {
+            "img": (f"{d}/img-{{000..003}}.tar", "image"),
+            "aud": (f"{d}/aud-{{000..002}}.tar", "audio"),
+            "txt": (f"{d}/txt-{{000..002}}.tar", "text"),
+        },
+        **kw,
+    )
     sched = MixtureSchedule(
         [(0, {"img": 0.6, "aud": 0.3, "txt": 0.1}), (PHASE_STEP, {"img": 0.2, "aud": 0.5, "txt": 0.3})]
     )
-    mix = MixtureStream(sources, sched)
-    loader = PackedLoader(
-        HybridPacker(mix, max_seq_len=256, buffer_size=48, max_open_packs=4), 4, mixture=mix
-    )
+    loader = packed_loader(sources, sched, 256, 48, 4, max_open_packs=4)
     return ZeroRedundancyFilter(
         loader, consumes=[2, 3], microbatches=2, slices=2, reader=PayloadReader(tok), prefetch=2
     )

@@ -3,38 +3,37 @@ a read (transient: retried; persistent: the rest of the shard skipped), a trunca
 body and over-long media are each skipped, counted with their key in ``skip_report`` (what the trainer
 puts into metrics), and the run goes on; resume stays exact through all of them."""
 
-import io
 import tarfile
 
 import msgpack
 import numpy as np
 import pytest
-from PIL import Image
 from torchdata.nodes import IterableWrapper
 
 from omni_data import (
     HybridPacker,
-    MixtureSchedule,
-    MixtureStream,
     PackedLoader,
     PayloadReader,
     WebDatasetSource,
     ZeroRedundancyFilter,
     skip_report,
 )
-from omni_data.testing import flaky_url, image_samples, train_tiny_bpe, write_shards, write_tar
+from omni_data.testing import (
+    flaky_url,
+    image_samples,
+    packed_loader,
+    solid_png,
+    train_tiny_bpe,
+    webdataset_sources,
+    write_shards,
+    write_tar,
+)
 
 CUT = "shard cut off (the samples after the cut are lost)"
 
 
-def _png(h, w, mode="RGB"):
-    buf = io.BytesIO()
-    Image.fromarray(np.full((h, w, 3), 90, np.uint8)).convert(mode).save(buf, format="PNG")
-    return buf.getvalue()
-
-
 def _members(key, caption="a red cat", size=(20, 24)):
-    return [(f"{key}.png", _png(*size)), (f"{key}.txt", caption.encode())]
+    return [(f"{key}.png", solid_png(*size)), (f"{key}.txt", caption.encode())]
 
 
 @pytest.fixture(scope="module")
@@ -51,9 +50,9 @@ def shards(tmp_path_factory):
         if s == 1:
             members[2:4] = _members("k1\udcff1")  # sample 1: raw byte 0xff in its name
         if s == 4:
-            members[2] = ("k41.png", _png(20, 24)[:60] + bytes(200))  # header parses, body does not
+            members[2] = ("k41.png", solid_png(20, 24)[:60] + bytes(200))  # header parses, body does not
         if s == 5:
-            members[4] = ("k52.png", _png(600, 600))  # 21x21 merged patches = 441 tokens > 256
+            members[4] = ("k52.png", solid_png(600, 600))  # 21x21 merged patches = 441 tokens > 256
         write_tar(f"{d}/s{s}.tar", members, fmt=tarfile.GNU_FORMAT if s == 1 else tarfile.PAX_FORMAT)
     with tarfile.open(f"{d}/s0.tar") as tf:
         pax_at = next(m.offset for m in tf.getmembers() if m.name.startswith(long_key))
@@ -72,9 +71,8 @@ def shards(tmp_path_factory):
 
 
 def _pipeline(urls, tok):
-    src = WebDatasetSource(urls, modality="image", name="img", tokenizer=tok, backoff_s=0.0)  # one epoch
-    mix = MixtureStream({"img": src}, MixtureSchedule.constant({"img": 1.0}))
-    loader = PackedLoader(HybridPacker(mix, max_seq_len=24, buffer_size=4, max_open_packs=1), 1, mixture=mix)
+    src = webdataset_sources({"img": (urls, "image")}, tokenizer=tok, backoff_s=0.0)  # one epoch
+    loader = packed_loader(src, {"img": 1.0}, 24, 4, 1, max_open_packs=1)
     return ZeroRedundancyFilter(loader, [1], microbatches=1, slices=1, reader=PayloadReader(tok), prefetch=1)
 
 

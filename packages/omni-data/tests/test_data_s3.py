@@ -18,18 +18,16 @@ import msgpack
 import pytest
 import torch
 
-from omni_data import (
-    HybridPacker,
-    MixtureSchedule,
-    MixtureStream,
-    PackedLoader,
-    PayloadReader,
-    WebDatasetSource,
-    ZeroRedundancyFilter,
-    skip_report,
-    snapshot_async,
+from omni_data import PayloadReader, ZeroRedundancyFilter, skip_report, snapshot_async
+from omni_data.testing import (
+    audio_samples,
+    damaged_image_shards,
+    packed_loader,
+    text_samples,
+    train_tiny_bpe,
+    webdataset_sources,
+    write_shards,
 )
-from omni_data.testing import audio_samples, image_samples, text_samples, train_tiny_bpe, write_shards
 
 STEPS = 8
 
@@ -37,12 +35,7 @@ STEPS = 8
 @pytest.fixture(scope="module")
 def local_shards(tmp_path_factory):
     d = tmp_path_factory.mktemp("s3shards")
-    imgs = list(image_samples(40, sizes=(16, 40)))
-    imgs[5]["png"] = b"not an image at all"
-    urls = write_shards(f"{d}/img-%03d.tar", imgs, per_shard=20)
-    with open(urls[1], "r+b") as f:  # cut the second shard in the middle of a member
-        f.truncate(f.seek(0, 2) // 2 + 100)
-    open(f"{d}/img-002.tar", "wb").close()  # an empty shard
+    damaged_image_shards(f"{d}/img-%03d.tar", 40, per_shard=20, bad=5)  # img-001 cut, img-002 empty
     write_shards(f"{d}/aud-%03d.tar", audio_samples(30, seconds=(0.05, 0.3), with_json=True), per_shard=15)
     (txt,) = write_shards(f"{d}/plain-%03d.tar", text_samples(30, words=(5, 80)), per_shard=30)
     with open(txt, "rb") as src, gzip.open(f"{d}/txt-000.tar.gz", "wb") as dst:
@@ -52,15 +45,15 @@ def local_shards(tmp_path_factory):
 
 def _pipeline(root, tok):
     kw = dict(tokenizer=tok, epochs=None, shuffle_shards=True, seed=5)
-    sources = {
-        "img": WebDatasetSource(f"{root}/img-{{000..002}}.tar", modality="image", name="img", **kw),
-        "aud": WebDatasetSource(f"{root}/aud-{{000..001}}.tar", modality="audio", name="aud", **kw),
-        "txt": WebDatasetSource(f"{root}/txt-000.tar.gz", modality="text", name="txt", **kw),
-    }
-    mix = MixtureStream(sources, MixtureSchedule([(0, {"img": 0.5, "aud": 0.3, "txt": 0.2})]))
-    loader = PackedLoader(
-        HybridPacker(mix, max_seq_len=192, buffer_size=24, max_open_packs=4), 4, mixture=mix
+    sources = webdataset_sources(
+        {
+            "img": (f"{root}/img-{{000..002}}.tar", "image"),
+            "aud": (f"{root}/aud-{{000..001}}.tar", "audio"),
+            "txt": (f"{root}/txt-000.tar.gz", "text"),
+        },
+        **kw,
     )
+    loader = packed_loader(sources, {"img": 0.5, "aud": 0.3, "txt": 0.2}, 192, 24, 4, max_open_packs=4)
     return ZeroRedundancyFilter(
         loader,
         consumes=[1, 2, 3, 4],

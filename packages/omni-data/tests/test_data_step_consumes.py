@@ -14,16 +14,16 @@ import time
 import msgpack
 import pytest
 
-from omni_data import (
-    HybridPacker,
-    MixtureSchedule,
-    MixtureStream,
-    PackedLoader,
-    PayloadReader,
-    WebDatasetSource,
-    ZeroRedundancyFilter,
+from omni_data import PayloadReader, ZeroRedundancyFilter
+from omni_data.testing import (
+    audio_samples,
+    image_samples,
+    packed_loader,
+    text_samples,
+    train_tiny_bpe,
+    webdataset_sources,
+    write_shards,
 )
-from omni_data.testing import audio_samples, image_samples, text_samples, train_tiny_bpe, write_shards
 
 MICRO, SLICES, STEPS = 3, 2, 6
 
@@ -39,14 +39,14 @@ def shards(tmp_path_factory):
 
 def _loader(d, tok):
     kw = dict(tokenizer=tok, epochs=None)
-    sources = {
-        n: WebDatasetSource(f"{d}/{n}-{{000..001}}.tar", modality=m, name=n, **kw)
-        for n, m in (("img", "image"), ("aud", "audio"), ("txt", "text"))
-    }
-    mix = MixtureStream(sources, MixtureSchedule.constant({"img": 0.4, "aud": 0.4, "txt": 0.2}))
-    return PackedLoader(
-        HybridPacker(mix, max_seq_len=160, buffer_size=12, max_open_packs=2), MICRO, mixture=mix
+    sources = webdataset_sources(
+        {
+            n: (f"{d}/{n}-{{000..001}}.tar", m)
+            for n, m in (("img", "image"), ("aud", "audio"), ("txt", "text"))
+        },
+        **kw,
     )
+    return packed_loader(sources, {"img": 0.4, "aud": 0.4, "txt": 0.2}, 160, 12, MICRO, max_open_packs=2)
 
 
 def _rule(rank):

@@ -36,11 +36,11 @@ from omni_ckpt import (
     load_optimizer_state_dict,
     optimizer_state_dict,
 )
-from omni_data import LayoutMismatchError, ZeroRedundancyFilter
+from omni_data import LayoutMismatchError, ZeroRedundancyFilter, snapshot_async
 from omni_parallel import ParallelState
 from omni_train.config import CheckpointConfig
 
-__all__ = ["LAYOUT_AXES", "TrainCheckpoint"]
+__all__ = ["LAYOUT_AXES", "TrainCheckpoint", "with_older_steps"]
 
 LAYOUT_AXES = ("dp", "pp", "tp", "cp", "ulysses")
 """The parallel sizes a checkpoint records (``layout.<axis>``); all but ``dp`` must match on resume."""
@@ -51,6 +51,15 @@ _MIN_ROW = 4096
 
 def _describe(layout: dict[str, int]) -> str:
     return " ".join(f"{a}={layout[a]}" for a in LAYOUT_AXES)
+
+
+def with_older_steps(exc: CheckpointError, older: list[int]) -> CheckpointError:
+    """``exc`` (the newest step is damaged) with what the user can do about it on the same line: resume
+    from one of the ``older`` committed steps."""
+    return CheckpointError(
+        f"{exc}; to resume from an older committed step ({', '.join(map(str, older))}): "
+        "omni-train run --resume --resume-step N"
+    )
 
 
 class TrainCheckpoint:
@@ -88,7 +97,8 @@ class TrainCheckpoint:
         self.fixed = dict(fixed or {})
         # the loader prepares the state of each step this saves while it prepares that step (on its own
         # thread), so save() takes bytes made ahead instead of walking its buffers (paper §7.4)
-        stream.snapshots = self.due
+        if hasattr(stream, "snapshots"):
+            stream.snapshots = self.due
         self.manager = CheckpointManager(
             str(directory),
             keep_last=cfg.keep_last,
@@ -111,7 +121,10 @@ class TrainCheckpoint:
         return next_step == self.total_steps or (self.cfg.every > 0 and next_step % self.cfg.every == 0)
 
     def save(self, next_step: int) -> None:
-        blob = self.stream.snapshot().blob
+        # the loader's own snapshot, prepared ahead; any other torchdata node (a test's merged replicas)
+        # is snapshotted now, as before
+        snapshot = getattr(self.stream, "snapshot", None)
+        blob = snapshot().blob if snapshot is not None else snapshot_async(self.stream).result()
         width = torch.tensor([8 + len(blob)], dtype=torch.int64)
         if dist.is_initialized():
             dist.all_reduce(width, op=dist.ReduceOp.MAX)
@@ -159,11 +172,7 @@ class TrainCheckpoint:
             older = [s for s in self.manager.steps() if latest is not None and s < latest]
             if not older:
                 raise
-            # what the user can do about a damaged newest step, on the error's last line
-            raise CheckpointError(
-                f"{exc}; to resume from an older committed step ({', '.join(map(str, older))}): "
-                "omni-train run --resume --resume-step N"
-            ) from exc
+            raise with_older_steps(exc, older) from exc
 
     def _restore(self, latest: int | None) -> int:
         if latest is None or latest == 0:

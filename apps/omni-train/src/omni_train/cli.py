@@ -392,13 +392,20 @@ def _run(args: argparse.Namespace) -> int:
             return 0
         if steps:
             from omni_ckpt import CheckpointManager, read_manifest
+            from omni_train.checkpointing import with_older_steps
 
             # the step to resume proves itself (dtypes, shapes, boxes, file sizes) before any worker
             # starts: a refused checkpoint is then one line and exit 2, not a worker's traceback
             mgr = CheckpointManager(
                 cfg.checkpoint.url or str(out / "checkpoints"), keep_last=None, async_save=False
             )
-            read_manifest(mgr.step_url(steps[-1]))
+            try:
+                read_manifest(mgr.step_url(steps[-1]))
+            except CheckpointError as exc:
+                if len(steps) < 2:
+                    raise
+                # the same way out as the workers' own restore (TrainCheckpoint.restore) offers
+                raise with_older_steps(exc, steps[:-1]) from exc
     # the run directory's lock, taken before any worker starts (omni_train.run_lock: who holds it under
     # torchrun) and given back however the run ends
     with acquire_run_lock(out, job=torchrun_job() if under_torchrun() else None):
@@ -545,19 +552,13 @@ def _export_hf(args: argparse.Namespace) -> int:
 
 
 def _make_shards(args: argparse.Namespace) -> int:
-    from omni_data.write import write_dataset
+    from omni_data.write import write_dataset_args
     from omni_train.make_shards import data_toml, write_run_config
 
     if args.input is None and args.manifest is None:
         raise ConfigError("make-shards: give an input folder or --manifest FILE")
     try:
-        report = write_dataset(
-            args.input or ".",
-            args.out,
-            manifest=args.manifest,
-            per_shard=args.per_shard,
-            max_image_pixels=args.max_image_pixels,
-        )
+        report = write_dataset_args(args)
     except ValueError as exc:
         raise ConfigError(f"make-shards: {exc}") from None
     for modality, urls in report.shards.items():

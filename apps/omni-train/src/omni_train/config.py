@@ -321,8 +321,9 @@ class TrainSection:
         hang_timeout_s: seconds without a heartbeat from a rank (its process stopped), or without
             progress on any rank, before the others name it (rank, host, step, last pipeline action) and
             end the run or, under ``--max-restarts``, restart it from the last checkpoint
-            (``omni_parallel.watchdog``); keep it below ``collective_timeout_s`` and above the longest
-            single pipeline action (a first step's compile); 0: no watchdog; 0 <= value <= 86400.
+            (``omni_parallel.watchdog``); below ``collective_timeout_s`` (refused otherwise); keep it
+            above the longest single pipeline action (a first step's compile); 0: no watchdog;
+            0 <= value <= 86400.
         preempt_grace_s: on SIGTERM / SIGINT, seconds the launcher lets the workers finish their step
             and commit a checkpoint before it kills them (``omni_parallel.preemption``); keep it below
             the scheduler's own kill delay; 0 < value <= 86400.
@@ -390,18 +391,21 @@ def _to_plain(obj: Any) -> Any:
 class Bounds:
     """The allowed values of one numeric config field: finite, ``lo <= value <= hi`` (``lo < value`` with
     ``lo_open``, ``value < hi`` with ``hi_open``). ``unit`` (e.g. ``"a number of MiB"``) is said in the
-    message."""
+    message. For the entries of a list field, ``item`` names one entry in the message (``"stage"``: "stage 1
+    must hold >= 1") with ``verb`` ("hold" instead of "be")."""
 
     lo: float
     hi: float
     lo_open: bool = False
     hi_open: bool = False
     unit: str = ""
+    item: str = ""
+    verb: str = "be"
 
     def check(self, value: float, where: str, *, subject: str = "", shown: Any = None) -> None:
         """Raise :class:`ConfigError` (``"<where>: [<subject> ]must be ..., got <shown or value>"``)
         unless ``value`` is allowed."""
-        said = f"{where}: {subject} must be" if subject else f"{where}: must be"
+        said = f"{where}: {subject} must {self.verb}" if subject else f"{where}: must {self.verb}"
         got = value if shown is None else shown
         if isinstance(value, float) and not math.isfinite(value):
             raise ConfigError(f"{said} finite, got {got}")
@@ -486,7 +490,7 @@ FIELD_BOUNDS: dict[str, Bounds] = {
     "parallel.virtual_stages": _LAYERS,
     "parallel.encoder_sp": _COUNT,
     "parallel.long_threshold": Bounds(1, 2**31),  # tokens
-    "parallel.stage_layers[i]": _LAYERS,
+    "parallel.stage_layers[i]": dataclasses.replace(_LAYERS, item="stage", verb="hold"),
     "parallel.planner_evaluations": Bounds(1, 10**7),
     "parallel.planner_memory_cap_mib": Bounds(0, 2**40, lo_open=True, unit="a number of MiB"),
     "optim.lr": _LR,
@@ -532,8 +536,17 @@ def _check_value(value: Any, where: str, pattern: str) -> None:
                 name = f"{where}.{f.name}".lstrip(".")
                 _check_value(getattr(value, f.name), name, f"{pattern}.{f.name}".lstrip("."))
     elif isinstance(value, list):
+        entry = FIELD_BOUNDS.get(f"{pattern}[i]")
         for i, item in enumerate(value):
-            _check_value(item, f"{where}[{i}]", f"{pattern}[i]")
+            if (
+                entry is not None
+                and entry.item
+                and isinstance(item, int | float)
+                and not isinstance(item, bool)
+            ):
+                _check_number(item, f"{where}[{i}]", f"{pattern}[i]", subject=f"{entry.item} {i}")
+            else:
+                _check_value(item, f"{where}[{i}]", f"{pattern}[i]")
     elif isinstance(value, dict):
         for key, item in value.items():
             if isinstance(item, int | float) and not isinstance(item, bool):

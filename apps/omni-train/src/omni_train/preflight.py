@@ -57,6 +57,15 @@ def validate(cfg: RunConfig, nproc: int) -> None:
         (:func:`omni_train.pipeline.stage_split`, :func:`omni_train.pipeline.fitted_cost_model`).
     """
     check_bounds(cfg)
+    train = cfg.train
+    # A stopped rank blocks the others in a collective; if that collective's timeout fires first, gloo's
+    # timeout error ends the run and the watchdog never names the rank that hung.
+    if 0 < train.collective_timeout_s <= train.hang_timeout_s:
+        raise ConfigError(
+            f"train.hang_timeout_s: {train.hang_timeout_s:g} s must be below train.collective_timeout_s "
+            f"{train.collective_timeout_s:g} s (or 0: no hang watchdog), or a collective times out before "
+            "the watchdog names the hung rank"
+        )
     par, llm = cfg.parallel, cfg.model.llm
     for name in ("pp", "dp", "tp", "cp", "ulysses"):
         if getattr(par, name) < 1:

@@ -47,6 +47,7 @@ from omni_pipeline import (
     DataFlow,
     PlacementPolicy,
     Schedule1F1B,
+    SimulationResult,
     Workload,
     WorkloadError,
     calibrated_step_costs,
@@ -73,6 +74,43 @@ def _measured_step_times(run_dir: Path, steps: list[int]) -> dict[int, float]:
         return {}
     rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
     return {int(r["step"]): float(r["step_time_s"]) for r in rows if r.get("step") in steps}
+
+
+def _check_shape(gpus: int, pp: int, microbatches: int, steps: int, first_step: int) -> None:
+    """Raises: ConfigError: ``gpus`` not a positive multiple of ``pp``, fewer ``microbatches`` than ``pp``
+    stages, ``steps < 1`` or ``first_step < 0`` (one line naming the option)."""
+    if pp < 1 or gpus < pp or gpus % pp:
+        raise ConfigError(f"--gpus: {gpus} is not a positive multiple of --pp {pp}")
+    if microbatches < pp:
+        raise ConfigError(f"--microbatches: {microbatches} cannot fill {pp} stages")
+    if steps < 1 or first_step < 0:
+        raise ConfigError(f"--steps: need steps >= 1 and first step >= 0, got {steps} from {first_step}")
+
+
+def _accumulate(acc: dict[str, dict[str, float]], name: str, res: SimulationResult, steps: int) -> None:
+    """Add one step's simulation ``res`` of placement ``name`` to its running means over ``steps`` steps
+    in ``acc`` (step and makespan seconds, bubble fraction), its token total and its stage-0 peak."""
+    r = acc.setdefault(name, dict.fromkeys(("step_time_s", "makespan_s", "tokens", "bubble", "peak0"), 0.0))
+    r["step_time_s"] += res.step_time_s / steps
+    r["makespan_s"] += res.makespan_s / steps
+    r["tokens"] += res.throughput_tokens_per_s * res.step_time_s
+    r["bubble"] += res.mean_bubble_fraction / steps
+    r["peak0"] = max(r["peak0"], res.peak_activation_bytes[0])
+
+
+def _mean_results(acc: dict[str, dict[str, float]], steps: int) -> dict[str, dict[str, float]]:
+    """The rows of ``acc`` (:func:`_accumulate`) as reported: the throughput is total tokens over total
+    (simulated) time of the steps, not a mean of per-step rates."""
+    return {
+        name: {
+            "step_time_s": r["step_time_s"],
+            "makespan_s": r["makespan_s"],
+            "throughput_tokens_per_s": r["tokens"] / (r["step_time_s"] * steps),
+            "mean_bubble_fraction": r["bubble"],
+            "stage0_peak_activation_bytes": r["peak0"],
+        }
+        for name, r in acc.items()
+    }
 
 
 def simulate_config(
@@ -140,12 +178,7 @@ def simulate_config(
         gpus = 1024 if gpus is None else gpus
         pp = 8 if pp is None else pp
         microbatches = 64 if microbatches is None else microbatches
-    if pp < 1 or gpus < pp or gpus % pp:
-        raise ConfigError(f"--gpus: {gpus} is not a positive multiple of --pp {pp}")
-    if microbatches < pp:
-        raise ConfigError(f"--microbatches: {microbatches} cannot fill {pp} stages")
-    if steps < 1 or first_step < 0:
-        raise ConfigError(f"--steps: need steps >= 1 and first step >= 0, got {steps} from {first_step}")
+    _check_shape(gpus, pp, microbatches, steps, first_step)
     data = dataclasses.replace(cfg.data, microbatches=microbatches)
     # a calibrated step is the run's own: its reordering; modelled steps balance (reorder on)
     par = dataclasses.replace(cfg.parallel, pp=pp, dp=1, reorder=cfg.parallel.reorder if fitted else True)
@@ -192,26 +225,9 @@ def simulate_config(
                         out_dir / f"timeline-{name}.png",
                         title=f"{cfg.name}: {name}, {gpus} GPUs, pp={pp}, step {fs.step}",
                     )
-                r = acc.setdefault(
-                    name, dict.fromkeys(("step_time_s", "makespan_s", "tokens", "bubble", "peak0"), 0.0)
-                )
-                r["step_time_s"] += res.step_time_s / steps
-                r["makespan_s"] += res.makespan_s / steps
-                r["tokens"] += res.throughput_tokens_per_s * res.step_time_s
-                r["bubble"] += res.mean_bubble_fraction / steps
-                r["peak0"] = max(r["peak0"], res.peak_activation_bytes[0])
+                _accumulate(acc, name, res, steps)
             llm_only_bubble += simulate(schedule, None, costs).mean_bubble_fraction / steps
-    results = {
-        name: {
-            "step_time_s": r["step_time_s"],
-            "makespan_s": r["makespan_s"],
-            # total tokens over total (simulated) time of the steps, not a mean of per-step rates
-            "throughput_tokens_per_s": r["tokens"] / (r["step_time_s"] * steps),
-            "mean_bubble_fraction": r["bubble"],
-            "stage0_peak_activation_bytes": r["peak0"],
-        }
-        for name, r in acc.items()
-    }
+    results = _mean_results(acc, steps)
     measured = _measured_step_times(Path(calibration), simulated) if fitted is not None else {}
     if "as run" in results and len(measured) == len(simulated):
         results["as run"]["measured_step_time_s"] = sum(measured.values()) / len(measured)
@@ -319,12 +335,7 @@ def simulate_workload(
     """
     t0 = time.perf_counter()
     microbatches = workload.microbatches if microbatches is None else microbatches
-    if pp < 1 or gpus < pp or gpus % pp:
-        raise ConfigError(f"--gpus: {gpus} is not a positive multiple of --pp {pp}")
-    if microbatches < pp:
-        raise ConfigError(f"--microbatches: {microbatches} cannot fill {pp} stages")
-    if steps < 1 or first_step < 0:
-        raise ConfigError(f"--steps: need steps >= 1 and first step >= 0, got {steps} from {first_step}")
+    _check_shape(gpus, pp, microbatches, steps, first_step)
     if encoder_ranks is not None and encoder_ranks < 1:
         raise ConfigError(f"--encoder-ranks: must be >= 1, got {encoder_ranks}")
     dp = gpus // pp
@@ -352,26 +363,9 @@ def simulate_workload(
         if n == 0:
             first = results
         for name in WORKLOAD_ROWS:
-            res = results[name]
-            r = acc.setdefault(
-                name, dict.fromkeys(("step_time_s", "makespan_s", "tokens", "bubble", "peak0"), 0.0)
-            )
-            r["step_time_s"] += res.step_time_s / steps
-            r["makespan_s"] += res.makespan_s / steps
-            r["tokens"] += res.throughput_tokens_per_s * res.step_time_s
-            r["bubble"] += res.mean_bubble_fraction / steps
-            r["peak0"] = max(r["peak0"], res.peak_activation_bytes[0])
+            _accumulate(acc, name, results[name], steps)
         llm_only_bubble += simulate(schedule, None, costs).mean_bubble_fraction / steps
-    results_out = {
-        name: {
-            "step_time_s": r["step_time_s"],
-            "makespan_s": r["makespan_s"],
-            "throughput_tokens_per_s": r["tokens"] / (r["step_time_s"] * steps),
-            "mean_bubble_fraction": r["bubble"],
-            "stage0_peak_activation_bytes": r["peak0"],
-        }
-        for name, r in acc.items()
-    }
+    results_out = _mean_results(acc, steps)
     wall = time.perf_counter() - t0
     for name, res in first.items() if plots else ():
         res.plot(

@@ -16,9 +16,12 @@ import json
 import math
 import os
 import random
+import struct
 import tarfile
 import threading
-from collections.abc import Iterable, Iterator, Sequence
+import zlib
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
 import fsspec
@@ -28,21 +31,34 @@ from fsspec.implementations.local import LocalFileSystem
 from PIL import Image
 from tokenizers import Tokenizer, models, pre_tokenizers, trainers
 
+from omni_data.loader import PackedLoader
+from omni_data.mixture import MixtureSchedule, MixtureStream
 from omni_data.node import StatefulNode
+from omni_data.packing import HybridPacker
 from omni_data.sample import Modality, SampleMeta
+from omni_data.source import WebDatasetSource
 from omni_data.write import write_shards
 from omni_data.zero_redundancy import FilteredStep
 
 __all__ = [
     "FlakyFileSystem",
+    "GatedLoader",
     "SyntheticSource",
     "audio_samples",
+    "damaged_image_shards",
+    "declared_png",
     "flaky_url",
+    "float_wav",
+    "hostile_media_folder",
+    "hostile_waves",
     "image_samples",
     "merge_replica_steps",
+    "packed_loader",
+    "solid_png",
     "text_samples",
     "train_tiny_bpe",
     "trained_sources",
+    "webdataset_sources",
     "write_shards",
     "write_tar",
 ]
@@ -160,15 +176,172 @@ def train_tiny_bpe(texts: Iterable[str] | None = None, *, vocab_size: int = 300)
 
 
 def write_tar(
-    path: str | os.PathLike[str], members: Iterable[tuple[str, bytes]], *, fmt: int = tarfile.PAX_FORMAT
+    path: str | os.PathLike[str],
+    members: Iterable[tuple[str, bytes] | tuple[str, bytes, str]],
+    *,
+    fmt: int = tarfile.PAX_FORMAT,
 ) -> None:
     """``[(name, bytes)]`` members into one tar file with ``tarfile`` (not ``webdataset``), so a member name
-    may hold any bytes (surrogate-escaped, e.g. ``"k\\udcff.png"`` for a raw 0xff): for damaged shards."""
+    may hold any bytes (surrogate-escaped, e.g. ``"k\\udcff.png"`` for a raw 0xff): for damaged shards. A
+    member ``(name, tarfile.SYMTYPE | tarfile.LNKTYPE, target)`` is a link, stored as given."""
     with tarfile.open(path, "w", format=fmt, encoding="utf-8", errors="surrogateescape") as tf:
-        for name, data in members:
+        for name, data, *link in members:
             info = tarfile.TarInfo(name)
+            if link:
+                info.type, info.linkname = data, link[0]
+                tf.addfile(info)
+                continue
             info.size = len(data)
             tf.addfile(info, io.BytesIO(data))
+
+
+def damaged_image_shards(
+    pattern: str, n: int, *, per_shard: int, bad: int, sizes: tuple[int, int] = (16, 40)
+) -> list[str]:
+    """``image_samples(n, sizes=sizes)`` in shards ``pattern % i`` of ``per_shard``, damaged three ways:
+    sample ``bad``'s PNG is not an image, the last shard is cut in the middle of a member, and an empty
+    shard follows it (the last path returned)."""
+    imgs = list(image_samples(n, sizes=sizes))
+    imgs[bad]["png"] = b"not an image at all"
+    urls = write_shards(pattern, imgs, per_shard=per_shard)
+    with open(urls[-1], "r+b") as f:  # cut the last shard in the middle of a member
+        f.truncate(f.seek(0, 2) // 2 + 100)
+    empty = pattern % len(urls)
+    open(empty, "wb").close()
+    return [*urls, empty]
+
+
+def solid_png(h: int, w: int, mode: str = "RGB") -> bytes:
+    """A PNG of ``h`` x ``w`` pixels of one grey (90), converted to PIL ``mode``."""
+    buf = io.BytesIO()
+    Image.fromarray(np.full((h, w, 3), 90, np.uint8)).convert(mode).save(buf, format="PNG")
+    return buf.getvalue()
+
+
+def declared_png(w: int, h: int) -> bytes:
+    """A PNG of a few dozen bytes whose IHDR declares ``w`` x ``h`` RGB pixels (a decompression bomb when
+    large; PNG spec 11.2.2): its IDAT holds almost nothing."""
+
+    def chunk(kind: bytes, data: bytes) -> bytes:
+        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
+
+    ihdr = struct.pack(">IIBBBBB", w, h, 8, 2, 0, 0, 0)
+    return (
+        b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", ihdr) + chunk(b"IDAT", zlib.compress(b"")) + chunk(b"IEND", b"")
+    )
+
+
+def float_wav(wave: np.ndarray, rate: int = 16000) -> bytes:
+    """A float32 WAV: it stores NaN and Inf as they are (PCM subtypes would clip them)."""
+    buf = io.BytesIO()
+    soundfile.write(buf, wave.astype(np.float32), rate, format="WAV", subtype="FLOAT")
+    return buf.getvalue()
+
+
+def hostile_waves(*, inf_at: int = 1234) -> dict[str, np.ndarray]:
+    """name -> 0.25 s of samples at 22.05 kHz (a rate the loader resamples): the poisons (all NaN, all +Inf,
+    one -Inf at sample ``inf_at`` of a sine, the sine 1e30 loud), then the sine itself (``ok``)."""
+    t = np.arange(5512) / 22050
+    sine = 0.3 * np.sin(2 * np.pi * 300 * t)
+    one_inf = sine.copy()
+    one_inf[inf_at] = -np.inf
+    return {
+        "nan": np.full_like(sine, np.nan),
+        "inf": np.full_like(sine, np.inf),
+        "one_ninf": one_inf,
+        "loud": sine * 1e30,
+        "ok": sine,
+    }
+
+
+def hostile_media_folder(
+    folder: str | os.PathLike[str],
+    waves: Mapping[str, np.ndarray],
+    *,
+    extra: Mapping[str, bytes] | None = None,
+    caption: str = "caption of",
+) -> None:
+    """A media folder for ``write_dataset`` / ``make-shards`` (created): ``ok.png`` (20 x 24), ``bomb.png``
+    (declares 50,000 x 50,000), ``empty.png`` (0 bytes), ``zero.png`` (0 x 0), a float WAV ``a_{name}.wav``
+    at 22.05 kHz per wave, the ``extra`` files ``{name: bytes}``, and beside each a ``.txt`` holding
+    ``"{caption} {stem}"``."""
+    src = Path(folder)
+    src.mkdir()
+    (src / "ok.png").write_bytes(solid_png(20, 24))
+    (src / "bomb.png").write_bytes(declared_png(50_000, 50_000))
+    (src / "empty.png").write_bytes(b"")
+    (src / "zero.png").write_bytes(declared_png(0, 0))
+    for name, w in waves.items():
+        (src / f"a_{name}.wav").write_bytes(float_wav(w, 22050))  # "ok.png" and "ok.wav" would be one sample
+    for name, data in (extra or {}).items():
+        (src / name).write_bytes(data)
+    for p in list(src.iterdir()):
+        p.with_suffix(".txt").write_text(f"{caption} {p.stem}")
+
+
+def webdataset_sources(
+    urls: Mapping[str, tuple[str | Sequence[str], Modality | str]], **kwargs: Any
+) -> dict[str, WebDatasetSource]:
+    """``{name: (urls, modality)}`` -> ``{name: WebDatasetSource(urls, modality=modality, name=name,
+    **kwargs)}``, in the same order."""
+    return {name: WebDatasetSource(u, modality=m, name=name, **kwargs) for name, (u, m) in urls.items()}
+
+
+def packed_loader(
+    sources: Mapping[str, Any],
+    schedule: MixtureSchedule | Mapping[str, float],
+    max_seq_len: int,
+    buffer_size: int,
+    packs_per_step: int,
+    *,
+    max_open_packs: int | None = None,
+    loader: type[PackedLoader] = PackedLoader,
+) -> PackedLoader:
+    """``sources`` -> :class:`MixtureStream` by ``schedule`` (a mapping of weights: one constant phase) ->
+    :class:`HybridPacker` -> ``loader`` (a :class:`PackedLoader` class) of ``packs_per_step`` packs."""
+    if not isinstance(schedule, MixtureSchedule):
+        schedule = MixtureSchedule.constant(schedule)
+    mix = MixtureStream(sources, schedule)
+    packer = HybridPacker(
+        mix, max_seq_len=max_seq_len, buffer_size=buffer_size, max_open_packs=max_open_packs
+    )
+    return loader(packer, packs_per_step, mixture=mix)
+
+
+class GatedLoader(PackedLoader):
+    """A :class:`PackedLoader` whose next step can be held back (``gate``): a deliberately slow preparation.
+    ``entered`` is set when a ``next`` starts, ``left`` when one returns."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.gate = threading.Event()
+        self.gate.set()
+        self.entered, self.left = threading.Event(), threading.Event()
+
+    def next(self) -> Any:
+        self.entered.set()
+        self.gate.wait(timeout=5)  # bounded: whatever waits for this fails its test instead of hanging
+        try:
+            return super().next()
+        finally:
+            self.left.set()
+
+    def while_held(self, stream: Any, fn: Callable[[], Any]) -> tuple[Any, bool]:
+        """Start ``stream``'s preparation of its next step (``stream.prepare()``; ``stream`` a background
+        ``ZeroRedundancyFilter`` over this loader), hold it inside this loader's ``next``, call ``fn``, then
+        release it and wait for it. Returns ``fn``'s result and whether the preparation was still held when
+        ``fn`` returned (False: ``fn`` waited for it, up to the gate's 5 s)."""
+        self.gate.clear()
+        self.entered.clear()
+        self.left.clear()
+        stream.prepare()
+        if not self.entered.wait(timeout=10):
+            raise AssertionError("the loader's preparation of the next step did not start within 10 s")
+        out = fn()
+        held = not self.left.is_set()
+        self.gate.set()
+        stream.wait_prepared()
+        return out, held
 
 
 def trained_sources(stream: Any, samples: int) -> list[tuple[int, str]]:

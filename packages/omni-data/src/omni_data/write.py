@@ -53,7 +53,7 @@ from omni_data.media_checks import DEFAULT_MAX_IMAGE_PIXELS, MediaRefusedError, 
 from omni_data.sample import Modality
 from omni_data.source import AUDIO_EXTS, IMAGE_EXTS
 
-__all__ = ["WriteReport", "main", "write_dataset", "write_shards"]
+__all__ = ["WriteReport", "main", "write_dataset", "write_dataset_args", "write_shards"]
 
 _IMAGE_CONVERT = ("bmp", "gif", "tif", "tiff")
 _AUDIO_CONVERT = ("mp3", "aiff", "aif", "au", "caf", "opus")
@@ -364,6 +364,19 @@ def _counting(
         yield s
 
 
+def write_dataset_args(args: argparse.Namespace) -> WriteReport:
+    """:func:`write_dataset` from parsed command-line arguments (``python -m omni_data.write``, ``omni-train
+    make-shards``): ``input`` (``.`` when only ``manifest`` is given), ``out``, ``manifest``, ``per_shard``
+    and ``max_image_pixels``."""
+    return write_dataset(
+        args.input or ".",
+        args.out,
+        manifest=args.manifest,
+        per_shard=args.per_shard,
+        max_image_pixels=args.max_image_pixels,
+    )
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """The ``python -m omni_data.write`` command; returns the exit status."""
     ap = argparse.ArgumentParser(
@@ -385,13 +398,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.input is None and args.manifest is None:
         ap.error("give an input folder or --manifest FILE")
     try:
-        report = write_dataset(
-            args.input or ".",
-            args.out,
-            manifest=args.manifest,
-            per_shard=args.per_shard,
-            max_image_pixels=args.max_image_pixels,
-        )
+        report = write_dataset_args(args)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -272,6 +272,26 @@ def feasible_slots(schedule: Schedule, rank: int, k: int) -> tuple[list[int], li
     )
 
 
+def _llm_only_times(
+    schedule: Schedule, costs: CostModel, *, per_action: bool
+) -> tuple[dict[Action, float], dict[Action, float]]:
+    """Start and end times of every LLM action of ``schedule`` with no encoder work: the LLM timeline timed
+    by ``costs``' LLM and P2P terms, and by its per-action LLM seconds (``llm_action_s``) when
+    ``per_action``."""
+    llm_only = CostModel(
+        llm_forward_s=costs.llm_forward_s,
+        llm_backward_s=costs.llm_backward_s,
+        p2p_latency_s=costs.p2p_latency_s,
+        p2p_bandwidth_Bps=costs.p2p_bandwidth_Bps,
+        llm_activation_bytes=costs.llm_activation_bytes,
+        llm_action_s=costs.llm_action_s if per_action else {},
+    )
+    _, start, end, _ = action_times(
+        schedule.program_view, schedule.num_stages, {}, llm_only, order=schedule.analysis[0]
+    )
+    return start, end
+
+
 def _uniform_placed(
     schedule: Schedule, enc: Mapping[int, Sequence[int]], costs: CostModel, fixed_ranks: bool
 ) -> Placed:
@@ -279,15 +299,7 @@ def _uniform_placed(
         enc, schedule.num_ranks, costs.encoder_forward_s or None, fixed_ranks=fixed_ranks
     )
     programs = schedule.program_view
-    order = schedule.analysis[0]
-    llm_only = CostModel(
-        llm_forward_s=costs.llm_forward_s,
-        llm_backward_s=costs.llm_backward_s,
-        p2p_latency_s=costs.p2p_latency_s,
-        p2p_bandwidth_Bps=costs.p2p_bandwidth_Bps,
-        llm_activation_bytes=costs.llm_activation_bytes,
-    )
-    _, start, end, _ = action_times(programs, schedule.num_stages, {}, llm_only, order=order)
+    start, end = _llm_only_times(schedule, costs, per_action=False)
     t_slot = {r: [0.0] + [end[a] for a in prog] for r, prog in programs.items()}  # when rank r reaches slot s
     placed = []
     for k, es in enc.items():
@@ -351,15 +363,7 @@ def optimus_static(
         static_encoder_s = sum(fwd) / len(fwd) if fwd else 0.0
     ranks = split_over_ranks(enc, schedule.num_ranks, fixed_ranks=True)
     programs = schedule.program_view
-    llm_only = CostModel(
-        llm_forward_s=costs.llm_forward_s,
-        llm_backward_s=costs.llm_backward_s,
-        p2p_latency_s=costs.p2p_latency_s,
-        p2p_bandwidth_Bps=costs.p2p_bandwidth_Bps,
-        llm_activation_bytes=costs.llm_activation_bytes,
-        llm_action_s=costs.llm_action_s,
-    )
-    _, start, end, _ = action_times(programs, schedule.num_stages, {}, llm_only, order=schedule.analysis[0])
+    start, end = _llm_only_times(schedule, costs, per_action=True)
     makespan = max(end.values(), default=0.0)
     # gap[r][s]: idle seconds before slot s of rank r's program (slot len: from its last action to the end)
     gap = {

@@ -274,14 +274,17 @@ def export_hf(
         max_shard_bytes: weight files above this size are split into indexed shards.
 
     Raises:
-        ConfigError: no ``config.json`` or no committed step (or ``step`` is not one).
+        ConfigError: no readable ``config.json`` or no committed step (or ``step`` is not one).
         omni_ckpt.CheckpointError: the step fails omni-ckpt's checks (checkpoint, tensor and fault named);
             raised by ``read_manifest`` before any tensor is allocated from the manifest.
     """
     run_dir, out = Path(run_dir), Path(out)
     if not (run_dir / "config.json").is_file():
         raise ConfigError(f"export-hf: {run_dir} has no config.json (not a run directory)")
-    cfg = config_from_dict(json.loads((run_dir / "config.json").read_text()))
+    try:
+        cfg = config_from_dict(json.loads((run_dir / "config.json").read_text()))
+    except (ValueError, ConfigError) as exc:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
+        raise ConfigError(f"export-hf: {run_dir / 'config.json'} is not a run config ({exc})") from None
     step, tensors = _read_model(run_dir, step)
     llm = {k.removeprefix("llm."): v for k, v in tensors.items() if k.startswith("llm.")}
     llm_cfg = cfg.model.llm_config(int(llm["tok_embeddings.weight"].shape[0]))
