@@ -97,4 +97,4 @@ __all__ = [
     "text_members",
     "to_rgb",
 ]
-__version__ = "0.3.0"
+__version__ = "0.4.0"

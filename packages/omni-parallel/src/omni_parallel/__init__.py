@@ -143,4 +143,4 @@ __all__ = [
     "uses_device_kernel",
     "varlen_attention",
 ]
-__version__ = "0.4.0"
+__version__ = "0.5.0"
