@@ -177,3 +177,23 @@ def test_every_group_parallel_state_builds_has_the_collective_timeout(pp):
     for r in out:
         assert r["timeouts"] and set(r["timeouts"].values()) == {timedelta(seconds=3)}, r["timeouts"]
     assert 2.5 <= out[0]["took"] < 15, out[0]["took"]
+
+
+def test_carried_counts_agree_like_the_all_reduce():
+    """``counts`` summed over ranks (as the numerics guard's all-reduce carries them) then ``adopt`` give
+    what ``agree``'s max over signal numbers gives: brute force over every mix of received signals."""
+    spec = PreemptionSpec(("SIGTERM", "SIGINT"))
+    choices = [None, signal.SIGTERM, signal.SIGINT]
+    for mix in [(a, b, c) for a in choices for b in choices for c in choices]:
+        ranks = [StopSignal(spec) for _ in mix]
+        for r, sig in zip(ranks, mix, strict=True):
+            if sig is not None:
+                r.request(sig)
+        summed = [sum(col) for col in zip(*(r.counts() for r in ranks), strict=True)]
+        expected = max((int(s) for s in mix if s is not None), default=0)
+        for r in ranks:
+            agreed = r.adopt(summed)
+            assert (0 if agreed is None else int(agreed)) == expected, (mix, summed)
+            assert expected == 0 or int(r.received) in {expected, *(int(s) for s in mix if s is not None)}
+    with pytest.raises(ValueError, match="1 sums for 2 signals"):
+        StopSignal(spec).adopt([1.0])

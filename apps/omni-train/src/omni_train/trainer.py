@@ -23,7 +23,8 @@ reproduces the uninterrupted run's losses step for step on CPU.
 
 Hangs and preemption (issue 29): a heartbeat watchdog (:func:`omni_train.wiring.watchdog`,
 ``omni_parallel.watchdog``) runs beside the loop and names a rank that stops beating; after each step the
-ranks agree on a stop signal (``omni_parallel.preemption``, one all-reduce of one integer) and, on one,
+ranks agree on a stop signal (``omni_parallel.preemption``, its counts carried in the numerics guard's
+all-reduce: no collective of its own) and, on one,
 commit checkpoint N synchronously and stop (:attr:`Trainer.stopped`).
 """
 
@@ -237,9 +238,10 @@ class Trainer:
         return result
 
     def _stop_requested(self, done: int, run: RunOutputs) -> bool:
-        """After ``done`` steps: whether any rank received a stop signal (one all-reduce of one integer,
-        the same answer on every rank); if so, checkpoint ``done`` is committed before it returns."""
-        agreed = self.stop.agree() if self.stop is not None else None
+        """After ``done`` steps: whether any rank received a stop signal by the step's gradient reduction
+        (the counts its all-reduce carried; the same answer on every rank); if so, checkpoint ``done`` is
+        committed before it returns."""
+        agreed = self.stop.adopt(self.guard.carried) if self.stop is not None else None
         if agreed is None:
             return False
         if not self.checkpoint.due(done):  # a due one was saved with the step
@@ -285,7 +287,8 @@ class Trainer:
         slowest rank's last backward; it carries the numerics guard's flags), so that
         ``time_s_per_rank`` tells the pipeline's drain imbalance (``reduce_wait``) from the collectives'
         own cost (``grad_reduce``)."""
-        wait = self.guard.reduce()  # wait_for_ranks' all-reduce, carrying the step's numerics flags
+        # wait_for_ranks' all-reduce, carrying the step's numerics flags and the stop-signal counts
+        wait = self.guard.reduce(self.stop.counts() if self.stop is not None else ())
         self.sync_llm()
         self.sync_encoders(self._step_media)  # towers that ran nowhere this step have zeros to sum
         return wait

@@ -203,6 +203,7 @@ class NumericsGuard:
         self._index = {name: 2 + i for i, name in enumerate(names)}
         self._flags = self._zeros()  # [loss sum, loss non-finite, one flag per source]
         self._reduced: list[float] | None = None
+        self.carried: list[float] = []  # what the last reduce() carried for its caller, summed
         self._window: deque[float] = deque(maxlen=spec.spike_window)
         self.in_a_row = 0
         self.counts: dict[str, int] = {}  # bad steps by reason, and by action taken
@@ -238,11 +239,19 @@ class NumericsGuard:
         ]
 
     # -- the step's one collective ---------------------------------------------------------------------
-    def reduce(self) -> float:
-        """Sum the step's flags and loss over ``group`` (one all-reduce of ``2 + len(sources)`` float64s;
-        none with one rank) and start the next step's; returns the seconds spent waiting in it (the time
-        :func:`omni_parallel.data_parallel.wait_for_ranks` measures: the slowest rank's arrival)."""
+    def reduce(self, carry: Sequence[float] = ()) -> float:
+        """Sum the step's flags and loss over ``group`` (one all-reduce of ``2 + len(sources)`` float64s,
+        plus ``carry``; none with one rank) and start the next step's; returns the seconds spent waiting
+        in it (the time :func:`omni_parallel.data_parallel.wait_for_ranks` measures: the slowest rank's
+        arrival).
+
+        ``carry``: other per-rank numbers the caller needs summed over the same ranks at this point (e.g.
+        :meth:`omni_parallel.preemption.StopSignal.counts`), so that they cost no collective of their
+        own; their sums are :attr:`carried` afterwards."""
         flags, self._flags = self._flags, self._zeros()
+        n = flags.numel()
+        if carry:
+            flags = torch.cat([flags, torch.tensor(list(carry), dtype=flags.dtype, device=flags.device)])
         waited = 0.0
         if dist.is_initialized() and dist.get_world_size(self.group) > 1:
             start = time.perf_counter()
@@ -250,7 +259,8 @@ class NumericsGuard:
             if flags.device.type == "cuda":
                 torch.cuda.synchronize(flags.device)
             waited = time.perf_counter() - start
-        self._reduced = flags.tolist()
+        values = flags.tolist()
+        self._reduced, self.carried = values[:n], values[n:]
         return waited
 
     # -- the decision ----------------------------------------------------------------------------------

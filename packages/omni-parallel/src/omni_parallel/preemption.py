@@ -6,7 +6,9 @@ its own would leave the others blocked in the next step's collectives. So a rank
 signal (:meth:`StopSignal.install`: the handler sets a field and returns; the training thread is never
 interrupted mid-collective), and at the end of each step every rank learns whether any rank received one
 through one all-reduce of a single integer (:meth:`StopSignal.agree`: the maximum signal number, 0 for
-none, about a hundred microseconds on gloo). Every rank then takes the same decision after the same step:
+none, about a hundred microseconds on gloo), or with no collective of its own: :meth:`StopSignal.counts`
+summed inside one the step already makes, then :meth:`StopSignal.adopt` (omni-train carries them in
+the numerics guard's all-reduce, :meth:`omni_parallel.numerics.NumericsGuard.reduce`). Every rank then takes the same decision after the same step:
 commit one synchronous checkpoint and stop (the caller's part; torchtitan and Megatron-LM stop on
 ``SIGTERM`` the same way, at a step boundary with a final checkpoint). The grace period is the launcher's:
 how long it waits before ``SIGKILL``.
@@ -106,7 +108,31 @@ class StopSignal:
             return self.received
         flag = torch.tensor([mine], dtype=torch.int64)
         dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
-        agreed = int(flag.item())
+        return self._adopt(int(flag.item()))
+
+    def counts(self) -> list[float]:
+        """This rank's share of an agreement carried in another sum-all-reduce: one number per signal of
+        the spec (1 for the one received, else 0); sum them over the ranks and pass the sums to
+        :meth:`adopt`."""
+        return [1.0 if self.received == sig else 0.0 for sig in self.spec.resolved]
+
+    def adopt(self, summed: list[float]) -> signal.Signals | None:
+        """The agreed signal from :meth:`counts` summed over the ranks (the same on every rank, as
+        :meth:`agree`'s: the largest signal number any rank received), or ``None``; a rank that received
+        none adopts it (:attr:`received`).
+
+        Raises:
+            ValueError: ``summed`` has not one number per signal of the spec.
+        """
+        signals = self.spec.resolved
+        if len(summed) != len(signals):
+            raise ValueError(
+                f"StopSignal.adopt: {len(summed)} sums for {len(signals)} signals {self.spec.signals}"
+            )
+        received = [int(sig) for sig, n in zip(signals, summed, strict=True) if n > 0]
+        return self._adopt(max(received, default=0))
+
+    def _adopt(self, agreed: int) -> signal.Signals | None:
         if agreed == 0:
             return None
         if self.received is None:
