@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
+from omni_data import LoaderSnapshot, snapshot_async
 from omni_data.node import StatefulNode
 from omni_data.testing import merge_replica_steps
 from omni_data.zero_redundancy import FilteredStep
@@ -132,6 +133,11 @@ class MergedStream(StatefulNode[FilteredStep]):
     def wait_prepared(self) -> None:
         for s in self.streams:
             s.wait_prepared()
+
+    def snapshot(self) -> LoaderSnapshot:
+        """The replicas' states together, taken now (what ``TrainCheckpoint.save`` stores; it also sets
+        ``snapshots``, which this reference, preparing nothing ahead, ignores)."""
+        return LoaderSnapshot(self.streams[0].snapshot(prepared=False).step, snapshot_async(self).result())
 
     def prepare(self) -> None:
         for s in self.streams:

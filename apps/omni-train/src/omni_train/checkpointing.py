@@ -36,7 +36,7 @@ from omni_ckpt import (
     load_optimizer_state_dict,
     optimizer_state_dict,
 )
-from omni_data import LayoutMismatchError, ZeroRedundancyFilter, snapshot_async
+from omni_data import LayoutMismatchError, ZeroRedundancyFilter
 from omni_parallel import ParallelState
 from omni_train.config import CheckpointConfig
 
@@ -97,8 +97,7 @@ class TrainCheckpoint:
         self.fixed = dict(fixed or {})
         # the loader prepares the state of each step this saves while it prepares that step (on its own
         # thread), so save() takes bytes made ahead instead of walking its buffers (paper §7.4)
-        if hasattr(stream, "snapshots"):
-            stream.snapshots = self.due
+        stream.snapshots = self.due
         self.manager = CheckpointManager(
             str(directory),
             keep_last=cfg.keep_last,
@@ -121,10 +120,7 @@ class TrainCheckpoint:
         return next_step == self.total_steps or (self.cfg.every > 0 and next_step % self.cfg.every == 0)
 
     def save(self, next_step: int) -> None:
-        # the loader's own snapshot, prepared ahead; any other torchdata node (a test's merged replicas)
-        # is snapshotted now, as before
-        snapshot = getattr(self.stream, "snapshot", None)
-        blob = snapshot().blob if snapshot is not None else snapshot_async(self.stream).result()
+        blob = self.stream.snapshot().blob
         width = torch.tensor([8 + len(blob)], dtype=torch.int64)
         if dist.is_initialized():
             dist.all_reduce(width, op=dist.ReduceOp.MAX)
