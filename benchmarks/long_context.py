@@ -92,7 +92,7 @@ def _variants(cfg) -> list[dict[str, Any]]:
     ]
 
 
-def _apply(cfg, changes: dict[str, dict[str, Any]]):
+def apply_changes(cfg, changes: dict[str, dict[str, Any]]):
     """``cfg`` with the changes (KeyError naming a field that does not exist). A value
     is cast to the field's type where the field is an enum, or a switch (a list of families -> on)."""
     for section, fields in changes.items():
@@ -119,7 +119,7 @@ def _world(rank: int, world_size: int, cfg, variants, root: str) -> dict[str, An
 
     runs: dict[str, Any] = {}
     for v in variants:
-        c = _apply(cfg, v["changes"])
+        c = apply_changes(cfg, v["changes"])
         validate(c, world_size)
         out = Path(root) / v["name"].replace(" ", "_").replace(",", "").replace("=", "")
         Trainer(c, out, resume=False).run()

@@ -68,11 +68,38 @@ def test_each_validation_error_names_its_field(tmp_path, data):
         cfg, nproc=2, parallel__tp=2, parallel__pp=1, model__llm__n_heads=1, model__llm__n_kv_heads=1
     ).startswith("model.llm.n_heads")
     validate(dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, cp=2)), 4)  # CP is wired
-    assert _bad(cfg, nproc=8, parallel__cp=2, parallel__tp=2).startswith("parallel.cp: context parallelism")
+    # 4-D layouts: TP with CP (plain and hybrid) and with Ulysses are wired
+    for par in ({"cp": 2}, {"cp": 2, "hybrid_cp": True}, {"ulysses": 2}):
+        validate(dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, tp=2, **par)), 8)
+    assert _bad(cfg, nproc=8, parallel__cp=2, parallel__ulysses=2).startswith("parallel.cp: choose one")
+    # Megatron SP with CP or Ulysses: at pp = 1, and with CP at tp = 2 (a CP rank's tokens are even)
+    for par in ({"cp": 2}, {"ulysses": 2}):
+        sp = dataclasses.replace(cfg.parallel, pp=1, tp=2, sequence_parallel=True, **par)
+        validate(dataclasses.replace(cfg, parallel=sp), 4)
+    sp = {"parallel__tp": 2, "parallel__sequence_parallel": True}
+    assert _bad(cfg, nproc=8, parallel__ulysses=2, **sp).startswith(
+        "parallel.sequence_parallel: not combined with parallel.cp 1 / hybrid_cp False / ulysses 2 at "
+        "parallel.pp 2"
+    )
+    assert _bad(cfg, nproc=4, parallel__pp=1, parallel__cp=2, parallel__hybrid_cp=True, **sp).startswith(
+        "parallel.sequence_parallel: not combined"
+    )
     assert _bad(
-        cfg, nproc=2, parallel__cp=2, parallel__ulysses=1, parallel__pp=1, train__compile=True
-    ).startswith("train.compile")
+        cfg,
+        nproc=8,
+        model__llm__n_kv_heads=4,
+        parallel__pp=1,
+        parallel__cp=2,
+        parallel__tp=4,
+        parallel__sequence_parallel=True,
+    ).startswith("parallel.sequence_parallel: with parallel.cp 2 needs parallel.tp = 2 (got 4)")
+    assert _bad(
+        cfg, nproc=2, parallel__cp=2, parallel__hybrid_cp=True, parallel__pp=1, train__compile=True
+    ).startswith("train.compile: not supported with parallel.hybrid_cp")
     assert _bad(cfg, parallel__hybrid_cp=True).startswith("parallel.hybrid_cp: needs dp * cp >= 2")
+    assert _bad(cfg, nproc=8, parallel__dp=2, parallel__ulysses=2, parallel__hybrid_cp=True).startswith(
+        "parallel.hybrid_cp: not with parallel.ulysses 2"
+    )
     # encoder SP shares the LLM's sequence group: Ulysses, or plain CP (hybrid DP/CP's blocks change per pack)
     cp2 = dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, cp=2, encoder_sp=2))
     validate(cp2, 4)

@@ -25,7 +25,14 @@ from omni_data.node import StatefulNode
 from omni_data.testing import merge_replica_steps
 from omni_data.zero_redundancy import FilteredStep
 
-__all__ = ["MergedStream", "assert_runs_match", "capture_run", "reference_run", "with_parallel"]
+__all__ = [
+    "MergedStream",
+    "assert_runs_match",
+    "capture_run",
+    "reference_run",
+    "relayout_run",
+    "with_parallel",
+]
 
 
 def with_parallel(cfg, **par):
@@ -93,6 +100,44 @@ def capture_run(cfg, run: Path, *, stream=None, on_inputs=None) -> tuple[list[fl
 
     trainer.run(after_backward=after_backward)
     return (_losses(run), grads) if dist.get_rank() == 0 else None
+
+
+def relayout_run(cfg, saved: str, run: Path, resume_at: int) -> tuple[list[float], list[dict]] | None:
+    """Train ``cfg`` from step ``resume_at`` with the model and AdamW state of checkpoint ``resume_at``
+    under ``saved``, written at another layout (every rank calls it; rank 0 gets ``(losses, grads per
+    step)``). The checkpoint is read through omni-ckpt's box intersection (the layouts' shards need not
+    match); the trainer's own ``--resume`` refuses a pipeline-size change (the loader plans its packs per
+    pipeline position: ``omni_train.checkpointing``), so a fresh loader is fast-forwarded over the steps
+    instead (the packs of a DP replica do not depend on ``pp``, ``tp`` or the ZeRO stages)."""
+    from omni_ckpt import CheckpointManager, load_optimizer_state_dict, optimizer_state_dict
+    from omni_train.trainer import Trainer
+
+    class Relayout(Trainer):
+        def _fresh_start(self):
+            ck = self.checkpoint
+            state = ck._state(None)
+            del state["loader"], state["step"]
+            # this layout's parameter names per group: the checkpoint's are those of the rank that saved
+            members = [g["params"] for g in optimizer_state_dict(ck.model, ck.optimizer)["param_groups"]]
+            CheckpointManager(saved, process_group=self.ps.checkpoint_group).load(resume_at, state)
+            groups = state["optim"]["param_groups"]
+            state["optim"]["param_groups"] = [dict(g, params=m) for g, m in zip(groups, members)]
+            load_optimizer_state_dict(ck.model, ck.optimizer, state["optim"])
+            self.stream.reset()
+            for _ in range(resume_at):
+                next(self.stream)
+            return resume_at
+
+    trainer = Relayout(cfg, Path(run), resume=False)
+    grads: list = []
+
+    def after_backward(step, inputs, result):
+        g = _gathered_grads(trainer)
+        if g is not None:
+            grads.append(g)
+
+    trainer.run(after_backward=after_backward)
+    return (_losses(Path(run)), grads) if dist.get_rank() == 0 else None
 
 
 class MergedStream(StatefulNode[FilteredStep]):

@@ -28,6 +28,7 @@ def test_golden_tp2_cp2_ep2_pp2_16_ranks():
     assert g["dp"] == g["ep"]
     assert g["pp"] == [[r, r + 8] for r in range(8)]
     assert g["dp_cp"] == [[0, 2, 4, 6], [1, 3, 5, 7], [8, 10, 12, 14], [9, 11, 13, 15]]
+    assert g["tp_cp"] == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9, 10, 11], [12, 13, 14, 15]]
 
 
 def test_golden_ulysses_inside_cp_and_other_order():
@@ -70,6 +71,7 @@ def test_every_rank_in_exactly_one_group_per_axis(tp, cp, ul, pp, ep, dpx):
     cfg = ParallelConfig(tp=tp, cp=cp, ulysses=ul, pp=pp, ep=ep)
     g = rank_groups(world, cfg)
     expected = {"tp": tp, "cp": cp, "ulysses": ul, "ep": ep, "dp": dp, "pp": pp, "dp_cp": dp * cp * ul}
+    expected["tp_cp"] = tp * cp * ul
     for name, groups in g.items():
         flat = sorted(r for grp in groups for r in grp)
         assert flat == list(range(world)), name
@@ -113,7 +115,7 @@ def test_build_without_process_group_is_a_clear_error():
 def _group_sums(rank, world_size):
     st_ = ParallelState.build(ParallelConfig(tp=2))
     out = {}
-    for name in ("tp", "dp", "pp", "dp_cp", "encoder_dp"):
+    for name in ("tp", "dp", "pp", "dp_cp", "tp_cp", "encoder_dp"):
         t = torch.tensor([float(rank)])
         dist.all_reduce(t, group=st_.group(name))
         out[name] = t.item()
@@ -128,6 +130,7 @@ def test_groups_reduce_over_expected_ranks_on_gloo():
         assert sums["tp"] == {0: 1, 1: 1, 2: 5, 3: 5}[rank]
         assert sums["dp"] == {0: 2, 1: 4, 2: 2, 3: 4}[rank]
         assert sums["pp"] == rank and sums["dp_cp"] == sums["dp"] and sums["encoder_dp"] == 6
+        assert sums["tp_cp"] == sums["tp"]  # TP alone: tp_cp is the TP group itself
         assert sp_sum == sums["tp"]  # encoder SP groups are contiguous pairs, like TP here
         assert (sp_rank, dp_rank) == (rank % 2, rank // 2)
 
@@ -186,6 +189,7 @@ def test_rank_groups_match_megatron_generator(tp, cp, pp, ep, dpx, order):
         ("pp", {"pp"}),
         ("dp", {"dp"}),
         ("dp_cp", {"dp", "cp"}),
+        ("tp_cp", {"tp", "cp"}),  # Megatron's tensor-and-context-parallel group
     ):
         want = _megatron_groups(world, [size[t] for t in wo_ep], [t in tokens for t in wo_ep])
         assert g[name] == want, (name, order)

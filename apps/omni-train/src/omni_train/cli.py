@@ -1,6 +1,7 @@
 """``omni-train``: ``run`` (train), ``prepare-data`` (rebuild the bundled shards), ``simulate`` (model a
 large cluster with the pipeline simulator), ``import-hf`` / ``export-hf`` (Hugging Face checkpoints),
-``make-shards`` (your own media into shards and config lines).
+``make-shards`` (your own media into shards and config lines), ``memory`` (per-rank bytes of a layout,
+planned on the meta device: :mod:`omni_train.memory_plan`).
 
 Configuration errors are reported before any process starts, naming the field, with exit status 2.
 ``run`` takes an override for every config field (``--parallel.pp 1 --optim.lr 1e-3``, see
@@ -145,6 +146,18 @@ def build_parser() -> argparse.ArgumentParser:
     sim.add_argument("--first-step", type=int, default=0, help="first recipe step to simulate")
     sim.add_argument("--out", default="runs/simulate")
 
+    mem = sub.add_parser(
+        "memory",
+        help="per-rank bytes of a layout (parameters, gradients, optimizer state, activations), built on "
+        "the meta device: no allocation",
+        epilog="Layout overrides as for run: --parallel.pp 8 --parallel.tp 4 ... (parallel.dp = what --gpus leaves)",
+        allow_abbrev=False,
+    )
+    mem.add_argument("--config", default="omni-tiny", help="bundled config name or TOML path")
+    mem.add_argument("--gpus", type=int, required=True, help="world size (ranks)")
+    mem.add_argument("--json", default=None, metavar="PATH", help="also write the plan as JSON here")
+    mem.add_argument("--scale", default=None, help="paper: LLaMA-12B + ViT-1B + USM-2B at 16K packs")
+
     imp = sub.add_parser(
         "import-hf", help="write step 0 of a run from Hugging Face folders (then: run --resume --out RUN_DIR)"
     )
@@ -200,7 +213,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser = build_parser()
     args, extra = parser.parse_known_args(argv)
     args.overrides = []
-    if extra and args.command != "run":
+    if extra and args.command not in ("run", "memory"):
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
     i = 0
     while i < len(extra):
@@ -511,6 +524,16 @@ def _simulate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _memory(args: argparse.Namespace) -> int:
+    from omni_train.memory_plan import format_plan, memory_plan
+
+    plan = memory_plan(load_config(args.config, args.overrides), args.gpus, scale=args.scale)
+    print(format_plan(plan))
+    if args.json:
+        Path(args.json).write_text(json.dumps(plan, indent=2))
+    return 0
+
+
 def _import_hf(args: argparse.Namespace) -> int:
     from omni_train.hf.convert import import_hf
 
@@ -596,6 +619,8 @@ def main(argv: list[str] | None = None) -> int:
             return _run(args)
         if args.command == "simulate":
             return _simulate(args)
+        if args.command == "memory":
+            return _memory(args)
         if args.command == "import-hf":
             return _import_hf(args)
         if args.command == "export-hf":

@@ -173,6 +173,18 @@ class ParallelConfigSection:
             every rank holds them whole and their gradients are summed over every rank; 2: FSDP2 shards
             their gradients and optimizer state over every rank (the gathered parameters stay allocated
             between steps); 3: parameters too.
+        llm_zero: ZeRO stage of the LLM stages over each stage's data group (DP x Ulysses / CP ranks,
+            ``omni_parallel.llm_zero.apply_llm_zero``, FSDP2 gathered once per step and reduced once per
+            step as a plain sum); 0: replicated, gradients all-reduced; 1: AdamW state sharded (gradients
+            all-reduced whole, each rank steps its rows); 2: gradients sharded too (one reduce-scatter per
+            step; the gathered parameters stay allocated between steps); 3: parameters too (freed between
+            steps). Not with ``tp > 1``. With one rank per stage's data group nothing is sharded.
+        sequence_parallel: Megatron sequence parallelism over the TP group (needs ``tp`` > 1;
+            ``omni_parallel.tensor_parallel``): the norms and the residual stream between the attention
+            and MLP regions hold ``1/tp`` of each pack's tokens per TP rank (packs padded to a multiple of
+            ``tp`` with a padding document without targets), all-gathered into attention and the MLP and
+            reduce-scattered out of them; stage boundaries send ``1/tp`` of the tokens. Stage 0 embeds the
+            whole pack with its media rows and keeps its shard; the LM head sees every token.
         encoder_sp: encoder sequence-parallel size (``omni_pipeline.encoder_parallel``): 1, or the LLM's
             sequence-parallel size, whose group it then shares: ``ulysses``, or ``cp`` under plain CP
             (not ``hybrid_cp``). With an LLM SP group the samples of each encoder microbatch are spread
@@ -225,12 +237,14 @@ class ParallelConfigSection:
     pp: int = 2
     dp: int = 1
     tp: int = 1
+    sequence_parallel: bool = False
     cp: int = 1
     ulysses: int = 1
     placement: PlacementPolicy = PlacementPolicy.UNIFORM_ON_DEMAND
     reorder: bool = True
     encoder_forward_share: float = 0.3
     encoder_zero: int = 0
+    llm_zero: int = 0
     cp_attention: CPAttention = CPAttention.ALLGATHER
     hybrid_cp: bool = False
     schedule: ScheduleKind = ScheduleKind.ONE_F_ONE_B
@@ -487,6 +501,7 @@ FIELD_BOUNDS: dict[str, Bounds] = {
     "parallel.ulysses": _COUNT,
     "parallel.encoder_forward_share": Bounds(0, 1e6, lo_open=True),
     "parallel.encoder_zero": Bounds(0, 3),  # preflight allows 0, 2 and 3
+    "parallel.llm_zero": Bounds(0, 3),
     "parallel.virtual_stages": _LAYERS,
     "parallel.encoder_sp": _COUNT,
     "parallel.long_threshold": Bounds(1, 2**31),  # tokens

@@ -183,7 +183,8 @@ def finish_run(
     """Rank 0 at the end of a run: plot the loss and the last step's timeline, write ``summary.json``
     (first/last mean loss over a window of up to 20 steps, ``tokens_per_s``: the run's tokens over the
     summed wall time of its steps (:func:`tokens_per_s`), skipped payloads, each
-    ``*_per_rank`` peak of the steps as its per-rank maximum over the steps, and ``skipped``: every skip
+    ``*_per_rank`` peak of the steps as its per-rank maximum over the steps, the last step's
+    ``llm_state_bytes_per_rank`` / ``encoder_state_bytes_per_rank``, and ``skipped``: every skip
     of the run by scope, source and reason with the first keys, from
     :class:`~omni_train.skip_metrics.SkipMetrics`; ``numerics``: the steps the numerics guard found bad,
     :meth:`omni_parallel.numerics.NumericsGuard.summary`) and return it.
@@ -208,6 +209,12 @@ def finish_run(
         "skipped_payloads": sum(m.get("skipped_payloads", 0) for m in metrics),
         "checkpoints": checkpoints,
         **_peaks_per_rank(metrics),
+        # bytes held between steps (omni_parallel.memory.state_bytes), at the last step's layout
+        **{
+            k: metrics[-1][k]
+            for k in ("llm_state_bytes_per_rank", "encoder_state_bytes_per_rank")
+            if metrics and k in metrics[-1]
+        },
     }
     if skipped is not None:
         summary["skipped"] = skipped

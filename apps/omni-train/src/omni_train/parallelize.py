@@ -1,11 +1,12 @@
 """The app's model parallelised: its config mapped to the steps of :mod:`omni_parallel.parallelize`.
 
 :func:`parallelize` calls them in torchtitan's order over this app's model: TP of every LLM block
-(``parallel.tp``), activation checkpointing of the block families in ``train.recompute`` (of the residual
+(``parallel.tp``; with ``parallel.sequence_parallel`` Megatron SP, the stages' embedding output, final norm
+and LM head included), activation checkpointing of the block families in ``train.recompute`` (of the residual
 branches in ``train.recompute_modules``), ``torch.compile`` per block (``train.compile``), offload of the
 families in ``train.offload``, autocast over float32 master parameters (``train.dtype = "bfloat16"``), and
-the gradient syncs of the LLM and of the encoders (``parallel.encoder_zero``) that define the objective's
-reduction (a plain sum; :mod:`omni_parallel.parallelize` states it). :func:`family_blocks` names the
+the gradient syncs of the LLM (``parallel.llm_zero``) and of the encoders (``parallel.encoder_zero``)
+that define the objective's reduction (a plain sum; :mod:`omni_parallel.parallelize` states it). :func:`family_blocks` names the
 blocks of a family of this app's model.
 
 The executor's process groups come from ``omni_pipeline.PipelineGroups.from_state``.
@@ -13,7 +14,7 @@ The executor's process groups come from ``omni_pipeline.PipelineGroups.from_stat
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import torch
@@ -21,18 +22,18 @@ from torch import nn
 
 from omni_parallel import ParallelState
 from omni_parallel.activation_memory import ActivationMemory
+from omni_parallel.llm_zero import LLMGradientSync, apply_llm_zero
 from omni_parallel.parallelize import (
     EncoderGradientSync,
     apply_ac,
     apply_compile,
-    apply_dp,
     apply_encoder_zero,
     apply_mixed_precision,
     apply_offload,
     apply_tp,
     training_dtypes,
 )
-from omni_parallel.tensor_parallel import llama_tp_plan
+from omni_parallel.tensor_parallel import llama_tp_plan, sequence_parallel_plan
 from omni_train.config import RECOMPUTE, TrainSection
 from omni_train.encoders import Encoders
 from omni_train.pipeline import RankStages
@@ -59,10 +60,11 @@ def family_blocks(stage: nn.Module, encoders: Encoders, families: Iterable[str])
 @dataclass(frozen=True)
 class ParallelModel:
     """What :func:`parallelize` returns: the rank's activation accounting and its two gradient syncs
-    (the executor's hooks, run on every rank after the step's last backward)."""
+    (the executor's hooks, run on every rank after the step's last backward; each ``attach``-ed at the
+    step's start)."""
 
     memory: ActivationMemory
-    sync_llm: Callable[[], None]
+    sync_llm: LLMGradientSync
     sync_encoders: EncoderGradientSync
 
 
@@ -73,6 +75,8 @@ def parallelize(
     train: TrainSection,
     *,
     encoder_zero: int,
+    llm_zero: int = 0,
+    sequence_parallel: bool = False,
     num_stages: int,
     device: torch.device,
 ) -> ParallelModel:
@@ -85,10 +89,24 @@ def parallelize(
         ps: the parallel state.
         train: ``recompute``, ``recompute_modules``, ``compile``, ``offload`` and ``dtype`` are read.
         encoder_zero: ``parallel.encoder_zero`` (0, 2 or 3).
+        sequence_parallel: ``parallel.sequence_parallel``: Megatron SP over the TP group (norms and
+            residual stream sharded along the tokens; ``omni_parallel.tensor_parallel``).
+        llm_zero: ``parallel.llm_zero`` (0-3): the LLM stages sharded over each stage's data group
+            (``omni_parallel.llm_zero.apply_llm_zero``; every block an FSDP2 unit, every stage module a root).
         num_stages: stages of the whole pipeline (the schedule's).
         device: the compute device.
     """
-    apply_tp(stage.layers.values(), ps, llama_tp_plan(attention="attn", mlp="mlp"))
+    seq = 0 if sequence_parallel else None  # packed [T, dim]: tokens on dim 0
+    plan = llama_tp_plan(
+        attention="attn", mlp="mlp", attention_norm="attn_norm", mlp_norm="mlp_norm", attention_args=3,
+        sequence_dim=seq,
+    )  # fmt: skip
+    ends = sequence_parallel_plan(
+        embeddings="embedded" if hasattr(stage, "embedded") else None,
+        norm="norm" if hasattr(stage, "norm") else None,
+        output="output" if hasattr(stage, "output") else None,
+    )
+    apply_tp(stage.layers.values(), ps, plan, model=stage, model_plan=ends if sequence_parallel else None)
     memory = ActivationMemory([stage, encoders], device)  # after TP: the sharded parameters' storages
     apply_ac(family_blocks(stage, encoders, train.recompute), [BRANCHES[m] for m in train.recompute_modules])
     if train.compile:
@@ -98,6 +116,6 @@ def parallelize(
     blocks = {name: list(tower.encoder.blocks) for name, tower in encoders.towers.items()}
     return ParallelModel(
         memory,
-        apply_dp([stage], ps),
+        apply_llm_zero(list(stage.chunks.values()), ps, llm_zero, blocks=stage.layers.values()),
         apply_encoder_zero(encoders, encoders.towers, ps, encoder_zero, blocks=blocks),
     )

@@ -76,6 +76,7 @@ def validate(cfg: RunConfig, nproc: int) -> None:
             f"{par.world_size} does not match the process count {nproc} (--nproc)"
         )
     if par.cp > 1 and par.ulysses > 1:
+        # USP (Ulysses inside CP attention) is not built: one sequence flavour per run, with TP beside it.
         raise ConfigError("parallel.cp: choose one LLM sequence-parallel flavour (cp or ulysses), not both")
     if llm.dim % llm.n_heads:
         raise ConfigError(f"model.llm.dim: {llm.dim} is not divisible by model.llm.n_heads {llm.n_heads}")
@@ -92,12 +93,9 @@ def validate(cfg: RunConfig, nproc: int) -> None:
                 f"model.llm.{name}: {getattr(llm, name)} is not divisible by parallel.tp {par.tp}"
             )
     _validate_cp(cfg)
-    # Ulysses pads heads that sp does not divide (omni_parallel.ulysses), so no head-count check here.
-    if par.ulysses > 1 and par.tp > 1:
-        raise ConfigError(
-            f"parallel.ulysses: {par.ulysses} together with parallel.tp {par.tp} is not supported "
-            "(the loader shares one pack over either the TP or the Ulysses group)"
-        )
+    # Ulysses pads heads that sp does not divide (omni_parallel.ulysses), so no head-count check here;
+    # with TP it exchanges each TP rank's local heads (n_heads / tp), and the loader shares one pack
+    # over the TP x Ulysses group (ParallelState group tp_cp).
     if llm.n_layers < par.pp:
         raise ConfigError(
             f"model.llm.n_layers: {llm.n_layers} layers cannot fill parallel.pp = {par.pp} stages"
@@ -195,6 +193,38 @@ def validate(cfg: RunConfig, nproc: int) -> None:
             f"parallel.encoder_zero: {par.encoder_zero} is not one of 0 (encoders whole on every rank), "
             "2 (gradients and optimizer state sharded) or 3 (parameters too)"
         )
+    if isinstance(par.llm_zero, bool) or par.llm_zero not in (0, 1, 2, 3):
+        raise ConfigError(
+            f"parallel.llm_zero: {par.llm_zero!r} is not one of 0 (replicated), 1 (optimizer state "
+            "sharded), 2 (gradients too) or 3 (parameters too)"
+        )
+    if par.llm_zero and par.tp > 1:
+        raise ConfigError(
+            f"parallel.llm_zero: {par.llm_zero} with parallel.tp {par.tp} is not supported: the LLM's "
+            "parameters are TP DTensors, and FSDP2 over them needs a 2-D (data, tp) mesh sliced from one "
+            "device mesh, which the stage's data group (dp x ulysses / cp) is not; use llm_zero = 0 with tp"
+        )
+    if not isinstance(par.sequence_parallel, bool):
+        raise ConfigError(f"parallel.sequence_parallel: must be true or false, got {par.sequence_parallel!r}")
+    if par.sequence_parallel and par.tp == 1:
+        raise ConfigError(
+            "parallel.sequence_parallel: needs parallel.tp > 1 (it shards the tokens over the TP group), "
+            "got tp = 1"
+        )
+    # With plain CP or Ulysses at pp = 1 (no stage boundary) SP shards each rank's tokens over TP inside
+    # the stage (tests/test_train_4d.py); a CP rank holds two head-tail chunks of every document padded to
+    # 2 * cp tokens, so its token count is a multiple of 2 and only tp = 2 shards it evenly.
+    if par.sequence_parallel and (par.hybrid_cp or ((par.cp > 1 or par.ulysses > 1) and par.pp > 1)):
+        raise ConfigError(
+            f"parallel.sequence_parallel: not combined with parallel.cp {par.cp} / hybrid_cp {par.hybrid_cp} "
+            f"/ ulysses {par.ulysses} at parallel.pp {par.pp} yet (their step inputs do not shard the "
+            "stage-boundary tokens over TP; with pp = 1, plain cp and ulysses are supported)"
+        )
+    if par.sequence_parallel and par.cp > 1 and par.tp != 2:
+        raise ConfigError(
+            f"parallel.sequence_parallel: with parallel.cp {par.cp} needs parallel.tp = 2 (got {par.tp}): a "
+            "CP rank's tokens are a multiple of 2, not of tp, and SP shards them evenly over TP"
+        )
     sp_size = par.ulysses if par.ulysses > 1 else (par.cp if not par.hybrid_cp else 1)
     if par.encoder_sp < 1 or (par.encoder_sp > 1 and par.encoder_sp != sp_size):
         raise ConfigError(
@@ -243,12 +273,10 @@ def _check_checkpoint_url(url: str) -> None:
 def _validate_cp(cfg: RunConfig) -> None:
     """CP and hybrid DP/CP: what the trainer's CP path (``omni_pipeline.cp_delivery``) supports."""
     par = cfg.parallel
-    if (par.cp > 1 or par.hybrid_cp) and par.tp > 1:
-        raise ConfigError(
-            f"parallel.cp: context parallelism together with parallel.tp {par.tp} is not supported yet"
-        )
-    if (par.cp > 1 or par.hybrid_cp) and cfg.train.compile:
-        raise ConfigError("train.compile: not supported with context parallelism (parallel.cp > 1) yet")
+    if par.hybrid_cp and cfg.train.compile:
+        # Plain CP compiles (tests/test_train_4d.py, tp=2 x cp=2 ring); hybrid DP/CP's CP blocks, and with them
+        # the attention's process groups, change per pack, and compiling over them is not verified.
+        raise ConfigError("train.compile: not supported with parallel.hybrid_cp yet (plain parallel.cp is)")
     g = cfg.data.reorder_group_size
     if (par.cp > 1 or par.hybrid_cp) and g is not None and g > 1 and par.reorder:
         raise ConfigError(
@@ -256,10 +284,17 @@ def _validate_cp(cfg: RunConfig) -> None:
             f"{par.hybrid_cp}): the CP ranks already balance each encoder microbatch; reordering across DP "
             "is not combined with CP, set it to 1"
         )
-    if par.hybrid_cp and (par.ulysses > 1 or par.dp * par.cp < 2):
+    if par.hybrid_cp and par.dp * par.cp < 2:
         raise ConfigError(
-            f"parallel.hybrid_cp: needs dp * cp >= 2 ranks per stage to share (got dp {par.dp} x cp "
-            f"{par.cp}) and no parallel.ulysses"
+            f"parallel.hybrid_cp: needs dp * cp >= 2 ranks per stage to share (got dp {par.dp} x cp {par.cp})"
+        )
+    if par.hybrid_cp and par.ulysses > 1:
+        # Its CP blocks would be blocks of Ulysses groups: attention needs Ulysses inside CP (USP), which
+        # the LLM does not run (parallel.cp with parallel.ulysses is refused above for the same reason).
+        raise ConfigError(
+            f"parallel.hybrid_cp: not with parallel.ulysses {par.ulysses}: a CP block of Ulysses groups "
+            "needs Ulysses attention inside CP attention (USP), which the LLM does not run; use "
+            "parallel.tp for the heads instead"
         )
     for i, src in enumerate(cfg.data.sources):
         if src.join_tokens < 0 or (src.join_tokens and src.modality != "text"):

@@ -23,6 +23,7 @@ from omni_data import Modality, split_encoder_microbatches
 from omni_parallel import ParallelState
 from omni_parallel.activation_memory import StepPeaks
 from omni_parallel.flops import attention_flops, model_flops
+from omni_parallel.memory import KINDS
 from omni_pipeline import MODALITIES, StepInputs, StepResult
 from omni_train.config import RunConfig
 from omni_train.data_pipeline import encoder_imbalance, encoder_load
@@ -90,7 +91,8 @@ def step_phases(result: StepResult, wall: float, measured: dict[str, float]) -> 
     return out
 
 
-_STATE_PARTS = ("parameters", "gathered", "gradients", "optimizer")  # encoder_state_bytes fields
+_STATE_PARTS = KINDS  # the fields of {llm,encoder}_state_bytes[_per_rank]
+_STATE_OWNERS = ("encoder", "llm")
 
 
 class StepMetrics:
@@ -104,7 +106,8 @@ class StepMetrics:
         encoder_matmul: ``{modality: matmul parameters}`` of each encoder tower.
         peak_flops: measured peak FLOP/s of one process.
         encoder_bytes: ``() -> {"parameters", "gathered", "gradients", "optimizer": bytes}`` this rank
-            holds for the encoders (``omni_parallel.encoder_zero.state_bytes``); ``None``: not reported.
+            holds for the encoders (``omni_parallel.memory.state_bytes``); ``None``: not reported.
+        llm_bytes: the same for this rank's LLM stages.
     """
 
     def __init__(
@@ -117,9 +120,10 @@ class StepMetrics:
         encoder_matmul: dict[str, int],
         peak_flops: float,
         encoder_bytes: Callable[[], dict[str, int]] | None = None,
+        llm_bytes: Callable[[], dict[str, int]] | None = None,
     ) -> None:
         self.cfg, self.llm, self.peak_flops = cfg, llm, peak_flops
-        self.encoder_bytes = encoder_bytes
+        self.state_bytes = {"encoder": encoder_bytes, "llm": llm_bytes}
         self.llm_matmul, self.encoder_matmul = llm_matmul, encoder_matmul
         self.rank, self.world = ps.rank, ps.world_size
         self.pp, self.pp_rank = ps.size("pp"), ps.local_rank("pp")
@@ -194,30 +198,37 @@ class StepMetrics:
         """This rank's share of encoder parallelism's per-rank numbers, summed over the world in
         :meth:`reduce`'s one all-reduce: measured seconds in encoder forwards and backwards (the
         collectives of SP and reordering included), modelled encoder FLOPs without and with the
-        reordering across DP, payload bytes the reordering moved, and the encoders' state bytes."""
+        reordering across DP, payload bytes the reordering moved, and the state bytes of the encoders and
+        of the LLM stages (:data:`_STATE_OWNERS` x :data:`_STATE_PARTS` x ranks)."""
         n = self.world
-        vec = torch.zeros(3 * n + 1 + len(_STATE_PARTS) * n, dtype=torch.float64)
+        vec = torch.zeros(3 * n + 1 + len(_STATE_OWNERS) * len(_STATE_PARTS) * n, dtype=torch.float64)
         vec[self.rank] = sum(ev.end_s - ev.start_s for ev in result.timeline if ev.kind in ("EF", "EB"))
         works = inputs.encoder_work.values()
         vec[n + self.rank] = sum(w.flops_before for w in works)
         vec[2 * n + self.rank] = sum(w.flops_after for w in works)
         vec[3 * n] = sum(w.bytes_sent for w in works)
-        held = self.encoder_bytes() if self.encoder_bytes is not None else {}
-        for i, part in enumerate(_STATE_PARTS):
-            vec[3 * n + 1 + i * n + self.rank] = held.get(part, 0)
+        for j, owner in enumerate(_STATE_OWNERS):
+            measure = self.state_bytes[owner]
+            held = measure() if measure is not None else {}
+            for i, part in enumerate(_STATE_PARTS):
+                vec[3 * n + 1 + (j * len(_STATE_PARTS) + i) * n + self.rank] = held.get(part, 0)
         return vec
 
     def _encoder_numbers(self, v: list[float]) -> dict[str, Any]:
         """:meth:`_encoder_vector`'s layout, summed over the world, as named numbers."""
-        n = self.world
+        n, k = self.world, len(_STATE_PARTS)
         at = 3 * n + 1
         return {
             "encoder_s": v[:n],
             "encoder_flops_before": v[n : 2 * n],
             "encoder_flops_after": v[2 * n : 3 * n],
             "reorder_bytes": int(v[3 * n]),
-            "encoder_bytes": {
-                p: [int(x) for x in v[at + i * n : at + (i + 1) * n]] for i, p in enumerate(_STATE_PARTS)
+            **{
+                f"{owner}_bytes": {
+                    p: [int(x) for x in v[at + (j * k + i) * n : at + (j * k + i + 1) * n]]
+                    for i, p in enumerate(_STATE_PARTS)
+                }
+                for j, owner in enumerate(_STATE_OWNERS)
             },
         }
 
@@ -259,6 +270,9 @@ class StepMetrics:
             "encoder_flops_imbalance_after_dp_reorder": _max_over_mean(row["encoder_flops_after"]),
             "reorder_bytes": row["reorder_bytes"],
             "encoder_state_bytes": {p: max(v) for p, v in row["encoder_bytes"].items()},
+            "llm_state_bytes": {p: max(v) for p, v in row["llm_bytes"].items()},
+            "encoder_state_bytes_per_rank": row["encoder_bytes"],
+            "llm_state_bytes_per_rank": row["llm_bytes"],
         }
 
     def step_flops(self, inputs: StepInputs) -> float:

@@ -7,11 +7,11 @@ data flow and the loader, the step builder, the executor, the checkpoint and the
 the loop below; what the run writes (metrics, ``actions.jsonl``, notices, profiler traces, the summary)
 is :mod:`omni_train.run_outputs`'s.
 
-Each step: learning rate, gradients zeroed (ZeRO-0 encoder gradients re-attached to their flat buffers)
--> the loader's step -> :class:`~omni_pipeline.StepInputs` (a value; the executor's callables close over
-it) -> executor step -> gradient clipping across pipeline ranks and encoder replicas -> the numerics
-guard's verdict (:mod:`omni_train.numerics_guard`: AdamW steps, or the step is skipped, rolled back or
-stops the run) -> metrics (:mod:`omni_train.step_metrics`, one collective) -> records -> checkpoint. A step's wall clock
+Each step: learning rate, gradients zeroed (ZeRO-0 encoder gradients re-attached to their flat buffers;
+LLM ZeRO 1-3 parameters all-gathered) -> the loader's step -> :class:`~omni_pipeline.StepInputs` (a value;
+the executor's callables close over it) -> executor step -> gradient clipping across pipeline ranks and
+encoder replicas -> the numerics guard's verdict (:mod:`omni_train.numerics_guard`: AdamW steps, or the
+step is skipped, rolled back or stops the run) -> metrics (:mod:`omni_train.step_metrics`, one collective) -> records -> checkpoint. A step's wall clock
 runs from the end of the previous step's metrics reduction, so the previous checkpoint save counts in
 it; where it went, per rank and phase, is ``time_s_per_rank`` in ``metrics.jsonl``. Everything the loader
 skipped (undecodable payloads keep their place, their targets masked) is reduced over the ranks each step
@@ -269,6 +269,7 @@ class Trainer:
             g["lr"] = lr
         self.optimizer.zero_grad(set_to_none=True)
         self.sync_encoders.attach()  # ZeRO 0: encoder gradients accumulate into flat buffers (no copies)
+        self.sync_llm.attach()  # LLM ZeRO 1-3: the step's one all-gather, before its first LLM forward
         return lr
 
     @record_function("omni_train.clip_grad_norm")

@@ -19,6 +19,8 @@ which is the order the ranks create groups, draw parameters from seeded generato
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import os
 import sys
 from collections.abc import Callable
@@ -36,8 +38,9 @@ from omni_data import Modality, encoder_microbatch_ids
 from omni_data.zero_redundancy import ZeroRedundancyFilter
 from omni_parallel import GroupSpec, ParallelConfig, ParallelState, ReshardMode, mesh_device_type
 from omni_parallel.activation_memory import ActivationMemory
-from omni_parallel.encoder_zero import state_bytes
 from omni_parallel.flops import matmul_params, measure_peak_flops
+from omni_parallel.llm_zero import LLMGradientSync
+from omni_parallel.memory import state_bytes
 from omni_parallel.parallelize import EncoderGradientSync, training_dtypes
 from omni_parallel.watchdog import Watchdog, WatchdogSpec, default_store_client
 from omni_pipeline import (
@@ -103,13 +106,16 @@ def group_spec(cfg: RunConfig) -> GroupSpec:
     )
 
 
-def parallel_state(cfg: RunConfig) -> ParallelState:
+def parallel_state(cfg: RunConfig, *, checkpoint_group: bool = True) -> ParallelState:
     """Every process group of the run, in one order (collective: every rank of the default group calls
-    it). Raises as :meth:`omni_parallel.ParallelState.build` (sizes that do not multiply to the world)."""
+    it); ``checkpoint_group=False`` leaves out the checkpoint's gloo group (the memory plan over torch's
+    fake backend, which cannot build a gloo group). Raises as :meth:`omni_parallel.ParallelState.build`
+    (sizes that do not multiply to the world)."""
     par = cfg.parallel
+    spec = group_spec(cfg)
     return ParallelState.build(
         ParallelConfig(tp=par.tp, pp=par.pp, cp=par.cp, ulysses=par.ulysses, dp=par.dp),
-        groups=group_spec(cfg),
+        groups=spec if checkpoint_group else dataclasses.replace(spec, checkpoint=False),
         timeout=timedelta(seconds=cfg.train.collective_timeout_s),
     )
 
@@ -148,7 +154,7 @@ class ModelParts:
     model: nn.ModuleDict
     optimizer: torch.optim.Optimizer
     memory: ActivationMemory
-    sync_llm: Callable[[], None]
+    sync_llm: LLMGradientSync
     sync_encoders: EncoderGradientSync
     llm_matmul: int
 
@@ -169,11 +175,14 @@ def build_model(
     dtype, compute_dtype = training_dtypes(train.dtype)
     sp_group = ps.group("ulysses") if ps.size("ulysses") > 1 else None
     split = stage_split(cfg.parallel, llm_cfg, cfg.data.max_seq_len)
-    stage = build_rank_stages(
-        llm_cfg, schedule, ps.local_rank("pp"), seed=m.seed, sp_group=sp_group, split=split
-    )
+    # on "meta" (the memory plan, omni_train.memory_plan) the modules are made there: no values drawn
+    with torch.device("meta") if device.type == "meta" else contextlib.nullcontext():
+        stage = build_rank_stages(
+            llm_cfg, schedule, ps.local_rank("pp"), seed=m.seed, sp_group=sp_group, split=split
+        )
+        encoders = Encoders(m.vit, m.audio, llm_cfg.dim, seed=m.seed)
     stage.to(device, dtype)
-    encoders = Encoders(m.vit, m.audio, llm_cfg.dim, seed=m.seed).to(device, dtype)
+    encoders.to(device, dtype)
     llm_matmul = matmul_params(stage)  # before TP: global parameter counts
     par = parallelize(
         stage,
@@ -181,6 +190,8 @@ def build_model(
         ps,
         train,
         encoder_zero=cfg.parallel.encoder_zero,
+        llm_zero=cfg.parallel.llm_zero,
+        sequence_parallel=cfg.parallel.sequence_parallel,
         num_stages=schedule.num_stages,
         device=device,
     )
@@ -275,9 +286,9 @@ def _cp_stream_options(cfg: RunConfig, ps: ParallelState, sharding: CPSharding |
     if sharding is None:
         return {}
     if sharding.encoder_sp > 1:
-        # Long-short SP over the CP group: every CP rank needs the long images' pixels, so CP rank 0
-        # reads whole encoder microbatches and broadcasts them to its CP peers, as for Ulysses.
-        return {"tp_group": ps.group("cp")}
+        # Long-short SP over the CP group: every CP rank needs the long images' pixels, so rank 0 of the
+        # TP x CP group reads whole encoder microbatches and broadcasts them to its peers, as for Ulysses.
+        return {"tp_group": ps.group("tp_cp")}
     if not sharding.hybrid:
         return {"share": sharding.share}
     return {
@@ -296,16 +307,16 @@ def step_stream(
     """This rank's loader (:func:`omni_train.data_pipeline.build_step_stream`), reading only what
     ``consumes`` runs on this pipeline rank, text only on the first and last stage."""
     pp_rank, pp = ps.local_rank("pp"), ps.size("pp")
-    tp, sp = ps.size("tp"), ps.size("ulysses")
+    # TP and Ulysses peers need identical packs: rank 0 of the TP x Ulysses group (tp_cp) reads, the
+    # others get a broadcast; CP ranks read shares of their own, so under CP only TP peers share
+    peers = "tp" if ps.size("cp") > 1 else "tp_cp"
     options: dict[str, Any] = dict(
         dp_rank=ps.local_rank("dp"),
         dp_size=ps.size("dp"),
         dp_group=ps.loader_dp_group,  # the loader's thread has a DP group of its own
         consumes=consumes,
         read_text=pp_rank == 0 or pp_rank == pp - 1,
-        # TP and Ulysses peers need identical packs: their rank 0 reads, the others get a broadcast
-        # (validation refuses tp > 1 with ulysses > 1).
-        tp_group=ps.group("tp") if tp > 1 else (ps.group("ulysses") if sp > 1 else None),
+        tp_group=ps.group(peers) if ps.size(peers) > 1 else None,
         background=True,  # the next step's metadata (and plan) is made while this one trains,
         # from when this step's inputs are built (the trainer's step): both are Python, and a second
         # thread running then takes turns at the GIL with the input building instead of with the compute
@@ -365,6 +376,7 @@ def step_builder(
         builds_text=pp_rank == 0 or pp_rank == pp - 1,
         sp=ps.size("ulysses"),
         sp_rank=ps.local_rank("ulysses"),
+        tp_sp=ps.size("tp") if cfg.parallel.sequence_parallel else 1,
     )
     # the ranks of a stage that share its packs under CP: the CP group, or dp_cp for hybrid DP/CP
     cp_group = None if sharding is None else ps.group("dp_cp" if sharding.hybrid else "cp")
@@ -461,4 +473,5 @@ def step_metrics(cfg: RunConfig, ps: ParallelState, parts: ModelParts, device: t
         encoder_matmul={k: matmul_params(t) for k, t in towers.items()},
         peak_flops=measure_peak_flops(device),
         encoder_bytes=lambda: state_bytes(towers.values(), parts.optimizer),
+        llm_bytes=lambda: state_bytes([parts.stage], parts.optimizer),
     )

@@ -52,4 +52,4 @@ __all__ = [
     "save",
     "save_ranks",
 ]
-__version__ = "0.4.0"
+__version__ = "0.4.1"

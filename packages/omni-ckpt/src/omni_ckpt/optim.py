@@ -15,7 +15,8 @@ optimizer is fresh) is listed in ``no_state`` and gets a :class:`~omni_ckpt.Plac
 to load into: :func:`omni_ckpt.save` skips placeholders, so the checkpoint holds no moments and no step
 for it, and :func:`omni_ckpt.load` fills a placeholder when the checkpoint has that parameter's state and
 removes it when it has none. :func:`load_optimizer_state_dict` then hands the loaded state (hyperparameters
-included) back to the optimizer, checking it against the checkpoint's own ``no_state`` list, so a
+included; the implementation flags ``fused`` / ``foreach`` stay the loading optimizer's, which may run
+another layout) back to the optimizer, checking it against the checkpoint's own ``no_state`` list, so a
 parameter resumes with exactly the state it had: its moments and per-parameter ``step``, or none at all.
 
 Placeholder tensors come from a throwaway optimizer of the same class and hyperparameters over zero
@@ -33,6 +34,9 @@ import torch
 from omni_ckpt.state import Placeholder
 
 __all__ = ["init_optimizer_state", "load_optimizer_state_dict", "optimizer_state_dict"]
+
+# param_groups keys that choose an implementation, not a hyperparameter: kept from the loading optimizer
+_IMPLEMENTATION = ("foreach", "fused", "capturable", "differentiable")
 
 
 def _ordered(
@@ -140,8 +144,12 @@ def load_optimizer_state_dict(
             raise ValueError(
                 f"no optimizer state for parameter {neither[0]!r}, and the state does not list it under no_state"
             )
+    # How the optimizer computes (fused / foreach kernels) is the optimizer's own, never the checkpoint's:
+    # a layout with DTensor parameters cannot run a fused kernel that a layout of plain tensors chose.
+    own = [{k: g[k] for k in _IMPLEMENTATION if k in g} for g in optimizer.param_groups]
+    groups = [dict(g, params=[index[n] for n in g["params"]]) for g in state["param_groups"]]
     sd = {
         "state": {index[n]: s for n, s in real.items()},
-        "param_groups": [dict(g, params=[index[n] for n in g["params"]]) for g in state["param_groups"]],
+        "param_groups": [dict(g, **mine) for g, mine in zip(groups, own)] + groups[len(own) :],
     }
     optimizer.load_state_dict(sd)

@@ -36,6 +36,7 @@ from omni_parallel.hybrid_cp import (
     local_sequence,
     plan_hybrid_cp,
 )
+from omni_parallel.llm_zero import LLMGradientSync, apply_llm_zero
 from omni_parallel.long_short import LongShortPlan, Piece, plan_long_short
 from omni_parallel.numerics import NonFiniteError, NumericsGuard, NumericsSpec, OnNonFinite, StepVerdict
 from omni_parallel.parallelize import (
@@ -83,6 +84,7 @@ __all__ = [
     "GroupSpec",
     "HybridCPPlan",
     "HybridCPSlot",
+    "LLMGradientSync",
     "LocalSegment",
     "LocalSequence",
     "LongShortPlan",
@@ -105,6 +107,7 @@ __all__ = [
     "apply_compile",
     "apply_dp",
     "apply_encoder_zero",
+    "apply_llm_zero",
     "apply_mixed_precision",
     "apply_offload",
     "apply_tp",
@@ -143,4 +146,4 @@ __all__ = [
     "uses_device_kernel",
     "varlen_attention",
 ]
-__version__ = "0.5.0"
+__version__ = "0.6.0"

@@ -89,21 +89,28 @@ class ActivationMemory:
     """Saved-activation accounting and offload for one rank (no global state: one object per training run).
 
     Args:
-        modules: the rank's modules; their parameters' storages are not activations.
+        modules: the rank's modules; their parameters' storages are not activations. They are read again
+            at the first saved tensor of each step (after :meth:`start_step`), so parameters that FSDP2
+            gathers for the step (LLM ZeRO, encoder ZeRO: new storages every step) are not counted.
         device: the compute device (``cuda``: allocator peaks are read and offload copies to pinned host
             memory).
     """
 
     def __init__(self, modules: Iterable[nn.Module], device: torch.device) -> None:
         self.device = torch.device(device)
-        self._params = {_storage_key(p)[:2] for m in modules for p in m.parameters() if _local(p).numel() > 0}
+        self._modules = list(modules)
+        self._params = self._param_keys()
         self._refs: list[dict[tuple, int]] = [{}, {}]
         self._live = [0, 0]
         self._peak = [0, 0]
 
+    def _param_keys(self) -> set[tuple[str, int]]:
+        return {_storage_key(p)[:2] for m in self._modules for p in m.parameters() if _local(p).numel() > 0}
+
     # -- the step ------------------------------------------------------------------------------------------
     def start_step(self) -> None:
         """Reset the peaks (the live counts carry on: nothing is saved between steps)."""
+        self._params = None  # read again at the step's first saved tensor: after every FSDP2 gather
         self._peak = list(self._live)
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
@@ -122,15 +129,20 @@ class ActivationMemory:
         return torch.autograd.graph.saved_tensors_hooks(self._pack_offloaded, self._unpack)
 
     # -- hooks ---------------------------------------------------------------------------------------------
+    def _is_param(self, key: tuple) -> bool:
+        if self._params is None:
+            self._params = self._param_keys()
+        return key[:2] in self._params
+
     def _pack_kept(self, t: torch.Tensor) -> object:
         key = _storage_key(t)
-        if key[:2] in self._params:
+        if self._is_param(key):
             return t
         return _Saved(self, _KEPT, key, t, t.device)
 
     def _pack_offloaded(self, t: torch.Tensor) -> object:
         key = _storage_key(t)
-        if key[:2] in self._params:
+        if self._is_param(key):
             return t
         if t.device.type == "cpu" or isinstance(t, DTensor):
             # Host memory already (or a DTensor, whose placement a plain copy would lose): kept as is.

@@ -49,11 +49,20 @@ __all__ = [
     "gather_parameters",
     "is_sharded",
     "reduce_scatter_gradients",
+    "shard_rows",
     "sharded_units",
-    "state_bytes",
 ]
 
 _BUCKET_BYTES = 25 * 2**20
+
+
+def shard_rows(rows: int, world: int, rank: int) -> tuple[int, int]:
+    """``(first row, row count)`` of rank ``rank``'s FSDP2 ``Shard(0)`` chunk of a dim 0 of ``rows``
+    over ``world`` ranks: ``torch.chunk``'s split, chunks of ``ceil(rows / world)`` rows, the trailing
+    ones short or empty (count 0)."""
+    chunk = -(-rows // world)
+    start = min(rows, rank * chunk)
+    return start, max(0, min(chunk, rows - rank * chunk))
 
 
 def sharded_units(modules: Iterable[nn.Module]) -> list[nn.Module]:
@@ -204,9 +213,8 @@ def _reduce_scatter_bucket(
     if divide_by != 1:
         out.div_(divide_by)
     for (p, _), part in zip(bucket, out.split(widths)):
-        rows, chunk = p.shape[0], -(-p.shape[0] // world)
-        local_rows = max(0, min(chunk, rows - rank * chunk))
-        local = part.view(chunk, *p.shape[1:])[:local_rows].clone()
+        chunk = -(-p.shape[0] // world)
+        local = part.view(chunk, *p.shape[1:])[: shard_rows(p.shape[0], world, rank)[1]].clone()
         if tuple(local.shape) != tuple(p.to_local().shape):
             raise ValueError(
                 f"reduce_scatter_gradients: rank {rank} shard {tuple(local.shape)} differs from the "
@@ -215,48 +223,3 @@ def _reduce_scatter_bucket(
         p.grad = DTensor.from_local(
             local, p.device_mesh, p.placements, shape=p.shape, stride=p.stride(), run_check=False
         )
-
-
-def state_bytes(
-    modules: Iterable[nn.Module], optimizer: torch.optim.Optimizer | None = None
-) -> dict[str, int]:
-    """Bytes this rank holds for ``modules`` between steps, measured from the tensors' storages.
-
-    Returns ``{"parameters": ..., "gathered": ..., "gradients": ..., "optimizer": ...}``: the parameters'
-    local storage (a DTensor's local shard), the gathered copies kept allocated between steps (ZeRO-2;
-    0 under ZeRO-3, whose gathered storage is freed at reshard), the gradients' local storage and the
-    optimizer state tensors of these parameters. Each storage is counted once.
-    """
-    modules = list(modules)
-    seen: set[tuple[int, int]] = set()
-
-    def nbytes(t: torch.Tensor | None) -> int:
-        if t is None:
-            return 0
-        local = t.to_local() if isinstance(t, DTensor) else t
-        st = local.untyped_storage()
-        key = (st.data_ptr(), st.nbytes())
-        if st.nbytes() == 0 or key in seen:
-            return 0
-        seen.add(key)
-        return st.nbytes()
-
-    params = [p for _, _, p in _named(modules)]
-    out = {
-        "parameters": sum(nbytes(p) for p in params),
-        "gathered": 0,
-        "gradients": sum(nbytes(p.grad) for p in params),
-        "optimizer": 0,
-    }
-    # torch has no public accessor for FSDP2's gathered buffers: read them from each unit's state.
-    for unit in sharded_units(modules):
-        for group in unit._get_fsdp_state()._fsdp_param_groups:
-            for fsdp_param in group.fsdp_params:
-                for t in getattr(fsdp_param, "all_gather_outputs", []):
-                    out["gathered"] += nbytes(t)
-    if optimizer is not None:
-        ids = {id(p) for p in params}
-        for p, st in optimizer.state.items():
-            if id(p) in ids:
-                out["optimizer"] += sum(nbytes(v) for v in st.values() if isinstance(v, torch.Tensor))
-    return out

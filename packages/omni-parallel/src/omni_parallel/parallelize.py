@@ -49,7 +49,7 @@ from omni_parallel.activation_memory import ActivationMemory
 from omni_parallel.data_parallel import FlatGradients, all_reduce_gradients
 from omni_parallel.encoder_zero import reduce_scatter_gradients
 from omni_parallel.state import EncoderLayout, ParallelState
-from omni_parallel.tensor_parallel import apply_tensor_parallel
+from omni_parallel.tensor_parallel import apply_tensor_parallel, reduce_partial_gradients
 
 __all__ = [
     "TRAINING_DTYPES",
@@ -67,20 +67,33 @@ __all__ = [
 TRAINING_DTYPES = ("float32", "float64", "bfloat16")  # the names training_dtypes accepts
 
 
-def apply_tp(blocks: Iterable[nn.Module], ps: ParallelState, plan: Mapping[str, ParallelStyle]) -> None:
+def apply_tp(
+    blocks: Iterable[nn.Module],
+    ps: ParallelState,
+    plan: Mapping[str, ParallelStyle],
+    *,
+    model: nn.Module | None = None,
+    model_plan: Mapping[str, ParallelStyle] | None = None,
+) -> None:
     """Shard every block in ``blocks`` over ``ps``'s TP group with ``plan`` (e.g.
     :func:`omni_parallel.tensor_parallel.llama_tp_plan`: column-parallel Q/K/V and gate/up, row-parallel
-    output and down projections). Block inputs and outputs stay replicated over TP, so a pipeline sends
-    plain tensors, stage s TP rank t to stage s+1 TP rank t. No-op for ``tp = 1``.
+    output and down projections), then ``model`` (holding the blocks) with ``model_plan`` (its modules
+    outside the blocks). Without sequence parallelism block inputs and outputs stay replicated over TP,
+    so a pipeline sends plain tensors, stage s TP rank t to stage s+1 TP rank t. With it
+    (``llama_tp_plan(sequence_dim=0)`` and
+    :func:`~omni_parallel.tensor_parallel.sequence_parallel_plan` as ``model_plan``) they are plain
+    tensors holding TP rank t's token shard, sent the same way. No-op for ``tp = 1``.
 
     Raises:
-        ValueError: a plan key names no submodule of a block.
+        ValueError: a plan key names no submodule of a block (or of ``model``).
     """
     if ps.size("tp") == 1:
         return
     tp_mesh = ps.device_mesh("tp")
     for block in blocks:
         apply_tensor_parallel(block, tp_mesh, dict(plan))
+    if model is not None and model_plan:
+        apply_tensor_parallel(model, tp_mesh, dict(model_plan))
 
 
 def apply_ac(blocks: Iterable[nn.Module], branches: Iterable[str] = ()) -> None:
@@ -230,14 +243,21 @@ def apply_compile(blocks: Iterable[nn.Module], *, backend: str | Callable = "ind
 def apply_dp(modules: Iterable[nn.Module], ps: ParallelState) -> Callable[[], None]:
     """The LLM's gradient sync: a plain sum over this stage's data group (DP x Ulysses, ``ps`` group
     ``dp_cp``) with one all-reduce per bucket of flattened gradients
-    (:func:`omni_parallel.data_parallel.all_reduce_gradients`; TP shards reduce their local part).
+    (:func:`omni_parallel.data_parallel.all_reduce_gradients`; TP shards reduce their local part). Under
+    sequence parallelism the norms' partial weight gradients are first summed over TP
+    (:func:`omni_parallel.tensor_parallel.reduce_partial_gradients`).
 
     Returns:
         The hook: call it on every rank of the group after the step's last backward (collective).
     """
     group = ps.group("dp_cp") if ps.size("dp_cp") > 1 else None
     params = [p for m in modules for p in m.parameters() if p.requires_grad]
-    return lambda: all_reduce_gradients(params, group)
+
+    def sync() -> None:
+        reduce_partial_gradients(params)
+        all_reduce_gradients(params, group)
+
+    return sync
 
 
 @dataclass(frozen=True)

@@ -6,12 +6,13 @@
 1,000+ ranks in one process). It is a plain object passed explicitly; nothing is stored globally.
 
 Groups come from ``torch.distributed.device_mesh.init_device_mesh`` with one named dimension per
-elementary axis of :func:`omni_parallel.topology.mesh_axes`; combined groups (``dp``, ``dp_cp``) are
-created by enumerating :func:`omni_parallel.topology.rank_groups`, whose member lists they all equal.
+elementary axis of :func:`omni_parallel.topology.mesh_axes`; combined groups (``dp``, ``dp_cp``,
+``tp_cp``) are created by enumerating :func:`omni_parallel.topology.rank_groups`, whose member lists they
+all equal (``tp_cp`` is the ``tp``, ``ulysses`` or ``cp`` group itself when only one of them exceeds 1).
 
 Every process group of a run is created here, in :meth:`ParallelState.build`, in one fixed order (group
 creation is collective: every rank must create the same groups in the same order, so no caller creates
-any elsewhere): the mesh's elementary axes, ``dp`` and ``dp_cp``, then the optional groups a
+any elsewhere): the mesh's elementary axes, ``dp``, ``dp_cp`` and ``tp_cp``, then the optional groups a
 :class:`GroupSpec` asks for, in this order: the loader's copy of ``dp``, the reordering groups across DP,
 the encoders' point-to-point copy of ``pp``, the hybrid DP/CP blocks, and a gloo group over every rank for
 checkpoint bookkeeping.
@@ -45,7 +46,7 @@ __all__ = [
     "mesh_device_type",
 ]
 
-_COMBINED = ("dp", "dp_cp")
+_COMBINED = ("dp", "dp_cp", "tp_cp")
 
 
 def mesh_device_type(group: dist.ProcessGroup | None = None) -> str:
@@ -329,7 +330,15 @@ class ParallelState:
         # flattening would slice the mesh, which imports torch._dynamo (seconds per process).
         axis_groups = {name: mesh.get_group(name) for name in GROUP_NAMES if name not in _COMBINED}
         for name in _COMBINED:
-            axis_groups[name], _ = dist.new_subgroups_by_enumeration(table[name], timeout=timeout)
+            # tp_cp over the ranks of one elementary axis (TP, Ulysses or CP alone, or none) is that
+            # axis's group: no second communicator over the same ranks
+            alias = next(
+                (a for a in ("tp", "ulysses", "cp") if name == "tp_cp" and table[a] == table[name]), None
+            )
+            if alias is not None:
+                axis_groups[name] = axis_groups[alias]
+            else:
+                axis_groups[name], _ = dist.new_subgroups_by_enumeration(table[name], timeout=timeout)
         axis_groups["encoder_dp"] = dist.group.WORLD
         if timeout is not None:
             # init_device_mesh takes no timeout (only per-backend options): set it on what it built, and

@@ -3,8 +3,10 @@
 The layout follows Megatron-Core's ``RankGenerator`` (``generate_masked_orthogonal_rank_groups``): the
 order string lists the axes from fastest- to slowest-varying, so with the default ``"tp-cp-ep-dp-pp"``
 TP ranks are adjacent and PP ranks are the farthest apart. As in Megatron, EP is carved out of DP (the
-``ep`` and ``dp`` tokens must be adjacent; ``dp`` groups span both), and ``dp_cp`` spans DP and the
-sequence-parallel axes.
+``ep`` and ``dp`` tokens must be adjacent; ``dp`` groups span both), ``dp_cp`` spans DP and the
+sequence-parallel axes, and ``tp_cp`` spans TP and the sequence-parallel axes (Megatron's
+"tensor and context parallel" group: the ranks of one pipeline stage of one DP replica, which train on the
+same packs).
 
 Our addition: the ``cp`` token stands for the LLM's whole sequence-parallel block of size
 ``cp * ulysses``, laid out as Ulysses (inner, contiguous ranks: all-to-all wants the fastest links) times
@@ -20,7 +22,7 @@ from dataclasses import dataclass
 __all__ = ["GROUP_NAMES", "ParallelConfig", "mesh_axes", "rank_groups"]
 
 # Every name rank_groups() returns, and ParallelState exposes as a process group.
-GROUP_NAMES: tuple[str, ...] = ("tp", "cp", "ulysses", "ep", "dp", "pp", "dp_cp")
+GROUP_NAMES: tuple[str, ...] = ("tp", "cp", "ulysses", "ep", "dp", "pp", "dp_cp", "tp_cp")
 
 _TOKENS = ("tp", "cp", "ep", "dp", "pp")
 
@@ -121,6 +123,7 @@ _GROUP_AXES: dict[str, tuple[str, ...]] = {
     "dp": ("ep", "dp_rest"),
     "pp": ("pp",),
     "dp_cp": ("ulysses", "cp", "ep", "dp_rest"),
+    "tp_cp": ("tp", "ulysses", "cp"),
 }
 
 

@@ -121,24 +121,33 @@ def step_targets(packs: list[Pack], masked: Collection[tuple[int, int]] = ()) ->
 
 
 def ulysses_layout(
-    position_ids: torch.Tensor, cu_seqlens: torch.Tensor, sp: int, sp_rank: int
+    position_ids: torch.Tensor, cu_seqlens: torch.Tensor, sp: int, sp_rank: int, multiple: int | None = None
 ) -> tuple[torch.Tensor, torch.Tensor, int, int]:
     """This Ulysses rank's share of a pack (DeepSpeed-Ulysses: contiguous ``1/sp`` token chunks).
 
-    The pack of ``T`` tokens is padded to ``T_pad = ceil(T / sp) * sp`` with a padding document of its
-    own (so padding never attends to real tokens, nor they to it) and rank ``r`` holds tokens
-    ``[r * T_pad / sp, (r + 1) * T_pad / sp)``.
+    The pack of ``T`` tokens is padded to ``T_pad``, the next multiple of ``multiple`` (default ``sp``),
+    with a padding document of its own (so padding never attends to real tokens, nor they to it) and rank
+    ``r`` holds tokens ``[r * T_pad / sp, (r + 1) * T_pad / sp)``. Megatron sequence parallelism over
+    ``tp`` TP ranks pads to ``multiple = sp * tp`` (each chunk then splits evenly over TP; with ``sp = 1``
+    the chunk is the whole padded pack).
 
     Args:
         position_ids: int64 ``[T]``; cu_seqlens: int64 ``[docs + 1]`` ending at ``T``.
         sp: Ulysses group size; sp_rank: this rank's index in it.
+        multiple: pad to a multiple of this (a multiple of ``sp``); ``None``: ``sp``.
 
     Returns:
         ``(position_ids [T_pad / sp] of the chunk (global positions, padding counts 0, 1, ...),
         cu_seqlens [docs + 1 or docs + 2] of the padded pack, lo, hi)``: the chunk is ``[lo, hi)``.
+
+    Raises:
+        ValueError: ``multiple`` is not a positive multiple of ``sp``.
     """
+    multiple = sp if multiple is None else multiple
+    if multiple < 1 or multiple % sp:
+        raise ValueError(f"ulysses_layout: multiple {multiple} is not a positive multiple of sp {sp}")
     t = int(position_ids.numel())
-    pad = -t % sp
+    pad = -t % multiple
     if pad:
         position_ids = torch.cat([position_ids, torch.arange(pad, dtype=position_ids.dtype)])
         cu_seqlens = torch.cat([cu_seqlens, cu_seqlens.new_tensor([t + pad])])
@@ -147,11 +156,12 @@ def ulysses_layout(
     return position_ids[lo:hi], cu_seqlens, lo, hi
 
 
-def ulysses_chunk(mb: LLMMicrobatch, sp: int, sp_rank: int) -> LLMMicrobatch:
-    """This Ulysses rank's chunk of ``mb`` (:func:`ulysses_layout`): padding tokens are id 0 with
-    ``IGNORE`` labels (no targets); labels were set on the whole pack, so a chunk's last position still
-    predicts the next chunk's first token. ``cu_seqlens`` stay those of the whole (padded) pack."""
-    pos, cu, lo, hi = ulysses_layout(mb.position_ids, mb.cu_seqlens, sp, sp_rank)
+def ulysses_chunk(mb: LLMMicrobatch, sp: int, sp_rank: int, multiple: int | None = None) -> LLMMicrobatch:
+    """This Ulysses rank's chunk of ``mb`` (:func:`ulysses_layout`, padded to a multiple of ``multiple``,
+    default ``sp``): padding tokens are id 0 with ``IGNORE`` labels (no targets); labels were set on the
+    whole pack, so a chunk's last position still predicts the next chunk's first token. ``cu_seqlens``
+    stay those of the whole (padded) pack."""
+    pos, cu, lo, hi = ulysses_layout(mb.position_ids, mb.cu_seqlens, sp, sp_rank, multiple)
     pad = int(cu[-1]) - mb.num_tokens
 
     def padded(x: torch.Tensor, fill: int) -> torch.Tensor:

@@ -26,6 +26,11 @@ long-short SP over the stage's SP group, resharding into the LLM layout): each e
 samples are encoded once, spread over the SP ranks, and SP rank ``u`` of stage 0 receives exactly the
 media rows of its chunk, which it scatters into its placeholder slots.
 
+Megatron sequence parallelism (``tp_sp > 1``): every TP rank gets the whole pack (or Ulysses chunk),
+padded the Ulysses way to a multiple of ``sp * tp_sp``, and its stage boundaries carry its ``1/tp_sp``
+token shard (``[T_pad / (sp * tp_sp), llm_dim]``: the executor's receive shapes); media positions stay
+the pack's (or the chunk's), stage 0 scatters the media rows before keeping its shard.
+
 CP and hybrid DP/CP (``cp``, :mod:`omni_pipeline.cp_delivery`): each rank holds its head-tail share of
 every pack (or, hybrid, its whole samples and its shares of the long ones), the RoPE positions of those
 tokens, and a :class:`~omni_parallel.CPSequence` in place of ``cu_seqlens``; its encoder microbatches are
@@ -115,9 +120,13 @@ class StepSpec:
         device: where model inputs go.
         builds_text: this rank builds LLM inputs or labels (first or last pipeline stage).
         sp, sp_rank: Ulysses size and this rank's index in the Ulysses group.
+        tp_sp: Megatron sequence parallelism: the TP size when it is on, else 1. Each pack (each
+            Ulysses chunk) is padded to a multiple of ``sp * tp_sp`` tokens (a padding document without
+            targets) and a stage boundary carries ``1 / tp_sp`` of its tokens (the TP rank's shard);
+            every TP rank gets the whole (chunk's) token ids, positions, ``cu_seqlens`` and labels.
 
     Raises:
-        ValueError: ``llm_dim`` or ``sp`` below 1, or ``sp_rank`` outside ``[0, sp)`` (or not ints);
+        ValueError: ``llm_dim``, ``sp`` or ``tp_sp`` below 1, or ``sp_rank`` outside ``[0, sp)`` (or not ints);
             ``builds_text`` not a bool; a placeholder keyed by something other than ``image`` / ``audio``,
             or a token id that is not an int >= 0.
     """
@@ -129,9 +138,10 @@ class StepSpec:
     builds_text: bool = True
     sp: int = 1
     sp_rank: int = 0
+    tp_sp: int = 1
 
     def __post_init__(self) -> None:
-        for name in ("llm_dim", "sp", "sp_rank"):
+        for name in ("llm_dim", "sp", "sp_rank", "tp_sp"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool):
                 raise ValueError(f"StepSpec.{name} must be an int, got {value!r}")
@@ -147,10 +157,10 @@ class StepSpec:
                 raise ValueError(
                     f"StepSpec.placeholders[{modality!r}] must be a token id >= 0, got {token!r}"
                 )
-        if self.llm_dim < 1 or self.sp < 1 or not 0 <= self.sp_rank < self.sp:
+        if self.llm_dim < 1 or self.sp < 1 or self.tp_sp < 1 or not 0 <= self.sp_rank < self.sp:
             raise ValueError(
-                f"StepSpec: llm_dim {self.llm_dim} and sp {self.sp} must be >= 1 and sp_rank {self.sp_rank} "
-                "in [0, sp)"
+                f"StepSpec: llm_dim {self.llm_dim}, sp {self.sp} and tp_sp {self.tp_sp} must be >= 1 and "
+                f"sp_rank {self.sp_rank} in [0, sp)"
             )
 
 
@@ -191,6 +201,7 @@ class StepBuilder:
         self.placeholders = dict(spec.placeholders)
         self.llm_dim, self.dtype, self.device = spec.llm_dim, spec.dtype, spec.device
         self.builds_text, self.sp, self.sp_rank = spec.builds_text, spec.sp, spec.sp_rank
+        self.multiple = spec.sp * spec.tp_sp  # packs are padded to a multiple of this
         self.pp_group, self.dp_group = pp_group, dp_group
         self.parallel = parallel or EncoderParallel(SequenceLayout())
 
@@ -238,12 +249,13 @@ class StepBuilder:
         """This rank's part of a whole-pack microbatch: its Ulysses chunk or its CP share."""
         if self.cp is not None:
             return self.cp.microbatch(mb, pack)
-        return ulysses_chunk(mb, self.sp, self.sp_rank) if self.sp > 1 else mb
+        return ulysses_chunk(mb, self.sp, self.sp_rank, self.multiple) if self.multiple > 1 else mb
 
     def _local_tokens(self, pack: Pack) -> int:
+        """Tokens of a stage-boundary activation: the CP share, or the Ulysses chunk's TP shard."""
         if self.cp is not None:
             return self.cp.local(pack).tokens
-        return -(-pack.num_tokens // self.sp)
+        return -(-pack.num_tokens // self.multiple)
 
     def functions(self, inputs: StepInputs) -> StepFunctions:
         """The executor's callables for ``inputs`` (closures over it)."""
@@ -270,8 +282,8 @@ class StepBuilder:
             cu = torch.zeros(len(pack.samples) + 1, dtype=torch.int64)
             cu[1:] = torch.cumsum(torch.tensor(pack.seqlens, dtype=torch.int64), 0)
             pos = pack.position_ids
-            if self.sp > 1:
-                pos, cu, _, _ = ulysses_layout(pos, cu, self.sp, self.sp_rank)
+            if self.multiple > 1:
+                pos, cu, _, _ = ulysses_layout(pos, cu, self.sp, self.sp_rank, self.multiple)
             return {"position_ids": pos.to(self.device), "cu_seqlens": cu.to(self.device)}
 
         def loss(k: int, logits: torch.Tensor):

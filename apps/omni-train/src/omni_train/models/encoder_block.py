@@ -43,7 +43,9 @@ def init_linear_(module: nn.Module, gen: torch.Generator, std: float = 0.02) -> 
     """Draw every 2-D ``weight`` from N(0, std^2) with ``gen`` and zero every bias (deterministic init)."""
     with torch.no_grad():
         for name, p in module.named_parameters():
-            if name.endswith("weight") and p.dim() >= 2:
+            if p.is_meta:  # no values to draw (the memory plan builds on meta)
+                continue
+            elif name.endswith("weight") and p.dim() >= 2:
                 p.copy_(torch.randn(p.shape, generator=gen, dtype=torch.float64).mul_(std).to(p.dtype))
             elif name.endswith("bias"):
                 p.zero_()

@@ -159,7 +159,9 @@ class Block(nn.Module):
 def _init_(module: nn.Module, gen: torch.Generator, std: float) -> None:
     for name, p in module.named_parameters():
         with torch.no_grad():
-            if name.endswith("weight") and p.dim() == 2:
+            if p.is_meta:  # no values to draw (the memory plan builds on meta)
+                continue
+            elif name.endswith("weight") and p.dim() == 2:
                 p.copy_(torch.randn(p.shape, generator=gen, dtype=torch.float64).mul_(std).to(p.dtype))
             elif name.endswith("bias"):
                 p.zero_()  # not nn.Linear's draw from the global generator: splits must stay identical
@@ -184,7 +186,13 @@ class LLMStage(nn.Module):
 
     Ulysses (``sp_group`` of size ``sp``): ``T`` is this rank's chunk (``T_packed / sp`` tokens),
     ``position_ids`` its global positions, ``cu_seqlens`` the whole packed sequence's, and media
-    positions local to the chunk. CP: ``T`` is this rank's tokens, ``position_ids`` their in-document
+    positions local to the chunk. Megatron sequence parallelism (``parallel.sequence_parallel``, TP
+    size ``tp``; plans in :func:`omni_train.parallelize.parallelize`): the inputs (token ids, positions,
+    ``cu_seqlens``, media positions) are the whole pack's, padded to a multiple of ``tp``, on every TP
+    rank; stage 0 embeds the whole pack and keeps its ``T / tp`` token shard (``embedded``), the hidden
+    states between blocks and across stages are ``[T / tp, dim]``, attention and MLP see all ``T``
+    tokens, and the last stage's norm runs on the shard and its LM head on all ``T`` tokens (logits
+    ``[T, vocab_size]`` on every TP rank). CP: ``T`` is this rank's tokens, ``position_ids`` their in-document
     positions, ``cu_seqlens`` an :class:`omni_parallel.CPSequence`, media positions local rows.
 
     Raises:
@@ -218,6 +226,9 @@ class LLMStage(nn.Module):
         if self.is_first:
             self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.dim)
             _init_(self.tok_embeddings, torch.Generator().manual_seed(seed * 1000 + 999), std)
+            # The embedded pack, media rows in place: where Megatron sequence parallelism
+            # (omni_parallel.tensor_parallel.sequence_parallel_plan) keeps this TP rank's token shard.
+            self.embedded = nn.Identity()
         self.layers = nn.ModuleDict()
         for i in range(self.lo, self.hi):
             block = Block(cfg, sp_group)
@@ -253,6 +264,7 @@ class LLMStage(nn.Module):
                         f"{media_positions.numel()} placeholder positions x dim {self.cfg.dim}"
                     )
                 h = h.index_put((media_positions,), media_embeds.to(h.dtype))
+            h = self.embedded(h)
         else:
             h = x
         rope = rope_angles(position_ids, self.cfg.head_dim, self.cfg.rope_theta)
