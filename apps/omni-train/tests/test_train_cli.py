@@ -4,6 +4,7 @@ as aliases, ``--print-config``, and the run-experience checks (``--out`` naming 
 an incompatible config or of a finished run), each a clear message and exit status 2, or the documented
 behaviour. The plot of ``loss.png`` (smoothed, total on top, phase changes marked)."""
 
+import dataclasses
 import json
 import shutil
 from pathlib import Path
@@ -150,7 +151,7 @@ def test_resume_checks_the_runs_config_before_any_worker_starts(tmp_path, data, 
     assert "--resume: the config differs from the run's" in err
     assert "model.llm.dim: 32 -> 64" in err and "parallel.placement: 'uniform_on_demand' -> 'isolated'" in err
     # the message lists what a resume may change: RESUME_MAY_CHANGE, not a copy of it
-    assert "train.recompute_modules, train.offload, checkpoint.*, optim.*)" in err, err
+    assert "parallel.llm_zero, parallel.encoder_zero, checkpoint.*, optim.*)" in err, err
     # what a resume may change: the length, the checkpoint cadence, the optimizer and its schedule
     cfg, _, _ = _resolve(*base[1:], "--max-steps", "9", "--checkpoint.every", "3", "--optim.lr", "1e-4")
     assert (cfg.train.steps, cfg.checkpoint.every, cfg.optim.lr) == (9, 3, 1e-4)
@@ -205,6 +206,14 @@ def test_resume_differences_compare_every_field_outside_the_allowed_set(data, tm
     other = load_config(str(write_config(tmp_path / "d.toml", data, extra='seed = 7\ndtype = "float64"')))
     assert resume_differences(cfg, other) == ["train.dtype: 'float32' -> 'float64'", "train.seed: 1234 -> 7"]
     assert resume_differences(cfg, other, weights_only=True) == []
+    # the sizes and sharding stages a checkpoint loads across may change; the rest of the layout may not
+    par = cfg.parallel
+    moved = dataclasses.replace(
+        par, pp=1, dp=2, tp=2, sequence_parallel=True, llm_zero=1, encoder_zero=3, cp_attention="ring"
+    )
+    assert resume_differences(cfg, dataclasses.replace(cfg, parallel=moved)) == []
+    placed = dataclasses.replace(cfg, parallel=dataclasses.replace(par, reorder=not par.reorder))
+    assert [d.split(":")[0] for d in resume_differences(cfg, placed)] == ["parallel.reorder"]
 
 
 def test_resume_of_a_finished_run_says_so_and_changes_nothing(tmp_path, data, capsys):

@@ -13,10 +13,10 @@ losses and every gradient of every step within 1e-10 (``train_reference``):
   parameters and AdamW moments over a 2-rank mesh per stage, encoder shards over 4 ranks) loads at pp=1 x
   dp=2 with ``llm_zero = 1`` and at pp=1 x dp=2 x tp=2 with Megatron SP (omni-ckpt's box intersection;
   the data replicas stay 2, so the packs are the same), and steps 2 and 3 there equal the uninterrupted
-  run's and the reference's (step 3's gradients follow step 2's update from the loaded AdamW moments). The trainer's own ``--resume`` refuses a pipeline-size change (the loader plans its
-  packs per pipeline position: ``omni_train.checkpointing``), so the resumed run loads the model and the
-  optimizer from the checkpoint and fast-forwards a fresh loader over the step (the packs of a DP
-  replica do not depend on ``pp``: ``train_reference.MergedStream``).
+  run's and the reference's (step 3's gradients follow step 2's update from the loaded AdamW moments).
+  The resumes go through the trainer's own ``--resume --resume-step`` (``train_reference.relayout_run``):
+  at the same DP size it loads the model and the optimizer by box intersection and replays the loader
+  over the committed steps (``omni_train.checkpointing``).
 """
 
 from __future__ import annotations

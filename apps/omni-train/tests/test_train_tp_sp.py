@@ -10,9 +10,8 @@ scattered into stage 0's embeddings before its token shard is kept):
   :mod:`omni_parallel.activation_memory`) at tp=2 with SP are below tp=2 without it;
 * across layouts (omni-ckpt's box intersection): the one-process run's step-1 checkpoint (plain tensors)
   resumes at tp=2 + SP, and the pp=2 x tp=2 + SP run's step-1 checkpoint (TP DTensor shards, replicated
-  norm DTensors, AdamW state) resumes at pp=2 x tp=1; the two steps after it equal the uninterrupted reference. As in
-  ``test_train_llm_zero.py`` the resumed run loads model and optimizer from the checkpoint and
-  fast-forwards a fresh loader (the packs do not depend on the layout).
+  norm DTensors, AdamW state) resumes at pp=2 x tp=1; the two steps after it equal the uninterrupted reference. The
+  resumes go through the trainer's own ``--resume --resume-step`` (``train_reference.relayout_run``).
 """
 
 from __future__ import annotations

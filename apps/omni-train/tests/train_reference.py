@@ -77,15 +77,18 @@ def _losses(run: Path) -> list[float]:
     return [json.loads(line)["loss"] for line in (run / "metrics.jsonl").read_text().splitlines()]
 
 
-def capture_run(cfg, run: Path, *, stream=None, on_inputs=None) -> tuple[list[float], list[dict]] | None:
+def capture_run(
+    cfg, run: Path, *, stream=None, on_inputs=None, resume_step: int | None = None
+) -> tuple[list[float], list[dict]] | None:
     """Train ``cfg`` in this world (every rank calls it); rank 0 gets ``(losses, grads per step)``.
 
     ``stream``: a loader replacing the trainer's (the reference's :class:`MergedStream`). ``on_inputs``:
     called as ``on_inputs(trainer, step, inputs)`` after each step (tests check what a step held).
+    ``resume_step``: resume from that committed step of ``run/checkpoints`` (``--resume --resume-step``).
     """
     from omni_train.trainer import Trainer
 
-    trainer = Trainer(cfg, run, resume=False)
+    trainer = Trainer(cfg, run, resume=resume_step is not None, resume_step=resume_step)
     if stream is not None:
         trainer.stream.close()
         trainer.stream = trainer.checkpoint.stream = stream
@@ -103,41 +106,20 @@ def capture_run(cfg, run: Path, *, stream=None, on_inputs=None) -> tuple[list[fl
 
 
 def relayout_run(cfg, saved: str, run: Path, resume_at: int) -> tuple[list[float], list[dict]] | None:
-    """Train ``cfg`` from step ``resume_at`` with the model and AdamW state of checkpoint ``resume_at``
-    under ``saved``, written at another layout (every rank calls it; rank 0 gets ``(losses, grads per
-    step)``). The checkpoint is read through omni-ckpt's box intersection (the layouts' shards need not
-    match); the trainer's own ``--resume`` refuses a pipeline-size change (the loader plans its packs per
-    pipeline position: ``omni_train.checkpointing``), so a fresh loader is fast-forwarded over the steps
-    instead (the packs of a DP replica do not depend on ``pp``, ``tp`` or the ZeRO stages)."""
-    from omni_ckpt import CheckpointManager, load_optimizer_state_dict, optimizer_state_dict
-    from omni_train.trainer import Trainer
+    """Resume ``cfg`` (another layout) from committed step ``resume_at`` of the checkpoints under
+    ``saved``, through the trainer's own ``--resume`` path (``resume_step``): rank 0 copies them into
+    ``run/checkpoints`` first (every rank calls it; rank 0 gets ``(losses, grads per step)`` of the steps
+    trained after the resume)."""
+    import shutil
 
-    class Relayout(Trainer):
-        def _fresh_start(self):
-            ck = self.checkpoint
-            state = ck._state(None)
-            del state["loader"], state["step"]
-            # this layout's parameter names per group: the checkpoint's are those of the rank that saved
-            members = [g["params"] for g in optimizer_state_dict(ck.model, ck.optimizer)["param_groups"]]
-            CheckpointManager(saved, process_group=self.ps.checkpoint_group).load(resume_at, state)
-            groups = state["optim"]["param_groups"]
-            state["optim"]["param_groups"] = [dict(g, params=m) for g, m in zip(groups, members)]
-            load_optimizer_state_dict(ck.model, ck.optimizer, state["optim"])
-            self.stream.reset()
-            for _ in range(resume_at):
-                next(self.stream)
-            return resume_at
-
-    trainer = Relayout(cfg, Path(run), resume=False)
-    grads: list = []
-
-    def after_backward(step, inputs, result):
-        g = _gathered_grads(trainer)
-        if g is not None:
-            grads.append(g)
-
-    trainer.run(after_backward=after_backward)
-    return (_losses(Path(run)), grads) if dist.get_rank() == 0 else None
+    if dist.get_rank() == 0:
+        shutil.copytree(saved, Path(run) / "checkpoints")
+    dist.barrier()
+    out = capture_run(cfg, Path(run), resume_step=resume_at)
+    if out is None:
+        return None
+    losses, grads = out  # metrics.jsonl holds the resumed steps only (a fresh run directory)
+    return losses[-(cfg.train.steps - resume_at) :], grads
 
 
 class MergedStream(StatefulNode[FilteredStep]):

@@ -421,8 +421,11 @@ def _flatten(obj: Any, prefix: str, out: dict[str, Any]) -> dict[str, Any]:
 # Fields a resumed run may change (``--resume``, checked by :func:`resume_differences` before any worker
 # starts): the length of the run, its checkpoint cadence, the optimizer's hyperparameters and schedule
 # (the saved AdamW moments load whatever the learning rate; the cosine schedule is recomputed over the
-# new ``train.steps``), and execution options that leave the state unchanged. Everything else (the model,
-# the data and its mixture, the parallel layout, the seed and the dtype) shapes the saved model,
+# new ``train.steps``), execution options that leave the state unchanged, and the parallel sizes and
+# sharding stages the checkpoint loads across (``omni_train.checkpointing``: model and optimizer by box
+# intersection; the loader re-split over another DP size, or replayed under another pipeline, TP, CP or
+# Ulysses size). Everything else (the model, the data and its mixture, the rest of the parallel layout,
+# the seed and the dtype) shapes the saved model,
 # optimizer or loader state, or the data order the loader resumes in. From a step-0 checkpoint (weights
 # only: ``omni-train import-hf``) only ``model`` must match.
 RESUME_MAY_CHANGE = (
@@ -440,6 +443,15 @@ RESUME_MAY_CHANGE = (
     "train.spike_window",
     "train.recompute_modules",
     "train.offload",
+    "parallel.dp",
+    "parallel.pp",
+    "parallel.tp",
+    "parallel.cp",
+    "parallel.ulysses",
+    "parallel.cp_attention",
+    "parallel.sequence_parallel",
+    "parallel.llm_zero",
+    "parallel.encoder_zero",
     "checkpoint",
     "optim",
 )

@@ -8,9 +8,11 @@ Loader states are per rank (each rank's msgpack ``state_dict``) and are saved as
 (pipeline x TP x CP x Ulysses rank): 8 bytes of little-endian length, the msgpack bytes, zeros. As a
 tensor it is checksummed and can be read by any rank of any later layout (omni-ckpt loads any box). A
 resume under another DP size reads the rows of every old DP rank at its own position and re-splits them
-exactly (omni-data's ``load_resplit``: every sample trained exactly once per epoch); any other layout
-change, or states that cannot be re-split, is refused with :class:`~omni_data.LayoutMismatchError` naming
-both layouts before a sample is read.
+exactly (omni-data's ``load_resplit``: every sample trained exactly once per epoch). A resume at the same
+DP size under another pipeline, TP, CP or Ulysses size (ZeRO stages and SP change freely) loads the model
+and optimizer through box intersection and replays the loader from its start over the committed steps.
+Both changing at once, or states that cannot be re-split, is refused with
+:class:`~omni_data.LayoutMismatchError` naming both layouts before a sample is read.
 
 The optimizer's parameter groups are saved without their member lists: which parameters a rank holds
 depends on the layout (pipeline schedule, virtual stages, pp), and a per-rank list would make every rank
@@ -147,11 +149,12 @@ class TrainCheckpoint:
         Step 0 holds initial weights only (``omni-train import-hf`` writes it; the trainer's own saves
         start at step 1): its model is loaded, the optimizer and the loader start fresh. A step saved under
         another DP size (the same pipeline, TP, CP and Ulysses sizes) resumes with the loader states of
-        every old DP rank re-split over the new ones.
+        every old DP rank re-split over the new ones; one saved at the same DP size under another
+        pipeline, TP, CP or Ulysses size resumes with the loader replayed over the committed steps.
 
         Raises:
-            LayoutMismatchError: the step was saved under another pipeline, TP, CP or Ulysses size, or
-                the old loader states cannot be re-split exactly (both layouts named; raised before the
+            LayoutMismatchError: the step was saved under another DP size *and* another pipeline, TP, CP
+                or Ulysses size, or the old loader states cannot be re-split exactly (both layouts named; raised before the
                 loader reads anything).
             RuntimeError: the checkpoint's recorded step differs from its directory's, or it was saved
                 with another ``fixed`` value at the same DP size (names the field and both values).
@@ -184,10 +187,13 @@ class TrainCheckpoint:
         )
         changed = [a for a in LAYOUT_AXES if old[a] != self.layout[a]]
         if set(changed) - {"dp"}:
-            raise LayoutMismatchError(
-                f"{where}: only the DP size may change on resume (the loader plans its packs per pipeline, "
-                f"TP, CP and Ulysses position); resume with {' '.join(f'{a}={old[a]}' for a in changed)}"
-            )
+            if "dp" in changed:
+                raise LayoutMismatchError(
+                    f"{where}: the DP size and the pipeline / TP / CP / Ulysses sizes cannot change in one "
+                    f"resume (the loader re-splits its DP states only at its own position); resume with "
+                    f"dp={old['dp']}, or with {' '.join(f'{a}={old[a]}' for a in changed if a != 'dp')}"
+                )
+            return self._relayout(latest)
         for key, value in self.fixed.items():
             if not changed and int(saved["layout"][key]) != value:
                 raise RuntimeError(
@@ -242,14 +248,30 @@ class TrainCheckpoint:
         back = older[-1]
         aside = self.manager.roll_back(back)
         self.set_aside += aside
+        self._load_model_and_optimizer(back)
+        return back, aside
+
+    def _relayout(self, step: int) -> int:
+        """Resume ``step`` saved at the same DP size under another pipeline, TP, CP or Ulysses layout: the
+        model and AdamW state through omni-ckpt's box intersection (any shards: TP and FSDP2 DTensors,
+        other stage splits), and the loader replayed from its start over ``step`` steps (the packs of a DP
+        replica do not depend on these sizes, but a position's saved loader state does: which payloads it
+        reads). Replaying reads the steps' data again: seconds per hundred steps on the bundled data."""
+        self._load_model_and_optimizer(step)
+        self.stream.reset()
+        for _ in range(step):
+            next(self.stream)
+        return step
+
+    def _load_model_and_optimizer(self, step: int) -> None:
+        """The model and the optimizer state of committed ``step``, whatever layout saved them."""
         state = self._state(None)
         del state["loader"], state["step"]
         members = [g["params"] for g in optimizer_state_dict(self.model, self.optimizer)["param_groups"]]
-        self.manager.load(back, state)
+        self.manager.load(step, state)
         groups = state["optim"]["param_groups"]
         state["optim"]["param_groups"] = [dict(g, params=m) for g, m in zip(groups, members)]
         load_optimizer_state_dict(self.model, self.optimizer, state["optim"])
-        return back, aside
 
     def steps(self) -> list[int]:
         """Committed steps, oldest first."""
