@@ -111,13 +111,30 @@ def gather_parameters(modules: Iterable[nn.Module]) -> None:
 
 
 def _named(modules: Iterable[nn.Module]) -> Iterator[tuple[int, str, nn.Parameter]]:
-    seen: set[int] = set()
+    seen: set[tuple[int, str]] = set()
     for i, root in enumerate(modules):
         for name, p in root.named_parameters():
-            key = hash((i, name))
+            key = (i, name)
             if key not in seen and p.requires_grad:
                 seen.add(key)
                 yield i, name, p
+
+
+def checked_units(
+    modules: Iterable[nn.Module], divide_by: float, who: str
+) -> tuple[list[nn.Module], list[nn.Module]]:
+    """``(modules, their FSDP2 units)`` for a gradient sync named ``who``.
+
+    Raises:
+        ValueError: ``divide_by <= 0``, or the modules hold no FSDP2 unit.
+    """
+    if not divide_by > 0:
+        raise ValueError(f"{who}: divide_by must be > 0, got {divide_by}")
+    modules = list(modules)
+    units = sharded_units(modules)
+    if not units:
+        raise ValueError(f"{who}: the modules hold no FSDP2 unit (fully_shard them first)")
+    return modules, units
 
 
 def reduce_scatter_gradients(
@@ -139,12 +156,7 @@ def reduce_scatter_gradients(
     Raises:
         ValueError: ``divide_by <= 0``, or the modules hold no FSDP2 unit.
     """
-    if not divide_by > 0:
-        raise ValueError(f"reduce_scatter_gradients: divide_by must be > 0, got {divide_by}")
-    modules = list(modules)
-    units = sharded_units(modules)
-    if not units:
-        raise ValueError("reduce_scatter_gradients: the modules hold no FSDP2 unit (fully_shard them first)")
+    modules, units = checked_units(modules, divide_by, "reduce_scatter_gradients")
     # Gathered gradients (None: unused on this rank this step, i.e. zeros) keyed by parameter name: the
     # gathered and the sharded parameters are registered under the same names.
     grads: dict[tuple[int, str], torch.Tensor | None] = {}

@@ -64,11 +64,11 @@ from torch.distributed.tensor import DTensor, Shard
 from omni_parallel.data_parallel import all_reduce_gradients
 from omni_parallel.encoder_zero import (
     _named,
+    checked_units,
     configure_step_schedule,
     gather_parameters,
     reduce_scatter_gradients,
     shard_rows,
-    sharded_units,
 )
 from omni_parallel.state import ParallelState
 
@@ -163,12 +163,7 @@ def all_reduce_into_shards(modules: Iterable[nn.Module], *, divide_by: float = 1
         ValueError: ``divide_by <= 0``; the modules hold no FSDP2 unit, or a parameter that is not
             ``Shard(0)`` over a 1-D mesh after reshard.
     """
-    if not divide_by > 0:
-        raise ValueError(f"all_reduce_into_shards: divide_by must be > 0, got {divide_by}")
-    modules = list(modules)
-    units = sharded_units(modules)
-    if not units:
-        raise ValueError("all_reduce_into_shards: the modules hold no FSDP2 unit (fully_shard them first)")
+    modules, units = checked_units(modules, divide_by, "all_reduce_into_shards")
     gathered = [p for _, _, p in _named(modules)]
     for p in gathered:  # zeros where a rank used a parameter nowhere: the buckets line up on every rank
         if p.grad is None:
