@@ -162,7 +162,12 @@ def _inside(pattern: str) -> list:
 
 @pytest.fixture(scope="module")
 def base(config):
-    return load_config(str(config))
+    cfg = load_config(str(config))
+    # [model.llm] moe is optional, unset in the test config: set here, so its fields' ranges are exercised
+    from omni_train.models.llm import MoESpec
+
+    llm = dataclasses.replace(cfg.model.llm, moe=MoESpec())
+    return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, llm=llm))
 
 
 @pytest.mark.parametrize("pattern", sorted(NUMERIC))

@@ -17,7 +17,14 @@ losses and every gradient of every step within 1e-10 (``train_reference``):
   run's and the reference's (step 3's gradients follow step 2's update from the loaded AdamW moments).
   The resumes go through the trainer's own ``--resume --resume-step`` (``train_reference.relayout_run``):
   at the same DP size it loads the model and the optimizer by box intersection and replays the loader
-  over the committed steps (``omni_train.checkpointing``).
+  over the committed steps (``omni_train.checkpointing``);
+* across DP sizes: the same checkpoint at pp=2 x tp=2 + SP, dp=1 (the DP and TP sizes change together):
+  the loader states of both old DP ranks are re-split over the one new DP rank at each new position.
+  Such a resume cannot equal the uninterrupted run (a step's data is dp x ``data.microbatches`` packs,
+  each replica's from its own shards; the test checks the losses differ); its oracle is one float64
+  process that resumes the dp=2 reference's own step-1 checkpoint (plain tensors, no shards) with the
+  reference's two replica loader states re-split in memory (``train_reference.reference_resplit_run``),
+  and steps 2 and 3 equal it.
 """
 
 from __future__ import annotations
@@ -28,7 +35,14 @@ from pathlib import Path
 
 import pytest
 from train_fixtures import make_dataset, write_config
-from train_reference import assert_runs_match, capture_run, reference_run, relayout_run, with_parallel
+from train_reference import (
+    assert_runs_match,
+    capture_run,
+    reference_resplit_run,
+    reference_run,
+    relayout_run,
+    with_parallel,
+)
 
 from omni_parallel.testing import run_world
 from omni_pipeline import ScheduleKind
@@ -63,17 +77,29 @@ def _parallel(rank, world_size, runs, root):
     return out
 
 
-def _references(rank, world_size, refs, root):
-    return [reference_run(cfg, Path(root) / name, dp) for name, cfg, dp in refs]
+def _references(rank, world_size, refs, root, resplit=None):
+    """The references of ``refs``; with ``resplit`` (``(name of a dp > 1 reference, run name)``), then the
+    one-process resume of that reference's step ``RESUME_AT`` on its replicas' re-split loader states."""
+    out = [reference_run(cfg, Path(root) / name, dp) for name, cfg, dp in refs]
+    if resplit is not None:
+        (cfg,) = [c for name, c, _ in refs if name == resplit[0]]
+        saved = str(Path(root) / resplit[0] / "checkpoints")
+        out.append(reference_resplit_run(cfg, saved, Path(root) / resplit[1], RESUME_AT))
+    return out
 
 
 def _world2(rank, world_size, runs, root, cfg, saved, run):
     return _parallel(rank, world_size, runs, root), relayout_run(cfg, saved, Path(run), RESUME_AT)
 
 
-def _world4(rank, world_size, runs, root, cfg, saved, run):
-    """``runs``, then ``cfg`` from step ``RESUME_AT`` of the checkpoint one of them wrote under ``saved``."""
-    return _parallel(rank, world_size, runs, root), relayout_run(cfg, saved, Path(run), RESUME_AT)
+def _world4(rank, world_size, runs, root, cfg, saved, run, cfg_dp1, run_dp1):
+    """``runs``, then ``cfg`` and ``cfg_dp1`` from step ``RESUME_AT`` of the checkpoint one of them wrote
+    under ``saved``."""
+    return (
+        _parallel(rank, world_size, runs, root),
+        relayout_run(cfg, saved, Path(run), RESUME_AT),
+        relayout_run(cfg_dp1, saved, Path(run_dp1), RESUME_AT),
+    )
 
 
 @pytest.fixture(scope="module")
@@ -87,8 +113,12 @@ def dense(tmp_path_factory):
 def test_llm_zero_stages_hybrid_cp_and_a_resume_across_layouts_match_one_process(dense):
     tmp, cfg = dense
     # hybrid DP/CP's 2 ranks per stage share packs of 2 x 48 tokens: the reference trains them whole (96)
-    want, want_hybrid = run_world(
-        _references, 1, args=([("dp2", cfg, 2), ("hybrid", cfg, 1)], str(tmp / "ref")), timeout_s=600
+    # and the dp2 reference's step-1 resume at pp=1 x dp=1 on its two replicas' re-split loader states
+    want, want_hybrid, want_resplit = run_world(
+        _references,
+        1,
+        args=([("dp2", cfg, 2), ("hybrid", cfg, 1)], str(tmp / "ref"), ("dp2", "resplit")),
+        timeout_s=600,
     )[0]
     runs = [(f"zero{z}", cfg, {**ZERO, "llm_zero": z}) for z in range(4)]
     # selective recompute of the LLM blocks' attention and offload of what they save, FSDP2 units alike
@@ -99,11 +129,12 @@ def test_llm_zero_stages_hybrid_cp_and_a_resume_across_layouts_match_one_process
     runs.append(("hybrid-zero3", cfg, HYBRID))
     # then the zero3 run's step-1 checkpoint at pp=1 x dp=2 x tp=2 + SP (llm_zero 0: not composed with TP)
     sp = with_parallel(cfg, pp=1, dp=2, tp=2, sequence_parallel=True, encoder_zero=3)
+    # and at pp=2 x tp=2 + SP, dp=1: the DP size changes with the TP size (the loader re-split)
+    pp2_sp = with_parallel(cfg, pp=2, tp=2, sequence_parallel=True, encoder_zero=3)
     saved = str(tmp / "w4" / "zero3" / "checkpoints")
-    outs = run_world(
-        _world4, 4, args=(runs, str(tmp / "w4"), sp, saved, str(tmp / "relayout-sp")), timeout_s=900
-    )
-    w4, to_sp = [o[0] for o in outs], outs[0][1]
+    relayouts = (sp, saved, str(tmp / "relayout-sp"), pp2_sp, str(tmp / "relayout-pp2-sp"))
+    outs = run_world(_world4, 4, args=(runs, str(tmp / "w4"), *relayouts), timeout_s=900)
+    w4, to_sp, to_pp2_sp = [o[0] for o in outs], outs[0][1], outs[0][2]
     results = {name: [r[i] for r in w4] for i, (name, _, _) in enumerate(runs)}
     for name, per_rank in results.items():
         assert_runs_match(per_rank[0][0], want_hybrid if name.startswith("hybrid") else want, name)
@@ -158,6 +189,12 @@ def test_llm_zero_stages_hybrid_cp_and_a_resume_across_layouts_match_one_process
     assert_runs_match(got, tail, "relayout")
     assert_runs_match(got, (want[0][RESUME_AT:], want[1][RESUME_AT:]), "relayout vs reference")
     assert_runs_match(to_sp, tail, "relayout to tp2 + SP")
+    # dp=2 -> dp=1 cannot continue the uninterrupted run (a step's data is dp x microbatches packs, each
+    # replica's from its own shards): it continues the one-process run on the re-split data from the
+    # same state, within 1e-10 (model and AdamW by box intersection, the loader re-split at new positions)
+    assert len(to_pp2_sp[0]) == cfg.train.steps - RESUME_AT
+    assert_runs_match(to_pp2_sp, want_resplit, "relayout to pp2 x tp2 + SP (dp 2 -> 1)")
+    assert abs(to_pp2_sp[0][0] - tail[0][0]) > 1e-6, (to_pp2_sp[0], tail[0])  # other data than dp=2's
 
 
 def test_llm_zero_preflight_names_the_field(dense):
@@ -170,4 +207,21 @@ def test_llm_zero_preflight_names_the_field(dense):
     with pytest.raises(ConfigError, match=r"^parallel\.llm_zero"):
         validate(with_parallel(cfg, llm_zero=4), 2)
     validate(with_parallel(cfg, pp=1, llm_zero=3), 1)  # one rank per stage: nothing to shard, accepted
+    with pytest.raises(ConfigError, match=r"^parallel\.llm_reshard_after_forward: 'sometimes' is not one of"):
+        validate(with_parallel(cfg, llm_reshard_after_forward="sometimes"), 2)
+    for policy in ("auto", "always", "never"):
+        validate(with_parallel(cfg, pp=1, dp=2, llm_zero=3, llm_reshard_after_forward=policy), 2)
     validate(with_parallel(cfg, pp=1, dp=2, tp=2, llm_zero=0), 4)
+
+
+def test_reshard_policy_per_schedule():
+    from omni_parallel.llm_zero import reshard_after_forward
+
+    # auto: torchtitan's default, kept gathered under PP with several microbatches per stage
+    assert reshard_after_forward("auto", pp=2, microbatches=4) is False
+    assert reshard_after_forward("auto", pp=1, microbatches=4) is True
+    assert reshard_after_forward("auto", pp=2, microbatches=1) is True
+    assert reshard_after_forward("always", pp=2, microbatches=4) is True
+    assert reshard_after_forward("never", pp=1, microbatches=1) is False
+    with pytest.raises(ValueError, match="policy 'x'"):
+        reshard_after_forward("x", pp=1, microbatches=1)

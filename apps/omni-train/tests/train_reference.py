@@ -27,8 +27,10 @@ from omni_data.zero_redundancy import FilteredStep
 
 __all__ = [
     "MergedStream",
+    "ResplitStream",
     "assert_runs_match",
     "capture_run",
+    "reference_resplit_run",
     "reference_run",
     "relayout_run",
     "with_parallel",
@@ -172,6 +174,78 @@ class MergedStream(StatefulNode[FilteredStep]):
 
     def next(self) -> FilteredStep:
         return merge_replica_steps([next(s) for s in self.streams], self.m)
+
+
+class ResplitStream(StatefulNode[FilteredStep]):
+    """The one-process loader of ``cfg`` (``pp = 1``, ``dp = 1``, ``data.microbatches`` packs per step)
+    that resumes from a :class:`MergedStream` state by re-splitting its replicas' states over one DP rank
+    (omni-data's ``load_resplit``): the loader of a one-process reference for a resume under another DP
+    size, built from the replicas' states in memory, not from a parallel run's checkpoint rows."""
+
+    def __init__(self, cfg, tokenizer) -> None:
+        super().__init__()
+        from omni_train.data_pipeline import build_step_stream
+
+        m = cfg.data.microbatches
+        self.inner = build_step_stream(
+            with_parallel(cfg, pp=1, dp=1),
+            tokenizer,
+            dp_rank=0,
+            dp_size=1,
+            dp_group=None,
+            consumes=set(range(1, m + 1)),
+            read_text=True,
+        )
+
+    def reset(self, initial_state: dict[str, Any] | None = None) -> None:
+        super().reset(initial_state)
+        if initial_state is None:
+            self.inner.reset()
+        elif "inner" in initial_state:  # its own state (a save of this stream)
+            self.inner.reset(initial_state["inner"])
+        else:  # a MergedStream's: replica d's state under key str(d)
+            self.inner.load_resplit([initial_state[str(d)] for d in range(len(initial_state))], 0, 1)
+
+    def get_state(self) -> dict[str, Any]:
+        return {"inner": self.inner.state_dict()}
+
+    def close(self) -> None:
+        self.inner.close()
+
+    def wait_prepared(self) -> None:
+        self.inner.wait_prepared()
+
+    def snapshot(self) -> LoaderSnapshot:
+        """Its state taken now (as :meth:`MergedStream.snapshot`)."""
+        return LoaderSnapshot(self.inner.snapshot(prepared=False).step, snapshot_async(self).result())
+
+    def prepare(self) -> None:
+        self.inner.prepare()
+
+    def next(self) -> FilteredStep:
+        return next(self.inner)
+
+
+def reference_resplit_run(cfg, saved: str, run: Path, resume_at: int) -> tuple[list[float], list[dict]]:
+    """The one-process reference of a resume under another DP size (call inside a 1-process world): the
+    reference of ``cfg``'s run over several replicas (:func:`reference_run`) wrote its committed steps under
+    ``saved`` (model, AdamW and the :class:`MergedStream` state, one process, no shards); this process
+    resumes its step ``resume_at`` at ``pp = 1``, ``dp = 1`` (``data.microbatches`` packs per step) with the
+    replicas' loader states re-split over one DP rank (:class:`ResplitStream`), and trains the rest of
+    ``cfg.train.steps``. Returns ``(losses, grads per step)`` of those steps."""
+    import shutil
+
+    from tokenizers import Tokenizer
+
+    from omni_train.data_files import tokenizer_path
+
+    ref = with_parallel(cfg, pp=1, dp=1, ulysses=1, encoder_zero=0, encoder_sp=1, data_reorder_group_size=1)
+    shutil.copytree(saved, Path(run) / "checkpoints")
+    stream = ResplitStream(cfg, Tokenizer.from_file(str(tokenizer_path(cfg.data))))
+    out = capture_run(ref, Path(run), stream=stream, resume_step=resume_at)
+    assert out is not None
+    losses, grads = out
+    return losses[-(cfg.train.steps - resume_at) :], grads
 
 
 def reference_run(cfg, run: Path, dp: int) -> tuple[list[float], list[dict]]:

@@ -5,6 +5,8 @@ sums. Gradients after the sync and parameters after each AdamW step equal the on
 the sum is a sum (no mean over the mesh), the shards are the right rows, and the update reaches the next
 step's gathered copy. Per-rank bytes (``omni_parallel.memory.state_bytes``) show what each stage shards."""
 
+import contextlib
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -13,7 +15,7 @@ from torch.distributed.tensor import DTensor
 
 from omni_parallel import ParallelConfig, ParallelState
 from omni_parallel.llm_zero import LLMGradientSync, apply_llm_zero
-from omni_parallel.memory import state_bytes
+from omni_parallel.memory import KINDS, analytic_state_bytes, state_bytes
 from omni_parallel.testing import run_world
 
 pytestmark = pytest.mark.slow
@@ -61,23 +63,62 @@ def _full(t):
     return (t.full_tensor() if isinstance(t, DTensor) else t).detach().clone()
 
 
-def _train(model, sync, micro, steps=2):
+def _sharded(module):
+    return [isinstance(p, DTensor) for p in module.parameters()]
+
+
+def _train(model, sync, micro, steps=2, after_forward=None):
+    """``steps`` AdamW steps; ``after_forward``: a list that gets, after each microbatch's forward and
+    before its backward, whether the first block's parameters are sharded (DTensors)."""
     opt = torch.optim.AdamW(model.parameters(), lr=0.05, foreach=False)
     grads, params, nbytes = [], [], None
+    lazy = sync.reshard_after_forward
+    walks = []
     for step in range(steps):
         opt.zero_grad(set_to_none=True)
-        sync.attach()
+        with _module_walks(walks if step else []):  # step 0's gather runs FSDP2's lazy init
+            sync.attach()
         # gathered once per step before the first forward: no DTensor left (FSDP2's own per-forward
-        # all-gather would be a collective at a point of each rank's schedule)
-        assert not any(isinstance(p, DTensor) for p in model.parameters()), f"step {step}: not gathered"
+        # all-gather would be a collective at a point of each rank's schedule); with reshard after
+        # forward the blocks gather in their own pre-forward hooks, the root at attach
+        gathered = [p for b in ([model] if not lazy else []) for p in b.parameters()]
+        assert not any(isinstance(p, DTensor) for p in gathered), f"step {step}: not gathered"
         for m in micro:
-            _loss(model, step, m).backward()
-        sync()
+            loss = _loss(model, step, m)
+            if after_forward is not None:
+                after_forward.append(all(_sharded(model.layers[0])))
+            loss.backward()
+        with _module_walks(walks):
+            sync()
         grads.append({n: _full(p.grad) for n, p in model.named_parameters()})
         opt.step()
         params.append({n: _full(p) for n, p in model.named_parameters()})
         nbytes = state_bytes([model], opt)
+    # the units and parameters were read once, at apply_llm_zero: the step's attach and sync walk no module
+    assert walks == [], walks
     return grads, params, nbytes
+
+
+@contextlib.contextmanager
+def _module_walks(calls):
+    """Record every ``nn.Module.modules`` / ``named_parameters`` / ``parameters`` call inside."""
+    names = ("modules", "named_parameters", "parameters")
+    saved = {n: getattr(nn.Module, n) for n in names}
+
+    def counted(name):
+        def walk(self, *args, **kwargs):
+            calls.append(name)
+            return saved[name](self, *args, **kwargs)
+
+        return walk
+
+    try:
+        for n in names:
+            setattr(nn.Module, n, counted(n))
+        yield
+    finally:
+        for n in names:
+            setattr(nn.Module, n, saved[n])
 
 
 def _world(rank, world_size):
@@ -100,14 +141,71 @@ def _world(rank, world_size):
             n: tuple(p.to_local().shape) for n, p in model.named_parameters() if isinstance(p, DTensor)
         }
         out[zero] = (diff, nbytes, locals_)
+    # ZeRO-3 reshard policies: after forward the blocks are freed ("always") or kept ("never")
+    for lazy in (True, False):
+        model = _Stage()
+        sync = apply_llm_zero([model], ps, 3, blocks=model.layers, reshard_after_forward=lazy)
+        mine = range(rank * MICRO // world_size, (rank + 1) * MICRO // world_size)
+        states: list[bool] = []
+        grads, params, _ = _train(model, sync, mine, after_forward=states)
+        diff = max(
+            (a[n] - b[n]).abs().max().item()
+            for got, want in ((grads, ref_grads), (params, ref_params))
+            for a, b in zip(got, want)
+            for n in b
+        )
+        out["always" if lazy else "never"] = (diff, states, sync.reshard_after_forward)
+    out["bf16"] = _bf16(rank, world_size, ps)
     return out
 
 
-def test_llm_zero_stages_match_one_process_and_shard_their_state():
-    per_rank = run_world(_world, 2, timeout_s=240)
+def _bf16(rank, world_size, ps):
+    """One step of a float32 stage with bf16 parameters in forward / backward (``param_dtype``), per
+    ZeRO stage: the reduced gradients against the oracle of float32 sums (each rank's microbatch
+    gradients of the same bf16 model, accumulated in float32, summed over the ranks in float32)."""
+    import torch.distributed as dist
+
+    mine = range(rank * MICRO // world_size, (rank + 1) * MICRO // world_size)
+    ref = _Stage().float().to(torch.bfloat16)
+    want = {n: torch.zeros(p.shape) for n, p in ref.named_parameters()}
+    for m in mine:
+        ref.zero_grad(set_to_none=True)
+        _loss(ref, 0, m).backward()
+        for n, p in ref.named_parameters():
+            want[n] += p.grad.float()
+    for g in want.values():
+        dist.all_reduce(g)
+    out = {}
+    for zero in (1, 2, 3):
+        model = _Stage().float()
+        sync = apply_llm_zero([model], ps, zero, blocks=model.layers, param_dtype=torch.bfloat16)
+        opt = torch.optim.AdamW(model.parameters(), lr=0.05, foreach=False)
+        sync.attach()
+        gathered = {p.dtype for p in model.parameters()}
+        for m in mine:
+            _loss(model, 0, m).backward()
+        sync()
+        dtypes = {p.grad.dtype for p in model.parameters()} | {p.dtype for p in model.parameters()}
+        err = max(
+            ((_full(p.grad) - want[n]).abs().max() / want[n].abs().max()).item()
+            for n, p in model.named_parameters()
+        )
+        opt.step()
+        finite = all(torch.isfinite(_full(p)).all().item() for p in model.parameters())
+        out[zero] = (gathered, dtypes, err, finite)
+    return out
+
+
+@pytest.fixture(scope="module")
+def per_rank():
+    return run_world(_world, 2, timeout_s=240)
+
+
+def test_llm_zero_stages_match_one_process_and_shard_their_state(per_rank):
     numel = sum(p.numel() for p in _Stage().parameters())
     for rank, out in enumerate(per_rank):
-        for zero, (diff, _, _) in out.items():
+        for zero in range(4):
+            diff = out[zero][0]
             assert diff <= 1e-10, (rank, zero, diff)
         b0, b1, b2, b3 = (out[z][1] for z in range(4))
         assert out[3][2]["tok_embeddings.weight"] == ((5, DIM), (4, DIM))[rank]
@@ -124,6 +222,36 @@ def test_llm_zero_stages_match_one_process_and_shard_their_state():
         padded = sum(-(-p.shape[0] // 2) * p[0].numel() for p in _Stage().parameters())
         assert b1["parameters"] == b2["parameters"] == b3["parameters"] == padded * 8
         assert b1["gathered"] == b2["gathered"] == 2 * padded * 8
+        # the analytic formula (omni_parallel.memory.analytic_state_bytes) for every kind at every stage,
+        # up to FSDP2's padding of the uneven shards (2 x the padded rows' bytes at most)
+        pad = padded * 8 - numel * 8 / 2
+        tensors = len(list(_Stage().parameters()))
+        for zero, b in enumerate((b0, b1, b2, b3)):
+            want = analytic_state_bytes(
+                0, replicated=numel, bytes_per=8, zero=zero, shards=2, tensors=tensors
+            )
+            for kind in KINDS:
+                assert abs(b[kind] - want[kind]) <= 2 * pad, (rank, zero, kind, b[kind], want[kind])
+
+
+def test_llm_zero3_reshard_policies_match_one_process(per_rank):
+    for rank, out in enumerate(per_rank):
+        for policy, resharded in (("always", True), ("never", False)):
+            diff, states, lazy = out[policy]
+            assert diff <= 1e-10, (rank, policy, diff)
+            assert lazy is resharded
+            # between each microbatch's forward and its backward the first block is freed or kept
+            assert states == [resharded] * len(states) and len(states) == 2 * (MICRO // 2), (policy, states)
+
+
+def test_llm_zero_bf16_parameters_reduce_in_float32(per_rank):
+    for rank, out in enumerate(per_rank):
+        for zero, (gathered, dtypes, err, finite) in out["bf16"].items():
+            assert gathered == {torch.bfloat16}, (rank, zero, gathered)  # all-gathered as bf16 copies
+            assert dtypes == {torch.float32}, (rank, zero, dtypes)  # float32 shards and gradients
+            # float32 accumulation and reduction: equal to the float32 sums (a bf16 one is off by ~1e-3)
+            assert err <= 1e-6, (rank, zero, err)
+            assert finite
 
 
 def test_llm_zero_refuses_unknown_stage():

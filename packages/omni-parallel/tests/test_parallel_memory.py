@@ -104,6 +104,11 @@ def test_analytic_formula_stages():
     assert z[0] == {"parameters": 2000, "gathered": 0, "gradients": 2000, "optimizer": 4000}
     assert z[1]["optimizer"] == 1000 and z[1]["gradients"] == 2000 and z[1]["gathered"] == 2000
     assert z[2]["gradients"] == 500 and z[3]["parameters"] == 500 and z[3]["gathered"] == 0
+    # ZeRO 1 and 2 keep FSDP2 shards as the parameters, beside the whole gathered copy
+    assert z[1]["parameters"] == z[2]["parameters"] == 500 and z[2]["gathered"] == 2000
+    # TP-replicated parameters (norms, embedding, LM head) are not divided by tp
+    r = analytic_state_bytes(1000, replicated=100, tp=2, tensors=3, step_bytes=8)
+    assert r["parameters"] == (500 + 100) * 4 and r["optimizer"] == 2 * 600 * 4 + 3 * 8
     with pytest.raises(ValueError, match="zero in 0-3"):
         analytic_state_bytes(1, zero=4)
 
@@ -125,12 +130,33 @@ def test_adamw_state_step_dtype_and_refusal():
 
 
 def test_block_activation_estimate_scales_with_tp_and_sp():
+    # exactness against the app's block: apps/omni-train/tests/test_train_memory.py
     base = block_activation_bytes(1024, 512, 128, 1536)
     tp = block_activation_bytes(1024, 512, 128, 1536, tp=4)
     sp = block_activation_bytes(1024, 512, 128, 1536, tp=4, sequence_parallel=True)
-    assert sp * 4 == base and sp < tp < base
+    assert sp < tp < base
+    # SP shards the norms' terms (2 x (2 dim + 1) per token) only: the projections' inputs are gathered
+    assert (tp - sp) * 4 == 1024 * 2 * (2 * 512 + 1) * 4 * 3
     assert block_activation_bytes(1024, 512, 128, 1536, recompute=True) == 1024 * 512 * 4
+    both = block_activation_bytes(
+        1024, 512, 128, 1536, recompute=True, recompute_branches=("attention", "mlp")
+    )
+    assert both == 2 * 1024 * 512 * 4  # each checkpointed branch keeps its input
+    with pytest.raises(ValueError, match="kernel"):
+        block_activation_bytes(1, 1, 1, 1, kernel="xformers")
     x = torch.randn(16, 8, requires_grad=True)
     w = torch.randn(8, 8, requires_grad=True)
     n, _out = saved_activation_bytes(lambda: torch.tanh(x @ w), [w])
     assert n == 16 * 8 * 4 * 2  # x (the matmul's input) and tanh's output; w is a parameter
+
+
+def test_fake_world_restores_excepthook():
+    import sys
+
+    from omni_parallel.testing import fake_world
+
+    hook = sys.excepthook
+    with fake_world(8, rank=3):
+        assert dist.get_world_size() == 8
+    # init_process_group installs a "[rank3]:" prefixing hook; it must not outlive the fake world
+    assert sys.excepthook is hook and not dist.is_initialized()

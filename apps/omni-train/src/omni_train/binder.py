@@ -422,9 +422,10 @@ def _flatten(obj: Any, prefix: str, out: dict[str, Any]) -> dict[str, Any]:
 # starts): the length of the run, its checkpoint cadence, the optimizer's hyperparameters and schedule
 # (the saved AdamW moments load whatever the learning rate; the cosine schedule is recomputed over the
 # new ``train.steps``), execution options that leave the state unchanged, and the parallel sizes and
-# sharding stages the checkpoint loads across (``omni_train.checkpointing``: model and optimizer by box
-# intersection; the loader re-split over another DP size, or replayed under another pipeline, TP, CP or
-# Ulysses size). Everything else (the model, the data and its mixture, the rest of the parallel layout,
+# sharding stages the checkpoint loads across, together or alone (``omni_train.checkpointing``: model and
+# optimizer by box intersection; the loader replayed at the same DP size under another pipeline, TP, CP or
+# Ulysses size, re-split over another DP size whatever the other sizes; the few combinations whose loader
+# state cannot be carried over are refused by ``omni_train.preflight.check_resume_layout``). Everything else (the model, the data and its mixture, the rest of the parallel layout,
 # the seed and the dtype) shapes the saved model,
 # optimizer or loader state, or the data order the loader resumes in. From a step-0 checkpoint (weights
 # only: ``omni-train import-hf``) only ``model`` must match.
@@ -450,6 +451,8 @@ RESUME_MAY_CHANGE = (
     "parallel.ulysses",
     "parallel.cp_attention",
     "parallel.sequence_parallel",
+    "parallel.ep",
+    "parallel.llm_reshard_after_forward",
     "parallel.llm_zero",
     "parallel.encoder_zero",
     "checkpoint",

@@ -6,12 +6,25 @@ the run continue at step ``N`` exactly (the loader resumes mid-stream).
 Loader states are per rank (each rank's msgpack ``state_dict``) and are saved as one ``uint8`` tensor
 ``loader [dp, positions, width]`` whose row ``(d, p)`` is the state of DP rank ``d`` at position ``p``
 (pipeline x TP x CP x Ulysses rank): 8 bytes of little-endian length, the msgpack bytes, zeros. As a
-tensor it is checksummed and can be read by any rank of any later layout (omni-ckpt loads any box). A
-resume under another DP size reads the rows of every old DP rank at its own position and re-splits them
-exactly (omni-data's ``load_resplit``: every sample trained exactly once per epoch). A resume at the same
-DP size under another pipeline, TP, CP or Ulysses size (ZeRO stages and SP change freely) loads the model
-and optimizer through box intersection and replays the loader from its start over the committed steps.
-Both changing at once, or states that cannot be re-split, is refused with
+tensor it is checksummed and can be read by any rank of any later layout (omni-ckpt loads any box). The
+model and optimizer load through omni-ckpt's box intersection whatever the two layouts (TP and FSDP2
+DTensor shards, other stage splits; ZeRO stages and SP change freely). The loader:
+
+* same layout: this rank's own row, exactly where it stopped;
+* same DP size, another pipeline, TP, CP or Ulysses size: replayed from its start over the committed
+  steps (the packs of a DP replica do not depend on these sizes), so the run continues as the
+  uninterrupted one;
+* another DP size (the pipeline, TP, CP and Ulysses sizes the same or not): the rows of every old DP
+  rank, read at one old position (the packs' metadata is the same at every position of a DP rank),
+  re-split exactly over the new DP ranks (omni-data's ``load_resplit``: every sample trained exactly
+  once per epoch; the payload skip counts of old position ``p`` go to new position ``p mod positions``).
+  This does not reproduce the uninterrupted run and cannot: a DP replica's loader reads its own share of
+  the shards and packs ``data.microbatches`` packs of it per step, so a step's global batch (``dp x
+  microbatches`` packs) is another one at another DP size; from the resumed step on, the run is the
+  one-process run on the re-split data from the saved state (``tests/test_train_llm_zero.py``).
+
+States that cannot be re-split (a node without ``load_resplit``, e.g. a text source's ``join_tokens``,
+which ``omni_train.preflight.check_resume_layout`` refuses before any worker starts) are refused with
 :class:`~omni_data.LayoutMismatchError` naming both layouts before a sample is read.
 
 The optimizer's parameter groups are saved without their member lists: which parameters a rank holds
@@ -45,7 +58,7 @@ from omni_train.config import CheckpointConfig
 __all__ = ["LAYOUT_AXES", "TrainCheckpoint", "with_older_steps"]
 
 LAYOUT_AXES = ("dp", "pp", "tp", "cp", "ulysses")
-"""The parallel sizes a checkpoint records (``layout.<axis>``); all but ``dp`` must match on resume."""
+"""The parallel sizes a checkpoint records (``layout.<axis>``); any of them may change on resume."""
 
 _POSITION_AXES = ("pp", "tp", "cp", "ulysses")  # ranks of one DP rank, slowest first
 _MIN_ROW = 4096
@@ -78,8 +91,9 @@ class TrainCheckpoint:
         fixed: other facts of the run's layout a resume must share, by config field (e.g.
             ``{"data.reorder_group_size": 2}``: which replicas trade samples decides which rank encodes
             what, so another group size would not reproduce the run); saved with every step, checked
-            by :meth:`restore` when the DP size is unchanged (a resume under another DP size re-splits the
-            data and does not reproduce the run anyway).
+            by :meth:`restore` when the layout is unchanged (a resume under another DP size re-splits the
+            data and does not reproduce the run anyway; one under other pipeline / TP sizes may resolve
+            an automatic group size differently and replays the loader at its own).
     """
 
     def __init__(
@@ -148,16 +162,16 @@ class TrainCheckpoint:
 
         Step 0 holds initial weights only (``omni-train import-hf`` writes it; the trainer's own saves
         start at step 1): its model is loaded, the optimizer and the loader start fresh. A step saved under
-        another DP size (the same pipeline, TP, CP and Ulysses sizes) resumes with the loader states of
-        every old DP rank re-split over the new ones; one saved at the same DP size under another
-        pipeline, TP, CP or Ulysses size resumes with the loader replayed over the committed steps.
+        another DP size (the pipeline, TP, CP and Ulysses sizes the same or others) resumes with the
+        loader states of every old DP rank re-split over the new ones; one saved at the same DP size
+        under another pipeline, TP, CP or Ulysses size resumes with the loader replayed over the
+        committed steps (see the module docstring).
 
         Raises:
-            LayoutMismatchError: the step was saved under another DP size *and* another pipeline, TP, CP
-                or Ulysses size, or the old loader states cannot be re-split exactly (both layouts named; raised before the
-                loader reads anything).
+            LayoutMismatchError: the step was saved under another DP size and the old loader states
+                cannot be re-split exactly (both layouts named; raised before the loader reads anything).
             RuntimeError: the checkpoint's recorded step differs from its directory's, or it was saved
-                with another ``fixed`` value at the same DP size (names the field and both values).
+                with another ``fixed`` value under the same layout (names the field and both values).
             omni_ckpt.CheckpointError: ``step`` is not a committed step (the committed ones named), or
                 the step fails its checks (a damaged file, named; the older committed steps are named
                 with the ``--resume-step`` that resumes from one of them).
@@ -186,24 +200,30 @@ class TrainCheckpoint:
             f"checkpoint step-{latest:08d} saved with {_describe(old)}, resumed with {_describe(self.layout)}"
         )
         changed = [a for a in LAYOUT_AXES if old[a] != self.layout[a]]
-        if set(changed) - {"dp"}:
-            if "dp" in changed:
-                raise LayoutMismatchError(
-                    f"{where}: the DP size and the pipeline / TP / CP / Ulysses sizes cannot change in one "
-                    f"resume (the loader re-splits its DP states only at its own position); resume with "
-                    f"dp={old['dp']}, or with {' '.join(f'{a}={old[a]}' for a in changed if a != 'dp')}"
-                )
+        if changed and "dp" not in changed:
             return self._relayout(latest)
-        for key, value in self.fixed.items():
-            if not changed and int(saved["layout"][key]) != value:
+        for key, value in self.fixed.items() if not changed else ():
+            if int(saved["layout"][key]) != value:
                 raise RuntimeError(
                     f"{key}: checkpoint step-{latest:08d} was saved with {saved['layout'][key]}, this run has "
                     f"{value}; resume with the value the run was saved with"
                 )
+        # The rows this rank reads: at the same DP size its own (same position); under another DP size
+        # those of every old DP rank at old position ``meta`` (the packs' metadata is the same at every
+        # position of a DP rank: any one will do, so the same one when the positions are unchanged) and,
+        # for the payload skip counts, at the old positions this position takes over (old p -> new
+        # p mod positions: every old position's counts land on exactly one new position).
+        old_positions = 1
+        for a in _POSITION_AXES:
+            old_positions *= old[a]
+        meta = self.position % old_positions
+        skips = [p for p in range(old_positions) if p % self.positions == self.position]
+        lo, hi = min([meta, *skips]), max([meta, *skips]) + 1
         width = int(saved["layout"]["loader_width"])
         first, count = (0, old["dp"]) if changed else (self.dp_rank, 1)
-        rows = torch.zeros(count, 1, width, dtype=torch.uint8)
-        state = self._state(BoxShard(rows, (old["dp"], self.positions, width), (first, self.position, 0)))
+        rows = torch.zeros(count, hi - lo if changed else 1, width, dtype=torch.uint8)
+        at = (first, lo if changed else self.position, 0)
+        state = self._state(BoxShard(rows, (old["dp"], old_positions, width), at))
         members = [g["params"] for g in optimizer_state_dict(self.model, self.optimizer)["param_groups"]]
         self.manager.load(latest, state)
         groups = state["optim"]["param_groups"]
@@ -216,14 +236,17 @@ class TrainCheckpoint:
         load_optimizer_state_dict(self.model, self.optimizer, state["optim"])
         if int(state["step"]) != latest:
             raise RuntimeError(f"checkpoint step-{latest:08d} holds step {state['step']}")
-        states = [
-            _decode_row(rows[i, 0], f"{where}: loader row of DP rank {first + i}") for i in range(count)
-        ]
         if not changed:
-            self.stream.reset(states[0])
+            self.stream.reset(_decode_row(rows[0, 0], f"{where}: loader row of DP rank {first}"))
             return latest
+
+        def row(d: int, p: int) -> dict[str, Any]:
+            return _decode_row(rows[d, p - lo], f"{where}: loader row of DP rank {d} at position {p}")
+
+        states = [row(d, meta) for d in range(count)]
+        by_position = [row(d, p) if p != meta else states[d] for p in skips for d in range(count)]
         try:
-            self.stream.load_resplit(states, self.dp_rank, self.layout["dp"])
+            self.stream.load_resplit(states, self.dp_rank, self.layout["dp"], skips=by_position)
         except LayoutMismatchError as e:
             raise LayoutMismatchError(f"{where}: the loader cannot re-split exactly: {e}") from e
         return latest

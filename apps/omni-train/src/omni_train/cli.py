@@ -34,7 +34,7 @@ from omni_train.binder import (
 from omni_train.config import ConfigError, DataConfig, Packing, RunConfig
 from omni_train.data_files import data_root
 from omni_train.hf.folder import HFFolderError
-from omni_train.preflight import validate
+from omni_train.preflight import check_resume_layout, validate
 
 if TYPE_CHECKING:
     from omni_train.launch import RunStopped
@@ -145,6 +145,33 @@ def build_parser() -> argparse.ArgumentParser:
     sim.add_argument("--steps", type=int, default=1, help="steps of the recipe to simulate (mean)")
     sim.add_argument("--first-step", type=int, default=0, help="first recipe step to simulate")
     sim.add_argument("--out", default="runs/simulate")
+    _layout_args(sim)
+    _device_args(sim)
+
+    tun = sub.add_parser(
+        "tune",
+        help="search pp, dp, llm_zero, tp(+SP), cp / ulysses, recompute and placement for a workload on N GPUs; "
+        "print the fastest plans that fit in memory",
+    )
+    tun.add_argument(
+        "--workload", default="paper-vlm", help="a workload TOML or bundled name (paper-vlm, paper-omni)"
+    )
+    tun.add_argument(
+        "--scale", default=None, help="paper (the default: the workload's model sizes, the paper's)"
+    )
+    tun.add_argument("--gpus", type=int, required=True, help="GPUs of the job")
+    tun.add_argument(
+        "--global-batch",
+        type=int,
+        default=None,
+        help="packs per step (default: workload microbatches x gpus / 8)",
+    )
+    tun.add_argument("--top", type=int, default=5, help="plans to print")
+    tun.add_argument(
+        "--write-config", default=None, metavar="PATH", help="write the best plan as a trainer config (TOML)"
+    )
+    tun.add_argument("--out", default="runs/tune")
+    _device_args(tun)
 
     mem = sub.add_parser(
         "memory",
@@ -268,7 +295,8 @@ def _check_resume(cfg: RunConfig, out: Path) -> None:
     cannot change (:data:`omni_train.binder.RESUME_MAY_CHANGE`).
 
     Raises:
-        ConfigError: naming each differing field, or an unreadable ``config.json``.
+        ConfigError: naming each differing field, an unreadable ``config.json``, or a layout change whose
+            loader state cannot be carried over (:func:`omni_train.preflight.check_resume_layout`).
     """
     path = out / "config.json"
     if not path.is_file():
@@ -289,6 +317,8 @@ def _check_resume(cfg: RunConfig, out: Path) -> None:
             + "; ".join(diffs)
             + f" (a resume may change {allowed})"
         )
+    if steps and steps[-1] > 0:  # the loader state is carried over (omni_train.checkpointing)
+        check_resume_layout(saved, cfg)
 
 
 def _refuse_file(out: Path, flag: str, what: str) -> None:
@@ -487,6 +517,79 @@ def _stopped_line(exc: RunStopped, args: argparse.Namespace, out: Path) -> str:
     )
 
 
+def _layout_args(p: argparse.ArgumentParser) -> None:
+    """``simulate --workload``'s layout of the whole step (omni_pipeline.step_model.Layout)."""
+    p.add_argument("--tp", type=int, default=1, help="--workload: tensor-parallel size")
+    p.add_argument("--sequence-parallel", action="store_true", help="--workload: Megatron SP (tp > 1)")
+    p.add_argument("--cp", type=int, default=1, help="--workload: context-parallel size")
+    p.add_argument("--cp-attention", default="allgather", choices=("allgather", "ring"))
+    p.add_argument("--ulysses", type=int, default=1, help="--workload: Ulysses size")
+    p.add_argument("--llm-zero", type=int, default=0, help="--workload: LLM ZeRO stage 0-3")
+    p.add_argument("--encoder-zero", type=int, default=0, help="--workload: encoder ZeRO stage 0, 2, 3")
+    p.add_argument("--recompute", action="store_true", help="--workload: recompute every block")
+    p.add_argument(
+        "--placement", default="uniform_on_demand", help="--workload: the placement whose time is broken down"
+    )
+    p.add_argument(
+        "--reorder-group", type=int, default=1, help="--workload: DP replicas of the reordering all-to-all"
+    )
+    p.add_argument(
+        "--analytic-memory",
+        action="store_true",
+        help="--workload: analytic state, not omni-train memory's build",
+    )
+
+
+def _device_args(p: argparse.ArgumentParser) -> None:
+    """The modelled device and two-tier network (omni_pipeline.step_model.Device, omni_pipeline.Network)."""
+    p.add_argument(
+        "--device-memory-gb", type=float, default=80.0, help="GB (1e9 bytes) per GPU (default 80: H100)"
+    )
+    p.add_argument(
+        "--peak-tflops", type=float, default=989.0, help="dense TFLOP/s per GPU (default 989: H100 bf16)"
+    )
+    p.add_argument(
+        "--efficiency", type=float, default=0.4, help="share of peak the kernels sustain (default 0.4)"
+    )
+    p.add_argument("--hbm-tbps", type=float, default=3.35, help="HBM TB/s (the optimizer step; default 3.35)")
+    p.add_argument("--gpus-per-node", type=int, default=8)
+    p.add_argument("--intra-gbps", type=float, default=450.0, help="GB/s per GPU inside a node (NVLink)")
+    p.add_argument("--intra-latency-us", type=float, default=5.0)
+    p.add_argument("--inter-gbps", type=float, default=50.0, help="GB/s per GPU between nodes (NIC)")
+    p.add_argument("--inter-latency-us", type=float, default=20.0)
+
+
+def _device_network(args: argparse.Namespace):
+    from omni_pipeline.cost import Network
+    from omni_pipeline.step_model import Device
+
+    try:
+        device = Device(
+            args.device_memory_gb * 1e9, args.peak_tflops * 1e12, args.efficiency, args.hbm_tbps * 1e12
+        )
+        network = Network(args.gpus_per_node, args.intra_gbps * 1e9, args.intra_latency_us * 1e-6,
+                          args.inter_gbps * 1e9, args.inter_latency_us * 1e-6)  # fmt: skip
+    except ValueError as exc:
+        raise ConfigError(f"--device-memory-gb / --peak-tflops / --*-gbps: {exc}") from None
+    return device, network
+
+
+def _tune(args: argparse.Namespace) -> int:
+    from omni_train.simulate import resolve_workload, tune_workload
+
+    if args.scale not in (None, "paper"):
+        raise ConfigError(f"--scale: tune times the workload's model sizes (paper), got {args.scale!r}")
+    device, network = _device_network(args)
+    print(
+        tune_workload(
+            resolve_workload(args.workload), args.gpus, device=device, network=network,
+            global_batch=args.global_batch, top=args.top, out_dir=Path(args.out),
+            write_config=Path(args.write_config) if args.write_config else None,
+        )
+    )  # fmt: skip
+    return 0
+
+
 def _simulate(args: argparse.Namespace) -> int:
     from omni_train.simulate import resolve_workload, simulate_config, simulate_workload
 
@@ -495,6 +598,21 @@ def _simulate(args: argparse.Namespace) -> int:
             raise ConfigError(
                 "--workload: the workload gives the model sizes; drop --scale and --calibration"
             )
+        from omni_pipeline.step_model import Layout
+
+        device, network = _device_network(args)
+        pp = 8 if args.pp is None else args.pp
+        gpus = 512 if args.gpus is None else args.gpus
+        mp = max(1, pp * args.tp * args.cp * args.ulysses)
+        try:
+            layout = Layout(
+                pp=pp, dp=max(1, gpus // mp), tp=args.tp, sequence_parallel=args.sequence_parallel, cp=args.cp,
+                cp_attention=args.cp_attention, ulysses=args.ulysses, llm_zero=args.llm_zero,
+                encoder_zero=args.encoder_zero, recompute=args.recompute, placement=args.placement,
+                reorder_group=args.reorder_group,
+            )  # fmt: skip
+        except ValueError as exc:
+            raise ConfigError(f"--tp / --cp / --ulysses / --llm-zero / --placement: {exc}") from None
         table = simulate_workload(
             resolve_workload(args.workload),
             gpus=512 if args.gpus is None else args.gpus,
@@ -505,6 +623,10 @@ def _simulate(args: argparse.Namespace) -> int:
             first_step=args.first_step,
             encoder_ranks=args.encoder_ranks,
             plots=args.timelines,
+            layout=layout,
+            device=device,
+            network=network,
+            exact_memory=not args.analytic_memory,
         )
         print(table)
         return 0
@@ -527,10 +649,19 @@ def _simulate(args: argparse.Namespace) -> int:
 def _memory(args: argparse.Namespace) -> int:
     from omni_train.memory_plan import format_plan, memory_plan
 
+    out = Path(args.json) if args.json else None
+    if out is not None:  # checked before the plan is built: a bad path fails in one line, at once
+        if out.is_dir():
+            raise ConfigError(f"--json: {out} is a directory; name a file for the plan")
+        if not out.parent.is_dir():
+            raise ConfigError(f"--json: {out.parent} is not a directory; create it or name a file in one")
     plan = memory_plan(load_config(args.config, args.overrides), args.gpus, scale=args.scale)
     print(format_plan(plan))
-    if args.json:
-        Path(args.json).write_text(json.dumps(plan, indent=2))
+    if out is not None:
+        try:
+            out.write_text(json.dumps(plan, indent=2))
+        except OSError as exc:
+            raise ConfigError(f"--json: cannot write {out}: {exc.strerror or exc}") from None
     return 0
 
 
@@ -621,6 +752,8 @@ def main(argv: list[str] | None = None) -> int:
             return _simulate(args)
         if args.command == "memory":
             return _memory(args)
+        if args.command == "tune":
+            return _tune(args)
         if args.command == "import-hf":
             return _import_hf(args)
         if args.command == "export-hf":

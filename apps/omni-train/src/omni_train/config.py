@@ -67,7 +67,8 @@ class Packing(StrEnum):
 @dataclass
 class ModelConfig:
     """Model shapes, one class per section: ``[model.llm]`` is :class:`~omni_train.models.LLMConfig`
-    (its ``vocab_size`` comes from the tokenizer), ``[model.vit]`` / ``[model.audio]`` the encoders'
+    (its ``vocab_size`` comes from the tokenizer; ``[model.llm.moe]`` / ``moe = {experts, top_k, ...}``
+    its mixture-of-experts layers, :class:`~omni_train.models.llm.MoESpec`), ``[model.vit]`` / ``[model.audio]`` the encoders'
     configs; ``vit``/``audio`` absent means the run has no such encoder."""
 
     llm: LLMConfig = field(default_factory=LLMConfig)
@@ -179,6 +180,15 @@ class ParallelConfigSection:
             all-reduced whole, each rank steps its rows); 2: gradients sharded too (one reduce-scatter per
             step; the gathered parameters stay allocated between steps); 3: parameters too (freed between
             steps). Not with ``tp > 1``. With one rank per stage's data group nothing is sharded.
+            With ``train.dtype = "bfloat16"`` the units gather bf16 copies of the float32 shards and
+            reduce the gradients in float32 (FSDP2 ``MixedPrecisionPolicy``).
+        llm_reshard_after_forward: ``llm_zero = 3``'s reshard policy
+            (``omni_parallel.llm_zero.reshard_after_forward``): ``"never"``: every block stays gathered
+            from the step's start to its gradient sync (no collective inside the step); ``"always"``:
+            each block is gathered before its forward and freed after it (gathered again for backward:
+            less memory, one more all-gather per block and microbatch); ``"auto"``: ``never`` under
+            pipeline parallelism with more than one microbatch (``pp > 1``, ``data.microbatches > 1``,
+            torchtitan's default), ``always`` otherwise. Stages 1 and 2 keep the gathered blocks anyway.
         sequence_parallel: Megatron sequence parallelism over the TP group (needs ``tp`` > 1;
             ``omni_parallel.tensor_parallel``): the norms and the residual stream between the attention
             and MLP regions hold ``1/tp`` of each pack's tokens per TP rank (packs padded to a multiple of
@@ -225,6 +235,12 @@ class ParallelConfigSection:
             the cost model's modelled bytes (``omni_pipeline.step_costs``); unset: no cap; > 0.
         planner_calibration: ``planned``: a run directory of this config whose ``actions.jsonl`` (the
             measured per-action times) the planner's costs are fitted from; unset: modelled FLOPs.
+        ep: expert-parallel size (``model.llm.moe``'s routed experts sharded over ``ep`` ranks of each
+            stage's data group, tokens exchanged by all-to-all: ``omni_parallel.expert_parallel``); carved
+            out of ``dp`` (must divide it; not a factor of the process count), as Megatron-Core does.
+            Expert gradients are summed over the ``dp / ep`` expert-data-parallel ranks
+            (``omni_parallel.topology.expert_groups``), the rest over the stage's data group as without
+            EP. 1: every expert on every rank.
         stage_calibration: with ``stage_layers = "auto"``: a run directory of this model (same
             ``model.llm`` shape, ``data.max_seq_len`` and tokenizer vocabulary, any split of >= 2
             stages and any pipeline size) whose measured
@@ -245,6 +261,7 @@ class ParallelConfigSection:
     encoder_forward_share: float = 0.3
     encoder_zero: int = 0
     llm_zero: int = 0
+    llm_reshard_after_forward: str = "auto"
     cp_attention: CPAttention = CPAttention.ALLGATHER
     hybrid_cp: bool = False
     schedule: ScheduleKind = ScheduleKind.ONE_F_ONE_B
@@ -256,6 +273,7 @@ class ParallelConfigSection:
     planner_memory_cap_mib: float | None = None
     planner_calibration: str | None = None
     stage_calibration: str | None = None
+    ep: int = 1
 
     @property
     def world_size(self) -> int:
@@ -467,6 +485,15 @@ FIELD_BOUNDS: dict[str, Bounds] = {
     "model.llm.ffn_dim": _COUNT,
     "model.llm.rope_theta": _THETA,
     "model.llm.norm_eps": _EPS,
+    "model.llm.moe.experts": Bounds(1, 4096),
+    "model.llm.moe.top_k": Bounds(1, 64),
+    "model.llm.moe.shared_experts": Bounds(0, 64),
+    "model.llm.moe.every_n_layers": _LAYERS,
+    "model.llm.moe.expert_ffn_dim": _COUNT,
+    "model.llm.moe.shared_expert_ffn_dim": _COUNT,
+    "model.llm.moe.aux_loss_coef": Bounds(0, 1e3),
+    "model.llm.moe.z_loss_coef": Bounds(0, 1e3),
+    "model.llm.moe.capacity_factor": Bounds(0, 1e3, lo_open=True),
     **_encoder_bounds("model.vit"),
     "model.vit.patch": Bounds(1, 256),  # pixels per patch side
     "model.vit.merge": Bounds(1, 16),  # patches per merged-token side
@@ -499,6 +526,7 @@ FIELD_BOUNDS: dict[str, Bounds] = {
     "parallel.tp": _COUNT,
     "parallel.cp": _COUNT,
     "parallel.ulysses": _COUNT,
+    "parallel.ep": _COUNT,
     "parallel.encoder_forward_share": Bounds(0, 1e6, lo_open=True),
     "parallel.encoder_zero": Bounds(0, 3),  # preflight allows 0, 2 and 3
     "parallel.llm_zero": Bounds(0, 3),

@@ -22,6 +22,7 @@ encoders take whole-number MLP ratios: ViT ``round(6144 / 1408) = 4``, audio ``r
 from __future__ import annotations
 
 import dataclasses
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -43,10 +44,15 @@ PAPER_VOCAB = 32000  # LLaMA-2's tokenizer (MODEL_SHAPES' llama-12b is LLaMA-2-1
 
 def paper_config(cfg: RunConfig) -> RunConfig:
     """``cfg`` with the paper's model sizes, pack length and microbatches (module docstring)."""
-    from omni_train.simulate import resolve_workload
+    from importlib import resources
+
+    from omni_pipeline import load_workload
 
     llm, vit, audio = (MODEL_SHAPES[k] for k in ("llama-12b", "vit-1b", "usm-2b"))
-    work = resolve_workload("paper-omni")
+    # the bundled workload file read directly: omni_train.simulate (its resolver) imports this module
+    work = load_workload(
+        Path(str(resources.files("omni_train") / "configs" / "workloads" / "paper-omni.toml"))
+    )
     m = cfg.model
     model = dataclasses.replace(
         m,
@@ -82,16 +88,24 @@ def _rank_plan(cfg: RunConfig, gpus: int, rank: int, vocab: int) -> dict[str, An
         schedule = build_schedule(par.schedule, par.pp, cfg.data.microbatches, par.virtual_stages)
         parts = wiring.build_model(cfg, ps, schedule, vocab, torch.device("meta"))
         whole = getattr(par, "llm_zero", 0) == 1 and ps.size("dp_cp") > 1  # ZeRO-1: gradients whole
-        llm = planned_state_bytes([parts.stage], parts.optimizer, whole_gradients=whole)
+        # the stage modules, not the RankStages holding their submodules: each stage module is an FSDP2
+        # root unit (embedding, final norm, LM head) that RankStages does not register
+        llm = planned_state_bytes(parts.stage.chunks.values(), parts.optimizer, whole_gradients=whole)
         enc = planned_state_bytes(parts.encoders.towers.values(), parts.optimizer)
         pp_rank = ps.local_rank("pp")
         c = parts.llm_cfg
         tokens = cfg.data.max_seq_len // (ps.size("cp") * ps.size("ulysses"))
+        master, compute = (
+            torch.empty((), dtype=d, device="meta").element_size() for d in training_dtypes(train.dtype)
+        )
         block = block_activation_bytes(
-            tokens, c.dim, c.n_kv_heads * c.head_dim, c.ffn_dim, tp=ps.size("tp"),
+            tokens, c.dim, c.n_kv_heads * c.head_dim, c.ffn_dim, heads=c.n_heads, tp=ps.size("tp"),
             sequence_parallel=bool(getattr(par, "sequence_parallel", False)),
-            bytes_per=torch.empty((), dtype=training_dtypes(train.dtype)[1], device="meta").element_size(),
-            recompute="llm" in train.recompute,
+            bytes_per=compute, master_bytes=master, recompute="llm" in train.recompute,
+            recompute_branches=tuple(train.recompute_modules),
+            # the fused varlen kernel runs for float16 / bfloat16 on CUDA (omni_parallel.varlen); a float32
+            # or float64 run uses the reference kernel wherever it runs
+            kernel="flash" if compute == 2 else "reference",
         )  # fmt: skip
         # + the loss's float32 log-softmax over the vocabulary on the last stage (omni_pipeline.loss)
         last = schedule.num_stages - 1
@@ -132,7 +146,9 @@ def memory_plan(
         cfg = paper_config(cfg)
         vocab = PAPER_VOCAB if vocab is None else vocab
     model_ranks = par.pp * par.tp * par.cp * par.ulysses
-    if gpus < 1 or gpus % model_ranks:
+    if isinstance(gpus, bool) or not isinstance(gpus, int) or gpus < 1:
+        raise ConfigError(f"--gpus: must be >= 1, got {gpus!r}")
+    if gpus % model_ranks:
         raise ConfigError(
             f"--gpus: {gpus} is not a multiple of parallel.pp * tp * cp * ulysses = "
             f"{par.pp} * {par.tp} * {par.cp} * {par.ulysses} = {model_ranks}"
@@ -169,24 +185,37 @@ def _total(r: dict[str, Any]) -> int:
     return sum(r["llm"].values()) + sum(r["encoders"].values()) + r["llm_activations_estimate"]
 
 
+def _word(v: Any) -> str:
+    """A layout value as a user reads it: booleans as ``on`` / ``off``."""
+    return ("on" if v else "off") if isinstance(v, bool) else str(v)
+
+
 def format_plan(plan: dict[str, Any]) -> str:
     """The plan as a table per planned rank (GiB, or MiB when every rank is below 1 GiB): LLM and
-    encoders by kind, the LLM activation estimate, the total; then the largest rank."""
+    encoders by kind (a two-line header: the owner above the kind's whole name), the LLM activation
+    estimate, the total; then the largest rank."""
     big = max(_total(r) for r in plan["ranks"]) >= 2**30
     unit, div = ("GiB", 2**30) if big else ("MiB", 2**20)
-    head = ["rank", "pp ranks"] + [f"llm {k[:6]}" for k in KINDS] + [f"enc {k[:6]}" for k in KINDS]
+    w = 1 + max(len(k) for k in KINDS)  # every kind's name whole (no truncation)
+    owners = ["", ""] + ["llm"] * len(KINDS) + ["encoders"] * len(KINDS) + ["llm", ""]
+    head = ["rank", "pp ranks", *KINDS, *KINDS, "activations", "total"]
     lines = [
-        f"omni-train memory: {plan['gpus']} ranks, " + ", ".join(f"{k} {v}" for k, v in plan["layout"].items())
-        + f"; {unit} per rank held between steps, 'llm act': the step's peak of saved LLM activations (estimate)",
-        "".join(f"{h:>11}" for h in [*head, "llm act", "total"]),
-    ]  # fmt: skip
+        f"omni-train memory: {plan['gpus']} ranks, "
+        + ", ".join(f"{k} {_word(v)}" for k, v in plan["layout"].items())
+        + f"; {unit} per rank held between steps; llm activations: the step's peak of saved LLM "
+        "activations (estimate)",
+        "".join(f"{h:>{max(w, len(x) + 1)}}" for h, x in zip(owners, head, strict=True)),
+        "".join(f"{h:>{max(w, len(h) + 1)}}" for h in head),
+    ]
+    widths = [max(w, len(h) + 1) for h in head]
     for r in plan["ranks"]:
         same = r["same_pp_ranks"]
         where = f"{same[0]}-{same[-1]}" if len(same) > 1 else str(same[0])
         vals = (
             [r["llm"][k] for k in KINDS] + [r["encoders"][k] for k in KINDS] + [r["llm_activations_estimate"]]
         )
-        lines.append(f"{r['rank']:>11}{where:>11}" + "".join(f"{v / div:>11.2f}" for v in [*vals, _total(r)]))
+        cells = [str(r["rank"]), where] + [f"{v / div:.2f}" for v in [*vals, _total(r)]]
+        lines.append("".join(f"{c:>{n}}" for c, n in zip(cells, widths, strict=True)))
     peak = max(plan["ranks"], key=_total)
     lines.append(f"largest: rank {peak['rank']}, {_total(peak) / 2**30:.2f} GiB")
     return "\n".join(lines)

@@ -5,7 +5,8 @@
 and LM head included), activation checkpointing of the block families in ``train.recompute`` (of the residual
 branches in ``train.recompute_modules``), ``torch.compile`` per block (``train.compile``), offload of the
 families in ``train.offload``, autocast over float32 master parameters (``train.dtype = "bfloat16"``), and
-the gradient syncs of the LLM (``parallel.llm_zero``) and of the encoders (``parallel.encoder_zero``)
+the gradient syncs of the LLM (``parallel.llm_zero``; with ``parallel.ep`` the MoE experts sharded over the EP
+group, ``omni_parallel.expert_parallel``) and of the encoders (``parallel.encoder_zero``)
 that define the objective's reduction (a plain sum; :mod:`omni_parallel.parallelize` states it). :func:`family_blocks` names the
 blocks of a family of this app's model.
 
@@ -23,6 +24,7 @@ from torch import nn
 from omni_parallel import ParallelState
 from omni_parallel.activation_memory import ActivationMemory
 from omni_parallel.llm_zero import LLMGradientSync, apply_llm_zero
+from omni_parallel.moe import expert_parallel_sync, shard_experts
 from omni_parallel.parallelize import (
     EncoderGradientSync,
     apply_ac,
@@ -76,6 +78,7 @@ def parallelize(
     *,
     encoder_zero: int,
     llm_zero: int = 0,
+    llm_reshard_after_forward: bool = False,
     sequence_parallel: bool = False,
     num_stages: int,
     device: torch.device,
@@ -92,7 +95,10 @@ def parallelize(
         sequence_parallel: ``parallel.sequence_parallel``: Megatron SP over the TP group (norms and
             residual stream sharded along the tokens; ``omni_parallel.tensor_parallel``).
         llm_zero: ``parallel.llm_zero`` (0-3): the LLM stages sharded over each stage's data group
-            (``omni_parallel.llm_zero.apply_llm_zero``; every block an FSDP2 unit, every stage module a root).
+            (``omni_parallel.llm_zero.apply_llm_zero``; every block an FSDP2 unit, every stage module a root;
+            under ``train.dtype = "bfloat16"`` with bf16 gathers and float32 reductions).
+        llm_reshard_after_forward: ZeRO-3 frees each block after its forward
+            (``omni_parallel.llm_zero.reshard_after_forward`` of ``parallel.llm_reshard_after_forward``).
         num_stages: stages of the whole pipeline (the schedule's).
         device: the compute device.
     """
@@ -107,6 +113,9 @@ def parallelize(
         output="output" if hasattr(stage, "output") else None,
     )
     apply_tp(stage.layers.values(), ps, plan, model=stage, model_plan=ends if sequence_parallel else None)
+    ep = ps.size("ep") > 1
+    if ep:  # parallel.ep: the MoE experts' local shards become Shard(0) DTensors over the EP group
+        shard_experts(stage.chunks.values(), ps.device_mesh("ep"))
     memory = ActivationMemory([stage, encoders], device)  # after TP: the sharded parameters' storages
     apply_ac(family_blocks(stage, encoders, train.recompute), [BRANCHES[m] for m in train.recompute_modules])
     if train.compile:
@@ -114,8 +123,16 @@ def parallelize(
     apply_offload(family_blocks(stage, encoders, train.offload), memory)
     apply_mixed_precision(stage.chunks, num_stages, training_dtypes(train.dtype)[1], modules=[encoders])
     blocks = {name: list(tower.encoder.blocks) for name, tower in encoders.towers.items()}
+    if ep:  # experts summed over the expert-data-parallel ranks only, the rest over dp_cp (llm_zero 0)
+        dense = ps.group("dp_cp") if ps.size("dp_cp") > 1 else None
+        sync_llm = LLMGradientSync(expert_parallel_sync(stage.chunks.values(), dense, ps.expert_dp_group))
+    else:
+        compute = training_dtypes(train.dtype)[1]  # bf16 over float32 masters: FSDP2 mixed precision
+        sync_llm = apply_llm_zero(
+            list(stage.chunks.values()), ps, llm_zero, blocks=stage.layers.values(),
+            param_dtype=compute if compute == torch.bfloat16 else None,
+            reshard_after_forward=llm_reshard_after_forward,
+        )  # fmt: skip
     return ParallelModel(
-        memory,
-        apply_llm_zero(list(stage.chunks.values()), ps, llm_zero, blocks=stage.layers.values()),
-        apply_encoder_zero(encoders, encoders.towers, ps, encoder_zero, blocks=blocks),
+        memory, sync_llm, apply_encoder_zero(encoders, encoders.towers, ps, encoder_zero, blocks=blocks)
     )

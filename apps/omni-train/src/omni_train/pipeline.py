@@ -247,16 +247,20 @@ def build_rank_stages(
     seed: int,
     sp_group: dist.ProcessGroup | None = None,
     split: list[range] | None = None,
+    ep_group: dist.ProcessGroup | None = None,
 ) -> RankStages:
     """The stages ``schedule`` places on pipeline rank ``pp_rank``, each over its range of ``split``
     (:func:`stage_split`; default the equal split of ``schedule.num_stages`` stages), initialised per
-    layer from ``seed``: any split holds the same weights."""
+    layer from ``seed``: any split holds the same weights (and any ``ep_group``, over which MoE experts
+    are sharded)."""
     split = split or stage_slices(cfg.n_layers, schedule.num_stages)
     if len(split) != schedule.num_stages:
         raise ValueError(f"build_rank_stages: {len(split)} layer ranges for {schedule.num_stages} stages")
     return RankStages(
         {
-            s: LLMStage(cfg, s, schedule.num_stages, seed=seed, sp_group=sp_group, layers=split[s])
+            s: LLMStage(
+                cfg, s, schedule.num_stages, seed=seed, sp_group=sp_group, layers=split[s], ep_group=ep_group
+            )
             for s in schedule.rank_stages(pp_rank)
         }
     )

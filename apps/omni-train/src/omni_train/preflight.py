@@ -14,12 +14,20 @@ import os
 from pathlib import Path
 
 from omni_pipeline import PlacementPolicy, ScheduleKind
-from omni_train.config import OFFLOAD, RECOMPUTE, RECOMPUTE_MODULES, ConfigError, RunConfig, check_bounds
+from omni_train.config import (
+    OFFLOAD,
+    RECOMPUTE,
+    RECOMPUTE_MODULES,
+    ConfigError,
+    Packing,
+    RunConfig,
+    check_bounds,
+)
 from omni_train.data_files import data_root, expand_urls, load_tokenizer, tokenizer_candidates
 from omni_train.data_pipeline import mixture_unit
 from omni_train.pipeline import fitted_cost_model, stage_split
 
-__all__ = ["validate"]
+__all__ = ["check_resume_layout", "validate"]
 
 
 def _missing_shards(pattern: str, root: Path) -> str | None:
@@ -93,6 +101,7 @@ def validate(cfg: RunConfig, nproc: int) -> None:
                 f"model.llm.{name}: {getattr(llm, name)} is not divisible by parallel.tp {par.tp}"
             )
     _validate_cp(cfg)
+    _validate_moe(cfg)
     # Ulysses pads heads that sp does not divide (omni_parallel.ulysses), so no head-count check here;
     # with TP it exchanges each TP rank's local heads (n_heads / tp), and the loader shares one pack
     # over the TP x Ulysses group (ParallelState group tp_cp).
@@ -197,6 +206,13 @@ def validate(cfg: RunConfig, nproc: int) -> None:
         raise ConfigError(
             f"parallel.llm_zero: {par.llm_zero!r} is not one of 0 (replicated), 1 (optimizer state "
             "sharded), 2 (gradients too) or 3 (parameters too)"
+        )
+    from omni_parallel.llm_zero import RESHARD_POLICIES
+
+    if par.llm_reshard_after_forward not in RESHARD_POLICIES:
+        raise ConfigError(
+            f"parallel.llm_reshard_after_forward: {par.llm_reshard_after_forward!r} is not one of "
+            f"{', '.join(RESHARD_POLICIES)}"
         )
     if par.llm_zero and par.tp > 1:
         raise ConfigError(
@@ -304,6 +320,32 @@ def _validate_cp(cfg: RunConfig) -> None:
             )
 
 
+def _validate_moe(cfg: RunConfig) -> None:
+    """``[model.llm] moe`` and ``parallel.ep``."""
+    par, moe = cfg.parallel, cfg.model.llm.moe
+    if par.ep > 1 and moe is None:
+        raise ConfigError(
+            f"parallel.ep: {par.ep} needs model.llm.moe (expert parallelism shards MoE experts)"
+        )
+    if par.dp % par.ep:
+        raise ConfigError(f"parallel.ep: {par.ep} must divide parallel.dp {par.dp} (EP is carved out of DP)")
+    if moe is None:
+        return
+    if moe.top_k > moe.experts:
+        raise ConfigError(f"model.llm.moe.top_k: {moe.top_k} exceeds model.llm.moe.experts {moe.experts}")
+    if moe.experts % par.ep:
+        raise ConfigError(f"model.llm.moe.experts: {moe.experts} is not divisible by parallel.ep {par.ep}")
+    if par.tp > 1:
+        raise ConfigError(
+            f"model.llm.moe: with parallel.tp {par.tp} is not supported (no tensor-parallel plan for experts)"
+        )
+    if par.ep > 1 and par.llm_zero:
+        raise ConfigError(
+            f"parallel.llm_zero: {par.llm_zero} with parallel.ep {par.ep} is not supported yet "
+            "(FSDP2 for the non-expert parameters beside EP-sharded experts is not built); use llm_zero = 0"
+        )
+
+
 def _validate_stage_layers(layers: list[int] | str | None, stages: int, n_layers: int, sizes: str) -> None:
     """``parallel.stage_layers``: unset, ``"auto"``, or one count >= 1 per stage summing to the layers."""
     if layers is None or layers == "auto":
@@ -379,3 +421,46 @@ def _validate_schedule_and_memory(cfg: RunConfig) -> None:
             f"train.offload: {both[0]!r} is also in train.recompute with whole blocks recomputed (no "
             "train.recompute_modules): such a block keeps no activations to offload; choose one"
         )
+
+
+def check_resume_layout(saved: RunConfig, cfg: RunConfig) -> None:
+    """Resume checks of the parallel layout, before any worker starts: ``cfg`` resumes a committed step
+    (after step 0) of a run saved with ``saved`` (its ``config.json``). Any parallel size may change
+    (``omni_train.checkpointing``: the model and AdamW state through box intersection; the loader
+    replayed at the same DP size, re-split under another); refused are the combinations whose loader
+    state cannot be carried over, which the workers would otherwise meet as a
+    :class:`~omni_data.LayoutMismatchError` after they start.
+
+    Raises:
+        ConfigError: one line naming the fields and both values: another ``parallel.dp`` with
+            ``data.packing = "per_modality"`` (the per-source packers' packs in flight cannot be dealt
+            over other DP ranks) or with a text source's ``join_tokens`` (``omni_data.JoinDocuments``
+            holds parts of documents it cannot re-split); another ``parallel.dp`` or ``parallel.cp``
+            with ``parallel.hybrid_cp`` (a stage's ranks share one stream of ``dp x cp`` times larger
+            packs: another product makes other packs, and the saved stream is not split by DP rank).
+    """
+    old, new = saved.parallel, cfg.parallel
+    if new.hybrid_cp:
+        for field in ("dp", "cp"):
+            a, b = getattr(old, field), getattr(new, field)
+            if a != b:
+                raise ConfigError(
+                    f"parallel.{field}: {a} -> {b} with parallel.hybrid_cp = true cannot resume: the ranks "
+                    f"of a stage share one loader of packs of dp x cp = {old.dp * old.cp} x "
+                    f"data.max_seq_len tokens; resume with parallel.{field} = {a}"
+                )
+    if old.dp == new.dp:
+        return
+    if cfg.data.packing is not Packing.HYBRID:
+        raise ConfigError(
+            f"parallel.dp: {old.dp} -> {new.dp} with data.packing = {cfg.data.packing.value!r} cannot "
+            f"resume: the per-source packers' packs in flight cannot be re-split over other DP ranks; "
+            f"resume with parallel.dp = {old.dp}"
+        )
+    for i, src in enumerate(cfg.data.sources):
+        if src.join_tokens:
+            raise ConfigError(
+                f"parallel.dp: {old.dp} -> {new.dp} with data.sources[{i}].join_tokens = {src.join_tokens} "
+                f"({src.name!r}) cannot resume: the documents it joins cannot be re-split over other DP "
+                f"ranks; resume with parallel.dp = {old.dp}"
+            )

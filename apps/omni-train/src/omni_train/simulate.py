@@ -37,6 +37,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import time
+from collections.abc import Callable
 from importlib import resources
 from pathlib import Path
 
@@ -60,12 +61,25 @@ from omni_pipeline import (
     simulate,
     simulate_disaggregated,
 )
+from omni_pipeline.cost import Network
+from omni_pipeline.step_model import PLACEMENTS, Device, Layout, StepPrediction, predict_step
+from omni_pipeline.tune import tune
 from omni_train.config import ConfigError, RunConfig
 from omni_train.data_files import load_tokenizer
 from omni_train.data_pipeline import build_step_stream
 from omni_train.pipeline import config_scale, image_merge
 
-__all__ = ["WORKLOAD_ROWS", "resolve_workload", "simulate_config", "simulate_workload"]
+__all__ = [
+    "WORKLOAD_ROWS",
+    "exact_state",
+    "layout_check",
+    "resolve_workload",
+    "simulate_config",
+    "simulate_workload",
+    "tune_workload",
+    "whole_step",
+    "workload_config",
+]
 
 
 def _measured_step_times(run_dir: Path, steps: list[int]) -> dict[int, float]:
@@ -312,6 +326,10 @@ def simulate_workload(
     first_step: int = 0,
     encoder_ranks: int | None = None,
     plots: bool = False,
+    layout: Layout | None = None,
+    device: Device | None = None,
+    network: Network | None = None,
+    exact_memory: bool = True,
 ) -> str:
     """Simulate ``steps`` steps of ``workload`` from ``first_step`` under every row of :data:`WORKLOAD_ROWS`.
 
@@ -323,6 +341,11 @@ def simulate_workload(
     from the first simulated step, :func:`omni_pipeline.encoder_ranks_for`) out of the same GPUs, so its
     throughput counts ``gpus / (pp + encoder_ranks)`` replicas.
 
+    Then the whole step of ``layout`` (default: ``pp``, ``dp = gpus // pp``, nothing else) on the first
+    simulated step, every placement (:func:`whole_step`: TP / SP, CP, Ulysses, ZeRO and encoder
+    collectives, the reordering all-to-all and the optimizer over ``network``; per-rank memory, exact from
+    ``omni-train memory``'s build with ``exact_memory``, with the OOM verdict against ``device``).
+
     Writes ``simulate.json`` (and with ``plots`` one ``timeline-<row>.png`` of the first step, drawn after
     the timing: matplotlib takes seconds per plot at paper scale) under ``out_dir``.
 
@@ -331,11 +354,18 @@ def simulate_workload(
 
     Raises:
         ConfigError: ``gpus`` not a positive multiple of ``pp``, fewer microbatches than stages, ``steps < 1``,
-            ``first_step < 0``, ``encoder_ranks < 1``.
+            ``first_step < 0``, ``encoder_ranks < 1``, a layout of another pipeline size or GPU count, a layout
+            the trainer refuses (with ``exact_memory``).
     """
     t0 = time.perf_counter()
     microbatches = workload.microbatches if microbatches is None else microbatches
     _check_shape(gpus, pp, microbatches, steps, first_step)
+    layout = layout if layout is not None else Layout(pp=pp, dp=gpus // pp)
+    if layout.pp != pp or layout.gpus != gpus:
+        raise ConfigError(
+            f"--gpus: {gpus} is not pp * dp * tp * cp * ulysses = {layout.pp} * {layout.dp} * {layout.tp} * "
+            f"{layout.cp} * {layout.ulysses}"
+        )
     if encoder_ranks is not None and encoder_ranks < 1:
         raise ConfigError(f"--encoder-ranks: must be >= 1, got {encoder_ranks}")
     dp = gpus // pp
@@ -366,6 +396,10 @@ def simulate_workload(
             _accumulate(acc, name, results[name], steps)
         llm_only_bubble += simulate(schedule, None, costs).mean_bubble_fraction / steps
     results_out = _mean_results(acc, steps)
+    preds, step_lines = whole_step(
+        workload, layout, device=device or Device(peak_flops=peak_flops, efficiency=efficiency),
+        network=network or Network(), microbatches=microbatches, step=first_step, exact_memory=exact_memory,
+    )  # fmt: skip
     wall = time.perf_counter() - t0
     for name, res in first.items() if plots else ():
         res.plot(
@@ -386,9 +420,12 @@ def simulate_workload(
             f"{r['throughput_tokens_per_s'] / base:>11.2f}x"
             f"{r['mean_bubble_fraction']:>9.3f}{r['stage0_peak_activation_bytes'] / 2**20:>17.2f}"
         )
+    lines += step_lines
     (out_dir / "simulate.json").write_text(
         json.dumps(
             {
+                "whole_step": {name: _prediction_json(p) for name, p in preds.items()},
+                "exact_memory": exact_memory,
                 "workload": workload.name,
                 "gpus": gpus,
                 "pp": pp,
@@ -404,4 +441,291 @@ def simulate_workload(
             indent=2,
         )
     )
+    return "\n".join(lines)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The whole step of one layout (omni_pipeline.step_model) and the tuner (omni_pipeline.tune): this module
+# only maps a workload and a layout to the trainer's config (for `omni-train memory`'s exact state and for
+# --write-config) and formats the results.
+
+
+def workload_config(
+    workload: Workload, layout: Layout, microbatches: int | None = None, base: RunConfig | None = None
+) -> RunConfig:
+    """The trainer's config of ``workload``'s models under ``layout``: ``base`` (default the bundled
+    ``omni-tiny`` when the workload has an audio tower, else ``vlm-tiny``: its data and recipe) with the
+    workload's LLM / ViT / audio shapes (as :func:`omni_train.memory_plan.paper_config` maps them: whole
+    MLP ratios for the encoders), its pack length, ``microbatches`` per replica (default the workload's),
+    bfloat16, ``train.recompute`` of every family when ``layout.recompute``, and ``[parallel]`` from the
+    layout (``optimus_static``, not a trainer placement, maps to ``uniform_on_demand``).
+
+    Raises:
+        ConfigError: the workload lacks an LLM shape, or ``base`` lacks a tower the workload uses.
+    """
+    from omni_train.binder import load_config
+
+    shapes = workload.shapes
+    if "llm" not in shapes:
+        raise ConfigError(f"--workload: {workload.name} has no LLM shape")
+    cfg = base if base is not None else load_config("omni-tiny" if "audio" in shapes else "vlm-tiny")
+    m = cfg.model
+    llm = shapes["llm"]
+    model = dataclasses.replace(
+        m,
+        llm=dataclasses.replace(m.llm, dim=llm.dim, n_layers=llm.n_layers, n_heads=llm.n_heads,
+                                n_kv_heads=llm.n_kv_heads or llm.n_heads, ffn_dim=int(llm.mlp_dim),
+                                vocab_size=None),
+    )  # fmt: skip
+    for part, field_ in (("image", "vit"), ("audio", "audio")):
+        tower = getattr(m, field_)
+        if part in shapes and tower is None:
+            raise ConfigError(f"--config: the workload has an {part} tower, the config no [model.{field_}]")
+        if part in shapes:
+            s = shapes[part]
+            extra = {"merge": workload.model.image_merge} if part == "image" else {}
+            tower = dataclasses.replace(tower, dim=s.dim, n_layers=s.n_layers, n_heads=s.n_heads,
+                                        mlp_ratio=round(s.mlp_dim / s.dim), **extra)  # fmt: skip
+        model = dataclasses.replace(model, **{field_: tower})
+    data = dataclasses.replace(
+        cfg.data,
+        max_seq_len=workload.max_seq_len,
+        microbatches=workload.microbatches if microbatches is None else microbatches,
+    )
+    families = ["llm"] + [f for f, t in (("image", model.vit), ("audio", model.audio)) if t is not None]
+    train = dataclasses.replace(cfg.train, dtype="bfloat16", recompute=families if layout.recompute else [])
+    placement = "uniform_on_demand" if layout.placement == "optimus_static" else layout.placement
+    par = dataclasses.replace(
+        cfg.parallel, pp=layout.pp, dp=layout.dp, tp=layout.tp, sequence_parallel=layout.sequence_parallel,
+        cp=layout.cp, cp_attention=layout.cp_attention, ulysses=layout.ulysses, llm_zero=layout.llm_zero,
+        encoder_zero=layout.encoder_zero, placement=PlacementPolicy(placement),
+    )  # fmt: skip
+    return dataclasses.replace(cfg, model=model, data=data, train=train, parallel=par)
+
+
+def exact_state(
+    workload: Workload, layout: Layout, microbatches: int | None = None, *, vocab: int = 32000
+) -> dict[int, dict[str, dict[str, int]]]:
+    """Per pipeline rank, the state bytes ``omni-train memory`` plans for this layout
+    (:func:`omni_train.memory_plan.memory_plan` of :func:`workload_config`: the model built on the meta
+    device, ``planned_state_bytes``): ``{pp rank: {"llm": {kind: bytes}, "encoders": {kind: bytes}}}``,
+    each pipeline rank's largest planned rank (its stage's first: the largest FSDP2 shards).
+
+    Raises:
+        ConfigError: the trainer refuses the layout (preflight; one line naming the field).
+    """
+    from omni_train.memory_plan import memory_plan
+
+    plan = memory_plan(workload_config(workload, layout, microbatches), layout.gpus, vocab=vocab)
+    out: dict[int, dict[str, dict[str, int]]] = {}
+    for r in plan["ranks"]:
+        total = sum(r["llm"].values()) + sum(r["encoders"].values())
+        for p in r["same_pp_ranks"]:
+            have = out.get(p)
+            if have is None or total > sum(have["llm"].values()) + sum(have["encoders"].values()):
+                out[p] = {"llm": dict(r["llm"]), "encoders": dict(r["encoders"])}
+    return out
+
+
+def layout_check(workload: Workload) -> Callable[[Layout], str | None]:
+    """``layout -> None`` when the trainer's preflight accepts :func:`workload_config` of it on
+    ``layout.gpus`` ranks, else the preflight's one-line reason."""
+    from omni_train.preflight import validate
+
+    base = workload_config(workload, Layout())
+
+    def check(layout: Layout) -> str | None:
+        try:
+            validate(workload_config(workload, layout, base=base), layout.gpus)
+        except ConfigError as exc:
+            return str(exc)
+        return None
+
+    return check
+
+
+def _gb(x: float) -> str:
+    return f"{x / 1e9:.1f}"
+
+
+def format_prediction(p: StepPrediction, device: Device) -> list[str]:
+    """Lines: where the time goes (seconds and share of the step) and memory per pipeline rank (GB)."""
+    lines = ["where the time goes (busiest pipeline rank, s per step):"]
+    lines.append("  " + ", ".join(f"{k} {v:.3g} ({100 * v / p.step_time_s:.0f}%)"
+                                  for k, v in p.time_s.items() if v > 0))  # fmt: skip
+    kinds = ("parameters", "gathered", "gradients", "optimizer")
+    lines.append(f"memory per pipeline rank, GB (device {_gb(device.memory_bytes)} GB):")
+    lines.append(
+        f"{'':<14}"
+        + "".join(
+            f"{h:>10}" for h in [f"llm {k[:5]}" for k in kinds] + ["enc state", "activ.", "total", "verdict"]
+        )
+    )
+    for r, row in p.memory.items():
+        enc = sum(row[f"enc_{k}"] for k in kinds)
+        vals = [row[f"llm_{k}"] for k in kinds] + [enc, row["activations"], row["total"]]
+        verdict = "OOM" if r in p.oom else "fits"
+        lines.append(f"  pp rank {r:<4}" + "".join(f"{_gb(v):>10}" for v in vals) + f"{verdict:>10}")
+    return lines
+
+
+def whole_step(
+    workload: Workload,
+    layout: Layout,
+    *,
+    device: Device,
+    network: Network,
+    microbatches: int | None = None,
+    step: int = 0,
+    exact_memory: bool = True,
+) -> tuple[dict[str, StepPrediction], list[str]]:
+    """Every placement of :data:`omni_pipeline.step_model.PLACEMENTS` under ``layout`` (the whole step:
+    collectives, optimizer, memory with the OOM verdict), the state exact from ``omni-train memory``'s
+    build when ``exact_memory`` (else analytic). Returns the predictions and the report's lines.
+
+    Raises:
+        ConfigError: with ``exact_memory``, a layout the trainer refuses.
+    """
+    state = exact_state(workload, layout, microbatches) if exact_memory else None
+    cache: dict = {}
+    preds = {
+        pl: predict_step(
+            workload, dataclasses.replace(layout, placement=pl), device=device, network=network,
+            microbatches=microbatches, step=step, state=state, cache=cache,
+        )
+        for pl in PLACEMENTS
+    }  # fmt: skip
+    L = layout
+    lines = [
+        f"whole step at pp={L.pp}, dp={L.dp}, tp={L.tp}{' +SP' if L.sequence_parallel else ''}, cp={L.cp} "
+        f"({L.cp_attention}), ulysses={L.ulysses}, llm_zero={L.llm_zero}, encoder_zero={L.encoder_zero}, "
+        f"recompute={'on' if L.recompute else 'off'}, reorder group {L.reorder_group}; "
+        f"{network.gpus_per_node} GPUs/node, state {'exact (omni-train memory)' if exact_memory else 'analytic'}",
+        f"{'placement':<22}{'step s':>10}{'tokens/s':>12}{'MFU':>7}{'peak GB':>10}{'verdict':>9}",
+    ]
+    for name, p in preds.items():
+        lines.append(
+            f"{name:<22}{p.step_time_s:>10.4g}{p.tokens_per_s:>12.4g}{p.mfu:>7.3f}"
+            f"{_gb(p.peak_memory_bytes):>10}{'OOM' if p.oom else 'fits':>9}"
+        )
+    lines += format_prediction(preds[L.placement], device)
+    return preds, lines
+
+
+def _absolute_data(cfg: RunConfig) -> RunConfig:
+    """``cfg`` with its relative shard urls and tokenizer made absolute (against
+    :func:`omni_train.data_files.data_root`), so the written config runs from any folder."""
+    from omni_train.data_files import data_root
+
+    root = data_root(cfg)
+
+    def absolute(url: str) -> str:
+        return url if "://" in url or Path(url).is_absolute() else str(root / url)
+
+    sources = [
+        dataclasses.replace(
+            src, urls=absolute(src.urls) if isinstance(src.urls, str) else [absolute(u) for u in src.urls]
+        )
+        for src in cfg.data.sources
+    ]
+    tok = cfg.data.tokenizer
+    if tok and not Path(tok).is_absolute() and (root / tok).is_file():
+        tok = str(root / tok)
+    return dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, sources=sources, tokenizer=tok))
+
+
+def _prediction_json(p: StepPrediction) -> dict:
+    return {
+        "layout": dataclasses.asdict(p.layout),
+        "step_time_s": p.step_time_s,
+        "tokens_per_s": p.tokens_per_s,
+        "mfu": p.mfu,
+        "time_s": p.time_s,
+        "memory_bytes": {str(r): row for r, row in p.memory.items()},
+        "oom_pp_ranks": p.oom,
+    }
+
+
+def tune_workload(
+    workload: Workload,
+    gpus: int,
+    *,
+    device: Device,
+    network: Network,
+    global_batch: int | None = None,
+    top: int = 5,
+    out_dir: Path,
+    write_config: Path | None = None,
+) -> str:
+    """``omni-train tune``: :func:`omni_pipeline.tune.tune` over the layouts the trainer's preflight
+    accepts (:func:`layout_check`), the best plans' state exact from ``omni-train memory``'s build
+    (:func:`exact_state`). Writes ``tune.json`` under ``out_dir`` and, with ``write_config``, the best plan
+    as a trainer config (:func:`workload_config`, TOML via :func:`omni_train.binder.to_toml`).
+
+    Returns:
+        the report (text).
+
+    Raises:
+        ConfigError: ``gpus`` < 1, ``top`` < 1, or no layout fits (one line).
+    """
+    from omni_train.binder import to_toml
+
+    if gpus < 1 or top < 1:
+        raise ConfigError(f"--gpus / --top: need >= 1, got {gpus}, {top}")
+    try:
+        res = tune(
+            workload, gpus, device=device, network=network, global_batch=global_batch, top=top,
+            check=layout_check(workload),
+            exact_state=lambda layout, m: exact_state(workload, layout, m),
+        )  # fmt: skip
+    except ValueError as exc:
+        raise ConfigError(f"--gpus: {exc}") from None
+    lines = [
+        f"omni-train tune: {workload.name} on {gpus} GPUs ({network.gpus_per_node}/node), global batch "
+        f"{res.global_batch} packs of {workload.max_seq_len}; device {_gb(device.memory_bytes)} GB, "
+        f"{device.peak_flops / 1e12:g} TFLOP/s x {device.efficiency}; {res.considered} layouts, "
+        f"{res.refused} refused by preflight, {res.oom} out of memory, {res.simulated} simulated; "
+        f"{res.wall_s:.1f} s",
+        f"{'#':>2} {'pp':>3}{'dp':>5}{'tp':>4}{'sp':>4}{'cp':>4}{'uly':>5}{'zero':>5}{'rc':>4} {'placement':<18}"
+        f"{'tokens/s':>11}{'MFU':>7}{'peak GB':>9}  top time",
+    ]
+    for i, p in enumerate(res.plans, 1):
+        L = p.layout
+        cp = f"{L.cp}{'r' if L.cp > 1 and L.cp_attention == 'ring' else ''}"
+        where = sorted(p.time_s.items(), key=lambda kv: -kv[1])[:3]
+        lines.append(
+            f"{i:>2} {L.pp:>3}{L.dp:>5}{L.tp:>4}{'y' if L.sequence_parallel else 'n':>4}{cp:>4}{L.ulysses:>5}"
+            f"{L.llm_zero:>5}{'y' if L.recompute else 'n':>4} {L.placement:<18}{p.tokens_per_s:>11.4g}"
+            f"{p.mfu:>7.3f}{_gb(p.peak_memory_bytes):>9}  "
+            + ", ".join(f"{k} {100 * v / p.step_time_s:.0f}%" for k, v in where)
+        )
+    best = res.plans[0]
+    lines.append("best plan:")
+    lines += format_prediction(best, device)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "tune.json").write_text(
+        json.dumps(
+            {
+                "workload": workload.name,
+                "gpus": gpus,
+                "global_batch": res.global_batch,
+                "considered": res.considered,
+                "refused": res.refused,
+                "oom": res.oom,
+                "simulated": res.simulated,
+                "wall_s": res.wall_s,
+                "plans": [_prediction_json(p) for p in res.plans],
+            },
+            indent=2,
+        )
+    )
+    if write_config is not None:
+        m = res.global_batch // best.layout.dp
+        cfg = _absolute_data(workload_config(workload, best.layout, m))
+        write_config.parent.mkdir(parents=True, exist_ok=True)
+        write_config.write_text(
+            f"# omni-train tune: best plan for workload {workload.name} on {gpus} GPUs "
+            f"({best.tokens_per_s:.4g} tokens/s predicted); run on {gpus} ranks\n" + to_toml(cfg)
+        )
+        lines.append(f"wrote {write_config}")
     return "\n".join(lines)

@@ -47,6 +47,7 @@ from omni_train import wiring
 from omni_train.config import RunConfig
 from omni_train.data_files import load_tokenizer
 from omni_train.launch import StopReport, restart_count
+from omni_train.models.llm import moe_step_metrics
 from omni_train.numerics_guard import act_on, numerics_guard, stop_error, watch_loss
 from omni_train.optim import lr_at
 from omni_train.pipeline import image_merge
@@ -219,6 +220,8 @@ class Trainer:
         row = self.metrics.reduce(
             inputs, result, wall, phases, peaks=self.memory.peaks(), skip_total=self.skips.local_total()
         )
+        # [model.llm] moe: aux / z losses and expert load (one all-reduce over the world; {} without MoE)
+        moe = moe_step_metrics(self.stage, self.llm_cfg, dist.group.WORLD)
         # the next step's clock starts here: logging and checkpoint count in it
         run.clock = time.perf_counter()
         planned, merge = self.planner is not None, image_merge(self.cfg)
@@ -228,7 +231,7 @@ class Trainer:
             metrics = self.metrics.row(inputs, row, lr, grad_norm)
             over_cap = run.planner_metrics(self.planner, self.cfg.parallel.planner_memory_cap_mib)
             extra = {**row["memory"], **skipped, **run.cp_metrics(self.sharding), **over_cap, **numerics}
-            run.log(step, {**metrics, **extra})
+            run.log(step, {**metrics, **extra, **moe})
         stop = stop_error(verdict, self.guard)
         if stop is not None:  # after the step's metrics, before its checkpoint
             self.checkpoint.close()  # the save in flight commits: a resume starts from it

@@ -39,7 +39,7 @@ from omni_data.zero_redundancy import ZeroRedundancyFilter
 from omni_parallel import GroupSpec, ParallelConfig, ParallelState, ReshardMode, mesh_device_type
 from omni_parallel.activation_memory import ActivationMemory
 from omni_parallel.flops import matmul_params, measure_peak_flops
-from omni_parallel.llm_zero import LLMGradientSync
+from omni_parallel.llm_zero import LLMGradientSync, reshard_after_forward
 from omni_parallel.memory import state_bytes
 from omni_parallel.parallelize import EncoderGradientSync, training_dtypes
 from omni_parallel.watchdog import Watchdog, WatchdogSpec, default_store_client
@@ -102,7 +102,12 @@ def group_spec(cfg: RunConfig) -> GroupSpec:
     reorder = par.reorder and par.cp == 1 and not par.hybrid_cp
     size = cfg.data.reorder_group_size if reorder else 1
     return GroupSpec(
-        loader_dp=True, reorder_group_size=size, encoder_p2p=True, hybrid_cp=par.hybrid_cp, checkpoint=True
+        loader_dp=True,
+        reorder_group_size=size,
+        encoder_p2p=True,
+        hybrid_cp=par.hybrid_cp,
+        checkpoint=True,
+        expert_dp=par.ep > 1,
     )
 
 
@@ -114,7 +119,7 @@ def parallel_state(cfg: RunConfig, *, checkpoint_group: bool = True) -> Parallel
     par = cfg.parallel
     spec = group_spec(cfg)
     return ParallelState.build(
-        ParallelConfig(tp=par.tp, pp=par.pp, cp=par.cp, ulysses=par.ulysses, dp=par.dp),
+        ParallelConfig(tp=par.tp, pp=par.pp, cp=par.cp, ulysses=par.ulysses, ep=par.ep, dp=par.dp),
         groups=spec if checkpoint_group else dataclasses.replace(spec, checkpoint=False),
         timeout=timedelta(seconds=cfg.train.collective_timeout_s),
     )
@@ -177,8 +182,9 @@ def build_model(
     split = stage_split(cfg.parallel, llm_cfg, cfg.data.max_seq_len)
     # on "meta" (the memory plan, omni_train.memory_plan) the modules are made there: no values drawn
     with torch.device("meta") if device.type == "meta" else contextlib.nullcontext():
+        ep = ps.group("ep") if ps.size("ep") > 1 else None  # parallel.ep: MoE experts sharded over it
         stage = build_rank_stages(
-            llm_cfg, schedule, ps.local_rank("pp"), seed=m.seed, sp_group=sp_group, split=split
+            llm_cfg, schedule, ps.local_rank("pp"), seed=m.seed, sp_group=sp_group, split=split, ep_group=ep
         )
         encoders = Encoders(m.vit, m.audio, llm_cfg.dim, seed=m.seed)
     stage.to(device, dtype)
@@ -191,6 +197,9 @@ def build_model(
         train,
         encoder_zero=cfg.parallel.encoder_zero,
         llm_zero=cfg.parallel.llm_zero,
+        llm_reshard_after_forward=reshard_after_forward(
+            cfg.parallel.llm_reshard_after_forward, pp=cfg.parallel.pp, microbatches=cfg.data.microbatches
+        ),
         sequence_parallel=cfg.parallel.sequence_parallel,
         num_stages=schedule.num_stages,
         device=device,
@@ -472,6 +481,25 @@ def step_metrics(cfg: RunConfig, ps: ParallelState, parts: ModelParts, device: t
         llm_matmul=float(llm_matmul),
         encoder_matmul={k: matmul_params(t) for k, t in towers.items()},
         peak_flops=measure_peak_flops(device),
-        encoder_bytes=lambda: state_bytes(towers.values(), parts.optimizer),
-        llm_bytes=lambda: state_bytes([parts.stage], parts.optimizer),
+        encoder_bytes=_measured_once(lambda: state_bytes(towers.values(), parts.optimizer)),
+        # the stage modules (each an FSDP2 root under parallel.llm_zero), not RankStages: it does not
+        # register them, so their root units' gathered storage would be missed
+        llm_bytes=_measured_once(lambda: state_bytes(parts.stage.chunks.values(), parts.optimizer)),
     )
+
+
+def _measured_once(measure: Callable[[], dict[str, int]]) -> Callable[[], dict[str, int]]:
+    """``measure``, re-run each step until its bytes include the optimizer state (the first step that
+    stepped AdamW), then that measurement: parameters, gathered copies, gradients and AdamW state keep
+    their storages' sizes from step to step, so the walk over every tensor is not repeated."""
+    held: list[dict[str, int]] = []
+
+    def read() -> dict[str, int]:
+        if held:
+            return held[0]
+        out = measure()
+        if out.get("optimizer", 0) > 0:
+            held.append(out)
+        return out
+
+    return read

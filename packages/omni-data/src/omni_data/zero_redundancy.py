@@ -557,13 +557,26 @@ class ZeroRedundancyFilter(StatefulNode[FilteredStep]):
             for d in initial_state["pending"]:  # the pre-filtered buffer: re-filter exactly as before
                 self._enqueue(StepBatch.from_dict(d))
 
-    def load_resplit(self, states: Sequence[dict[str, Any]], rank: int, world_size: int) -> None:
-        """Resume as DP rank ``rank`` of ``world_size`` from the states of *every* old DP rank (at this
-        rank's pipeline and TP position: their metadata is the same at every position, only the payload
-        skip counts differ). The pre-filtered steps of all old ranks are broken back into samples and
+    def load_resplit(
+        self,
+        states: Sequence[dict[str, Any]],
+        rank: int,
+        world_size: int,
+        *,
+        skips: Sequence[dict[str, Any]] | None = None,
+    ) -> None:
+        """Resume as DP rank ``rank`` of ``world_size`` from the states of *every* old DP rank (at any one
+        pipeline / TP / CP / Ulysses position of the old layout: their metadata is the same at every
+        position, only the payload skip counts differ, so the old layout's position sizes may differ from
+        this one's). The pre-filtered steps of all old ranks are broken back into samples and
         redistributed with the packers' buffers (:meth:`PackedLoader.load_resplit`), and the next step is
         the first of them (the step the old ranks would have trained next); payload skip counts go to new
         rank 0.
+
+        Args:
+            skips: the old states whose payload skip counts this position's new rank 0 takes over
+                (default ``states``); under another position layout, those of the old positions this
+                position stands for, so that the counts summed over the new world equal the old world's.
 
         Raises:
             LayoutMismatchError: the states cannot be re-split exactly; nothing is read.
@@ -579,7 +592,7 @@ class ZeroRedundancyFilter(StatefulNode[FilteredStep]):
         super().reset(None)
         self.ledger.load_state_dict(None)
         if rank == 0:
-            for st in states:
+            for st in states if skips is None else skips:
                 self.ledger.merge(st["ledger"])
 
     def get_state(self) -> dict[str, Any]:

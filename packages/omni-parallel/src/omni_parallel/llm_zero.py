@@ -36,12 +36,27 @@ Stages 1-3 step the shards; the next step's all-gather brings the update into th
 and 2 gather into the kept storage: ``set_keep_unsharded_storage``). With one rank in the group there is
 nothing to shard: every stage is stage 0.
 
-Mixed precision. ``MixedPrecisionPolicy`` is not used: the repo trains bf16 by autocast over float32
-masters (:func:`omni_parallel.parallelize.apply_mixed_precision`), so the gathered parameters, their
-gradients and the explicit reduce-scatter / all-reduce are float32 (the issue's "float32 reductions");
-a bf16 ``param_dtype`` would gather bf16 copies that this schedule keeps for the whole step and, for
-ZeRO-1/2, between steps, and FSDP2 casts gradients to ``reduce_dtype`` only inside its own reduction,
-which the step-scoped schedule replaces.
+Mixed precision (``param_dtype``, e.g. bfloat16 for ``train.dtype = "bfloat16"``): every unit gets
+``MixedPrecisionPolicy(param_dtype, reduce_dtype=float32)``. The all-gather moves ``param_dtype``
+copies of the float32 shards (half the bytes), forward and backward run on them, FSDP2 accumulates each
+gradient across the step's microbatches in float32 (``grad_dtype``), and the step's one reduce-scatter /
+all-reduce runs in float32 into float32 shard gradients; AdamW steps the float32 shards (torchtitan's
+``mixed_precision_param = bfloat16``, ``mixed_precision_reduce = float32``). The gathered copies kept by
+ZeRO-1/2 between steps are ``param_dtype``. Without it (float32 / float64 runs, and stage 0) nothing is
+cast.
+
+Reshard policy (``reshard_after_forward``, ZeRO-3 only; :func:`reshard_after_forward` maps the app's
+``auto`` / ``always`` / ``never``): ``False`` (torchtitan's choice under PP with more than one
+microbatch per stage) keeps every unit gathered from :meth:`LLMGradientSync.attach` to the sync, no
+collective inside the step. ``True`` gathers each block unit in its own pre-forward hook and frees it
+after its forward (FSDP2's ``reshard_after_forward``), re-gathering it for backward: the whole gathered
+stage is never held at once, at one more all-gather per block and microbatch; the roots (embedding,
+final norm, LM head) stay gathered through the step. Every rank of the group runs the same microbatches
+through the same stage, so these per-microbatch all-gathers line up. ZeRO-1/2 keep the gathered storage
+between steps anyway, so there the policy has nothing to free and is not applied.
+
+The units, their ``FSDPParam`` s (each parameter's sharded and gathered tensors) and the mesh are read
+once, in :func:`apply_llm_zero`; the per-step attach and sync walk those lists (no module traversal).
 
 Not composed: tensor parallelism (the parameters are already TP ``DTensor``s; FSDP2 over TP needs a 2-D
 mesh ``(dp_cp, tp)`` sliced from one root mesh, which ``ParallelState``'s ``dp_cp`` group is not) and
@@ -56,25 +71,34 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor, Shard
 
-from omni_parallel.data_parallel import all_reduce_gradients
 from omni_parallel.encoder_zero import (
-    _named,
-    checked_units,
+    _BUCKET_BYTES,
+    _buckets,
+    _reduce_scatter_bucket,
     configure_step_schedule,
-    gather_parameters,
-    reduce_scatter_gradients,
     shard_rows,
+    sharded_units,
 )
 from omni_parallel.state import ParallelState
 
-__all__ = ["LLM_ZERO_STAGES", "LLMGradientSync", "all_reduce_into_shards", "apply_llm_zero"]
+__all__ = [
+    "LLM_ZERO_STAGES",
+    "RESHARD_POLICIES",
+    "LLMGradientSync",
+    "all_reduce_into_shards",
+    "apply_llm_zero",
+    "reshard_after_forward",
+]
 
 LLM_ZERO_STAGES = (0, 1, 2, 3)
+RESHARD_POLICIES = ("auto", "always", "never")
 
 
 @dataclass(frozen=True)
@@ -88,14 +112,136 @@ class LLMGradientSync:
 
     Attributes:
         zero_stage: the stage in effect (0 when the group has one rank, whatever was asked).
+        reshard_after_forward: whether ZeRO-3's block units are freed after each forward (module docstring).
     """
 
     reduce: Callable[[], None]
     attach: Callable[[], None] = lambda: None
     zero_stage: int = 0
+    reshard_after_forward: bool = False
 
     def __call__(self) -> None:
         self.reduce()
+
+
+def reshard_after_forward(policy: str, *, pp: int, microbatches: int) -> bool:
+    """The reshard policy of ZeRO-3's block units for a schedule: ``"always"`` True, ``"never"`` False,
+    ``"auto"`` False under pipeline parallelism with more than one microbatch per stage (``pp > 1`` and
+    ``microbatches > 1``: torchtitan's default, which spares an all-gather per block and microbatch),
+    True otherwise.
+
+    Raises:
+        ValueError: ``policy`` not in :data:`RESHARD_POLICIES`.
+    """
+    if policy not in RESHARD_POLICIES:
+        raise ValueError(f"reshard_after_forward: policy {policy!r} is not one of {RESHARD_POLICIES}")
+    if policy == "auto":
+        return not (pp > 1 and microbatches > 1)
+    return policy == "always"
+
+
+@dataclass(frozen=True)
+class _Units:
+    """The FSDP2 units inside some modules, read once: the units (module order), their ``FSDPParam`` s
+    (the same order on every rank), the mesh group, and the units gathered at attach."""
+
+    units: tuple[nn.Module, ...]
+    params: tuple[Any, ...]
+    group: dist.ProcessGroup
+    world: int
+    rank: int
+    gathered_at_attach: tuple[nn.Module, ...]
+
+    @classmethod
+    def of(cls, modules: Iterable[nn.Module], who: str, lazy: Iterable[nn.Module] = ()) -> _Units:
+        units = sharded_units(modules)
+        params = tuple(
+            fp for u in units for g in u._get_fsdp_state()._fsdp_param_groups for fp in g.fsdp_params
+        )
+        if not params:
+            raise ValueError(
+                f"{who}: the modules hold no FSDP2 unit with parameters (fully_shard them first)"
+            )
+        mesh = params[0].mesh_info.mesh
+        if mesh.ndim != 1 or any(fp.mesh_info.mesh is not mesh for fp in params):
+            raise ValueError(f"{who}: the FSDP2 units are not sharded over one 1-D mesh")
+        skip = {id(m) for m in lazy}
+        return cls(
+            tuple(units), params, mesh.get_group(), mesh.size(), mesh.get_local_rank(),
+            tuple(u for u in units if id(u) not in skip),
+        )  # fmt: skip
+
+    def attach(self) -> None:
+        """All-gather the units gathered at attach (collective over the mesh, every rank)."""
+        for unit in self.gathered_at_attach:
+            unit.unshard()
+
+    def take_grads(self) -> list[torch.Tensor | None]:
+        """Each parameter's gathered gradient (in its shard's dtype: float32 under a bf16
+        ``MixedPrecisionPolicy``; ``None``: unused on this rank this step), cleared from the gathered
+        parameter; then every unit resharded."""
+        grads = []
+        for fp in self.params:
+            g = getattr(fp, "_unsharded_param", None)
+            g = None if g is None else g.grad
+            if g is not None:
+                fp.unsharded_param.grad = None
+                dtype = fp.sharded_param.dtype
+                g = g if g.dtype == dtype else g.to(dtype)
+            grads.append(g)
+        for unit in reversed(self.units):
+            unit.reshard()
+        return grads
+
+    def reduce_scatter(self, divide_by: float = 1.0) -> None:
+        """ZeRO-2/3: one SUM reduce-scatter per bucket into ``Shard(0)`` gradients."""
+        pairs = list(zip((fp.sharded_param for fp in self.params), self.take_grads(), strict=True))
+        for bucket in _buckets(pairs, _BUCKET_BYTES):
+            _reduce_scatter_bucket(bucket, self.group, divide_by)
+
+    def all_reduce(self, divide_by: float = 1.0) -> None:
+        """ZeRO-1: the whole gradients summed (one all-reduce per bucket), each shard's gradient its rows."""
+        grads = self.take_grads()
+        for k, (fp, g) in enumerate(zip(self.params, grads, strict=True)):
+            if g is None:  # zeros where a rank used a parameter nowhere: the buckets line up on every rank
+                sharded = fp.sharded_param
+                grads[k] = torch.zeros(sharded.shape, dtype=sharded.dtype, device=sharded.to_local().device)
+        for bucket in _flat_buckets(grads):
+            flat = torch.cat([g.reshape(-1) for g in bucket])
+            dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=self.group)
+            if divide_by != 1:
+                flat.div_(divide_by)
+            for g, part in zip(bucket, flat.split([g.numel() for g in bucket]), strict=True):
+                g.copy_(part.view_as(g))
+        for fp, g in zip(self.params, grads, strict=True):
+            p = fp.sharded_param
+            if not isinstance(p, DTensor) or tuple(p.placements) != (Shard(0),):
+                raise ValueError(
+                    f"all_reduce_into_shards: {fp._param_fqn} is not an FSDP2 Shard(0) parameter"
+                )
+            start, rows = shard_rows(p.shape[0], self.world, self.rank)
+            p.grad = DTensor.from_local(
+                g.narrow(0, start, rows), p.device_mesh, p.placements, shape=p.shape, stride=p.stride(),
+                run_check=False,
+            )  # fmt: skip
+
+
+def _flat_buckets(grads: list[torch.Tensor]) -> list[list[torch.Tensor]]:
+    """Consecutive gradients of one device and dtype up to :data:`_BUCKET_BYTES` (the same on every rank)."""
+    out: list[list[torch.Tensor]] = []
+    size = 0
+    for g in grads:
+        nbytes = g.numel() * g.element_size()
+        if (
+            not out
+            or size + nbytes > _BUCKET_BYTES
+            or (out[-1][0].device, out[-1][0].dtype) != (g.device, g.dtype)
+        ):
+            out.append([])
+            size = 0
+        out[-1].append(g)
+        size += nbytes
+    return out
 
 
 def apply_llm_zero(
@@ -104,6 +250,8 @@ def apply_llm_zero(
     zero_stage: int = 0,
     *,
     blocks: Iterable[nn.Module] = (),
+    param_dtype: torch.dtype | None = None,
+    reshard_after_forward: bool = False,
 ) -> LLMGradientSync:
     """Shard this rank's LLM stages over ``ps`` group ``dp_cp`` at ZeRO ``zero_stage`` (see the module
     docstring) and return their gradient sync. Collective for stages 1-3 with more than one rank in the
@@ -115,15 +263,21 @@ def apply_llm_zero(
         ps: the parallel state (its ``dp_cp`` group and mesh, ``tp`` and ``ep`` sizes).
         zero_stage: 0, 1, 2 or 3.
         blocks: transformer blocks inside ``chunks``, one FSDP2 unit each (sharded before their chunk).
+        param_dtype: ``None`` (nothing cast) or the dtype the units gather and compute in (bfloat16 over
+            float32 shards), with float32 gradient reductions (``MixedPrecisionPolicy``; stages 1-3).
+        reshard_after_forward: ZeRO-3: free each block unit after its forward (module docstring).
 
     Raises:
         ValueError: ``zero_stage`` not in 0-3; ``zero_stage > 0`` with ``tp > 1`` or ``ep > 1`` (not
-            composed, see the module docstring); a block not inside any chunk.
+            composed, see the module docstring); a block not inside any chunk; ``param_dtype`` not a
+            floating dtype.
     """
     from omni_parallel.parallelize import apply_dp
 
     if isinstance(zero_stage, bool) or zero_stage not in LLM_ZERO_STAGES:
         raise ValueError(f"apply_llm_zero: ZeRO stage {zero_stage!r} is not one of {LLM_ZERO_STAGES}")
+    if param_dtype is not None and not param_dtype.is_floating_point:
+        raise ValueError(f"apply_llm_zero: param_dtype {param_dtype} is not a floating dtype")
     chunks = list(chunks)
     if zero_stage == 0 or ps.size("dp_cp") == 1:
         return LLMGradientSync(apply_dp(chunks, ps))
@@ -133,68 +287,40 @@ def apply_llm_zero(
                 f"apply_llm_zero: ZeRO stage {zero_stage} with {axis} = {ps.size(axis)} is not supported "
                 f"(the parameters are {axis.upper()} DTensors; FSDP2 over them needs a 2-D mesh)"
             )
-    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
+    mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32 if param_dtype else None)
     inside = {id(m) for c in chunks for m in c.modules()}
     mesh = ps.device_mesh("dp_cp")
+    blocks = list(blocks)
     for i, block in enumerate(blocks):
         if id(block) not in inside:
             raise ValueError(f"apply_llm_zero: blocks[{i}] ({type(block).__name__}) is in no chunk")
-        fully_shard(block, mesh=mesh, reshard_after_forward=False)
+        fully_shard(block, mesh=mesh, reshard_after_forward=False, mp_policy=mp)
     for chunk in chunks:
-        fully_shard(chunk, mesh=mesh, reshard_after_forward=False)
+        fully_shard(chunk, mesh=mesh, reshard_after_forward=False, mp_policy=mp)
     configure_step_schedule(chunks, keep_gathered=zero_stage < 3)
-    if zero_stage == 1:
-        reduce = lambda: all_reduce_into_shards(chunks)  # noqa: E731
-    else:
-        reduce = lambda: reduce_scatter_gradients(chunks)  # noqa: E731
-    return LLMGradientSync(reduce, lambda: gather_parameters(chunks), zero_stage)
+    lazy = blocks if zero_stage == 3 and reshard_after_forward else []
+    for block in lazy:  # gathered by its own pre-forward hook, freed after its forward
+        block.set_reshard_after_forward(True, recurse=False)
+    units = _Units.of(chunks, "apply_llm_zero", lazy=lazy)
+    reduce = units.all_reduce if zero_stage == 1 else units.reduce_scatter
+    return LLMGradientSync(reduce, units.attach, zero_stage, bool(lazy))
 
 
 def all_reduce_into_shards(modules: Iterable[nn.Module], *, divide_by: float = 1.0) -> None:
     """ZeRO-1's sync of gathered FSDP2 units: sum the whole gradients over the units' mesh (one
-    all-reduce per bucket, :func:`omni_parallel.data_parallel.all_reduce_gradients`), divide by
-    ``divide_by``, reshard every unit, and give each sharded parameter its ``Shard(0)`` rows of the summed
-    gradient as a ``DTensor`` gradient (a view of the whole gradient, which stays allocated until
-    ``zero_grad``). Collective: every rank of the mesh, after the step's last backward, with the modules
-    given to :func:`~omni_parallel.encoder_zero.gather_parameters`.
+    all-reduce per bucket, in the shards' dtype), divide by ``divide_by``, reshard every unit, and give
+    each sharded parameter its ``Shard(0)`` rows of the summed gradient as a ``DTensor`` gradient (a view
+    of the whole gradient, which stays allocated until ``zero_grad``). Collective: every rank of the
+    mesh, after the step's last backward, with the modules given to
+    :func:`~omni_parallel.encoder_zero.gather_parameters`. (:func:`apply_llm_zero`'s sync runs the same
+    on units it read once.)
 
     Raises:
         ValueError: ``divide_by <= 0``; the modules hold no FSDP2 unit, or a parameter that is not
             ``Shard(0)`` over a 1-D mesh after reshard.
     """
-    modules, units = checked_units(modules, divide_by, "all_reduce_into_shards")
-    gathered = [p for _, _, p in _named(modules)]
-    for p in gathered:  # zeros where a rank used a parameter nowhere: the buckets line up on every rank
-        if p.grad is None:
-            p.grad = torch.zeros_like(p)
-    mesh = _unit_mesh(units)
-    all_reduce_gradients(gathered, mesh.get_group(), divide_by=divide_by)
-    grads = {(i, name): p.grad for i, name, p in _named(modules)}
-    for p in gathered:
-        p.grad = None
-    for unit in reversed(units):
-        unit.reshard()
-    world, rank = mesh.size(), mesh.get_local_rank()
-    for i, name, p in _named(modules):
-        g = grads[(i, name)]
-        if not isinstance(p, DTensor) or tuple(p.placements) != (Shard(0),):
-            raise ValueError(f"all_reduce_into_shards: {name} is not an FSDP2 Shard(0) parameter")
-        start, rows = shard_rows(p.shape[0], world, rank)
-        p.grad = DTensor.from_local(
-            g.narrow(0, start, rows),
-            p.device_mesh,
-            p.placements,
-            shape=p.shape,
-            stride=p.stride(),
-            run_check=False,
-        )
-
-
-def _unit_mesh(units: list[nn.Module]):
-    """The mesh the units are sharded over (the first unit holding parameters: every unit of
-    :func:`apply_llm_zero` has the same)."""
-    for unit in units:
-        for group in unit._get_fsdp_state()._fsdp_param_groups:
-            return group.mesh_info.mesh
-    raise ValueError("all_reduce_into_shards: the FSDP2 units hold no parameter")
+    if not divide_by > 0:
+        raise ValueError(f"all_reduce_into_shards: divide_by must be > 0, got {divide_by}")
+    _Units.of(modules, "all_reduce_into_shards").all_reduce(divide_by)

@@ -17,19 +17,22 @@ process group (:func:`omni_parallel.testing.fake_world`): parameters and FSDP2's
 read from the model as built; gradients and AdamW state, which appear only at the first backward and
 step, are computed from each parameter's local shard exactly as torch allocates them
 (``torch.optim.AdamW._init_group``; FSDP2's ``FSDPParam.init_all_gather_outputs``).
-:func:`analytic_state_bytes` is the formula (per rank, ``P`` parameters of a pipeline stage before TP,
-``b`` bytes per element, ``W`` ranks of the ZeRO group)::
+:func:`analytic_state_bytes` is the formula (per rank, ``S = P_tp / tp + P_rep`` parameters of a
+pipeline stage: ``P_tp`` the ones TP splits, the blocks' projections, counted before TP, ``P_rep`` the
+ones every TP rank holds whole, norms, embedding and LM head; ``b`` bytes per element, ``W`` ranks of the
+ZeRO group)::
 
-    parameters = P b / tp / (W if zero >= 3 else 1)
-    gathered   = P b / tp                 if zero in (1, 2) else 0
-    gradients  = P b / tp / (W if zero >= 2 else 1)
-    optimizer  = 2 P b / tp / (W if zero >= 1 else 1) + s * tensors      (s: bytes of AdamW's step)
+    parameters = S b / (W if zero >= 1 else 1)     (ZeRO 1-3 keep FSDP2 shards as the parameters)
+    gathered   = S b                   if zero in (1, 2) else 0
+    gradients  = S b / (W if zero >= 2 else 1)
+    optimizer  = 2 S b / (W if zero >= 1 else 1) + s * tensors      (s: bytes of AdamW's step)
 
-(Rajbhandari et al., "ZeRO", SC'20, §5; TP divides the matmul weights only, so a TP rank holds a little
-more than ``P / tp``: norms are replicated.)
+(Rajbhandari et al., "ZeRO", SC'20, §5: ZeRO-1 and 2 hold the whole parameters too, here as the kept
+``gathered`` copy beside the shard; FSDP2 pads uneven shards, which the formula leaves out.)
 
-:func:`block_activation_bytes` estimates what one pre-norm decoder block (RMSNorm, GQA attention with a
-flash-style kernel, SwiGLU) saves for backward per microbatch; times the layers and microbatches a
+:func:`block_activation_bytes` counts what one pre-norm decoder block (RMSNorm, RoPE, GQA attention with
+the fused or the reference varlen kernel, SwiGLU; TP with or without Megatron SP, autocast, selective
+recompute) saves for backward per microbatch, term by term; times the layers and microbatches a
 pipeline rank holds in flight it is the activation estimate of a plan. :func:`saved_activation_bytes`
 counts what autograd saves while a function runs (distinct storages, parameters excluded), on any device
 including ``meta``.
@@ -37,7 +40,7 @@ including ``meta``.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -47,6 +50,7 @@ from torch.distributed.tensor import DTensor
 from omni_parallel.encoder_zero import sharded_units
 
 __all__ = [
+    "ATTENTION_KERNELS",
     "KINDS",
     "adamw_state_bytes",
     "analytic_state_bytes",
@@ -202,17 +206,33 @@ def planned_state_bytes(
 
 
 def analytic_state_bytes(
-    params: float, *, bytes_per: int = 4, tp: int = 1, zero: int = 0, shards: int = 1, tensors: int = 0
+    params: float,
+    *,
+    replicated: float = 0,
+    bytes_per: int = 4,
+    tp: int = 1,
+    zero: int = 0,
+    shards: int = 1,
+    tensors: int = 0,
+    step_bytes: int = 4,
 ) -> dict[str, float]:
-    """The module docstring's formula: bytes per rank of a stage of ``params`` parameters (before TP).
+    """The module docstring's formula: bytes per rank of a stage whose TP-sharded parameters number
+    ``params`` (before TP) and whose TP-replicated ones ``replicated``.
 
     Args:
-        params: parameters of the rank's stage (all TP ranks together).
+        params: parameters of the rank's stage that TP splits (the blocks' projections), all TP ranks
+            together.
+        replicated: parameters every TP rank holds whole (norms, embedding, LM head: the app's TP plan,
+            ``omni_parallel.tensor_parallel.llama_tp_plan``, shards the blocks' projections only).
         bytes_per: bytes per element of parameters, gradients and AdamW moments (float32: 4).
-        tp: TP ranks the parameters are split over.
+        tp: TP ranks ``params`` are split over.
         zero: ZeRO stage 0-3 over ``shards`` ranks.
         shards: ranks of the ZeRO group ``W`` (1: nothing to shard).
-        tensors: parameter tensors (one 4-byte AdamW ``step`` each).
+        tensors: parameter tensors (one AdamW ``step`` each).
+        step_bytes: bytes of one AdamW ``step`` (4; 8 unfused under a float64 default dtype).
+
+    Returns:
+        ``{kind: bytes}`` over :data:`KINDS`; FSDP2's padding of uneven shards is not counted.
 
     Raises:
         ValueError: ``zero`` not in 0-3, or ``tp`` / ``shards`` < 1.
@@ -221,13 +241,13 @@ def analytic_state_bytes(
         raise ValueError(
             f"analytic_state_bytes: zero in 0-3, tp >= 1, shards >= 1; got {zero}, {tp}, {shards}"
         )
-    whole = params * bytes_per / tp
-    w = shards if shards > 1 else 1
+    whole = (params / tp + replicated) * bytes_per
+    w = shards
     return {
-        "parameters": whole / (w if zero >= 3 else 1),
+        "parameters": whole / (w if zero >= 1 else 1),
         "gathered": whole if zero in (1, 2) and w > 1 else 0.0,
         "gradients": whole / (w if zero >= 2 else 1),
-        "optimizer": 2 * whole / (w if zero >= 1 else 1) + 4 * tensors,
+        "optimizer": 2 * whole / (w if zero >= 1 else 1) + step_bytes * tensors,
     }
 
 
@@ -253,42 +273,105 @@ def saved_activation_bytes(fn: Callable[[], Any], params: Iterable[torch.Tensor]
     return storage_bytes(saved, seen), out
 
 
+ATTENTION_KERNELS = ("flash", "reference")
+BRANCHES = ("attention", "mlp")  # the residual branches of the block, in forward order
+
+
 def block_activation_bytes(
     tokens: int,
     dim: int,
     kv_dim: int,
     ffn_dim: int,
     *,
+    heads: int | None = None,
     tp: int = 1,
     sequence_parallel: bool = False,
     bytes_per: int = 4,
+    master_bytes: int | None = None,
     recompute: bool = False,
+    recompute_branches: Sequence[str] = (),
+    kernel: str = "flash",
 ) -> int:
-    """Estimated bytes one pre-norm decoder block saves for backward on one rank for a microbatch of
-    ``tokens`` tokens (this rank's: after CP / Ulysses splits). Counted per token, in elements:
+    """Bytes one pre-norm decoder block of the app's LLM (``omni_train.models.llm.Block``: RMSNorm, RoPE,
+    GQA attention through :func:`omni_parallel.varlen.varlen_attention`, SwiGLU) saves for backward on
+    one rank for a microbatch of ``tokens`` tokens (this rank's: after CP / Ulysses splits), counted from
+    what autograd keeps for each op of that code (distinct storages, parameters excluded, as
+    :class:`~omni_parallel.activation_memory.ActivationMemory` measures). Per token, with ``b_m`` the
+    residual stream's bytes (the master dtype's), ``b_c`` the compute dtype's, ``s = tp`` with Megatron
+    SP else 1:
 
-    * replicated over TP (sharded by it with Megatron SP): both norms' inputs and outputs, ``4 dim``;
-    * sharded by TP: ``q`` and the attention output (``2 dim``), ``k`` and ``v`` (``2 kv_dim``), the
-      attention kernel's log-sum-exp (not counted: ``heads`` floats), SwiGLU's ``w1 x``, ``w3 x``,
-      ``silu(w1 x)`` and their product (``4 ffn_dim``).
+    * each RMSNorm ``x * rsqrt(mean(x^2) + eps) * w``: its input ``x``, ``x * rsqrt`` and the ``rsqrt``
+      (one float), ``(2 dim + 1) b_m / s``; two norms per block;
+    * the norms' outputs as the projections see them, never split by TP: replicated without SP, and
+      with SP all-gathered over the TP group before the projections (``PrepareModuleInput``; the
+      gathered tensor is what the projections save, not the shard Megatron-LM keeps and re-gathers in
+      backward): ``2 dim b_m``; under autocast (``b_c != b_m``) every projection saves its own cast
+      copy, ``(3 + 2) dim b_c``;
+    * attention, over TP: ``q`` (after RoPE), ``k``, ``v``, the output (``2 dim + 2 kv_dim``), the
+      log-sum-exp (``heads`` float32), all ``/ tp``. ``kernel = "reference"`` (CPU, and CUDA outside
+      float16 / bfloat16, :func:`~omni_parallel.varlen.uses_device_kernel`): ``k`` and ``v`` repeated to
+      the query heads (GQA) and the documents' outputs concatenated into one more tensor,
+      ``5 dim / tp`` instead of ``2 dim + 2 kv_dim``;
+    * RoPE: the float64 ``cos`` / ``sin`` tables cast to the compute dtype for ``q`` and for ``k``,
+      ``2 head_dim b_c`` (none at float64), over all tokens;
+    * SwiGLU: ``w1 x``, ``silu(w1 x)``, ``w3 x`` and their product, ``4 ffn_dim b_c / tp``;
+    * once per block, under autocast: the compute-dtype copies of the matmul weights,
+      ``(2 dim^2 + 2 dim kv_dim + 3 dim ffn_dim) b_c / tp`` (autocast's cache lives for the microbatch's
+      forward; the copies stay saved until its backward).
 
-    With ``recompute`` only the block input (``dim``, replicated over TP) is kept. This is
-    Korthikanti et al., "Reducing Activation Recomputation in Large Transformer Models" (2022) §4.1
-    (``sbh(34 + 5as/h)`` for GPT blocks at fp16) redone for this block with a flash kernel (no
-    ``s x s`` term) and without dropout.
+    With ``recompute`` (the whole block checkpointed) only the block input is kept, ``dim b_m / s``;
+    with ``recompute_branches`` too (selective recompute, ``omni_parallel.parallelize.apply_ac``'s
+    branches: ``"attention"`` = ``attn(attn_norm(x))``, ``"mlp"`` = ``mlp(mlp_norm(x))``) each named
+    branch keeps its input only and the other keeps all of its terms.
+    Linear biases (``qkv_bias``) are not counted. This is the accounting of Korthikanti et al., "Reducing
+    Activation Recomputation in Large Transformer Models" (2022) §4 redone for this code: a flash-style
+    kernel (no ``s x s`` term), no dropout, and SP as this repo implements it (above).
 
     Args:
         tokens: tokens of the microbatch on this rank. dim, kv_dim, ffn_dim: widths (``kv_dim``:
-            ``n_kv_heads * head_dim``). tp: TP ranks. sequence_parallel: Megatron SP.
-        bytes_per: bytes per saved element (the compute dtype's: 2 for bf16 autocast, 4 float32).
-        recompute: the block is checkpointed.
+            ``n_kv_heads * head_dim``).
+        heads: query heads (the log-sum-exp and RoPE's ``head_dim = dim / heads``); ``None``: those two
+            terms left out.
+        tp: TP ranks. sequence_parallel: Megatron SP.
+        bytes_per: bytes of the compute dtype (2 for bf16 autocast, 4 float32, 8 float64).
+        master_bytes: bytes of the parameters' (and residual stream's) dtype; ``None``: ``bytes_per``
+            (no autocast).
+        recompute: the block is checkpointed (its ``recompute_branches`` only, when given).
+        recompute_branches: ``"attention"``, ``"mlp"`` (see above).
+        kernel: ``"flash"`` (the fused varlen kernel on CUDA at float16 / bfloat16) or ``"reference"``.
 
     Raises:
-        ValueError: a size < 1.
+        ValueError: a size < 1, ``heads`` not dividing ``dim``, or an unknown ``kernel``.
     """
-    if min(tokens, dim, kv_dim, ffn_dim, tp, bytes_per) < 1:
+    master = bytes_per if master_bytes is None else master_bytes
+    if min(tokens, dim, kv_dim, ffn_dim, tp, bytes_per, master) < 1:
         raise ValueError("block_activation_bytes: sizes must be >= 1")
-    replicated = dim if recompute else 4 * dim
-    sharded = 0 if recompute else 2 * dim + 2 * kv_dim + 4 * ffn_dim
-    per_token = replicated / (tp if sequence_parallel else 1) + sharded / tp
-    return int(tokens * per_token * bytes_per)
+    if heads is not None and (heads < 1 or dim % heads):
+        raise ValueError(f"block_activation_bytes: heads {heads} does not divide dim {dim}")
+    if kernel not in ATTENTION_KERNELS:
+        raise ValueError(f"block_activation_bytes: kernel must be one of {ATTENTION_KERNELS}, got {kernel!r}")
+    unknown = set(recompute_branches) - set(BRANCHES)
+    if unknown:
+        raise ValueError(
+            f"block_activation_bytes: recompute_branches must be in {BRANCHES}, got {sorted(unknown)}"
+        )
+    s = tp if sequence_parallel else 1
+    if recompute and not recompute_branches:
+        return tokens * dim * master // s
+    autocast = bytes_per != master
+    norm = (2 * dim + 1) * master / s  # one RMSNorm: its input, x * rsqrt, rsqrt
+    attn = norm + (3 * dim * bytes_per if autocast else dim * master)
+    attn += (5 * dim if kernel == "reference" else 2 * dim + 2 * kv_dim) * bytes_per / tp
+    if heads is not None:
+        attn += heads * 4 / tp + (0 if bytes_per == 8 else 2 * (dim // heads) * bytes_per)
+    mlp = norm + (2 * dim * bytes_per if autocast else dim * master) + 4 * ffn_dim * bytes_per / tp
+    kept = dim * master / s  # a checkpointed branch keeps its input only
+    per_token = {"attention": attn, "mlp": mlp}
+    weights = {"attention": 2 * dim * (dim + kv_dim), "mlp": 3 * dim * ffn_dim}
+    total = 0.0
+    for branch in BRANCHES:
+        if recompute and branch in recompute_branches:
+            total += tokens * kept
+        else:
+            total += tokens * per_token[branch] + (weights[branch] * bytes_per / tp if autocast else 0)
+    return round(total)

@@ -14,8 +14,8 @@ Every process group of a run is created here, in :meth:`ParallelState.build`, in
 creation is collective: every rank must create the same groups in the same order, so no caller creates
 any elsewhere): the mesh's elementary axes, ``dp``, ``dp_cp`` and ``tp_cp``, then the optional groups a
 :class:`GroupSpec` asks for, in this order: the loader's copy of ``dp``, the reordering groups across DP,
-the encoders' point-to-point copy of ``pp``, the hybrid DP/CP blocks, and a gloo group over every rank for
-checkpoint bookkeeping.
+the encoders' point-to-point copy of ``pp``, the hybrid DP/CP blocks, the expert-data-parallel groups, and a
+gloo group over every rank for checkpoint bookkeeping.
 
 Decoupled encoders (§ decoupled parallelism): encoder data parallelism spans every rank, pipeline ranks
 included; encoder SP groups are ``sp`` contiguous ranks; ZeRO over all ranks through FSDP2, on the
@@ -35,7 +35,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from omni_parallel.hybrid_cp import hybrid_cp_blocks
-from omni_parallel.topology import GROUP_NAMES, ParallelConfig, mesh_axes, rank_groups
+from omni_parallel.topology import GROUP_NAMES, ParallelConfig, expert_groups, mesh_axes, rank_groups
 
 __all__ = [
     "EncoderLayout",
@@ -82,6 +82,10 @@ class GroupSpec:
         hybrid_cp: every aligned CP block of every CP size of each ``dp_cp`` group
             (:func:`omni_parallel.hybrid_cp_blocks`), the groups a hybrid DP/CP plan may pick per pack
             (ByteScale's hybrid DP/CP): :attr:`ParallelState.hybrid_cp_groups`.
+        expert_dp: the expert-data-parallel groups of :func:`omni_parallel.topology.expert_groups` (the
+            ``dp_cp`` ranks of a stage holding the same expert shard; expert gradients are reduced over
+            them): :attr:`ParallelState.expert_dp_group`. Not created for ``ep`` 1 (``dp_cp`` serves) nor
+            when each shard has one holder.
         checkpoint: a gloo group over every rank for checkpoint bookkeeping (omni-ckpt's
             ``CheckpointManager(process_group=...)``: its plan exchange and commit run on CPU objects, an
             async save's from a thread of its own, so it needs a group no step collective uses):
@@ -96,12 +100,13 @@ class GroupSpec:
     encoder_p2p: bool = False
     hybrid_cp: bool = False
     checkpoint: bool = False
+    expert_dp: bool = False
 
     def __post_init__(self) -> None:
         g = self.reorder_group_size
         if g is not None and (not isinstance(g, int) or isinstance(g, bool) or g < 1):
             raise ValueError(f"GroupSpec.reorder_group_size must be a positive int or None, got {g!r}")
-        for name in ("loader_dp", "encoder_p2p", "hybrid_cp", "checkpoint"):
+        for name in ("loader_dp", "encoder_p2p", "hybrid_cp", "checkpoint", "expert_dp"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"GroupSpec.{name} must be a bool, got {getattr(self, name)!r}")
 
@@ -249,6 +254,8 @@ class ParallelState:
             for, or ``pp`` 1).
         hybrid_cp_groups: ``{(cp, first): ProcessGroup}`` of the hybrid DP/CP blocks this rank belongs to
             (``first``: the block's first ``dp_cp`` index); empty unless ``spec.hybrid_cp``.
+        expert_dp_group: this rank's expert-data-parallel group (``None``: not asked for, ``ep`` 1, or one
+            holder per expert shard); its members: ``members["edp"]`` when created.
         checkpoint_group: a gloo group over every rank for checkpoint bookkeeping (``None``: not asked
             for).
         timeout: the collective timeout of every group (``None``: torch's defaults; see :meth:`build`).
@@ -268,6 +275,7 @@ class ParallelState:
     encoder_p2p_group: dist.ProcessGroup | None = None
     hybrid_cp_groups: dict[tuple[int, int], dist.ProcessGroup] = field(default_factory=dict)
     checkpoint_group: dist.ProcessGroup | None = None
+    expert_dp_group: dist.ProcessGroup | None = None
     timeout: timedelta | None = None
 
     @classmethod
@@ -374,6 +382,11 @@ class ParallelState:
                 enumeration = [[g[i] for i in b] for g in table["dp_cp"] for b in blocks]
                 mine, _ = dist.new_subgroups_by_enumeration(enumeration, timeout=self.timeout)
                 self.hybrid_cp_groups[(c, local - local % c)] = mine
+        if spec.expert_dp and self.config.ep > 1:
+            edp = expert_groups(self.world_size, self.config, self.order)["edp"]
+            if len(edp[0]) > 1:
+                self.expert_dp_group, _ = dist.new_subgroups_by_enumeration(edp, timeout=self.timeout)
+                self.members["edp"] = next(g for g in edp if self.rank in g)
         if spec.checkpoint:
             self.checkpoint_group = dist.new_group(backend="gloo", timeout=self.timeout)
 

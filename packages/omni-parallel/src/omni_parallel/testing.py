@@ -26,6 +26,7 @@ import multiprocessing.reduction
 import os
 import pickle
 import signal
+import sys
 import time
 import traceback
 from collections.abc import Callable, Iterator, Sequence
@@ -295,7 +296,8 @@ def fake_world(world_size: int, rank: int = 0) -> Iterator[None]:
 
     Collectives on the fake backend return at once without moving data, so device meshes and process
     groups for 64-1024 ranks can be built and inspected in one process. The default group is destroyed
-    on exit.
+    on exit, and ``sys.excepthook`` is restored (``init_process_group`` installs one that prefixes every
+    later traceback of the process with ``[rankN]:``).
 
     Raises:
         RuntimeError: a default process group is already initialised in this process.
@@ -304,11 +306,15 @@ def fake_world(world_size: int, rank: int = 0) -> Iterator[None]:
 
     if dist.is_initialized():
         raise RuntimeError("fake_world: a default process group is already initialised in this process")
-    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
+    hook = sys.excepthook
     try:
-        yield
+        dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
+        try:
+            yield
+        finally:
+            dist.destroy_process_group()
     finally:
-        dist.destroy_process_group()
+        sys.excepthook = hook
 
 
 def graph_saved_bytes(root: torch.Tensor, params: Sequence[torch.Tensor]) -> int:

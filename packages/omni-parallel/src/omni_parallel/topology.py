@@ -19,7 +19,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-__all__ = ["GROUP_NAMES", "ParallelConfig", "mesh_axes", "rank_groups"]
+__all__ = ["GROUP_NAMES", "ParallelConfig", "expert_groups", "mesh_axes", "rank_groups"]
 
 # Every name rank_groups() returns, and ParallelState exposes as a process group.
 GROUP_NAMES: tuple[str, ...] = ("tp", "cp", "ulysses", "ep", "dp", "pp", "dp_cp", "tp_cp")
@@ -165,3 +165,28 @@ def rank_groups(
     """
     axes = mesh_axes(config.resolve(world_size), order)
     return {name: _groups(axes, _GROUP_AXES[name]) for name in GROUP_NAMES}
+
+
+def expert_groups(
+    world_size: int, config: ParallelConfig, order: str = "tp-cp-ep-dp-pp"
+) -> dict[str, list[list[int]]]:
+    """Rank lists of the expert layout of a stage, with no process group needed.
+
+    The ``dp_cp`` ranks of one pipeline stage and TP rank (one stage's data replicas and sequence
+    shares) are cut into ``ep`` expert shards: ``"ep"`` groups hold one copy of every expert between them
+    (rank ``j`` of a group holds experts ``[j * E/ep, (j+1) * E/ep)``) and exchange tokens;
+    ``"edp"`` (expert data parallel) groups are the ranks holding the *same* expert shard, over which
+    expert gradients are reduced (non-expert gradients stay on ``dp_cp``). ``ep * edp = dp * cp *
+    ulysses``; with ``ep == 1`` ``edp`` equals ``dp_cp``. The ``ep`` groups are :func:`rank_groups`'s.
+
+    Returns:
+        ``{"ep": groups, "edp": groups}``, each partitioning ``range(world_size)`` in ascending lists.
+
+    Raises:
+        ValueError: see :meth:`ParallelConfig.resolve` and :func:`mesh_axes`.
+
+    Source: Megatron-Core's expert rank generator (``expert_data_parallel`` over the DP x CP ranks left
+    by EP) and torchtitan's ``ep`` / ``dp_shard_mod_ep`` mesh split.
+    """
+    axes = mesh_axes(config.resolve(world_size), order)
+    return {"ep": _groups(axes, ("ep",)), "edp": _groups(axes, ("ulysses", "cp", "dp_rest"))}

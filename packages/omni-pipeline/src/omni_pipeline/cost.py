@@ -16,7 +16,17 @@ from dataclasses import dataclass, field
 
 from omni_pipeline.actions import Action, ActionKind
 
-__all__ = ["ActionTokens", "CostModel", "TokenCost", "cost_key"]
+__all__ = [
+    "ActionTokens",
+    "CostModel",
+    "Network",
+    "TokenCost",
+    "all_gather_s",
+    "all_reduce_s",
+    "all_to_all_s",
+    "cost_key",
+    "reduce_scatter_s",
+]
 
 
 def cost_key(kind: ActionKind | str, stage: int | None, module: str) -> str:
@@ -259,3 +269,111 @@ class CostModel:
         return dataclasses.replace(
             self, llm_action_s=llm, encoder_forward_s=ef, encoder_backward_s=eb, **sizes
         )
+
+
+@dataclass(frozen=True)
+class Network:
+    """A two-tier interconnect: ``gpus_per_node`` GPUs share a node whose links (NVLink) carry
+    ``intra_bandwidth_Bps`` per GPU at ``intra_latency_s`` per message; between nodes each GPU has
+    ``inter_bandwidth_Bps`` (its NIC) at ``inter_latency_s``.
+
+    A group of ranks is *inside a node* when all its ranks share one node; a ring over a group that spans
+    nodes runs at the slowest link it crosses (every GPU's NIC, ``inter_*``). Defaults: an H100 HGX node
+    (8 GPUs, NVLink 4: 450 GB/s per direction per GPU, NVIDIA H100 datasheet) and the paper's Cluster-A NICs
+    (§6: "8*400 Infiniband" per 8-GPU node, 50 GB/s per GPU); the latencies are assumptions (NCCL's
+    small-message latencies are a few us inside a node, tens of us between nodes).
+
+    Raises:
+        ValueError: a bandwidth <= 0, a negative latency or ``gpus_per_node < 1`` (named).
+    """
+
+    gpus_per_node: int = 8
+    intra_bandwidth_Bps: float = 450e9
+    intra_latency_s: float = 5e-6
+    inter_bandwidth_Bps: float = 50e9
+    inter_latency_s: float = 20e-6
+
+    def __post_init__(self) -> None:
+        errors = [
+            f"{k} must be > 0, got {getattr(self, k)!r}"
+            for k in ("intra_bandwidth_Bps", "inter_bandwidth_Bps")
+            if not getattr(self, k) > 0
+        ]
+        errors += [
+            f"{k} must be >= 0, got {getattr(self, k)!r}"
+            for k in ("intra_latency_s", "inter_latency_s")
+            if not getattr(self, k) >= 0
+        ]
+        if not (isinstance(self.gpus_per_node, int) and self.gpus_per_node >= 1):
+            errors.append(f"gpus_per_node must be an int >= 1, got {self.gpus_per_node!r}")
+        if errors:
+            raise ValueError("Network: " + "; ".join(errors))
+
+    def within_node(self, size: int, stride: int) -> bool:
+        """Whether a group of ``size`` ranks ``stride`` apart (global ranks ``base + i * stride``, ``base``
+        a multiple of ``size * stride`` when that is below a node, as ``ParallelState``'s tp-cp-ep-dp-pp
+        order gives) lies inside one node: ``size * stride <= gpus_per_node``."""
+        return size * stride <= self.gpus_per_node
+
+    def link(self, size: int, stride: int) -> tuple[float, float]:
+        """``(bandwidth B/s, latency s)`` a ring over that group runs at (see :meth:`within_node`)."""
+        if self.within_node(size, stride):
+            return self.intra_bandwidth_Bps, self.intra_latency_s
+        return self.inter_bandwidth_Bps, self.inter_latency_s
+
+
+def _ring(nbytes: float, n: int, bandwidth_Bps: float, latency_s: float) -> float:
+    if n < 1 or nbytes < 0:
+        raise ValueError(f"collective: need n >= 1 and bytes >= 0, got n={n}, bytes={nbytes}")
+    if n == 1:
+        return 0.0
+    return (n - 1) / n * nbytes / bandwidth_Bps + (n - 1) * latency_s
+
+
+def all_gather_s(nbytes: float, n: int, bandwidth_Bps: float, latency_s: float) -> float:
+    """Seconds of a ring all-gather over ``n`` ranks whose gathered result is ``nbytes`` bytes (each rank
+    contributes ``nbytes / n``): ``n - 1`` steps, each rank sending one ``nbytes / n`` chunk to its
+    neighbour per step, ``(n - 1) / n * nbytes / bandwidth + (n - 1) * latency``; 0 for ``n = 1``.
+    Source: Thakur, Rabenseifner and Gropp, "Optimization of Collective Communication Operations in
+    MPICH" (IJHPCA 2005), §4 (ring allgather, ``(p-1) alpha + (p-1)/p n beta``); NCCL's
+    ``nccl-tests`` PERFORMANCE.md (bus bandwidth of AllGather / ReduceScatter: ``(n-1)/n``).
+
+    Raises:
+        ValueError: ``n < 1`` or ``nbytes < 0``.
+    """
+    return _ring(nbytes, n, bandwidth_Bps, latency_s)
+
+
+def reduce_scatter_s(nbytes: float, n: int, bandwidth_Bps: float, latency_s: float) -> float:
+    """Seconds of a ring reduce-scatter of an ``nbytes`` input per rank (each rank keeps ``nbytes / n``
+    reduced): the same step count and volume as :func:`all_gather_s` (Thakur et al. 2005, §4; the
+    reduction's arithmetic is not timed).
+
+    Raises:
+        ValueError: ``n < 1`` or ``nbytes < 0``.
+    """
+    return _ring(nbytes, n, bandwidth_Bps, latency_s)
+
+
+def all_reduce_s(nbytes: float, n: int, bandwidth_Bps: float, latency_s: float) -> float:
+    """Seconds of a ring all-reduce of ``nbytes``: a reduce-scatter then an all-gather,
+    ``2 (n - 1) / n * nbytes / bandwidth + 2 (n - 1) * latency`` (Patarasuk and Yuan, "Bandwidth optimal
+    all-reduce algorithms for clusters of workstations", JPDC 2009; Thakur et al. 2005 §4.4, Rabenseifner's
+    algorithm; NCCL's bus bandwidth ``2 (n-1)/n``).
+
+    Raises:
+        ValueError: ``n < 1`` or ``nbytes < 0``.
+    """
+    return 2.0 * _ring(nbytes, n, bandwidth_Bps, latency_s)
+
+
+def all_to_all_s(nbytes: float, n: int, bandwidth_Bps: float, latency_s: float) -> float:
+    """Seconds of an all-to-all where each rank holds ``nbytes`` split into ``n`` equal parts, one per
+    rank (its own part stays): pairwise exchange in ``n - 1`` steps of ``nbytes / n`` each,
+    ``(n - 1) / n * nbytes / bandwidth + (n - 1) * latency`` (Thakur et al. 2005, §5, pairwise exchange;
+    NCCL's AlltoAll bus bandwidth ``(n-1)/n``).
+
+    Raises:
+        ValueError: ``n < 1`` or ``nbytes < 0``.
+    """
+    return _ring(nbytes, n, bandwidth_Bps, latency_s)

@@ -166,6 +166,8 @@ class Workload:
         microbatches: packs per pipeline replica per step, each one LLM microbatch.
         model: the sizes the cost model times (:class:`~omni_pipeline.step_costs.ModelScale`); also what a
             sample's ``encoder_flops`` (the encoder split's balance) is computed from.
+        shapes: the block shapes ``model`` was made from, ``{"llm" | "image" | "audio": TransformerShape}``
+            (what per-rank memory and collective sizes are computed from: widths, KV heads, MLP width).
     """
 
     name: str
@@ -176,6 +178,7 @@ class Workload:
     model: ModelScale
     seed: int = 0
     packer_buffer: int = 256
+    shapes: Mapping[str, TransformerShape] = dataclasses.field(default_factory=dict)
 
     def phase(self, step: int) -> MixturePhase:
         """The mixture phase of ``step`` (the first whose ``until_step`` is above it; else the last)."""
@@ -306,7 +309,7 @@ def parse_workload(text: str, where: str = "<workload>") -> Workload:
     if dup:
         p.fail("sources", f"source names must be unique, {dup} repeated")
     media = {str(s.modality) for s in sources if s.modality is not Modality.TEXT}
-    model = p.model(p.table(doc, "model"), media)
+    model, shapes = p.model(p.table(doc, "model"), media)
     raw_phases = p.array(doc, "phases", MAX_PHASES)
     phases: list[MixturePhase] = []
     last = -1
@@ -327,7 +330,9 @@ def parse_workload(text: str, where: str = "<workload>") -> Workload:
             p.fail(f"{key}.until_step", f"must rise from phase to phase ({until} after {last})")
         last = until if until is not None else last
         phases.append(MixturePhase({k: float(v) for k, v in weights.items()}, until))
-    return Workload(name, tuple(sources), tuple(phases), max_seq_len, microbatches, model, seed, buffer)
+    return Workload(
+        name, tuple(sources), tuple(phases), max_seq_len, microbatches, model, seed, buffer, shapes
+    )
 
 
 def _check_weights(weights: dict, names: set[str], what: str) -> None:
@@ -454,7 +459,7 @@ class _Reader:
         except ValueError as exc:
             self.fail(sub, str(exc))
 
-    def model(self, raw: dict, media: set[str]) -> ModelScale:
+    def model(self, raw: dict, media: set[str]) -> tuple[ModelScale, dict[str, TransformerShape]]:
         self.keys(raw, "model", {"llm", "image", "audio", "image_merge"})
         shapes = {}
         for part in ("llm", "image", "audio"):
@@ -487,7 +492,8 @@ class _Reader:
             else:
                 self.fail(key, f"must be a preset name or a shape table, got {v!r}")
         merge = self.integer(raw, "image_merge", 1, 64, default=2, prefix="model")
-        return model_scale(shapes["llm"], {k: s for k, s in shapes.items() if k != "llm"}, image_merge=merge)
+        scale = model_scale(shapes["llm"], {k: s for k, s in shapes.items() if k != "llm"}, image_merge=merge)
+        return scale, shapes
 
 
 _REQUIRED = object()

@@ -1,14 +1,18 @@
-"""The LLM <-> ``LlamaForCausalLM`` / ``Qwen2ForCausalLM``.
+"""The LLM <-> ``LlamaForCausalLM`` / ``Qwen2ForCausalLM`` / ``Qwen2MoeForCausalLM``.
 
 Both architectures are our :class:`~omni_train.models.llm.LLMStage` (one stage, all layers): RMSNorm,
 SwiGLU (``gate_proj`` = ``w1``, ``up_proj`` = ``w3``, ``down_proj`` = ``w2``), GQA, RoPE in the "rotate
 half" layout that :func:`~omni_train.models.attention.apply_rope` uses, so Q and K weights are copied as
 they are (the permutation torchtitan applies exists only for Meta's interleaved-pair checkpoints).
 Qwen2 is LLaMA with biases on Q/K/V (``qkv_bias``) and, in its small sizes, a tied LM head.
+Qwen2-MoE is Qwen2 whose every ``decoder_sparse_step``-th MLP is an MoE layer (``[model.llm] moe``,
+:class:`omni_parallel.moe.MoE`): router ``mlp.gate``, per-expert ``mlp.experts.<e>.{gate,up,down}_proj`` on
+disk (stacked into our ``gate_up_proj [E, 2I, H]`` / ``down_proj [E, H, I]``), a gated shared expert.
 
 Refused on import, naming the ``config.json`` key: RoPE scaling (``rope_type`` other than ``default``),
 sliding-window attention, ``attention_bias``/``mlp_bias`` in a Llama config, an activation other than
-SiLU, a ``head_dim`` other than ``hidden_size / num_attention_heads``.
+SiLU, a ``head_dim`` other than ``hidden_size / num_attention_heads``; for Qwen2-MoE also
+``mlp_only_layers`` and a model without a shared expert.
 """
 
 from __future__ import annotations
@@ -20,7 +24,7 @@ import torch
 
 from omni_train.hf.adapter import StateDictAdapter, hf_field, rename, take
 from omni_train.hf.folder import HFFolderError
-from omni_train.models.llm import LLMConfig
+from omni_train.models.llm import LLMConfig, MoESpec
 
 __all__ = ["LlamaAdapter", "llm_config_from_hf"]
 
@@ -74,7 +78,7 @@ def llm_config_from_hf(hf: Mapping[str, Any], vocab_size: int | None = None, whe
     theta = rope.get("rope_theta", hf.get("rope_theta", 10000.0))
     if not isinstance(theta, int | float) or isinstance(theta, bool) or theta <= 0:
         raise HFFolderError(f"{where}: rope_theta must be a positive number, got {theta!r}")
-    if model_type == "qwen2":
+    if model_type in ("qwen2", "qwen2_moe"):
         if hf.get("use_sliding_window"):
             raise HFFolderError(
                 f"{where}: use_sliding_window is true; sliding-window attention is not supported"
@@ -88,6 +92,7 @@ def llm_config_from_hf(hf: Mapping[str, Any], vocab_size: int | None = None, whe
         raise HFFolderError(
             f"{where}: vocab_size {vocab} differs from the tokenizer's {vocab_size} (data.tokenizer)"
         )
+    moe = _moe_from_hf(hf, where) if model_type == "qwen2_moe" else None
     return LLMConfig(
         vocab_size=vocab,
         dim=dim,
@@ -97,9 +102,43 @@ def llm_config_from_hf(hf: Mapping[str, Any], vocab_size: int | None = None, whe
         ffn_dim=hf_field(hf, "intermediate_size", int, where),
         rope_theta=float(theta),
         norm_eps=hf_field(hf, "rms_norm_eps", float, where, 1e-6),
-        qkv_bias=model_type == "qwen2",
+        qkv_bias=model_type == "qwen2" or (model_type == "qwen2_moe" and bool(hf.get("qkv_bias", True))),
         tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
+        moe=moe,
     )
+
+
+def _moe_from_hf(hf: Mapping[str, Any], where: str) -> MoESpec:
+    """``[model.llm] moe`` of a Qwen2-MoE ``config.json`` (``transformers`` ``Qwen2MoeConfig``)."""
+    if hf.get("mlp_only_layers"):
+        raise HFFolderError(
+            f"{where}: mlp_only_layers {hf['mlp_only_layers']!r} is not supported (must be [])"
+        )
+    shared = hf_field(hf, "shared_expert_intermediate_size", int, where)
+    if shared < 1:
+        raise HFFolderError(f"{where}: shared_expert_intermediate_size must be >= 1, got {shared}")
+    return MoESpec(
+        experts=hf_field(hf, "num_experts", int, where),
+        top_k=hf_field(hf, "num_experts_per_tok", int, where),
+        shared_experts=1,
+        every_n_layers=hf_field(hf, "decoder_sparse_step", int, where, 1),
+        expert_ffn_dim=hf_field(hf, "moe_intermediate_size", int, where),
+        shared_expert_ffn_dim=shared,
+        shared_gate=True,
+        norm_topk_prob=bool(hf.get("norm_topk_prob", False)),
+        aux_loss_coef=float(hf.get("router_aux_loss_coef", 0.001)),
+        z_loss_coef=0.0,
+    )
+
+
+# our MoE layer's names -> Qwen2-MoE's (the routed experts are stacked: handled apart)
+_MOE_TO_HF = {
+    "router.weight": "gate.weight",
+    "shared_expert.gate_proj.weight": "shared_expert.gate_proj.weight",
+    "shared_expert.up_proj.weight": "shared_expert.up_proj.weight",
+    "shared_expert.down_proj.weight": "shared_expert.down_proj.weight",
+    "shared_expert_gate.weight": "shared_expert_gate.weight",
+}
 
 
 class LlamaAdapter(StateDictAdapter):
@@ -114,7 +153,7 @@ class LlamaAdapter(StateDictAdapter):
     """
 
     model_type = "llama"
-    accepted_model_types = ("llama", "qwen2")
+    accepted_model_types = ("llama", "qwen2", "qwen2_moe")
     prefixes = ("",)
     anchor = "model.embed_tokens.weight"
 
@@ -134,13 +173,21 @@ class LlamaAdapter(StateDictAdapter):
 
     @property
     def architecture(self) -> str:
+        if self.cfg.moe is not None:
+            return "Qwen2MoeForCausalLM"
         return "Qwen2ForCausalLM" if self.cfg.qkv_bias else "LlamaForCausalLM"
+
+    def _moe_layer(self, i: int) -> bool:
+        return self.cfg.moe is not None and self.cfg.moe.is_moe_layer(i)
 
     def to_hf(self, state_dict: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         out = {}
         for name, t in state_dict.items():
             if name == "output.weight" and self.cfg.tie_embeddings:
                 continue  # tie_word_embeddings: the embedding is the head
+            if ".mlp.moe." in name:
+                out.update(self._moe_to_hf(name, t))
+                continue
             target = rename(name, _TO_HF)
             if target is None:
                 raise KeyError(f"llm: no Hugging Face name for parameter {name!r}")
@@ -152,9 +199,52 @@ class LlamaAdapter(StateDictAdapter):
         per_layer = ["attn_norm.weight", "attn.wq.weight", "attn.wk.weight", "attn.wv.weight"]
         if self.cfg.qkv_bias:
             per_layer += ["attn.wq.bias", "attn.wk.bias", "attn.wv.bias"]
-        per_layer += ["attn.wo.weight", "mlp_norm.weight", "mlp.w1.weight", "mlp.w3.weight", "mlp.w2.weight"]
-        layers = [f"layers.{i}.{n}" for i in range(self.cfg.n_layers) for n in per_layer]
+        per_layer += ["attn.wo.weight", "mlp_norm.weight"]
+        dense = ["mlp.w1.weight", "mlp.w3.weight", "mlp.w2.weight"]
+        moe = ["mlp.moe.router.weight", "mlp.moe.experts.gate_up_proj", "mlp.moe.experts.down_proj"]
+        moe += [f"mlp.moe.{n}" for n in list(_MOE_TO_HF)[1:]]
+        layers = [
+            f"layers.{i}.{n}"
+            for i in range(self.cfg.n_layers)
+            for n in per_layer + (moe if self._moe_layer(i) else dense)
+        ]
         return ["tok_embeddings.weight", *layers, "norm.weight", "output.weight"]
+
+    def _moe_to_hf(self, name: str, t: torch.Tensor) -> dict[str, torch.Tensor]:
+        """One MoE parameter of ours as Qwen2-MoE's on-disk tensors (the stacked experts one per expert)."""
+        layer, rest = name.split(".mlp.moe.")
+        prefix = f"model.{layer}.mlp."
+        if rest == "experts.gate_up_proj":
+            gate, up = t.chunk(2, dim=1)
+            return {
+                f"{prefix}experts.{e}.{kind}.weight": w[e].contiguous()
+                for e in range(t.shape[0])
+                for kind, w in (("gate_proj", gate), ("up_proj", up))
+            }
+        if rest == "experts.down_proj":
+            return {f"{prefix}experts.{e}.down_proj.weight": t[e].contiguous() for e in range(t.shape[0])}
+        if rest not in _MOE_TO_HF:
+            raise KeyError(f"llm: no Hugging Face name for parameter {name!r}")
+        return {prefix + _MOE_TO_HF[rest]: t}
+
+    def _moe_from_hf(self, name: str, hf: Mapping[str, torch.Tensor]) -> torch.Tensor:
+        layer, rest = name.split(".mlp.moe.")
+        prefix = f"model.{layer}.mlp."
+        experts = self.cfg.moe.experts if self.cfg.moe is not None else 0
+        if rest == "experts.gate_up_proj":
+            return torch.stack(
+                [
+                    torch.cat(
+                        [take(hf, f"{prefix}experts.{e}.{k}.weight", "llm") for k in ("gate_proj", "up_proj")]
+                    )
+                    for e in range(experts)
+                ]
+            )
+        if rest == "experts.down_proj":
+            return torch.stack(
+                [take(hf, f"{prefix}experts.{e}.down_proj.weight", "llm") for e in range(experts)]
+            )
+        return take(hf, prefix + _MOE_TO_HF[rest], "llm")
 
     def from_hf(self, hf_state_dict: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         if self.cfg.tie_embeddings and not self.hf_tied:
@@ -167,6 +257,8 @@ class LlamaAdapter(StateDictAdapter):
             if name == "output.weight" and self.hf_tied:
                 # A tied checkpoint's head is its embedding; an untied model of ours starts from it.
                 out[name] = out["tok_embeddings.weight"]
+            elif ".mlp.moe." in name:
+                out[name] = self._moe_from_hf(name, hf_state_dict)
             else:
                 out[name] = take(hf_state_dict, rename(name, _TO_HF), "llm")
         return out
@@ -191,6 +283,23 @@ class LlamaAdapter(StateDictAdapter):
             "attention_dropout": 0.0,
             "dtype": "float32",
         }
+        if c.moe is not None:
+            m = c.moe
+            if not (m.shared_experts and m.shared_gate):
+                raise ValueError("llm: Qwen2-MoE export needs a gated shared expert (moe.shared_gate = true)")
+            config.update(
+                architectures=[self.architecture],
+                model_type="qwen2_moe",
+                num_experts=m.experts,
+                num_experts_per_tok=m.top_k,
+                decoder_sparse_step=m.every_n_layers,
+                moe_intermediate_size=m.expert_ffn_dim if m.expert_ffn_dim is not None else c.ffn_dim,
+                shared_expert_intermediate_size=m.layer_config(c.dim, c.ffn_dim).shared_width,
+                norm_topk_prob=m.norm_topk_prob,
+                router_aux_loss_coef=m.aux_loss_coef,
+                mlp_only_layers=[],
+                qkv_bias=c.qkv_bias,
+            )
         if c.qkv_bias:
             config["use_sliding_window"] = False
         else:

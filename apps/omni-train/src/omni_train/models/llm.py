@@ -26,12 +26,66 @@ import torch.nn.functional as F
 from torch import nn
 
 from omni_parallel.hybrid_cp import CPSequence, cp_sequence_attention
+from omni_parallel.moe import MoE, MoEConfig
 from omni_parallel.ulysses import ulysses_attention
 from omni_parallel.varlen import varlen_attention
 from omni_pipeline.split import stage_slices
 from omni_train.models.attention import apply_rope, rope_angles
 
-__all__ = ["LLMConfig", "LLMStage", "RMSNorm"]
+__all__ = ["LLMConfig", "LLMStage", "MoEFeedForward", "MoESpec", "RMSNorm", "moe_step_metrics"]
+
+
+@dataclass(frozen=True)
+class MoESpec:
+    """``[model.llm] moe``: mixture-of-experts feed-forward layers (Qwen3-MoE / DeepSeek-MoE style,
+    :class:`omni_parallel.moe.MoE`), dropless unless ``capacity_factor`` is set.
+
+    Attributes:
+        experts: routed experts per MoE layer (divisible by ``parallel.ep``).
+        top_k: experts each token is routed to (1 <= top_k <= experts).
+        shared_experts: always-on experts, fused into one SwiGLU of ``shared_experts * expert_ffn_dim``
+            features (DeepSeek-MoE); 0: none.
+        every_n_layers: layer ``i`` (0-based) is an MoE layer when ``(i + 1) % every_n_layers == 0``
+            (Qwen2-MoE's ``decoder_sparse_step``); the others keep the dense SwiGLU.
+        expert_ffn_dim: each expert's SwiGLU width (features; Qwen-MoE ``moe_intermediate_size``);
+            unset: ``model.llm.ffn_dim``.
+        shared_expert_ffn_dim: width of the fused shared SwiGLU (features; Qwen2-MoE
+            ``shared_expert_intermediate_size``); unset: ``shared_experts * expert_ffn_dim``.
+        shared_gate: scale the shared experts' output by ``sigmoid(x w)`` (Qwen2-MoE ``shared_expert_gate``).
+        norm_topk_prob: renormalise the top-k routing weights to sum 1 (Qwen3-MoE ``norm_topk_prob``).
+        aux_loss_coef: weight of the Switch load-balancing loss (``omni_parallel.moe.load_balancing_loss``)
+            in the objective: every MoE layer adds ``aux_loss_coef * loss`` per forward (pack), >= 0.
+        z_loss_coef: weight of the ST-MoE router z-loss, added the same way, >= 0.
+        capacity_factor: unset: dropless (every token reaches its ``top_k`` experts); otherwise each
+            expert takes at most ``ceil(capacity_factor * T * top_k / experts)`` of a forward's ``T``
+            tokens, > 0.
+    """
+
+    experts: int = 8
+    top_k: int = 2
+    shared_experts: int = 0
+    every_n_layers: int = 1
+    expert_ffn_dim: int | None = None
+    shared_expert_ffn_dim: int | None = None
+    shared_gate: bool = False
+    norm_topk_prob: bool = True
+    aux_loss_coef: float = 0.01
+    z_loss_coef: float = 0.0
+    capacity_factor: float | None = None
+
+    def is_moe_layer(self, i: int) -> bool:
+        """Whether layer ``i`` (0-based) is an MoE layer."""
+        return (i + 1) % self.every_n_layers == 0
+
+    def layer_config(self, dim: int, ffn_dim: int) -> MoEConfig:
+        """The package's :class:`~omni_parallel.moe.MoEConfig` of one MoE layer."""
+        hidden = self.expert_ffn_dim if self.expert_ffn_dim is not None else ffn_dim
+        return MoEConfig(
+            dim, hidden, self.experts, self.top_k, shared_experts=self.shared_experts,
+            shared_hidden=self.shared_expert_ffn_dim, shared_gate=self.shared_gate,
+            norm_topk_prob=self.norm_topk_prob, aux_loss_coef=self.aux_loss_coef,
+            z_loss_coef=self.z_loss_coef, capacity_factor=self.capacity_factor,
+        )  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -39,7 +93,8 @@ class LLMConfig:
     """LLM shape. ``dim`` and ``ffn_dim`` in features; ``n_heads % n_kv_heads == 0`` (GQA).
 
     ``qkv_bias``: biases on the Q/K/V projections (Qwen2); ``tie_embeddings``: the LM head is the token
-    embedding matrix (needs the first and last stage on one rank).
+    embedding matrix (needs the first and last stage on one rank). ``moe``: mixture-of-experts layers
+    (:class:`MoESpec`); unset: every layer dense.
 
     ``vocab_size`` is ``None`` until the tokenizer is known: a run config's ``[model.llm]`` leaves it out
     and ``ModelConfig.llm_config`` sets it from ``data.tokenizer``.
@@ -55,6 +110,7 @@ class LLMConfig:
     norm_eps: float = 1e-5
     qkv_bias: bool = False
     tie_embeddings: bool = False
+    moe: MoESpec | None = None
 
     @property
     def head_dim(self) -> int:
@@ -125,6 +181,72 @@ class SwiGLU(nn.Module):
         return self.w2(F.silu(self.w1(x)) * self.w3(x))
 
 
+class MoEFeedForward(nn.Module):
+    """An MoE layer in place of the SwiGLU MLP: ``[T, dim] -> [T, dim]`` through
+    :class:`omni_parallel.moe.MoE` (its aux and z losses attached to the output's backward).
+
+    ``stats``: one float64 row per forward since the last :func:`moe_step_metrics` (forwards re-run by
+    activation recompute inside the backward are not counted): ``[1, aux, z, routed, computed,
+    tokens_per_expert (E)]``, ``routed`` the (token, slot) rows this rank sent, ``computed`` the rows
+    its experts computed.
+    """
+
+    def __init__(self, cfg: MoEConfig, ep_group: dist.ProcessGroup | None = None) -> None:
+        super().__init__()
+        self.moe = MoE(cfg, ep_group)
+        self.stats: list[torch.Tensor] = []
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        r = self.moe(x)
+        # a recompute (activation checkpointing) runs inside the autograd engine's graph task
+        if torch._C._current_graph_task_id() == -1:
+            head = torch.tensor(
+                [1.0, float(r.aux.detach()), float(r.z.detach()), r.computed, r.received], dtype=torch.float64
+            )
+            self.stats.append(torch.cat([head, r.tokens_per_expert.detach().to("cpu", torch.float64)]))
+        return r.out
+
+
+def moe_step_metrics(stages: nn.Module, cfg: LLMConfig, group: dist.ProcessGroup | None) -> dict:
+    """The step's MoE load metrics for ``metrics.jsonl`` (collective over ``group``, every rank: the
+    world), clearing every layer's :attr:`MoEFeedForward.stats`. Empty without ``cfg.moe``.
+
+    Returns (sums over every rank and forward; TP peers are not deduplicated, MoE refuses TP):
+        ``moe_aux``, ``moe_z``: the mean load-balancing and z-loss per layer forward (unscaled);
+        ``moe_tokens_routed`` / ``moe_tokens_computed``: (token, slot) rows sent to experts / computed by
+        them (equal when dropless: ``tokens x top_k`` per MoE layer); ``moe_tokens_per_expert``:
+        ``{"L<layer>/e<expert>": rows}``; ``moe_load_max_over_mean``: ``{"L<layer>": max_e / mean_e}``
+        of the rows per expert (1 = balanced).
+    """
+    if cfg.moe is None:
+        return {}
+    layers = [i for i in range(cfg.n_layers) if cfg.moe.is_moe_layer(i)]
+    table = torch.zeros(len(layers), 5 + cfg.moe.experts, dtype=torch.float64)
+    for m in stages.modules():
+        if isinstance(m, Block) and isinstance(m.mlp, MoEFeedForward):
+            if m.mlp.stats:
+                table[layers.index(m.index)] += torch.stack(m.mlp.stats).sum(0)
+            m.mlp.stats.clear()
+    if group is not None and dist.get_world_size(group) > 1:
+        dist.all_reduce(table, group=group)
+    forwards = max(float(table[:, 0].sum()), 1.0)
+    out: dict = {
+        "moe_aux": float(table[:, 1].sum()) / forwards,
+        "moe_z": float(table[:, 2].sum()) / forwards,
+        "moe_tokens_routed": int(table[:, 3].sum()),
+        "moe_tokens_computed": int(table[:, 4].sum()),
+        "moe_tokens_per_expert": {},
+        "moe_load_max_over_mean": {},
+    }
+    for row, i in zip(table, layers):
+        counts = row[5:]
+        for e, c in enumerate(counts.tolist()):
+            out["moe_tokens_per_expert"][f"L{i}/e{e}"] = int(c)
+        mean = float(counts.mean())
+        out["moe_load_max_over_mean"][f"L{i}"] = float(counts.max()) / mean if mean > 0 else 0.0
+    return out
+
+
 class Block(nn.Module):
     """Pre-norm decoder block: ``x + attn(norm(x))`` then ``x + mlp(norm(x))``.
 
@@ -132,12 +254,23 @@ class Block(nn.Module):
     recompute (``omni_parallel.parallelize.apply_ac``, ``train.recompute_modules``) can checkpoint either.
     """
 
-    def __init__(self, cfg: LLMConfig, sp_group: dist.ProcessGroup | None = None) -> None:
+    def __init__(
+        self,
+        cfg: LLMConfig,
+        sp_group: dist.ProcessGroup | None = None,
+        *,
+        index: int = 0,
+        ep_group: dist.ProcessGroup | None = None,
+    ) -> None:
         super().__init__()
+        self.index = index  # the layer's index in the whole LLM
         self.attn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.attn = Attention(cfg, sp_group)
         self.mlp_norm = RMSNorm(cfg.dim, cfg.norm_eps)
-        self.mlp = SwiGLU(cfg.dim, cfg.ffn_dim)
+        if cfg.moe is not None and cfg.moe.is_moe_layer(index):
+            self.mlp: nn.Module = MoEFeedForward(cfg.moe.layer_config(cfg.dim, cfg.ffn_dim), ep_group)
+        else:
+            self.mlp = SwiGLU(cfg.dim, cfg.ffn_dim)
 
     def forward(
         self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], cu_seqlens: torch.Tensor
@@ -195,6 +328,10 @@ class LLMStage(nn.Module):
     ``[T, vocab_size]`` on every TP rank). CP: ``T`` is this rank's tokens, ``position_ids`` their in-document
     positions, ``cu_seqlens`` an :class:`omni_parallel.CPSequence`, media positions local rows.
 
+    MoE (``cfg.moe``): the MoE layers' routed experts are sharded over ``ep_group`` (expert
+    parallelism, :mod:`omni_parallel.expert_parallel`; every rank of it runs the same forwards); ``None``:
+    every expert here.
+
     Raises:
         ValueError: ``tie_embeddings`` with more than one stage (the embedding and the LM head would live
             on different ranks).
@@ -209,6 +346,7 @@ class LLMStage(nn.Module):
         seed: int = 0,
         sp_group: dist.ProcessGroup | None = None,
         layers: range | None = None,
+        ep_group: dist.ProcessGroup | None = None,
     ) -> None:
         super().__init__()
         if cfg.tie_embeddings and num_stages > 1:
@@ -231,12 +369,18 @@ class LLMStage(nn.Module):
             self.embedded = nn.Identity()
         self.layers = nn.ModuleDict()
         for i in range(self.lo, self.hi):
-            block = Block(cfg, sp_group)
-            _init_(block, torch.Generator().manual_seed(seed * 1000 + i), std)
+            block = Block(cfg, sp_group, index=i, ep_group=ep_group)
+            gen = torch.Generator().manual_seed(seed * 1000 + i)
+            _init_(block, gen, std)
             # Scale residual-branch outputs down with depth (GPT-2 / torchtitan convention).
+            scale = 1.0 / (2 * cfg.n_layers) ** 0.5
             with torch.no_grad():
-                block.attn.wo.weight.mul_(1.0 / (2 * cfg.n_layers) ** 0.5)
-                block.mlp.w2.weight.mul_(1.0 / (2 * cfg.n_layers) ** 0.5)
+                block.attn.wo.weight.mul_(scale)
+                if isinstance(block.mlp, MoEFeedForward):
+                    # every expert drawn in global order: any EP size holds the same weights
+                    block.mlp.moe.init_weights(gen, std, out_std=std * scale)
+                else:
+                    block.mlp.w2.weight.mul_(scale)
             self.layers[str(i)] = block
         if self.is_last:
             self.norm = RMSNorm(cfg.dim, cfg.norm_eps)

@@ -1,0 +1,225 @@
+"""A parallelism tuner: every layout of ``gpus`` GPUs for a workload, predicted by
+:func:`omni_pipeline.step_model.predict_step`, plans that run out of memory dropped, the rest ranked by
+predicted tokens/s (the paper tunes parallelism per workload, MegaScale-Omni §5 / Figure 18).
+
+Search space (:func:`candidate_layouts`): ``pp`` (a divisor of ``gpus`` up to the LLM's layers, with at
+least ``pp`` microbatches per replica at the fixed global batch), ``tp`` (1 .. ``gpus_per_node``, dividing
+the heads; Megatron SP on whenever ``tp > 1``: the same ring time as plain TP and less memory), CP (ring
+or all-gather) or Ulysses (1 .. 8), ``dp`` = what is left, ``llm_zero`` 0-3, recompute on / off, and a
+placement (``uniform_on_demand`` in the search; ``isolated`` and ``planned`` for the best layouts). The global batch (packs per step, all replicas) is fixed, so each replica runs
+``global_batch / dp`` microbatches.
+
+Cost: pipeline simulations are shared by layouts differing only in their ZeRO stage
+(``predict_step(cache=...)``); a layout's memory is first bounded without simulating (state plus 1F1B's
+in-flight LLM activations, a lower bound of the simulated peak), and OOM layouts are never simulated.
+The ``planned`` placement (a search of its own) is run only for the ``refine`` best layouts of the cheap
+placements. ``check`` (e.g. the trainer's preflight) refuses layouts the trainer cannot run, and
+``exact_state`` (e.g. ``omni-train memory``'s build) replaces the analytic state of the best plans, which
+are then dropped if that makes them OOM.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+
+from omni_pipeline.cost import Network
+from omni_pipeline.step_model import Device, Layout, StepPrediction, predict_step, rank_memory
+from omni_pipeline.workload import Workload
+
+__all__ = ["TuneResult", "candidate_layouts", "tune"]
+
+CHEAP_PLACEMENTS = ("uniform_on_demand",)
+REFINE_PLACEMENTS = ("isolated", "planned")
+
+
+@dataclass
+class TuneResult:
+    """Outcome of :func:`tune`.
+
+    Attributes:
+        plans: the best feasible plans, fastest first, one per layout (its fastest placement;
+            ``StepPrediction``, exact state where given).
+        considered: layouts enumerated (before any filter). refused: layouts ``check`` refused.
+        oom: layouts dropped for memory. simulated: pipeline simulations run. wall_s: seconds taken.
+        global_batch: packs per step over all replicas.
+    """
+
+    plans: list[StepPrediction]
+    considered: int = 0
+    refused: int = 0
+    oom: int = 0
+    simulated: int = 0
+    wall_s: float = 0.0
+    global_batch: int = 0
+    refusals: dict[str, int] = field(default_factory=dict)
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def candidate_layouts(
+    workload: Workload,
+    gpus: int,
+    global_batch: int,
+    *,
+    gpus_per_node: int = 8,
+    max_sp: int = 8,
+    max_microbatches: int = 128,
+    placements: Sequence[str] = CHEAP_PLACEMENTS,
+) -> Iterator[tuple[Layout, int]]:
+    """Every ``(layout, microbatches per replica)`` of the search space (module docstring).
+
+    Raises:
+        ValueError: ``gpus`` or ``global_batch`` < 1, or a workload without an LLM shape.
+    """
+    if gpus < 1 or global_batch < 1:
+        raise ValueError(f"candidate_layouts: gpus and global_batch must be >= 1, got {gpus}, {global_batch}")
+    llm = workload.shapes["llm"]
+    heads, kv = llm.n_heads, llm.n_kv_heads or llm.n_heads
+    tps = [t for t in (1, 2, 4, 8, 16) if t <= gpus_per_node and heads % t == 0 and kv % t == 0]
+    seqs = [("cp", c, a) for c in (2, 4, 8) if c <= max_sp for a in ("allgather", "ring")]
+    seqs += [("ulysses", u, "allgather") for u in (2, 4, 8) if u <= max_sp and heads % u == 0 and kv % u == 0]
+    seqs = [("none", 1, "allgather"), *seqs]
+    for pp in (d for d in _divisors(gpus) if d <= llm.n_layers):
+        for tp in tps:
+            for kind, n, attn in seqs:
+                mp = tp * n
+                if gpus % (pp * mp):
+                    continue
+                dp = gpus // (pp * mp)
+                if global_batch % dp or not pp <= global_batch // dp <= max_microbatches:
+                    continue
+                for zero in (0, 1, 2, 3):
+                    for recompute in (False, True):
+                        for placement in placements:
+                            yield (
+                                Layout(
+                                    pp=pp, dp=dp, tp=tp, sequence_parallel=tp > 1,
+                                    cp=n if kind == "cp" else 1, cp_attention=attn,
+                                    ulysses=n if kind == "ulysses" else 1, llm_zero=zero,
+                                    recompute=recompute, placement=placement,
+                                ),
+                                global_batch // dp,
+                            )  # fmt: skip
+
+
+def tune(
+    workload: Workload,
+    gpus: int,
+    *,
+    device: Device | None = None,
+    network: Network | None = None,
+    global_batch: int | None = None,
+    top: int = 5,
+    refine: int = 8,
+    check: Callable[[Layout], str | None] | None = None,
+    exact_state: Callable[[Layout, int], Mapping[int, Mapping[str, Mapping[str, float]]]] | None = None,
+    vocab: int = 32000,
+    max_sp: int = 8,
+    max_microbatches: int = 128,
+) -> TuneResult:
+    """The ``top`` fastest layouts of ``gpus`` GPUs for ``workload`` that fit in memory.
+
+    Args:
+        global_batch: packs per step, all replicas (default ``workload.microbatches * gpus // 8``: the
+            workload's microbatches per replica at ``pp = 8`` without model parallelism).
+        refine: how many of the best layouts (placed ``uniform_on_demand``) are also tried with the
+            other placements (:data:`REFINE_PLACEMENTS`: ``isolated``, ``planned``).
+        max_microbatches: layouts whose replicas would run more microbatches per step are skipped
+            (their simulation grows with ``pp * microbatches``; their 1F1B bubble is already below
+            ``(pp - 1) / max_microbatches``).
+        check: ``layout -> None`` (accepted) or a one-line reason (refused); called once per layout
+            shape (placement and recompute aside).
+        exact_state: ``(layout, microbatches) -> {pp rank: {"llm": {kind: bytes}, "encoders": ...}}``
+            for the best plans (see :func:`omni_pipeline.step_model.rank_memory`).
+
+    Returns:
+        :class:`TuneResult`.
+
+    Raises:
+        ValueError: no layout fits (names how many were refused and how many ran out of memory).
+    """
+    t0 = time.perf_counter()
+    device = device or Device()
+    network = network or Network()
+    gb = global_batch if global_batch is not None else max(1, workload.microbatches * gpus // 8)
+    res = TuneResult([], global_batch=gb)
+    cache: dict = {}
+    verdicts: dict[Layout, str | None] = {}
+    scored: list[StepPrediction] = []
+    micro: dict[Layout, int] = {}
+    layouts = candidate_layouts(
+        workload,
+        gpus,
+        gb,
+        gpus_per_node=network.gpus_per_node,
+        max_sp=max_sp,
+        max_microbatches=max_microbatches,
+    )
+    for layout, m in layouts:
+        res.considered += 1
+        shape = dataclasses.replace(layout, recompute=False, placement="uniform_on_demand")
+        if shape not in verdicts:
+            verdicts[shape] = check(shape) if check is not None else None
+        if verdicts[shape] is not None:
+            res.refused += 1
+            reason = verdicts[shape].split(":")[0]
+            res.refusals[reason] = res.refusals.get(reason, 0) + 1
+            continue
+        bound = rank_memory(dataclasses.replace(workload, microbatches=m), layout, vocab=vocab)
+        if max(r["total"] for r in bound.values()) > device.memory_bytes:
+            res.oom += 1
+            continue
+        before = len(cache)
+        p = predict_step(
+            workload, layout, device=device, network=network, microbatches=m, vocab=vocab, cache=cache
+        )
+        res.simulated += sum(1 for k in list(cache)[before:] if k[0] == "pipe")
+        if p.oom:
+            res.oom += 1
+            continue
+        micro[layout] = m
+        scored.append(p)
+    scored.sort(key=lambda p: -p.tokens_per_s)
+    # the other placements for the best layouts
+    for p in scored[:refine]:
+        for placement in REFINE_PLACEMENTS:
+            other = dataclasses.replace(p.layout, placement=placement)
+            q = predict_step(
+                workload, other, device=device, network=network, microbatches=micro[p.layout], vocab=vocab,
+                cache=cache,
+            )  # fmt: skip
+            res.simulated += 1
+            if not q.oom:
+                micro[other] = micro[p.layout]
+                scored.append(q)
+    scored.sort(key=lambda p: -p.tokens_per_s)
+    listed: set[Layout] = set()  # one plan per layout: its fastest placement
+    for p in scored:
+        if len(res.plans) >= top:
+            break
+        shape = dataclasses.replace(p.layout, placement="uniform_on_demand")
+        if shape in listed:
+            continue
+        if exact_state is not None:
+            m = micro[p.layout]
+            p = predict_step(
+                workload, p.layout, device=device, network=network, microbatches=m, vocab=vocab,
+                state=exact_state(p.layout, m), cache=cache,
+            )  # fmt: skip
+            if p.oom:
+                res.oom += 1
+                continue
+        listed.add(shape)
+        res.plans.append(p)
+    res.wall_s = time.perf_counter() - t0
+    if not res.plans:
+        raise ValueError(
+            f"tune: no layout of {gpus} GPUs fits: {res.considered} considered, {res.refused} refused "
+            f"({res.refusals}), {res.oom} out of {device.memory_bytes / 1e9:g} GB"
+        )
+    return res

@@ -1,0 +1,194 @@
+"""The whole-step model: the alpha-beta collective formulas against ring / pairwise algorithms run step by
+step on real data, the two-tier network, ZeRO-3 over DP adding exactly its gather and reduce-scatter,
+memory dropping OOM plans, and the tuner's ranking."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import pytest
+
+from omni_pipeline.cost import (
+    Network,
+    all_gather_s,
+    all_reduce_s,
+    all_to_all_s,
+    reduce_scatter_s,
+)
+from omni_pipeline.step_model import ADAMW_BYTES_PER_ELEMENT, Device, Layout, predict_step, rank_memory
+from omni_pipeline.tune import tune
+from omni_pipeline.workload import parse_workload
+
+BW, LAT = 7e9, 3e-6
+
+
+def _timed(steps: list[list[float]]) -> float:
+    """Seconds of a synchronous algorithm: per step, latency + the largest message any rank sends / bw."""
+    return sum(LAT + max(s) / BW for s in steps)
+
+
+def _ring_all_gather(chunks: list[list[float]]) -> tuple[list[list[list[float]]], list[list[float]]]:
+    """Ring all-gather, run: rank i starts with chunk i; at step k it sends chunk (i - k) mod n to rank
+    i + 1. Returns every rank's gathered chunks and the bytes (8 per float) each rank sent per step."""
+    n = len(chunks)
+    have = [{i: list(chunks[i])} for i in range(n)]
+    sent = []
+    for k in range(n - 1):
+        msgs = [((i + 1) % n, (i - k) % n, list(have[i][(i - k) % n])) for i in range(n)]
+        sent.append([8.0 * len(m[2]) for m in msgs])
+        for dst, idx, data in msgs:
+            have[dst][idx] = data
+    return [[h[j] for j in range(n)] for h in have], sent
+
+
+def _ring_reduce_scatter(bufs: list[list[float]]) -> tuple[list[list[float]], list[list[float]]]:
+    """Ring reduce-scatter, run: each rank's buffer in n chunks; at step k rank i sends its partial sum of
+    chunk (i - k - 1) mod n to rank i + 1, which adds its own. Rank i ends with chunk i summed."""
+    n = len(bufs)
+    size = len(bufs[0]) // n
+    part = [[bufs[i][j * size : (j + 1) * size] for j in range(n)] for i in range(n)]
+    sent = []
+    for k in range(n - 1):
+        msgs = [((i + 1) % n, (i - k - 1) % n, list(part[i][(i - k - 1) % n])) for i in range(n)]
+        sent.append([8.0 * len(m[2]) for m in msgs])
+        for dst, idx, data in msgs:
+            part[dst][idx] = [a + b for a, b in zip(part[dst][idx], data, strict=True)]
+    return [part[i][i] for i in range(n)], sent
+
+
+def _pairwise_all_to_all(bufs: list[list[list[float]]]) -> tuple[list[list[list[float]]], list[list[float]]]:
+    """Pairwise exchange, run: at step k (1 .. n-1) rank i sends its part for rank i + k to it."""
+    n = len(bufs)
+    out = [[None] * n for _ in range(n)]
+    for i in range(n):
+        out[i][i] = bufs[i][i]
+    sent = []
+    for k in range(1, n):
+        sent.append([8.0 * len(bufs[i][(i + k) % n]) for i in range(n)])
+        for i in range(n):
+            out[(i + k) % n][i] = bufs[i][(i + k) % n]
+    return out, sent
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 4, 8])
+def test_collective_formulas_equal_the_algorithms_run_step_by_step(n):
+    per = 6  # floats per chunk
+    chunks = [[float(100 * i + j) for j in range(per)] for i in range(n)]
+    gathered, sent = _ring_all_gather(chunks)
+    assert all(g == chunks for g in gathered)
+    total = 8.0 * per * n  # the gathered buffer
+    assert math.isclose(all_gather_s(total, n, BW, LAT), _timed(sent), rel_tol=1e-12, abs_tol=1e-18)
+
+    bufs = [[float(i * 1000 + j) for j in range(per * n)] for i in range(n)]
+    reduced, sent_rs = _ring_reduce_scatter(bufs)
+    for i in range(n):
+        assert reduced[i] == [sum(b[i * per + j] for b in bufs) for j in range(per)]
+    assert math.isclose(reduce_scatter_s(total, n, BW, LAT), _timed(sent_rs), rel_tol=1e-12, abs_tol=1e-18)
+    # all-reduce = reduce-scatter, then all-gather of the reduced chunks
+    _, sent_ag = _ring_all_gather(reduced)
+    assert math.isclose(
+        all_reduce_s(total, n, BW, LAT), _timed(sent_rs + sent_ag), rel_tol=1e-12, abs_tol=1e-18
+    )
+
+    parts = [[[float(i), float(j)] * per for j in range(n)] for i in range(n)]
+    out, sent_a2a = _pairwise_all_to_all(parts)
+    assert all(out[j][i] == parts[i][j] for i in range(n) for j in range(n))
+    assert math.isclose(
+        all_to_all_s(8.0 * 2 * per * n, n, BW, LAT), _timed(sent_a2a), rel_tol=1e-12, abs_tol=1e-18
+    )
+
+
+def test_network_tiers():
+    net = Network(gpus_per_node=8, intra_bandwidth_Bps=400e9, intra_latency_s=1e-6, inter_bandwidth_Bps=50e9,
+                  inter_latency_s=9e-6)  # fmt: skip
+    assert net.link(8, 1) == (400e9, 1e-6) and net.link(4, 2) == (400e9, 1e-6)
+    assert net.link(2, 8) == (50e9, 9e-6) and net.link(16, 1) == (50e9, 9e-6)
+    with pytest.raises(ValueError, match="inter_bandwidth_Bps"):
+        Network(inter_bandwidth_Bps=0)
+
+
+def _text_workload(microbatches: int = 4):
+    return parse_workload(
+        f"""
+name = "text"
+max_seq_len = 2048
+microbatches = {microbatches}
+[model]
+llm = {{ dim = 256, n_layers = 4, n_heads = 4, n_kv_heads = 2, ffn_dim = 512, gated_mlp = true }}
+[[sources]]
+name = "t"
+modality = "text"
+length = {{ fixed = 700 }}
+[[phases]]
+weights = {{ t = 1 }}
+"""
+    )
+
+
+def test_zero3_over_dp_adds_exactly_its_gather_and_reduce_scatter():
+    w = _text_workload()
+    net, dev = Network(), Device()
+    one = predict_step(w, Layout(pp=2, dp=1, llm_zero=3), device=dev, network=net)
+    two = predict_step(w, Layout(pp=2, dp=16, llm_zero=3), device=dev, network=net)
+    assert one.time_s["llm_all_gather"] == one.time_s["llm_reduce_scatter"] == 0.0
+    assert two.simulation.makespan_s == one.simulation.makespan_s  # the pipeline of one replica is the same
+    # the largest stage by hand: the last holds 2 blocks, the final norm and the LM head (vocab 32000)
+    d, kv, f = 256, 2 * 64, 512
+    block = d * (d + 2 * kv) + d * d + 3 * d * f + 2 * d
+    params = 2 * block + d + 32000 * d
+    bytes_ = 4 * params  # float32 gradients / masters
+    bw, lat = net.inter_bandwidth_Bps, net.inter_latency_s  # 16 ranks span two nodes
+    expected = 2 * (15 / 16 * bytes_ / bw + 15 * lat)
+    assert math.isclose(
+        two.time_s["llm_all_gather"] + two.time_s["llm_reduce_scatter"], expected, rel_tol=1e-12
+    )
+    # and nothing else changes but the optimizer, which now steps 1/16 of the parameters
+    opt = ADAMW_BYTES_PER_ELEMENT * params * (1 / 16 - 1) / dev.hbm_Bps
+    assert math.isclose(two.step_time_s - one.step_time_s, expected + opt, rel_tol=1e-9)
+    # tokens/s: 16 replicas' tokens over the longer step
+    assert math.isclose(
+        two.tokens_per_s / one.tokens_per_s, 16 * one.step_time_s / two.step_time_s, rel_tol=1e-12
+    )
+
+
+def test_collectives_of_tp_cp_ulysses_sit_inside_the_pipeline_actions():
+    w = _text_workload()
+    base = predict_step(w, Layout(pp=2, dp=1))
+    for lay in (Layout(pp=2, tp=2), Layout(pp=2, tp=2, sequence_parallel=True), Layout(pp=2, cp=2),
+                Layout(pp=2, cp=2, cp_attention="ring"), Layout(pp=2, ulysses=2)):  # fmt: skip
+        p = predict_step(w, lay)
+        kind = "tp" if lay.tp > 1 else ("cp" if lay.cp > 1 else "ulysses")
+        assert p.time_s[kind] > 0
+        assert math.isclose(sum(p.time_s.values()), p.step_time_s, rel_tol=1e-12)
+        # half the compute per rank, plus the collectives
+        assert math.isclose(p.time_s["llm_compute"], base.time_s["llm_compute"] / 2, rel_tol=1e-9)
+
+
+def test_recompute_trades_memory_for_time_and_oom_plans_are_dropped():
+    w = _text_workload(8)
+    plain = predict_step(w, Layout(pp=2))
+    rc = predict_step(w, Layout(pp=2, recompute=True))
+    assert rc.step_time_s > plain.step_time_s
+    assert rc.memory[0]["activations"] < plain.memory[0]["activations"]
+    # a device between the two peaks: only recompute fits
+    cap = (rc.peak_memory_bytes + plain.peak_memory_bytes) / 2
+    dev = Device(memory_bytes=cap)
+    assert predict_step(w, Layout(pp=2), device=dev).oom
+    assert not predict_step(w, Layout(pp=2, recompute=True), device=dev).oom
+    res = tune(w, 4, device=dev, global_batch=8)
+    assert res.plans and all(p.peak_memory_bytes <= cap for p in res.plans)
+    assert [p.tokens_per_s for p in res.plans] == sorted((p.tokens_per_s for p in res.plans), reverse=True)
+    assert res.oom > 0
+    with pytest.raises(ValueError, match="no layout of 4 GPUs fits"):
+        tune(w, 4, device=Device(memory_bytes=1e6), global_batch=8)
+
+
+def test_analytic_memory_without_a_simulation_is_the_schedules_in_flight_count():
+    w = _text_workload(8)
+    lay = Layout(pp=4, dp=2, llm_zero=2)
+    mem = rank_memory(w, lay)
+    p = predict_step(w, dataclasses.replace(lay, placement="isolated"))  # no encoders: LLM only
+    for r in range(4):
+        assert mem[r]["activations"] == p.memory[r]["activations"]
+        assert mem[r]["llm_parameters"] == p.memory[r]["llm_parameters"]
