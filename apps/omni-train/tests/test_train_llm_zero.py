@@ -18,13 +18,16 @@ losses and every gradient of every step within 1e-10 (``train_reference``):
   The resumes go through the trainer's own ``--resume --resume-step`` (``train_reference.relayout_run``):
   at the same DP size it loads the model and the optimizer by box intersection and replays the loader
   over the committed steps (``omni_train.checkpointing``);
-* across DP sizes: the same checkpoint at pp=2 x tp=2 + SP, dp=1 (the DP and TP sizes change together):
-  the loader states of both old DP ranks are re-split over the one new DP rank at each new position.
-  Such a resume cannot equal the uninterrupted run (a step's data is dp x ``data.microbatches`` packs,
-  each replica's from its own shards; the test checks the losses differ); its oracle is one float64
-  process that resumes the dp=2 reference's own step-1 checkpoint (plain tensors, no shards) with the
-  reference's two replica loader states re-split in memory (``train_reference.reference_resplit_run``),
-  and steps 2 and 3 equal it.
+* across DP sizes: the same checkpoint at pp=2 x tp=2 + SP, dp=1 (the DP and TP sizes change together).
+  Both runs read their data as ``data.replicas = 2`` data replicas (omni-data's ``ReplicaMerge``): the
+  saved run one per DP rank (the same packs as dp=2's own loaders, so the same reference), the resumed
+  one both on its one DP rank (2 x ``data.microbatches`` packs per step, in replica order), so the global
+  step is the same and steps 2 and 3 equal the uninterrupted run's. (Without ``data.replicas`` a DP-size
+  change re-splits the loader states and trains other data: the zero0 run's checkpoint at the same
+  layout, whose oracle is one float64 process that resumes the dp=2 reference's own step-1 checkpoint
+  with the reference's two replica loader states re-split in memory,
+  ``train_reference.reference_resplit_run``; the test checks the losses differ from the uninterrupted
+  run's.)
 """
 
 from __future__ import annotations
@@ -92,13 +95,12 @@ def _world2(rank, world_size, runs, root, cfg, saved, run):
     return _parallel(rank, world_size, runs, root), relayout_run(cfg, saved, Path(run), RESUME_AT)
 
 
-def _world4(rank, world_size, runs, root, cfg, saved, run, cfg_dp1, run_dp1):
-    """``runs``, then ``cfg`` and ``cfg_dp1`` from step ``RESUME_AT`` of the checkpoint one of them wrote
-    under ``saved``."""
+def _world4(rank, world_size, runs, root, relayouts):
+    """``runs``, then each ``(cfg, saved, run)`` of ``relayouts`` from step ``RESUME_AT`` of the checkpoint
+    one of the runs wrote under ``saved``."""
     return (
         _parallel(rank, world_size, runs, root),
-        relayout_run(cfg, saved, Path(run), RESUME_AT),
-        relayout_run(cfg_dp1, saved, Path(run_dp1), RESUME_AT),
+        *(relayout_run(cfg, saved, Path(run), RESUME_AT) for cfg, saved, run in relayouts),
     )
 
 
@@ -120,7 +122,9 @@ def test_llm_zero_stages_hybrid_cp_and_a_resume_across_layouts_match_one_process
         args=([("dp2", cfg, 2), ("hybrid", cfg, 1)], str(tmp / "ref"), ("dp2", "resplit")),
         timeout_s=600,
     )[0]
-    runs = [(f"zero{z}", cfg, {**ZERO, "llm_zero": z}) for z in range(4)]
+    # zero3 reads its data as 2 data replicas (data.replicas, one per DP rank: the same packs as dp=2's
+    # own loaders, so the same reference), which a resume at another DP size keeps (below)
+    runs = [(f"zero{z}", cfg, {**ZERO, "llm_zero": z, "data_replicas": 2 if z == 3 else 0}) for z in range(4)]
     # selective recompute of the LLM blocks' attention and offload of what they save, FSDP2 units alike
     memory = dataclasses.replace(
         cfg.train, recompute=["llm"], recompute_modules=["attention"], offload=["llm"]
@@ -128,13 +132,20 @@ def test_llm_zero_stages_hybrid_cp_and_a_resume_across_layouts_match_one_process
     runs.append(("zero3-recompute-offload", dataclasses.replace(cfg, train=memory), {**ZERO, "llm_zero": 3}))
     runs.append(("hybrid-zero3", cfg, HYBRID))
     # then the zero3 run's step-1 checkpoint at pp=1 x dp=2 x tp=2 + SP (llm_zero 0: not composed with TP)
-    sp = with_parallel(cfg, pp=1, dp=2, tp=2, sequence_parallel=True, encoder_zero=3)
-    # and at pp=2 x tp=2 + SP, dp=1: the DP size changes with the TP size (the loader re-split)
-    pp2_sp = with_parallel(cfg, pp=2, tp=2, sequence_parallel=True, encoder_zero=3)
+    sp = with_parallel(cfg, pp=1, dp=2, tp=2, sequence_parallel=True, encoder_zero=3, data_replicas=2)
+    # and at pp=2 x tp=2 + SP, dp=1 (the DP size changes with the TP size): its one DP rank runs both data
+    # replicas (2 x data.microbatches packs per step, in replica order)
+    pp2_sp = with_parallel(cfg, pp=2, tp=2, sequence_parallel=True, encoder_zero=3, data_replicas=2)
     saved = str(tmp / "w4" / "zero3" / "checkpoints")
-    relayouts = (sp, saved, str(tmp / "relayout-sp"), pp2_sp, str(tmp / "relayout-pp2-sp"))
-    outs = run_world(_world4, 4, args=(runs, str(tmp / "w4"), *relayouts), timeout_s=900)
-    w4, to_sp, to_pp2_sp = [o[0] for o in outs], outs[0][1], outs[0][2]
+    # and the zero0 run's (its own DP loaders, no data.replicas) at the same layout: re-split
+    split = with_parallel(cfg, pp=2, tp=2, sequence_parallel=True, encoder_zero=3)
+    relayouts = [
+        (sp, saved, str(tmp / "relayout-sp")),
+        (pp2_sp, saved, str(tmp / "relayout-pp2-sp")),
+        (split, str(tmp / "w4" / "zero0" / "checkpoints"), str(tmp / "relayout-pp2-sp-resplit")),
+    ]
+    outs = run_world(_world4, 4, args=(runs, str(tmp / "w4"), relayouts), timeout_s=900)
+    w4, (to_sp, to_pp2_sp, to_split) = [o[0] for o in outs], outs[0][1:]
     results = {name: [r[i] for r in w4] for i, (name, _, _) in enumerate(runs)}
     for name, per_rank in results.items():
         assert_runs_match(per_rank[0][0], want_hybrid if name.startswith("hybrid") else want, name)
@@ -166,7 +177,7 @@ def test_llm_zero_stages_hybrid_cp_and_a_resume_across_layouts_match_one_process
     assert peaks[3] == peaks[0], peaks
 
     # the zero3 run's step-1 checkpoint at pp=1 x dp=2, llm_zero = 1: steps 2 and 3 as uninterrupted
-    other = with_parallel(cfg, pp=1, dp=2, encoder_zero=3, llm_zero=1)
+    other = with_parallel(cfg, pp=1, dp=2, encoder_zero=3, llm_zero=1, data_replicas=2)
     compiled = dataclasses.replace(cfg.train, compile=True)
     # and two stages on one rank (looped GPipe, virtual_stages = 2): two FSDP2 roots gathered per step
     v2 = [
@@ -189,12 +200,17 @@ def test_llm_zero_stages_hybrid_cp_and_a_resume_across_layouts_match_one_process
     assert_runs_match(got, tail, "relayout")
     assert_runs_match(got, (want[0][RESUME_AT:], want[1][RESUME_AT:]), "relayout vs reference")
     assert_runs_match(to_sp, tail, "relayout to tp2 + SP")
-    # dp=2 -> dp=1 cannot continue the uninterrupted run (a step's data is dp x microbatches packs, each
-    # replica's from its own shards): it continues the one-process run on the re-split data from the
-    # same state, within 1e-10 (model and AdamW by box intersection, the loader re-split at new positions)
+    # dp=2 -> dp=1 with data.replicas = 2 on both: the one DP rank runs both replicas, so the global
+    # step is dp=2's and the run continues the uninterrupted one within 1e-10 (model and AdamW by box
+    # intersection, the replicas' loaders carried over)
     assert len(to_pp2_sp[0]) == cfg.train.steps - RESUME_AT
-    assert_runs_match(to_pp2_sp, want_resplit, "relayout to pp2 x tp2 + SP (dp 2 -> 1)")
-    assert abs(to_pp2_sp[0][0] - tail[0][0]) > 1e-6, (to_pp2_sp[0], tail[0])  # other data than dp=2's
+    assert_runs_match(to_pp2_sp, tail, "relayout to pp2 x tp2 + SP (dp 2 -> 1, data.replicas 2)")
+    # without data.replicas, dp=2 -> dp=1 cannot continue the uninterrupted run (a step's data is dp x
+    # microbatches packs, each DP rank's from its own shards): it continues the one-process run on the
+    # re-split data from the same state, within 1e-10 (the loader re-split at new positions)
+    assert len(to_split[0]) == cfg.train.steps - RESUME_AT
+    assert_runs_match(to_split, want_resplit, "relayout to pp2 x tp2 + SP (dp 2 -> 1, re-split)")
+    assert abs(to_split[0][0] - tail[0][0]) > 1e-6, (to_split[0], tail[0])  # other data than dp=2's
 
 
 def test_llm_zero_preflight_names_the_field(dense):
@@ -207,6 +223,19 @@ def test_llm_zero_preflight_names_the_field(dense):
     with pytest.raises(ConfigError, match=r"^parallel\.llm_zero"):
         validate(with_parallel(cfg, llm_zero=4), 2)
     validate(with_parallel(cfg, pp=1, llm_zero=3), 1)  # one rank per stage: nothing to shard, accepted
+    with pytest.raises(ConfigError, match=r"^data\.replicas: 3 must be 0 or a multiple of parallel\.dp 2"):
+        validate(with_parallel(cfg, pp=1, dp=2, data_replicas=3), 2)
+    validate(with_parallel(cfg, pp=1, dp=2, data_replicas=4), 2)
+    # another DP size with per-modality packs resumes when the data replicas are kept (handed over whole)
+    from omni_train.config import Packing
+    from omni_train.preflight import check_resume_layout
+
+    pm = with_parallel(cfg, data_packing=Packing.PER_MODALITY, data_replicas=2)
+    check_resume_layout(with_parallel(pm, dp=2), with_parallel(pm, dp=1))
+    with pytest.raises(ConfigError, match=r"^parallel\.dp: 2 -> 1 with data\.packing = 'per_modality'"):
+        check_resume_layout(
+            with_parallel(pm, dp=2, data_replicas=0), with_parallel(pm, dp=1, data_replicas=0)
+        )
     with pytest.raises(ConfigError, match=r"^parallel\.llm_reshard_after_forward: 'sometimes' is not one of"):
         validate(with_parallel(cfg, llm_reshard_after_forward="sometimes"), 2)
     for policy in ("auto", "always", "never"):

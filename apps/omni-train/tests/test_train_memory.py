@@ -130,6 +130,30 @@ def _assert_analytic(cfg, rows):
                 assert got[k] == pytest.approx(want[k], rel=0.01), (name, rank, k, got, want)
 
 
+def test_analytic_gathered_follows_the_bf16_param_dtype(tmp_path):
+    """At ``train.dtype = "bfloat16"`` FSDP2 gathers in the ``MixedPrecisionPolicy``'s bf16: ZeRO-1/2's kept
+    gathered copy of the trainer's build (``omni-train memory``, equal byte for byte to the measured bytes:
+    the test above at float32; ``omni_parallel``'s ``test_parallel_llm_zero`` measures bf16 on gloo) is half
+    the float32 one, and the analytic formula with ``gathered_bytes_per = 2`` gives it (within padding)."""
+    from omni_parallel.memory import analytic_state_bytes
+    from omni_train.data_files import load_tokenizer
+
+    data = make_dataset(tmp_path / "data")
+    cfg = load_config(
+        str(write_config(tmp_path / "c.toml", data, steps=1, every=0, extra='dtype = "bfloat16"'))
+    )
+    vocab = load_tokenizer(cfg.data).get_vocab_size()
+    for zero in (1, 2):
+        par = {"pp": 2, "dp": 2, "llm_zero": zero}
+        counts = _stage_counts(cfg, with_parallel(cfg, **par).parallel, vocab)
+        for r in memory_plan(with_parallel(cfg, **par), 4)["ranks"]:
+            sharded, replicated, tensors = counts[r["pp_rank"]]
+            args = dict(replicated=replicated, zero=zero, shards=2, tensors=tensors)
+            want = analytic_state_bytes(sharded, gathered_bytes_per=2, **args)
+            assert r["llm"]["gathered"] == pytest.approx(want["gathered"], rel=0.01), (zero, r, want)
+            assert want["gathered"] == analytic_state_bytes(sharded, **args)["gathered"] / 2
+
+
 def test_block_estimate_equals_saved_bytes():
     """``block_activation_bytes`` equals the bytes autograd saves in the app's decoder block, at tp 1, 2
     and 4 with and without Megatron SP, float32 and bf16 autocast over float32, with selective recompute:
@@ -184,14 +208,19 @@ def test_table_words(capsys):
         "gpus": 4,
         "layout": {"pp": 2, "dp": 2, "sequence_parallel": False, "llm_zero": 3},
         "ranks": [{"rank": 0, "same_pp_ranks": [0], "llm": kinds, "encoders": kinds,
+                   "in_step": {"llm": {"gradients": 2**22, "gathered": 2**21}},
                    "llm_activations_estimate": 2**21}],
     }  # fmt: skip
     text = format_plan(plan)
     head, kinds_line = text.splitlines()[1:3]
     assert "sequence_parallel off" in text and "False" not in text and "True" not in text
-    assert kinds_line.split() == ["rank", "pp", "ranks", *KINDS, *KINDS, "activations", "total"]
-    assert head.split() == ["llm"] * 4 + ["encoders"] * 4 + ["llm"]
-    assert text.splitlines()[3].split() == ["0", "0", *["1.00"] * 8, "2.00", "10.00"]
+    in_step = ["gradients", "gathered", "peak"]
+    assert kinds_line.split() == ["rank", "pp", "ranks", *KINDS, *KINDS, "activations", "total", *in_step]
+    assert head.split() == ["llm"] * 4 + ["encoders"] * 4 + ["llm", "in-step", "in-step", "step"]
+    assert text.splitlines()[3].split() == ["0", "0", *["1.00"] * 8, "2.00", "10.00", "4.00", "2.00", "16.00"]
+    # the verdict is the step peak's (16 MiB), against 80 and 141 GB, or the device given
+    assert "step peak" in text and "fits in 80 GB, fits in 141 GB" in text
+    assert "OOM in 0.01 GB" in format_plan(plan, 0.01)
 
 
 @pytest.mark.parametrize(
@@ -252,3 +281,27 @@ def test_state_bytes_measured_until_the_optimizer_stepped_then_kept():
     assert read()["optimizer"] == 0  # before AdamW's first step: measured again next time
     assert [read() for _ in range(3)] == [{"parameters": 8, "optimizer": 16}] * 3
     assert len(calls) == 2  # the bytes do not change after: no walk over the tensors per step
+
+
+def test_plan_runs_the_steps_microbatches_under_data_replicas(tmp_path):
+    """With ``data.replicas`` a DP rank trains ``replicas / dp`` replicas' ``microbatches`` packs per step
+    (``data_pipeline.step_config``): the plan's activations are those of that many microbatches in flight
+    (GPipe: every microbatch of the step is in flight at once)."""
+    import dataclasses
+
+    data = make_dataset(tmp_path / "data")
+    cfg = with_parallel(
+        load_config(str(write_config(tmp_path / "c.toml", data, steps=1, every=0))), pp=2, dp=2
+    )
+    cfg = dataclasses.replace(
+        cfg, parallel=dataclasses.replace(cfg.parallel, schedule="gpipe")
+    )  # all in flight
+    m = cfg.data.microbatches
+
+    def plan(microbatches, replicas):
+        d = dataclasses.replace(cfg.data, microbatches=microbatches, replicas=replicas)
+        return [
+            r["llm_activations_estimate"] for r in memory_plan(dataclasses.replace(cfg, data=d), 4)["ranks"]
+        ]
+
+    assert plan(m, 4) == plan(2 * m, 0) != plan(m, 0)

@@ -67,9 +67,14 @@ def _sharded(module):
     return [isinstance(p, DTensor) for p in module.parameters()]
 
 
-def _train(model, sync, micro, steps=2, after_forward=None):
+def _train(model, sync, micro, steps=2, after_forward=None, peaks=None):
     """``steps`` AdamW steps; ``after_forward``: a list that gets, after each microbatch's forward and
-    before its backward, whether the first block's parameters are sharded (DTensors)."""
+    before its backward, whether the first block's parameters are sharded (DTensors); ``peaks``: a list
+    that gets each step's peak of saved activations (``ActivationMemory``, forwards all before backwards,
+    as a pipeline's warm-up holds them)."""
+    from omni_parallel.activation_memory import ActivationMemory
+
+    memory = ActivationMemory([model], torch.device("cpu")) if peaks is not None else None
     opt = torch.optim.AdamW(model.parameters(), lr=0.05, foreach=False)
     grads, params, nbytes = [], [], None
     lazy = sync.reshard_after_forward
@@ -83,11 +88,20 @@ def _train(model, sync, micro, steps=2, after_forward=None):
         # forward the blocks gather in their own pre-forward hooks, the root at attach
         gathered = [p for b in ([model] if not lazy else []) for p in b.parameters()]
         assert not any(isinstance(p, DTensor) for p in gathered), f"step {step}: not gathered"
-        for m in micro:
-            loss = _loss(model, step, m)
-            if after_forward is not None:
-                after_forward.append(all(_sharded(model.layers[0])))
-            loss.backward()
+        if memory is not None:
+            memory.start_step()
+            with memory.track():
+                losses = [_loss(model, step, m) for m in micro]
+                for loss in losses:
+                    loss.backward()
+            del losses
+            peaks.append(memory.peaks().activation_bytes)
+        else:
+            for m in micro:
+                loss = _loss(model, step, m)
+                if after_forward is not None:
+                    after_forward.append(all(_sharded(model.layers[0])))
+                loss.backward()
         with _module_walks(walks):
             sync()
         grads.append({n: _full(p.grad) for n, p in model.named_parameters()})
@@ -155,6 +169,13 @@ def _world(rank, world_size):
             for n in b
         )
         out["always" if lazy else "never"] = (diff, states, sync.reshard_after_forward)
+    # saved activations under ZeRO-3 with each reshard policy and replicated (ZeRO-0): the same tensors
+    for zero, lazy in ((3, True), (3, False), (0, False)):
+        model = _Stage()
+        sync = apply_llm_zero([model], ps, zero, blocks=model.layers, reshard_after_forward=lazy)
+        peaks: list[int] = []
+        _train(model, sync, range(rank * MICRO // world_size, (rank + 1) * MICRO // world_size), peaks=peaks)
+        out[("peaks", zero, lazy)] = peaks
     out["bf16"] = _bf16(rank, world_size, ps)
     return out
 
@@ -192,7 +213,7 @@ def _bf16(rank, world_size, ps):
         )
         opt.step()
         finite = all(torch.isfinite(_full(p)).all().item() for p in model.parameters())
-        out[zero] = (gathered, dtypes, err, finite)
+        out[zero] = (gathered, dtypes, err, finite, state_bytes([model], opt))
     return out
 
 
@@ -244,14 +265,34 @@ def test_llm_zero3_reshard_policies_match_one_process(per_rank):
             assert states == [resharded] * len(states) and len(states) == 2 * (MICRO // 2), (policy, states)
 
 
-def test_llm_zero_bf16_parameters_reduce_in_float32(per_rank):
+def test_saved_activations_exclude_blocks_gathered_in_their_forward(per_rank):
+    """``ActivationMemory`` under ZeRO-3 with ``reshard_after_forward`` (each block gathered in its own
+    pre-forward hook, after the step's first saved tensor): the gathered weights autograd saves are the
+    model's, not activations; the peak equals the kept-gathered policy's and the replicated model's."""
     for rank, out in enumerate(per_rank):
-        for zero, (gathered, dtypes, err, finite) in out["bf16"].items():
+        always, never, zero0 = out[("peaks", 3, True)], out[("peaks", 3, False)], out[("peaks", 0, False)]
+        assert always == never == zero0 and len(always) == 2 and always[0] > 0, (rank, always, never, zero0)
+
+
+def test_llm_zero_bf16_parameters_reduce_in_float32(per_rank):
+    numel = sum(p.numel() for p in _Stage().parameters())
+    pad = sum(-(-p.shape[0] // 2) * p[0].numel() for p in _Stage().parameters()) - numel / 2  # elements
+    tensors = len(list(_Stage().parameters()))
+    for rank, out in enumerate(per_rank):
+        for zero, (gathered, dtypes, err, finite, nbytes) in out["bf16"].items():
             assert gathered == {torch.bfloat16}, (rank, zero, gathered)  # all-gathered as bf16 copies
             assert dtypes == {torch.float32}, (rank, zero, dtypes)  # float32 shards and gradients
             # float32 accumulation and reduction: equal to the float32 sums (a bf16 one is off by ~1e-3)
             assert err <= 1e-6, (rank, zero, err)
             assert finite
+            # the analytic formula at this layout: float32 masters, gradients and moments, and ZeRO-1/2's
+            # kept gathered copy in the MixedPrecisionPolicy's bf16 (2 bytes), up to FSDP2's padding
+            want = analytic_state_bytes(
+                0, replicated=numel, bytes_per=4, gathered_bytes_per=2, zero=zero, shards=2, tensors=tensors
+            )
+            for kind in KINDS:
+                assert abs(nbytes[kind] - want[kind]) <= 2 * pad * 4, (rank, zero, kind, nbytes, want)
+            assert (nbytes["gathered"] > 0) == (zero < 3), (rank, zero, nbytes)
 
 
 def test_llm_zero_refuses_unknown_stage():

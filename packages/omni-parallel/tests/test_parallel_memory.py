@@ -109,8 +109,24 @@ def test_analytic_formula_stages():
     # TP-replicated parameters (norms, embedding, LM head) are not divided by tp
     r = analytic_state_bytes(1000, replicated=100, tp=2, tensors=3, step_bytes=8)
     assert r["parameters"] == (500 + 100) * 4 and r["optimizer"] == 2 * 600 * 4 + 3 * 8
+    # bf16 gathered copies (MixedPrecisionPolicy param_dtype) over float32 masters: only `gathered` halves
+    b = {s: analytic_state_bytes(1000, zero=s, shards=4, tp=2, gathered_bytes_per=2) for s in range(4)}
+    assert [b[s]["gathered"] for s in range(4)] == [0, 1000, 1000, 0]
+    assert all({k: v for k, v in b[s].items() if k != "gathered"} == {k: v for k, v in z[s].items()
+               if k != "gathered"} for s in range(4))  # fmt: skip
+    # routed experts: 1/ep of them per rank at every ZeRO stage, never gathered
+    e = {s: analytic_state_bytes(1000, zero=s, shards=4, tp=2, experts=800, ep=2) for s in range(4)}
+    for s in range(4):
+        assert (
+            e[s]["parameters"] == z[s]["parameters"] + 1600 and e[s]["gradients"] == z[s]["gradients"] + 1600
+        )
+        assert e[s]["optimizer"] == z[s]["optimizer"] + 3200 and e[s]["gathered"] == z[s]["gathered"]
     with pytest.raises(ValueError, match="zero in 0-3"):
         analytic_state_bytes(1, zero=4)
+    with pytest.raises(ValueError, match="ep >= 1"):
+        analytic_state_bytes(1, ep=0)
+    with pytest.raises(ValueError, match="gathered_bytes_per must be >= 1"):
+        analytic_state_bytes(1, gathered_bytes_per=0)
 
 
 def test_adamw_state_step_dtype_and_refusal():

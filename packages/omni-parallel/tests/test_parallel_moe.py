@@ -6,8 +6,13 @@
   (``Qwen2MoeSparseMoeBlock`` with copied weights, ``load_balancing_loss_func``) built from a small config.
 * ep = 2 on 2 gloo processes, float64, three routings (random; every token of rank 0 routed to rank 0's
   experts, so experts 2-3 receive nothing from it and rank 1 nothing from rank 0; top-1 with every token of
-  rank 1 on expert 3): outputs, aux and z losses and every gradient equal the one-process layer run on
-  both ranks' tokens (<= 1e-10), and the experts compute exactly tokens x top_k rows (dropless).
+  rank 0 on expert 0 and every token of rank 1 on expert 3, so experts 1 and 2 compute no row): outputs,
+  aux and z losses and every gradient equal the one-process layer run on both ranks' tokens (<= 1e-10),
+  the experts compute exactly tokens x top_k rows (dropless), the engineered routings send exactly the
+  per-expert counts they are built for, and each rank's local experts receive exactly the sum over the
+  senders of their rows. In the same
+  world, LLM ZeRO 1, 2 and 3 beside ep = 2 (dp = 2): the dense parameters FSDP2-sharded, the experts left
+  out as EP shards; gradients and one AdamW step equal the one process's (<= 1e-10).
 * The expert layout (:func:`omni_parallel.topology.expert_groups`) as a pure function, and
   ``GroupSpec(expert_dp=True)`` building it on a fake 8-rank world.
 """
@@ -144,7 +149,7 @@ def test_capacity_drops_beyond_capacity() -> None:
     r = m(x)
     cap = math.ceil(0.5 * T * 2 / 4)
     assert r.computed == sum(min(int(c), cap) for c in r.tokens_per_expert)
-    assert r.computed < T * 2
+    assert r.computed < T * 2 == r.routed  # routed counts before the drops, computed after
 
 
 # ---- ep = 2 on 2 processes --------------------------------------------------------------------------
@@ -158,8 +163,8 @@ def _routing_x(case: str, rank: int, cfg: MoEConfig, m: MoE) -> torch.Tensor:
     w = m.router.weight.detach()
     if case == "rank0_local":  # rank 0's tokens pick only experts 0 and 1 (both on EP rank 0)
         target = [0, 1] if rank == 0 else None
-    else:  # "one_expert": top-1, every token of rank 1 on expert 3
-        target = [3] if rank == 1 else None
+    else:  # "one_expert": top-1, every token of rank 0 on expert 0, every token of rank 1 on expert 3
+        target = [3] if rank == 1 else [0]
     if target is None:
         return x
     # add a large multiple of a direction that favours the target experts, so they win by far
@@ -194,15 +199,21 @@ def _ep_rank(rank: int, world: int) -> dict:
             ref_gx.append(xr.grad)
         # ep = 2: this rank's tokens only, experts sharded
         rows = []
-        hook = ep.experts.register_forward_hook(
-            lambda mod, args, out, rows=rows: rows.append(args[0].shape[0])
-        )
+        local_counts = []
+
+        def record(mod, args, out, rows=rows, local_counts=local_counts) -> None:
+            rows.append(args[0].shape[0])
+            local_counts.append(args[1])
+
+        hook = ep.experts.register_forward_hook(record)
         xr = xs[rank].clone().requires_grad_(True)
         o = ep(xr)
         (o.out * cs[rank]).sum().backward()
         hook.remove()
         computed = torch.tensor([rows[0], o.computed])
         dist.all_reduce(computed, group=group)
+        sent = [torch.zeros(cfg.experts, dtype=torch.int64) for _ in range(world)]
+        dist.all_gather(sent, o.tokens_per_expert.to(torch.int64).contiguous(), group=group)
         per_expert_rows = torch.tensor([ep.experts.gate_up_proj.shape[0], rows[0]])
         errs = {
             "out": (o.out - ref_outs[rank]).abs().max().item(),
@@ -225,8 +236,80 @@ def _ep_rank(rank: int, world: int) -> dict:
             "tokens": world * T * top_k,
             "rows_here": per_expert_rows.tolist(),
             "received": rows[0],
+            "sent": [v.tolist() for v in sent],  # [source rank][global expert] rows sent
+            "local_counts": local_counts[0].tolist(),  # rows this rank's experts computed, per local expert
+            "routed": o.routed,
         }
+    results["llm_zero"] = _llm_zero_beside_ep(rank, world)
     return results
+
+
+class _Net(torch.nn.Module):
+    """An MoE layer (its own FSDP2 unit under LLM ZeRO) and a dense projection (the root unit's)."""
+
+    def __init__(self, cfg: MoEConfig, ep_group=None) -> None:
+        super().__init__()
+        self.moe = _layer(cfg, ep_group)
+        self.proj = torch.nn.Linear(DIM, DIM, bias=False).double()
+        torch.nn.init.normal_(self.proj.weight, generator=torch.Generator().manual_seed(3))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.proj(self.moe(x).out)
+
+
+def _llm_zero_beside_ep(rank: int, world: int) -> dict:
+    """LLM ZeRO 1-3 (:func:`omni_parallel.llm_zero.apply_llm_zero`) over dp = 2 beside ep = 2: the dense
+    parameters FSDP2-sharded over ``dp_cp``, the experts left out (EP ``Shard(0)`` DTensors). Each rank runs
+    its own tokens; gradients made whole and the parameters after one AdamW step against one process
+    running both ranks' tokens. Also: which parameters FSDP2 manages."""
+    from torch.distributed.tensor import DTensor
+
+    from omni_parallel.llm_zero import apply_llm_zero
+    from omni_parallel.moe import expert_parameters, shard_experts
+
+    def full(t: torch.Tensor) -> torch.Tensor:
+        return (t.full_tensor() if isinstance(t, DTensor) else t).detach()
+
+    cfg = MoEConfig(DIM, HIDDEN, experts=4, top_k=2, shared_experts=1, aux_loss_coef=AUX, z_loss_coef=ZC)
+    xs = [torch.randn(T, DIM, dtype=torch.float64, generator=torch.Generator().manual_seed(30 + r))
+          for r in range(world)]  # fmt: skip
+    ref = _Net(cfg)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=0.05)
+    for x in xs:
+        ref(x).square().sum().backward()
+    want_grads = {n: p.grad.clone() for n, p in ref.named_parameters()}
+    ref_opt.step()
+    want = {n: p.detach().clone() for n, p in ref.named_parameters()}
+    ps = ParallelState.build(ParallelConfig(dp=world, ep=world), groups=GroupSpec(expert_dp=True))
+    out = {}
+    for zero in (1, 2, 3):
+        net = _Net(cfg, ps.group("ep"))
+        shard_experts([net], ps.device_mesh("ep"))
+        experts = {id(p) for p in expert_parameters([net])}
+        sync = apply_llm_zero([net], ps, zero, blocks=[net.moe])
+        opt = torch.optim.AdamW(net.parameters(), lr=0.05)
+        sync.attach()
+        net(xs[rank]).square().sum().backward()
+        sync()
+        errs = {
+            f"grad {n}": (full(p.grad) - want_grads[n]).abs().max().item() for n, p in net.named_parameters()
+        }
+        opt.step()
+        errs |= {n: (full(p) - want[n]).abs().max().item() for n, p in net.named_parameters()}
+        managed = {id(fp.sharded_param) for u in (net, net.moe) for g in u._get_fsdp_state()._fsdp_param_groups
+                   for fp in g.fsdp_params}  # fmt: skip
+        meshes = {
+            n: p.device_mesh.get_group() is ps.group("ep")
+            for n, p in net.named_parameters()
+            if id(p) in experts
+        }
+        out[zero] = {
+            "errs": errs,
+            "experts_managed": bool(managed & experts),
+            "dense_managed": len(managed) == len(list(net.parameters())) - len(experts),
+            "experts_on_ep": meshes,
+        }
+    return out
 
 
 def test_expert_parallel_equals_one_process() -> None:
@@ -238,9 +321,28 @@ def test_expert_parallel_equals_one_process() -> None:
             assert not bad, f"{case} rank {rank}: {bad}"
             # dropless: the experts of the group computed every (token, slot) row, and every one was sent
             assert got["computed"] == [got["tokens"], got["tokens"]], (case, got)
-    # the engineered routings did what they claim
-    assert res[1]["one_expert"]["received"] >= T  # expert 3 (on rank 1) got all of rank 1's tokens
-    assert res[0]["rank0_local"]["received"] >= T * 2  # rank 0's own rows all stayed on rank 0
+            assert got["routed"] == T * (1 if case == "one_expert" else 2)
+            # each local expert computed exactly the rows every sender routed to it
+            lo = rank * 2
+            want = [sum(sent[e] for sent in got["sent"]) for e in (lo, lo + 1)]
+            assert got["local_counts"] == want, (case, rank, got)
+    # the engineered routings did what they claim, exactly
+    local = res[0]["rank0_local"]
+    assert local["sent"][0] == [T, T, 0, 0]  # rank 0's rows all on its own experts 0 and 1
+    s1 = local["sent"][1]
+    assert local["local_counts"] == [T + s1[0], T + s1[1]]
+    assert res[1]["rank0_local"]["local_counts"] == [s1[2], s1[3]]  # nothing from rank 0
+    one = res[0]["one_expert"]
+    assert one["sent"] == [[T, 0, 0, 0], [0, 0, 0, T]]  # all of a rank's tokens on one expert
+    assert one["local_counts"] == [T, 0] and res[1]["one_expert"]["local_counts"] == [0, T]
+    # LLM ZeRO 1-3 beside EP: one process's gradients and AdamW step; FSDP2 manages the dense parameters
+    # only, the experts stay EP shards (Shard(0) over the EP group, 2 of the 4 experts per rank)
+    for rank, r in enumerate(res):
+        for zero, got in r["llm_zero"].items():
+            bad = {k: v for k, v in got["errs"].items() if not v <= 1e-10}
+            assert not bad, f"llm_zero {zero} rank {rank}: {bad}"
+            assert not got["experts_managed"] and got["dense_managed"], (zero, rank)
+            assert got["experts_on_ep"] and all(got["experts_on_ep"].values()), (zero, rank)
 
 
 def test_expert_groups_layout() -> None:

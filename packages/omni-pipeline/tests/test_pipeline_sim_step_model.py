@@ -137,9 +137,15 @@ def test_zero3_over_dp_adds_exactly_its_gather_and_reduce_scatter():
     d, kv, f = 256, 2 * 64, 512
     block = d * (d + 2 * kv) + d * d + 3 * d * f + 2 * d
     params = 2 * block + d + 32000 * d
-    bytes_ = 4 * params  # float32 gradients / masters
     bw, lat = net.inter_bandwidth_Bps, net.inter_latency_s  # 16 ranks span two nodes
-    expected = 2 * (15 / 16 * bytes_ / bw + 15 * lat)
+
+    def ring(nbytes):  # a ring all-gather / reduce-scatter over 16 ranks
+        return 15 / 16 * nbytes / bw + 15 * lat
+
+    # pp 2 x 4 microbatches: "auto" holds the gathered stage through the step (llm_zero's torchtitan rule):
+    # ONE gather of bf16 copies (2 bytes, MixedPrecisionPolicy), one reduce-scatter of float32 gradients
+    expected = ring(2 * params) + ring(4 * params)
+    assert math.isclose(two.time_s["llm_all_gather"], ring(2 * params), rel_tol=1e-12)
     assert math.isclose(
         two.time_s["llm_all_gather"] + two.time_s["llm_reduce_scatter"], expected, rel_tol=1e-12
     )
@@ -150,6 +156,43 @@ def test_zero3_over_dp_adds_exactly_its_gather_and_reduce_scatter():
     assert math.isclose(
         two.tokens_per_s / one.tokens_per_s, 16 * one.step_time_s / two.step_time_s, rel_tol=1e-12
     )
+    # the step's memory peak: the whole stage's float32 gradients until the sync, and the gathered bf16
+    # stage beside the between-step shards
+    row = two.memory[1]
+    assert row["llm_in_step_gradients"] == 4 * params and row["llm_in_step_gathered"] == 2 * params
+    assert row["total"] == row["between_steps"] + 6 * params + row["activations"]
+
+
+def test_zero3_at_pp1_regathers_every_block_per_microbatch():
+    """``auto`` at pp = 1 resolves to ``always`` (omni_parallel.llm_zero.reshard_after_forward): the root
+    units (embedding, final norm, LM head) are gathered once, every block in each microbatch's forward and
+    again in its backward: 1 + 2 x 4 microbatches x 4 blocks gathers, by hand."""
+    m = 4
+    w = _text_workload(m)
+    net = Network()
+    d, kv, f = 256, 2 * 64, 512
+    block = d * (d + 2 * kv) + d * d + 3 * d * f + 2 * d
+    roots = 32000 * d + d + 32000 * d  # embedding; final norm + LM head
+    params = 4 * block + roots
+    bw, lat = net.inter_bandwidth_Bps, net.inter_latency_s
+
+    def ring(nbytes):
+        return 15 / 16 * nbytes / bw + 15 * lat
+
+    auto = predict_step(w, Layout(pp=1, dp=16, llm_zero=3), network=net)
+    always = predict_step(w, Layout(pp=1, dp=16, llm_zero=3, llm_reshard="always"), network=net)
+    never = predict_step(w, Layout(pp=1, dp=16, llm_zero=3, llm_reshard="never"), network=net)
+    want = ring(2 * roots) + 2 * m * 4 * ring(2 * block)
+    for p in (auto, always):
+        assert math.isclose(p.time_s["llm_all_gather"], want, rel_tol=1e-12)
+        assert math.isclose(p.time_s["llm_reduce_scatter"], ring(4 * params), rel_tol=1e-12)
+        # in-step memory: roots + the running and the prefetched block gathered, whole float32 gradients
+        assert p.memory[0]["llm_in_step_gathered"] == 2 * (roots + 2 * block)
+        assert p.memory[0]["llm_in_step_gradients"] == 4 * params
+    assert math.isclose(never.time_s["llm_all_gather"], ring(2 * params), rel_tol=1e-12)
+    assert never.memory[0]["llm_in_step_gathered"] == 2 * params
+    with pytest.raises(ValueError, match="llm_reshard"):
+        Layout(llm_reshard="sometimes")
 
 
 def test_collectives_of_tp_cp_ulysses_sit_inside_the_pipeline_actions():
@@ -192,3 +235,66 @@ def test_analytic_memory_without_a_simulation_is_the_schedules_in_flight_count()
     for r in range(4):
         assert mem[r]["activations"] == p.memory[r]["activations"]
         assert mem[r]["llm_parameters"] == p.memory[r]["llm_parameters"]
+
+
+def _moe_workload():
+    return parse_workload(
+        """
+name = "moe"
+max_seq_len = 2048
+microbatches = 4
+[model]
+llm = { dim = 256, n_layers = 4, n_heads = 4, n_kv_heads = 2, ffn_dim = 512, gated_mlp = true }
+moe = { experts = 8, top_k = 2, expert_ffn_dim = 128, every_n_layers = 2 }
+[[sources]]
+name = "t"
+modality = "text"
+length = { fixed = 700 }
+[[phases]]
+weights = { t = 1 }
+"""
+    )
+
+
+def test_ep_adds_dispatch_and_combine_all_to_alls_and_shards_the_experts():
+    w = _moe_workload()
+    d, kv, f, E, k, h = 256, 128, 512, 8, 2, 128
+    # expert compute: a token runs through the router, top_k experts (no dense SwiGLU) in layers 1 and 3
+    dense = d * (d + 2 * kv) + d * d + 3 * d * f
+    moe_layer = d * (d + 2 * kv) + d * d + E * d + k * 3 * d * h
+    assert w.model.llm_params == 2 * dense + 2 * moe_layer
+    net, dev = Network(), Device()
+    one = predict_step(w, Layout(pp=2, dp=4), device=dev, network=net)
+    four = predict_step(w, Layout(pp=2, dp=4, ep=4), device=dev, network=net)
+    packs = w.step_packs(0, 4)
+    T = sum(p.num_tokens for p in packs) / len(packs)
+    # one all-to-all: each rank's T * top_k rows of dim bf16 features, 3/4 of them leave it; 4 ranks
+    # 1 apart lie inside a node. Per MoE layer: dispatch + combine in forward, their adjoints in backward.
+    bw, lat = net.intra_bandwidth_Bps, net.intra_latency_s
+    a2a = 3 / 4 * (2 * T * k * d) / bw + 3 * lat
+    # the busiest stage has one MoE layer and runs 4 forwards and 4 backwards
+    assert one.time_s["ep"] == 0.0
+    assert math.isclose(four.time_s["ep"], 1 * (4 * 2 + 4 * 2) * a2a, rel_tol=1e-12)
+    assert math.isclose(sum(four.time_s.values()), four.step_time_s, rel_tol=1e-12)
+    # the same expert compute per rank (balanced routing), the all-to-alls on top
+    assert math.isclose(four.time_s["llm_compute"], one.time_s["llm_compute"], rel_tol=1e-9)
+    # each rank holds 1/ep of the routed experts (float32 masters; gradients and AdamW's moments alike)
+    experts = E * 3 * d * h  # one MoE layer per stage
+    for r in (0, 1):
+        for kind, copies in (("parameters", 1), ("gradients", 1)):
+            diff = one.memory[r][f"llm_{kind}"] - four.memory[r][f"llm_{kind}"]
+            assert math.isclose(diff, copies * 4 * experts * 3 / 4, rel_tol=1e-12), (r, kind)
+    # expert gradients: all-reduced over dp / ep = 4 ranks at ep 1; at ep 4 every rank has its own shard
+    assert math.isclose(
+        one.time_s["expert_all_reduce"], 2 * (3 / 4 * 4 * experts / bw + 3 * lat), rel_tol=1e-12
+    )
+    assert four.time_s.get("expert_all_reduce", 0.0) == 0.0
+    # the tuner searches ep for an MoE workload only; bad sizes are named
+    from omni_pipeline.tune import candidate_layouts
+
+    assert {lay.ep for lay, _ in candidate_layouts(w, 8, 8)} == {1, 2, 4, 8}
+    assert {lay.ep for lay, _ in candidate_layouts(_text_workload(), 8, 8)} == {1}
+    with pytest.raises(ValueError, match="ep 3 must divide dp 4"):
+        Layout(pp=2, dp=4, ep=3)
+    with pytest.raises(ValueError, match=r"Layout\.ep: 2 needs an MoE LLM"):
+        predict_step(_text_workload(), Layout(pp=2, dp=2, ep=2))

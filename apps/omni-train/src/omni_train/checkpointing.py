@@ -21,7 +21,13 @@ DTensor shards, other stage splits; ZeRO stages and SP change freely). The loade
   This does not reproduce the uninterrupted run and cannot: a DP replica's loader reads its own share of
   the shards and packs ``data.microbatches`` packs of it per step, so a step's global batch (``dp x
   microbatches`` packs) is another one at another DP size; from the resumed step on, the run is the
-  one-process run on the re-split data from the saved state (``tests/test_train_llm_zero.py``).
+  one-process run on the re-split data from the saved state (``tests/test_train_dp_resplit.py``);
+* another DP size with ``data.replicas`` (omni-data's ``ReplicaMerge``: data replicas independent of the
+  DP size, the same number saved and resumed): the loader states are keyed by replica, so each new DP
+  rank takes its replicas' states whole from the old ranks that ran them and their pre-filtered steps
+  cut back into the replicas' packs (omni-data's ``hand_over_replicas``); the global step is the same
+  at every DP size dividing ``data.replicas``, so the run continues exactly as the uninterrupted one
+  (``tests/test_train_llm_zero.py``).
 
 States that cannot be re-split (a node without ``load_resplit``, e.g. a text source's ``join_tokens``,
 which ``omni_train.preflight.check_resume_layout`` refuses before any worker starts) are refused with
@@ -51,7 +57,7 @@ from omni_ckpt import (
     load_optimizer_state_dict,
     optimizer_state_dict,
 )
-from omni_data import LayoutMismatchError, ZeroRedundancyFilter
+from omni_data import LayoutMismatchError, ReplicaMerge, ZeroRedundancyFilter, hand_over_replicas
 from omni_parallel import ParallelState
 from omni_train.config import CheckpointConfig
 
@@ -163,7 +169,8 @@ class TrainCheckpoint:
         Step 0 holds initial weights only (``omni-train import-hf`` writes it; the trainer's own saves
         start at step 1): its model is loaded, the optimizer and the loader start fresh. A step saved under
         another DP size (the pipeline, TP, CP and Ulysses sizes the same or others) resumes with the
-        loader states of every old DP rank re-split over the new ones; one saved at the same DP size
+        loader states of every old DP rank re-split over the new ones (with ``data.replicas``: the
+        replicas' states handed over whole, see the module docstring); one saved at the same DP size
         under another pipeline, TP, CP or Ulysses size resumes with the loader replayed over the
         committed steps (see the module docstring).
 
@@ -245,6 +252,14 @@ class TrainCheckpoint:
 
         states = [row(d, meta) for d in range(count)]
         by_position = [row(d, p) if p != meta else states[d] for p in skips for d in range(count)]
+        if isinstance(self.stream.loader, ReplicaMerge):  # data replicas: handed over whole, not re-split
+            ledgers = [st["ledger"] for st in by_position] if self.dp_rank == 0 else []
+            try:
+                state = hand_over_replicas(states, list(self.stream.loader.loaders), ledgers=ledgers)
+            except LayoutMismatchError as e:
+                raise LayoutMismatchError(f"{where}: the data replicas cannot be handed over: {e}") from e
+            self.stream.reset(state)
+            return latest
         try:
             self.stream.load_resplit(states, self.dp_rank, self.layout["dp"], skips=by_position)
         except LayoutMismatchError as e:

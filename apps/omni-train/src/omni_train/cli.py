@@ -150,7 +150,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     tun = sub.add_parser(
         "tune",
-        help="search pp, dp, llm_zero, tp(+SP), cp / ulysses, recompute and placement for a workload on N GPUs; "
+        help="search pp, dp, llm_zero, tp(+SP), cp / ulysses, ep (MoE), recompute and placement for a workload on N GPUs; "
         "print the fastest plans that fit in memory",
     )
     tun.add_argument(
@@ -184,6 +184,12 @@ def build_parser() -> argparse.ArgumentParser:
     mem.add_argument("--gpus", type=int, required=True, help="world size (ranks)")
     mem.add_argument("--json", default=None, metavar="PATH", help="also write the plan as JSON here")
     mem.add_argument("--scale", default=None, help="paper: LLaMA-12B + ViT-1B + USM-2B at 16K packs")
+    mem.add_argument(
+        "--device-memory-gb",
+        type=float,
+        default=None,
+        help="GB (1e9 bytes) per GPU for the fits / OOM verdict of the step peak (default: 80 and 141)",
+    )
 
     imp = sub.add_parser(
         "import-hf", help="write step 0 of a run from Hugging Face folders (then: run --resume --out RUN_DIR)"
@@ -524,6 +530,7 @@ def _layout_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--cp", type=int, default=1, help="--workload: context-parallel size")
     p.add_argument("--cp-attention", default="allgather", choices=("allgather", "ring"))
     p.add_argument("--ulysses", type=int, default=1, help="--workload: Ulysses size")
+    p.add_argument("--ep", type=int, default=1, help="--workload: expert-parallel size (an MoE workload)")
     p.add_argument("--llm-zero", type=int, default=0, help="--workload: LLM ZeRO stage 0-3")
     p.add_argument("--encoder-zero", type=int, default=0, help="--workload: encoder ZeRO stage 0, 2, 3")
     p.add_argument("--recompute", action="store_true", help="--workload: recompute every block")
@@ -609,10 +616,10 @@ def _simulate(args: argparse.Namespace) -> int:
                 pp=pp, dp=max(1, gpus // mp), tp=args.tp, sequence_parallel=args.sequence_parallel, cp=args.cp,
                 cp_attention=args.cp_attention, ulysses=args.ulysses, llm_zero=args.llm_zero,
                 encoder_zero=args.encoder_zero, recompute=args.recompute, placement=args.placement,
-                reorder_group=args.reorder_group,
+                reorder_group=args.reorder_group, ep=args.ep,
             )  # fmt: skip
         except ValueError as exc:
-            raise ConfigError(f"--tp / --cp / --ulysses / --llm-zero / --placement: {exc}") from None
+            raise ConfigError(f"--tp / --cp / --ulysses / --ep / --llm-zero / --placement: {exc}") from None
         table = simulate_workload(
             resolve_workload(args.workload),
             gpus=512 if args.gpus is None else args.gpus,
@@ -655,8 +662,17 @@ def _memory(args: argparse.Namespace) -> int:
             raise ConfigError(f"--json: {out} is a directory; name a file for the plan")
         if not out.parent.is_dir():
             raise ConfigError(f"--json: {out.parent} is not a directory; create it or name a file in one")
+    if args.device_memory_gb is not None and not args.device_memory_gb > 0:
+        raise ConfigError(f"--device-memory-gb: must be > 0, got {args.device_memory_gb}")
     plan = memory_plan(load_config(args.config, args.overrides), args.gpus, scale=args.scale)
-    print(format_plan(plan))
+    print(format_plan(plan, args.device_memory_gb))
+    if args.scale == "paper" and not any(k.startswith("parallel.") for k, _ in args.overrides):
+        print(
+            "omni-train memory: no --parallel.* flags: the config's layout was used (pp "
+            f"{plan['layout']['pp']}); the README's paper layout is --parallel.pp 8 --parallel.tp 4 "
+            "--parallel.cp 2",
+            file=sys.stderr,
+        )
     if out is not None:
         try:
             out.write_text(json.dumps(plan, indent=2))

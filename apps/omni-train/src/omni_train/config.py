@@ -142,6 +142,13 @@ class DataConfig:
         max_image_pixels: the most ``width * height`` a source image may declare in its header (before
             any resize); a larger one (a decompression bomb) is skipped and counted, never decoded
             (omni-data's ``WebDatasetSource`` and ``PayloadReader(max_image_pixels=)``); 1 to 2**28.
+        replicas: data replicas ``R``, independent of the DP size: the data is read as ``R`` loaders
+            (replica ``r`` reads share ``r`` of ``R`` of each source's shards and packs ``microbatches``
+            packs per step), DP rank ``d`` runs replicas ``d * R / dp ..`` and trains ``(R / dp) *
+            microbatches`` microbatches per step (omni-data's ``ReplicaMerge``). The global batch is then
+            the same at every DP size that divides ``R``, and a checkpoint resumes exactly at another
+            ``parallel.dp``. Must be a multiple of ``parallel.dp``; 0 (default): ``parallel.dp`` replicas
+            as separate DP loaders (a resume at another DP size re-splits their states instead).
     """
 
     sources: list[SourceConfig]
@@ -156,6 +163,7 @@ class DataConfig:
     mixture_interpolate: bool = False
     reorder_group_size: int | None = None
     max_image_pixels: int = DEFAULT_MAX_IMAGE_PIXELS
+    replicas: int = 0
 
 
 @dataclass
@@ -521,6 +529,7 @@ FIELD_BOUNDS: dict[str, Bounds] = {
     "data.decode_workers": Bounds(1, 256),  # threads per rank
     "data.reorder_group_size": _COUNT,
     "data.max_image_pixels": _PIXELS,  # declared source image area (PIL itself refuses > 178,956,970)
+    "data.replicas": Bounds(0, 2**20),  # 0: parallel.dp
     "parallel.pp": _COUNT,
     "parallel.dp": _COUNT,
     "parallel.tp": _COUNT,

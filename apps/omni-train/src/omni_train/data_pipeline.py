@@ -5,6 +5,11 @@ tokens) ->
 ``HybridPacker`` -> ``PackedLoader`` (``microbatches`` packs per step) -> ``ZeroRedundancyFilter`` (this
 pipeline rank decodes only the payloads of the encoder microbatches the data flow places on it).
 
+With ``data.replicas`` the packs come from data replicas independent of the DP size: this DP rank's
+``replicas / dp`` replica loaders (each built as replica ``r`` of ``replicas``) merged in replica order by
+omni-data's ``ReplicaMerge``, ``(replicas / dp) * microbatches`` packs per step (:func:`step_config` gives
+the trainer that count), so the global step is the same at every DP size dividing ``replicas``.
+
 Every rank of a pipeline (same DP rank) builds the same packs from metadata alone. The encoder work of
 LLM microbatch ``k`` is split into ``pp`` encoder microbatches (``omni_data.encoder_microbatch_ids``).
 With reordering on, the split balances encoder FLOPs with Karmarkar-Karp (omni-data's ``split_encoder_microbatches``:
@@ -41,10 +46,12 @@ from omni_data import (
     Pack,
     PackedLoader,
     PayloadReader,
+    ReplicaMerge,
     SampleMeta,
     WebDatasetSource,
     ZeroRedundancyFilter,
     encoder_microbatch_ids,
+    replica_ids,
 )
 from omni_data.zero_redundancy import SampleIndex
 from omni_train.config import ConfigError, DataConfig, Packing, RunConfig
@@ -57,7 +64,25 @@ __all__ = [
     "encoder_load",
     "mixture_schedule",
     "mixture_unit",
+    "step_config",
+    "step_microbatches",
 ]
+
+
+def step_microbatches(cfg: RunConfig, dp_size: int) -> int:
+    """LLM microbatches (packs) one DP rank trains per step: ``data.microbatches`` per data replica it
+    runs, ``data.replicas / dp_size`` of them (one without ``data.replicas``)."""
+    return cfg.data.microbatches * (cfg.data.replicas // dp_size if cfg.data.replicas else 1)
+
+
+def step_config(cfg: RunConfig, dp_size: int) -> RunConfig:
+    """``cfg`` as the step's consumers see it (schedule, model wiring, data flow, metrics): with
+    ``data.replicas``, ``data.microbatches`` is the step's :func:`step_microbatches` and ``replicas`` 0;
+    without, ``cfg`` itself. The loader (:func:`build_step_stream`) takes the run's own ``cfg``."""
+    if not cfg.data.replicas:
+        return cfg
+    data = dataclasses.replace(cfg.data, microbatches=step_microbatches(cfg, dp_size), replicas=0)
+    return dataclasses.replace(cfg, data=data)
 
 
 def mixture_schedule(data: DataConfig) -> MixtureSchedule:
@@ -214,26 +239,43 @@ def build_step_stream(
         prepare_on_request: with ``background``, the preparation starts at the filter's ``prepare()``
             (the trainer calls it once the step's inputs are built), not when ``next`` returns.
     """
-    if sources is None:
-        sources = build_sources(cfg, tokenizer, dp_rank=dp_rank, dp_size=dp_size)
     schedule = mixture_schedule(cfg.data)
     d = cfg.data
     capacity = pack_tokens or d.max_seq_len
-    if d.packing is Packing.HYBRID:
-        mixture = MixtureStream(dict(sources), schedule)
-        packer = HybridPacker(mixture, capacity, d.buffer_size, max_pack_age=d.max_pack_age)
+
+    def packed(sources: Mapping[str, BaseNode[SampleMeta]], group) -> PackedLoader:
+        if d.packing is Packing.HYBRID:
+            mixture = MixtureStream(dict(sources), schedule)
+            packer = HybridPacker(mixture, capacity, d.buffer_size, max_pack_age=d.max_pack_age)
+        else:
+            per_source = {
+                n: HybridPacker(s, capacity, d.buffer_size, max_pack_age=d.max_pack_age)
+                for n, s in sources.items()
+            }
+            # The mixture draws whole single-modality packs by the schedule's weights.
+            packer = mixture = MixtureStream(per_source, schedule)
+        return PackedLoader(packer, d.microbatches, mixture=mixture, dp_group=group)
+
+    loader: PackedLoader | ReplicaMerge
+    if d.replicas:  # data replicas independent of the DP size: this rank's replicas merged, in order
+        if sources is not None:
+            raise ValueError("build_step_stream: sources replace one DP rank's shards, not data.replicas'")
+        loader = ReplicaMerge(
+            {
+                r: packed(build_sources(cfg, tokenizer, dp_rank=r, dp_size=d.replicas), None)
+                for r in replica_ids(d.replicas, dp_rank, dp_size)
+            },
+            d.replicas,
+            dp_group=dp_group if dp_size > 1 else None,
+        )
     else:
-        per_source = {
-            n: HybridPacker(s, capacity, d.buffer_size, max_pack_age=d.max_pack_age)
-            for n, s in sources.items()
-        }
-        # The mixture draws whole single-modality packs by the schedule's weights.
-        packer = mixture = MixtureStream(per_source, schedule)
-    loader = PackedLoader(packer, d.microbatches, mixture=mixture, dp_group=dp_group if dp_size > 1 else None)
+        if sources is None:
+            sources = build_sources(cfg, tokenizer, dp_rank=dp_rank, dp_size=dp_size)
+        loader = packed(sources, dp_group if dp_size > 1 else None)
     return ZeroRedundancyFilter(
-        loader,
+        loader,  # a ReplicaMerge is a step stream as a PackedLoader is
         consumes,
-        microbatches=d.microbatches,
+        microbatches=step_microbatches(cfg, dp_size),
         slices=cfg.parallel.pp,
         reader=PayloadReader(tokenizer, max_image_pixels=d.max_image_pixels),
         tp_group=tp_group,

@@ -27,6 +27,7 @@ from typing import Any
 
 import torch
 
+from omni_parallel.llm_zero import reshard_after_forward
 from omni_parallel.memory import KINDS, block_activation_bytes, planned_state_bytes
 from omni_parallel.parallelize import training_dtypes
 from omni_parallel.testing import fake_world
@@ -34,10 +35,11 @@ from omni_pipeline import ActionKind, build_schedule
 from omni_pipeline.step_costs import MODEL_SHAPES
 from omni_train import wiring
 from omni_train.config import ConfigError, RunConfig
+from omni_train.data_pipeline import step_config
 from omni_train.pipeline import stage_split
 from omni_train.preflight import validate
 
-__all__ = ["PAPER_VOCAB", "format_plan", "memory_plan", "paper_config"]
+__all__ = ["PAPER_VOCAB", "format_plan", "in_step_bytes", "memory_plan", "paper_config", "step_peak"]
 
 PAPER_VOCAB = 32000  # LLaMA-2's tokenizer (MODEL_SHAPES' llama-12b is LLaMA-2-13B's blocks)
 
@@ -68,6 +70,63 @@ def paper_config(cfg: RunConfig) -> RunConfig:
     return dataclasses.replace(cfg, model=model, data=data, train=train)
 
 
+def in_step_bytes(modules: Any, *, zero: int, reshard_after_forward: bool = False) -> dict[str, int]:
+    """Bytes a rank holds only inside a step, on top of the between-step state of
+    :func:`omni_parallel.memory.planned_state_bytes`, for the FSDP2 units inside ``modules`` (LLM ZeRO of
+    :mod:`omni_parallel.llm_zero`, encoder ZeRO of :mod:`omni_parallel.encoder_zero`: both step-scoped).
+
+    * ``gradients``: ZeRO-2/3 (``zero >= 2``): every microbatch's backward accumulates into the UNSHARDED
+      gradient (the shard's dtype: float32 under a bf16 ``MixedPrecisionPolicy``) until the step's one
+      reduce-scatter, so the rank holds its stage's whole gradients (each parameter's unsharded numel x
+      the shard's element size) and, at the sync, the new shards beside them. ZeRO-0/1 hold whole
+      gradients between steps already (counted there): 0.
+    * ``gathered``: ZeRO-3 only (ZeRO-1/2 keep the gathered copy between steps, counted there): the
+      gathered parameters in ``MixedPrecisionPolicy.param_dtype`` (bf16 under ``train.dtype =
+      "bfloat16"``; else the shard's dtype). ``reshard_after_forward`` False: every unit, from the step's
+      all-gather to the sync. True: the root units (gathered at attach, kept) plus the two largest other
+      units (the block running and the next one FSDP2 prefetches; an assumption, not measured).
+
+    Routed experts and other parameters outside FSDP2 hold their gradients between steps: not counted.
+
+    Args:
+        modules: the stage modules (or encoder towers) of one rank's build.
+        zero: the ZeRO stage (``parallel.llm_zero`` / ``encoder_zero``).
+        reshard_after_forward: :func:`omni_parallel.llm_zero.reshard_after_forward` of the run.
+
+    Returns:
+        ``{"gradients": bytes, "gathered": bytes}``.
+    """
+    from omni_parallel.encoder_zero import sharded_units
+
+    modules = list(modules)
+
+    def size(dtype: torch.dtype) -> int:
+        return torch.empty((), dtype=dtype, device="meta").element_size()
+
+    grads = 0
+    units = []
+    for u in sharded_units(modules):
+        fps = [fp for g in u._get_fsdp_state()._fsdp_param_groups for fp in g.fsdp_params]
+        g = sum(fp.sharded_param.numel() * size(fp.sharded_param.dtype) for fp in fps)  # global = unsharded
+        p = sum(  # the all-gather output: padded shard x shard ranks (FSDPParam.init_all_gather_outputs)
+            fp.padded_sharded_param_size.numel()
+            * fp.mesh_info.shard_mesh_size
+            * size(fp.mp_policy.param_dtype or fp.sharded_param.dtype)
+            for fp in fps
+        )
+        grads += g
+        units.append((u, p))
+    out = {"gradients": grads if zero >= 2 else 0, "gathered": 0}
+    if zero == 3 and units:
+        if not reshard_after_forward:
+            out["gathered"] = sum(p for _, p in units)
+        else:
+            roots = [p for u, p in units if any(u is m for m in modules)]
+            rest = sorted((p for u, p in units if not any(u is m for m in modules)), reverse=True)
+            out["gathered"] = sum(roots) + sum(rest[:2])
+    return out
+
+
 def _in_flight_bytes(schedule: Any, pp_rank: int, stage_bytes: dict[int, int]) -> int:
     """Peak over pipeline rank ``pp_rank``'s program of the activations it holds: each microbatch
     forwarded and not yet backwarded holds its stage's ``stage_bytes``."""
@@ -92,6 +151,17 @@ def _rank_plan(cfg: RunConfig, gpus: int, rank: int, vocab: int) -> dict[str, An
         # root unit (embedding, final norm, LM head) that RankStages does not register
         llm = planned_state_bytes(parts.stage.chunks.values(), parts.optimizer, whole_gradients=whole)
         enc = planned_state_bytes(parts.encoders.towers.values(), parts.optimizer)
+        lazy = reshard_after_forward(
+            getattr(par, "llm_reshard_after_forward", "never"), pp=par.pp, microbatches=cfg.data.microbatches
+        )
+        in_step = {
+            "llm": in_step_bytes(
+                list(parts.stage.chunks.values()),
+                zero=getattr(par, "llm_zero", 0),
+                reshard_after_forward=lazy,
+            ),
+            "encoders": in_step_bytes(list(parts.encoders.towers.values()), zero=par.encoder_zero),
+        }
         pp_rank = ps.local_rank("pp")
         c = parts.llm_cfg
         tokens = cfg.data.max_seq_len // (ps.size("cp") * ps.size("ulysses"))
@@ -114,7 +184,14 @@ def _rank_plan(cfg: RunConfig, gpus: int, rank: int, vocab: int) -> dict[str, An
             for s, r in enumerate(parts.split)
         }
         act = _in_flight_bytes(schedule, pp_rank, per_stage)
-    return {"rank": rank, "pp_rank": pp_rank, "llm": llm, "encoders": enc, "llm_activations_estimate": act}
+    return {
+        "rank": rank,
+        "pp_rank": pp_rank,
+        "llm": llm,
+        "encoders": enc,
+        "in_step": in_step,
+        "llm_activations_estimate": act,
+    }
 
 
 def memory_plan(
@@ -130,7 +207,9 @@ def memory_plan(
 
     Returns:
         ``{"gpus", "layout", "ranks": [{"rank", "pp_rank", "same_pp_ranks", "llm": {kind: bytes},
-        "encoders": {kind: bytes}, "llm_activations_estimate"}]}``, kinds as
+        "encoders": {kind: bytes}, "in_step": {"llm" | "encoders": {"gradients", "gathered"}},
+        "llm_activations_estimate", "step_peak"}]}``, ``in_step`` from :func:`in_step_bytes`,
+        ``step_peak`` from :func:`step_peak`, kinds as
         :data:`omni_parallel.memory.KINDS`; ``same_pp_ranks``: the pipeline ranks whose ranks at the same
         position hold these numbers (the activations of the first of them; later 1F1B stages hold fewer
         microbatches in flight).
@@ -155,6 +234,8 @@ def memory_plan(
         )
     cfg = dataclasses.replace(cfg, parallel=dataclasses.replace(par, dp=gpus // model_ranks))
     validate(cfg, gpus)
+    # data.replicas: the step's microbatches, as the trainer runs them
+    cfg = step_config(cfg, cfg.parallel.dp)
     if vocab is None:
         from omni_train.data_files import load_tokenizer
 
@@ -173,7 +254,8 @@ def memory_plan(
     plans = []
     for same in alike.values():
         for r in sorted({same[0] * per_stage, (same[0] + 1) * per_stage - 1}):
-            plans.append(_rank_plan(cfg, gpus, r, vocab) | {"same_pp_ranks": same})
+            row = _rank_plan(cfg, gpus, r, vocab) | {"same_pp_ranks": same}
+            plans.append(row | {"step_peak": step_peak(row)})
     layout = {k: getattr(cfg.parallel, k) for k in ("pp", "tp", "cp", "ulysses", "dp", "encoder_zero")}
     for k in ("llm_zero", "sequence_parallel"):
         if hasattr(cfg.parallel, k):
@@ -182,7 +264,21 @@ def memory_plan(
 
 
 def _total(r: dict[str, Any]) -> int:
+    """Between-step state plus the LLM activation estimate (the table's ``total``)."""
     return sum(r["llm"].values()) + sum(r["encoders"].values()) + r["llm_activations_estimate"]
+
+
+def _in_step(r: dict[str, Any], kind: str) -> int:
+    """In-step bytes of ``kind`` (``gradients`` / ``gathered``), LLM plus encoders (:func:`in_step_bytes`)."""
+    return sum(r.get("in_step", {}).get(part, {}).get(kind, 0) for part in ("llm", "encoders"))
+
+
+def step_peak(r: dict[str, Any]) -> int:
+    """A planned rank's peak inside a step: between-step state + LLM activations + the in-step
+    gradients and gathered parameters of :func:`in_step_bytes` (all held at the step's gradient sync,
+    after the last backward: the shards being written beside the whole gradients; the activations'
+    peak comes earlier, so this is an upper bound by at most the smaller of the two)."""
+    return _total(r) + _in_step(r, "gradients") + _in_step(r, "gathered")
 
 
 def _word(v: Any) -> str:
@@ -190,20 +286,32 @@ def _word(v: Any) -> str:
     return ("on" if v else "off") if isinstance(v, bool) else str(v)
 
 
-def format_plan(plan: dict[str, Any]) -> str:
+DEVICE_GB = (80.0, 141.0)  # H100 / H200 HBM, GB (1e9 bytes): the verdict when no device is named
+
+
+def format_plan(plan: dict[str, Any], device_gb: float | None = None) -> str:
     """The plan as a table per planned rank (GiB, or MiB when every rank is below 1 GiB): LLM and
     encoders by kind (a two-line header: the owner above the kind's whole name), the LLM activation
-    estimate, the total; then the largest rank."""
-    big = max(_total(r) for r in plan["ranks"]) >= 2**30
+    estimate, the between-step ``total``, the in-step gradients and gathered parameters
+    (:func:`in_step_bytes`, LLM + encoders) and the step's ``peak`` (:func:`step_peak`); then the largest
+    rank and a fits / OOM verdict of its peak against ``device_gb`` GB (1e9 bytes), or against 80 and
+    141 GB (H100, H200) when ``None``."""
+    big = max(step_peak(r) for r in plan["ranks"]) >= 2**30
     unit, div = ("GiB", 2**30) if big else ("MiB", 2**20)
     w = 1 + max(len(k) for k in KINDS)  # every kind's name whole (no truncation)
-    owners = ["", ""] + ["llm"] * len(KINDS) + ["encoders"] * len(KINDS) + ["llm", ""]
-    head = ["rank", "pp ranks", *KINDS, *KINDS, "activations", "total"]
+    owners = (
+        ["", ""]
+        + ["llm"] * len(KINDS)
+        + ["encoders"] * len(KINDS)
+        + ["llm", "", "in-step", "in-step", "step"]
+    )
+    head = ["rank", "pp ranks", *KINDS, *KINDS, "activations", "total", "gradients", "gathered", "peak"]
     lines = [
         f"omni-train memory: {plan['gpus']} ranks, "
         + ", ".join(f"{k} {_word(v)}" for k, v in plan["layout"].items())
-        + f"; {unit} per rank held between steps; llm activations: the step's peak of saved LLM "
-        "activations (estimate)",
+        + f"; {unit} per rank; kinds held between steps; llm activations: the step's peak of saved LLM "
+        "activations (estimate); total: between steps + activations; in-step: ZeRO-2/3's whole gradients "
+        "and ZeRO-3's gathered parameters, held only inside a step; peak: total + in-step",
         "".join(f"{h:>{max(w, len(x) + 1)}}" for h, x in zip(owners, head, strict=True)),
         "".join(f"{h:>{max(w, len(h) + 1)}}" for h in head),
     ]
@@ -214,8 +322,18 @@ def format_plan(plan: dict[str, Any]) -> str:
         vals = (
             [r["llm"][k] for k in KINDS] + [r["encoders"][k] for k in KINDS] + [r["llm_activations_estimate"]]
         )
-        cells = [str(r["rank"]), where] + [f"{v / div:.2f}" for v in [*vals, _total(r)]]
+        vals += [_total(r), _in_step(r, "gradients"), _in_step(r, "gathered"), step_peak(r)]
+        cells = [str(r["rank"]), where] + [f"{v / div:.2f}" for v in vals]
         lines.append("".join(f"{c:>{n}}" for c, n in zip(cells, widths, strict=True)))
-    peak = max(plan["ranks"], key=_total)
-    lines.append(f"largest: rank {peak['rank']}, {_total(peak) / 2**30:.2f} GiB")
+    peak = max(plan["ranks"], key=step_peak)
+    top = step_peak(peak)
+    verdicts = [
+        f"{'fits' if top <= gb * 1e9 else 'OOM'} in {gb:g} GB"
+        for gb in ((device_gb,) if device_gb else DEVICE_GB)
+    ]
+    lines.append(
+        f"largest: rank {peak['rank']}, step peak {top / 2**30:.2f} GiB ({top / 1e9:.1f} GB): "
+        + ", ".join(verdicts)
+        + " (temporaries, the allocator's fragmentation and the CUDA context not counted)"
+    )
     return "\n".join(lines)

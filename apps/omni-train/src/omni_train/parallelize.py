@@ -24,7 +24,7 @@ from torch import nn
 from omni_parallel import ParallelState
 from omni_parallel.activation_memory import ActivationMemory
 from omni_parallel.llm_zero import LLMGradientSync, apply_llm_zero
-from omni_parallel.moe import expert_parallel_sync, shard_experts
+from omni_parallel.moe import shard_experts
 from omni_parallel.parallelize import (
     EncoderGradientSync,
     apply_ac,
@@ -123,16 +123,13 @@ def parallelize(
     apply_offload(family_blocks(stage, encoders, train.offload), memory)
     apply_mixed_precision(stage.chunks, num_stages, training_dtypes(train.dtype)[1], modules=[encoders])
     blocks = {name: list(tower.encoder.blocks) for name, tower in encoders.towers.items()}
-    if ep:  # experts summed over the expert-data-parallel ranks only, the rest over dp_cp (llm_zero 0)
-        dense = ps.group("dp_cp") if ps.size("dp_cp") > 1 else None
-        sync_llm = LLMGradientSync(expert_parallel_sync(stage.chunks.values(), dense, ps.expert_dp_group))
-    else:
-        compute = training_dtypes(train.dtype)[1]  # bf16 over float32 masters: FSDP2 mixed precision
-        sync_llm = apply_llm_zero(
-            list(stage.chunks.values()), ps, llm_zero, blocks=stage.layers.values(),
-            param_dtype=compute if compute == torch.bfloat16 else None,
-            reshard_after_forward=llm_reshard_after_forward,
-        )  # fmt: skip
+    # with parallel.ep the experts stay out of FSDP2, summed over the expert-data-parallel ranks only
+    compute = training_dtypes(train.dtype)[1]  # bf16 over float32 masters: FSDP2 mixed precision
+    sync_llm = apply_llm_zero(
+        list(stage.chunks.values()), ps, llm_zero, blocks=stage.layers.values(),
+        param_dtype=compute if compute == torch.bfloat16 else None,
+        reshard_after_forward=llm_reshard_after_forward,
+    )  # fmt: skip
     return ParallelModel(
         memory, sync_llm, apply_encoder_zero(encoders, encoders.towers, ps, encoder_zero, blocks=blocks)
     )

@@ -262,6 +262,14 @@ def validate(cfg: RunConfig, nproc: int) -> None:
     g = cfg.data.reorder_group_size
     if g is not None and (g < 1 or par.dp % g):
         raise ConfigError(f"data.reorder_group_size: {g} must be >= 1 and divide parallel.dp {par.dp}")
+    r = cfg.data.replicas
+    if r < 0 or r % par.dp:
+        raise ConfigError(f"data.replicas: {r} must be 0 or a multiple of parallel.dp {par.dp}")
+    if r and par.hybrid_cp:
+        raise ConfigError(
+            f"data.replicas: {r} with parallel.hybrid_cp: a stage's ranks share one stream of dp x cp times "
+            "larger packs, not per-replica loaders; leave data.replicas = 0"
+        )
     if cfg.checkpoint.every < 0 or cfg.checkpoint.keep_last < 1:
         raise ConfigError("checkpoint.every: must be >= 0 and checkpoint.keep_last >= 1")
     if cfg.checkpoint.url:
@@ -333,16 +341,16 @@ def _validate_moe(cfg: RunConfig) -> None:
         return
     if moe.top_k > moe.experts:
         raise ConfigError(f"model.llm.moe.top_k: {moe.top_k} exceeds model.llm.moe.experts {moe.experts}")
+    n_layers = cfg.model.llm.n_layers
+    if moe.every_n_layers > n_layers:
+        raise ConfigError(
+            f"model.llm.moe.every_n_layers: {moe.every_n_layers} > model.llm.n_layers {n_layers}: no MoE layer"
+        )
     if moe.experts % par.ep:
         raise ConfigError(f"model.llm.moe.experts: {moe.experts} is not divisible by parallel.ep {par.ep}")
-    if par.tp > 1:
+    if par.tp > 1:  # parallel.ep with parallel.llm_zero 1-3 composes: experts outside FSDP2 (llm_zero)
         raise ConfigError(
             f"model.llm.moe: with parallel.tp {par.tp} is not supported (no tensor-parallel plan for experts)"
-        )
-    if par.ep > 1 and par.llm_zero:
-        raise ConfigError(
-            f"parallel.llm_zero: {par.llm_zero} with parallel.ep {par.ep} is not supported yet "
-            "(FSDP2 for the non-expert parameters beside EP-sharded experts is not built); use llm_zero = 0"
         )
 
 
@@ -427,8 +435,9 @@ def check_resume_layout(saved: RunConfig, cfg: RunConfig) -> None:
     """Resume checks of the parallel layout, before any worker starts: ``cfg`` resumes a committed step
     (after step 0) of a run saved with ``saved`` (its ``config.json``). Any parallel size may change
     (``omni_train.checkpointing``: the model and AdamW state through box intersection; the loader
-    replayed at the same DP size, re-split under another); refused are the combinations whose loader
-    state cannot be carried over, which the workers would otherwise meet as a
+    replayed at the same DP size, re-split under another, handed over whole by data replica with
+    ``data.replicas``); refused are the combinations whose loader state cannot be carried over, which the
+    workers would otherwise meet as a
     :class:`~omni_data.LayoutMismatchError` after they start.
 
     Raises:
@@ -449,8 +458,8 @@ def check_resume_layout(saved: RunConfig, cfg: RunConfig) -> None:
                     f"of a stage share one loader of packs of dp x cp = {old.dp * old.cp} x "
                     f"data.max_seq_len tokens; resume with parallel.{field} = {a}"
                 )
-    if old.dp == new.dp:
-        return
+    if old.dp == new.dp or (cfg.data.replicas and saved.data.replicas == cfg.data.replicas):
+        return  # the same data replicas at any DP size: handed over whole (omni_train.checkpointing)
     if cfg.data.packing is not Packing.HYBRID:
         raise ConfigError(
             f"parallel.dp: {old.dp} -> {new.dp} with data.packing = {cfg.data.packing.value!r} cannot "

@@ -250,13 +250,13 @@ def simulate_config(
     lines = [
         f"{cfg.name} ({scale} model sizes) on {gpus} GPUs (pp={pp}, dp={gpus // pp}, {microbatches} microbatches of "
         f"~{mb_tokens / steps:.0f} tokens; {span}; LLM-only 1F1B bubble {llm_only_bubble:.3f})",
-        f"{'placement':<22}{'step s':>12}{'tokens/s':>14}{'vs prepend':>12}{'bubble':>9}{'stage-0 peak MB':>17}",
+        f"{'placement':<22}{'step s':>12}{'tokens/s':>14}{'vs prepend':>12}{'bubble':>9}{'stage-0 act. GB':>17}",
     ]
     for name, r in results.items():
         lines.append(
             f"{name:<22}{r['step_time_s']:>12.4g}{r['throughput_tokens_per_s']:>14.4g}"
             f"{r['throughput_tokens_per_s'] / base['throughput_tokens_per_s']:>11.2f}x"
-            f"{r['mean_bubble_fraction']:>9.3f}{r['stage0_peak_activation_bytes'] / 2**20:>17.2f}"
+            f"{r['mean_bubble_fraction']:>9.3f}{r['stage0_peak_activation_bytes'] / 1e9:>17.2f}"
         )
     if "measured_step_time_s" in results.get("as run", {}):
         r = results["as run"]
@@ -368,6 +368,11 @@ def simulate_workload(
         )
     if encoder_ranks is not None and encoder_ranks < 1:
         raise ConfigError(f"--encoder-ranks: must be >= 1, got {encoder_ranks}")
+    if layout.ep > 1 and (workload.moe is None or workload.moe.experts % layout.ep):
+        have = "no [model] moe" if workload.moe is None else f"{workload.moe.experts} experts"
+        raise ConfigError(
+            f"--ep: {layout.ep} needs an MoE workload whose experts it divides ({workload.name}: {have})"
+        )
     dp = gpus // pp
     schedule = Schedule1F1B(pp, microbatches)
     encoder_inputs = encoder_microbatch_ids(microbatches, pp)
@@ -411,14 +416,16 @@ def simulate_workload(
     lines = [
         f"workload {workload.name} on {gpus} GPUs (pp={pp}, dp={dp}, {microbatches} packs of ~{mb_tokens:.0f} tokens "
         f"(max {workload.max_seq_len}) per replica, global batch {microbatches * dp} packs; {span}; LLM-only 1F1B bubble {llm_only_bubble:.3f}; "
-        f"megatron_dist: {encoder_ranks} encoder ranks per replica); simulated in {wall:.2f} s",
-        f"{'placement':<22}{'step s':>12}{'tokens/s':>14}{'vs prepend':>12}{'bubble':>9}{'stage-0 peak MB':>17}",
+        f"megatron_dist: {encoder_ranks} encoder ranks per replica); simulated in {wall:.2f} s (the placements' "
+        "pipelines and the whole step with its memory build; not the command's start-up); stage-0 act. GB: "
+        "the simulated peak of stage 0's activations (1e9 bytes; the whole-step table adds the state)",
+        f"{'placement':<22}{'step s':>12}{'tokens/s':>14}{'vs prepend':>12}{'bubble':>9}{'stage-0 act. GB':>17}",
     ]
     for name, r in results_out.items():
         lines.append(
             f"{name:<22}{r['step_time_s']:>12.4g}{r['throughput_tokens_per_s']:>14.4g}"
             f"{r['throughput_tokens_per_s'] / base:>11.2f}x"
-            f"{r['mean_bubble_fraction']:>9.3f}{r['stage0_peak_activation_bytes'] / 2**20:>17.2f}"
+            f"{r['mean_bubble_fraction']:>9.3f}{r['stage0_peak_activation_bytes'] / 1e9:>17.2f}"
         )
     lines += step_lines
     (out_dir / "simulate.json").write_text(
@@ -455,10 +462,11 @@ def workload_config(
 ) -> RunConfig:
     """The trainer's config of ``workload``'s models under ``layout``: ``base`` (default the bundled
     ``omni-tiny`` when the workload has an audio tower, else ``vlm-tiny``: its data and recipe) with the
-    workload's LLM / ViT / audio shapes (as :func:`omni_train.memory_plan.paper_config` maps them: whole
+    workload's LLM (with its ``[model] moe`` as ``[model.llm] moe``) / ViT / audio shapes (as :func:`omni_train.memory_plan.paper_config` maps them: whole
     MLP ratios for the encoders), its pack length, ``microbatches`` per replica (default the workload's),
     bfloat16, ``train.recompute`` of every family when ``layout.recompute``, and ``[parallel]`` from the
-    layout (``optimus_static``, not a trainer placement, maps to ``uniform_on_demand``).
+    layout (ZeRO-3: ``llm_reshard_after_forward`` written as ``always`` / ``never``, what
+    :meth:`~omni_pipeline.step_model.Layout.reshards` resolves) (``optimus_static`` and ``megatron_dist``, not trainer placements, map to ``uniform_on_demand``).
 
     Raises:
         ConfigError: the workload lacks an LLM shape, or ``base`` lacks a tower the workload uses.
@@ -475,7 +483,7 @@ def workload_config(
         m,
         llm=dataclasses.replace(m.llm, dim=llm.dim, n_layers=llm.n_layers, n_heads=llm.n_heads,
                                 n_kv_heads=llm.n_kv_heads or llm.n_heads, ffn_dim=int(llm.mlp_dim),
-                                vocab_size=None),
+                                vocab_size=None, moe=_moe_spec(workload)),
     )  # fmt: skip
     for part, field_ in (("image", "vit"), ("audio", "audio")):
         tower = getattr(m, field_)
@@ -494,13 +502,32 @@ def workload_config(
     )
     families = ["llm"] + [f for f, t in (("image", model.vit), ("audio", model.audio)) if t is not None]
     train = dataclasses.replace(cfg.train, dtype="bfloat16", recompute=families if layout.recompute else [])
-    placement = "uniform_on_demand" if layout.placement == "optimus_static" else layout.placement
+    placement = (
+        "uniform_on_demand" if layout.placement in ("optimus_static", "megatron_dist") else layout.placement
+    )
     par = dataclasses.replace(
         cfg.parallel, pp=layout.pp, dp=layout.dp, tp=layout.tp, sequence_parallel=layout.sequence_parallel,
         cp=layout.cp, cp_attention=layout.cp_attention, ulysses=layout.ulysses, llm_zero=layout.llm_zero,
-        encoder_zero=layout.encoder_zero, placement=PlacementPolicy(placement),
+        encoder_zero=layout.encoder_zero, placement=PlacementPolicy(placement), ep=layout.ep,
     )  # fmt: skip
+    if layout.llm_zero == 3:  # the policy the step model timed, written explicitly (never "auto")
+        par = dataclasses.replace(
+            par, llm_reshard_after_forward="always" if layout.reshards(data.microbatches) else "never"
+        )
     return dataclasses.replace(cfg, model=model, data=data, train=train, parallel=par)
+
+
+def _moe_spec(workload: Workload):
+    """The trainer's ``[model.llm] moe`` (``MoESpec``) of the workload's ``[model] moe``; ``None``: dense."""
+    from omni_train.models.llm import MoESpec
+
+    x = workload.moe
+    if x is None:
+        return None
+    return MoESpec(
+        experts=x.experts, top_k=x.top_k, shared_experts=x.shared_experts, every_n_layers=x.every_n_layers,
+        expert_ffn_dim=x.expert_ffn_dim, shared_expert_ffn_dim=x.shared_expert_ffn_dim,
+    )  # fmt: skip
 
 
 def exact_state(
@@ -508,7 +535,8 @@ def exact_state(
 ) -> dict[int, dict[str, dict[str, int]]]:
     """Per pipeline rank, the state bytes ``omni-train memory`` plans for this layout
     (:func:`omni_train.memory_plan.memory_plan` of :func:`workload_config`: the model built on the meta
-    device, ``planned_state_bytes``): ``{pp rank: {"llm": {kind: bytes}, "encoders": {kind: bytes}}}``,
+    device, ``planned_state_bytes``): ``{pp rank: {"llm": {kind: bytes}, "encoders": {kind: bytes},
+    "in_step": {"llm" | "encoders": {"gradients", "gathered"}}}}`` (``omni_train.memory_plan.in_step_bytes``),
     each pipeline rank's largest planned rank (its stage's first: the largest FSDP2 shards).
 
     Raises:
@@ -523,7 +551,7 @@ def exact_state(
         for p in r["same_pp_ranks"]:
             have = out.get(p)
             if have is None or total > sum(have["llm"].values()) + sum(have["encoders"].values()):
-                out[p] = {"llm": dict(r["llm"]), "encoders": dict(r["encoders"])}
+                out[p] = {"llm": dict(r["llm"]), "encoders": dict(r["encoders"]), "in_step": r["in_step"]}
     return out
 
 
@@ -554,16 +582,22 @@ def format_prediction(p: StepPrediction, device: Device) -> list[str]:
     lines.append("  " + ", ".join(f"{k} {v:.3g} ({100 * v / p.step_time_s:.0f}%)"
                                   for k, v in p.time_s.items() if v > 0))  # fmt: skip
     kinds = ("parameters", "gathered", "gradients", "optimizer")
-    lines.append(f"memory per pipeline rank, GB (device {_gb(device.memory_bytes)} GB):")
+    lines.append(
+        f"memory per pipeline rank, GB (device {_gb(device.memory_bytes)} GB; state held between steps, "
+        "in-step: ZeRO-2/3's whole gradients and ZeRO-3's gathered parameters until the sync; peak: the sum, "
+        "the OOM verdict's):"
+    )
     lines.append(
         f"{'':<14}"
         + "".join(
-            f"{h:>10}" for h in [f"llm {k[:5]}" for k in kinds] + ["enc state", "activ.", "total", "verdict"]
+            f"{h:>10}"
+            for h in [f"llm {k[:5]}" for k in kinds] + ["enc state", "in-step", "activ.", "peak", "verdict"]
         )
     )
     for r, row in p.memory.items():
         enc = sum(row[f"enc_{k}"] for k in kinds)
-        vals = [row[f"llm_{k}"] for k in kinds] + [enc, row["activations"], row["total"]]
+        in_step = sum(row[f"{a}_in_step_{k}"] for a in ("llm", "enc") for k in ("gradients", "gathered"))
+        vals = [row[f"llm_{k}"] for k in kinds] + [enc, in_step, row["activations"], row["total"]]
         verdict = "OOM" if r in p.oom else "fits"
         lines.append(f"  pp rank {r:<4}" + "".join(f"{_gb(v):>10}" for v in vals) + f"{verdict:>10}")
     return lines
@@ -599,7 +633,7 @@ def whole_step(
     lines = [
         f"whole step at pp={L.pp}, dp={L.dp}, tp={L.tp}{' +SP' if L.sequence_parallel else ''}, cp={L.cp} "
         f"({L.cp_attention}), ulysses={L.ulysses}, llm_zero={L.llm_zero}, encoder_zero={L.encoder_zero}, "
-        f"recompute={'on' if L.recompute else 'off'}, reorder group {L.reorder_group}; "
+        f"ep={L.ep}, recompute={'on' if L.recompute else 'off'}, reorder group {L.reorder_group}; "
         f"{network.gpus_per_node} GPUs/node, state {'exact (omni-train memory)' if exact_memory else 'analytic'}",
         f"{'placement':<22}{'step s':>10}{'tokens/s':>12}{'MFU':>7}{'peak GB':>10}{'verdict':>9}",
     ]
@@ -672,6 +706,8 @@ def tune_workload(
 
     if gpus < 1 or top < 1:
         raise ConfigError(f"--gpus / --top: need >= 1, got {gpus}, {top}")
+    if global_batch is not None and global_batch < 1:
+        raise ConfigError(f"--global-batch: need >= 1 packs per step, got {global_batch}")
     try:
         res = tune(
             workload, gpus, device=device, network=network, global_batch=global_batch, top=top,
@@ -686,7 +722,7 @@ def tune_workload(
         f"{device.peak_flops / 1e12:g} TFLOP/s x {device.efficiency}; {res.considered} layouts, "
         f"{res.refused} refused by preflight, {res.oom} out of memory, {res.simulated} simulated; "
         f"{res.wall_s:.1f} s",
-        f"{'#':>2} {'pp':>3}{'dp':>5}{'tp':>4}{'sp':>4}{'cp':>4}{'uly':>5}{'zero':>5}{'rc':>4} {'placement':<18}"
+        f"{'#':>2} {'pp':>3}{'dp':>5}{'tp':>4}{'sp':>4}{'cp':>4}{'uly':>5}{'ep':>4}{'zero':>5}{'rc':>4} {'placement':<18}"
         f"{'tokens/s':>11}{'MFU':>7}{'peak GB':>9}  top time",
     ]
     for i, p in enumerate(res.plans, 1):
@@ -694,7 +730,7 @@ def tune_workload(
         cp = f"{L.cp}{'r' if L.cp > 1 and L.cp_attention == 'ring' else ''}"
         where = sorted(p.time_s.items(), key=lambda kv: -kv[1])[:3]
         lines.append(
-            f"{i:>2} {L.pp:>3}{L.dp:>5}{L.tp:>4}{'y' if L.sequence_parallel else 'n':>4}{cp:>4}{L.ulysses:>5}"
+            f"{i:>2} {L.pp:>3}{L.dp:>5}{L.tp:>4}{'y' if L.sequence_parallel else 'n':>4}{cp:>4}{L.ulysses:>5}{L.ep:>4}"
             f"{L.llm_zero:>5}{'y' if L.recompute else 'n':>4} {L.placement:<18}{p.tokens_per_s:>11.4g}"
             f"{p.mfu:>7.3f}{_gb(p.peak_memory_bytes):>9}  "
             + ", ".join(f"{k} {100 * v / p.step_time_s:.0f}%" for k, v in where)

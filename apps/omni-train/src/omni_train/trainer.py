@@ -46,8 +46,9 @@ from omni_pipeline import StepInputs, StepResult, build_schedule
 from omni_train import wiring
 from omni_train.config import RunConfig
 from omni_train.data_files import load_tokenizer
+from omni_train.data_pipeline import step_config
 from omni_train.launch import StopReport, restart_count
-from omni_train.models.llm import moe_step_metrics
+from omni_train.models.llm import moe_forwards_per_step, moe_step_metrics, set_moe_loss_scale
 from omni_train.numerics_guard import act_on, numerics_guard, stop_error, watch_loss
 from omni_train.optim import lr_at
 from omni_train.pipeline import image_merge
@@ -88,6 +89,9 @@ class Trainer:
         self.pp_rank, self.pp = self.ps.local_rank("pp"), self.ps.size("pp")
         self.dp, self.tp, self.sp = self.ps.size("dp"), self.ps.size("tp"), self.ps.size("ulysses")
         self.device = wiring.training_device()
+        # the step's consumers train data.microbatches per data replica of this DP rank (data.replicas);
+        # the loader (step_stream below) and the run's records take the run's own config
+        cfg = step_config(cfg, self.dp)
         torch.manual_seed(cfg.train.seed)
         self.tokenizer = load_tokenizer(cfg.data)
         par = cfg.parallel
@@ -95,13 +99,16 @@ class Trainer:
         parts = wiring.build_model(cfg, self.ps, self.schedule, self.tokenizer.get_vocab_size(), self.device)
         self.llm_cfg, self.split = parts.llm_cfg, parts.split
         self.stage, self.encoders = parts.stage, parts.encoders
+        # [model.llm] moe: aux / z losses as coef x their mean over the step's forwards and MoE layers
+        forwards = moe_forwards_per_step(cfg.data.microbatches, world=self.world, pp=self.pp, tp=self.tp)
+        set_moe_loss_scale(self.stage, self.llm_cfg, forwards)
         self.model, self.optimizer, self.memory = parts.model, parts.optimizer, parts.memory
         self.sync_llm, self.sync_encoders = parts.sync_llm, parts.sync_encoders  # the executor's hook's
         self._step_media: frozenset[str] | None = None  # the running step's StepInputs.media (None: all)
         self.sharding = wiring.cp_sharding(cfg, self.ps, self.llm_cfg)
         flow = wiring.data_flow(cfg, self.ps, self.schedule, self.llm_cfg, self.split, self.sharding)
         self.flow, self.planner = flow.flow, flow.planner
-        self.stream = wiring.step_stream(cfg, self.tokenizer, self.ps, flow.consumes, self.sharding)
+        self.stream = wiring.step_stream(self.cfg, self.tokenizer, self.ps, flow.consumes, self.sharding)
         self.builder = wiring.step_builder(
             cfg, self.ps, self.tokenizer, parts, self.schedule, self.flow, self.sharding, self.device
         )

@@ -22,6 +22,7 @@ from omni_data.payload import (
     to_rgb,
 )
 from omni_data.reorder import GroupedReorderer, PlanMismatchError, ReorderPlan, encoder_flops
+from omni_data.replicas import ReplicaMerge, hand_over_replicas, replica_ids
 from omni_data.sample import MemberRef, Modality, SampleMeta
 from omni_data.skips import SkipLedger, skip_report
 from omni_data.source import (
@@ -71,6 +72,7 @@ __all__ = [
     "PlanMismatchError",
     "RefusedPayloadError",
     "ReorderPlan",
+    "ReplicaMerge",
     "RoundRobinWorkers",
     "SampleIndex",
     "SampleMeta",
@@ -90,6 +92,8 @@ __all__ = [
     "encoder_flops",
     "encoder_microbatch_id",
     "encoder_microbatch_ids",
+    "hand_over_replicas",
+    "replica_ids",
     "resampled_length",
     "skip_report",
     "snapshot_async",
@@ -97,4 +101,4 @@ __all__ = [
     "text_members",
     "to_rgb",
 ]
-__version__ = "0.4.0"
+__version__ = "0.5.0"

@@ -91,7 +91,9 @@ class ActivationMemory:
     Args:
         modules: the rank's modules; their parameters' storages are not activations. They are read again
             at the first saved tensor of each step (after :meth:`start_step`), so parameters that FSDP2
-            gathers for the step (LLM ZeRO, encoder ZeRO: new storages every step) are not counted.
+            gathers for the step (LLM ZeRO, encoder ZeRO: new storages every step) are not counted; a
+            saved ``nn.Parameter`` or view of one is never counted either (FSDP2 units gathered later in
+            the step, e.g. LLM ZeRO-3 blocks resharded after each forward).
         device: the compute device (``cuda``: allocator peaks are read and offload copies to pinned host
             memory).
     """
@@ -129,20 +131,26 @@ class ActivationMemory:
         return torch.autograd.graph.saved_tensors_hooks(self._pack_offloaded, self._unpack)
 
     # -- hooks ---------------------------------------------------------------------------------------------
-    def _is_param(self, key: tuple) -> bool:
+    def _is_param(self, key: tuple, t: torch.Tensor) -> bool:
+        # A parameter or a view of one (``w.t()`` saved by a linear): FSDP2 units gathered inside the step
+        # (LLM ZeRO-3 with reshard after forward: each block's pre-forward hook) hold their whole
+        # parameters in storages the step's first read did not see, freed after the forward and gathered
+        # again for backward; they are the model's weights, not activations.
+        if isinstance(t, nn.Parameter) or isinstance(t._base, nn.Parameter):
+            return True
         if self._params is None:
             self._params = self._param_keys()
         return key[:2] in self._params
 
     def _pack_kept(self, t: torch.Tensor) -> object:
         key = _storage_key(t)
-        if self._is_param(key):
+        if self._is_param(key, t):
             return t
         return _Saved(self, _KEPT, key, t, t.device)
 
     def _pack_offloaded(self, t: torch.Tensor) -> object:
         key = _storage_key(t)
-        if self._is_param(key):
+        if self._is_param(key, t):
             return t
         if t.device.type == "cpu" or isinstance(t, DTensor):
             # Host memory already (or a DTensor, whose placement a plain copy would lose): kept as is.

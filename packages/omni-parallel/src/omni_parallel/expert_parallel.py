@@ -15,7 +15,13 @@ The EP group of size ``ep`` shards ``E`` experts contiguously: rank ``r`` holds 
 
 Both all-to-alls are autograd functions whose backward is the reverse all-to-all of the gradients
 (dispatch's backward sends row gradients back to the sources, combine's to the expert ranks). Dropless:
-every row is sent, whatever the imbalance (a rank may receive nothing, or all rows of the group).
+every row is sent, whatever the imbalance (a rank may receive nothing, or all rows of the group). A capacity
+(:attr:`omni_parallel.moe.MoEConfig.capacity_factor`) is applied by the caller before dispatch, on its own
+rows: per sending rank, so an expert may receive up to ``ep x capacity`` rows from the group.
+
+Host syncs: one per dispatch, the all-to-all's split sizes (``send`` / ``recv``, read from the exchanged
+counts in one ``tolist``; ``all_to_all_single`` takes them as Python ints). The permutation to expert-major
+order is built on the device (``repeat_interleave``), without further syncs.
 
 Source: the layout of Megatron-Core ``MoEAlltoAllTokenDispatcher`` and torchtitan's
 ``ExpertParallel`` (``_token_dispatch`` / ``_token_combine``); the separation of communication from the
@@ -113,28 +119,29 @@ def dispatch(
     experts = counts.numel()
     if experts % ep:
         raise ValueError(f"{experts} experts are not divisible by the EP group size {ep}")
-    if int(counts.sum()) != rows.shape[0]:
-        raise ValueError(f"counts sum to {int(counts.sum())}, rows has {rows.shape[0]}")
     local = experts // ep
     # 1. counts: recv_counts[s, l] = rows source s sends to local expert l of this rank
     send_counts = counts.to(torch.int64).reshape(ep, local).contiguous()
     recv_counts = torch.empty_like(send_counts)
     with record_function(ALL_TO_ALL + "_counts"):
         dist.all_to_all_single(recv_counts, send_counts, group=group)
-    send = send_counts.sum(1).tolist()
-    recv = recv_counts.sum(1).tolist()
+    # the one host sync: the split sizes (and the check of counts against rows)
+    sizes_host = torch.cat([send_counts.sum(1), recv_counts.sum(1)]).tolist()
+    send, recv = sizes_host[:ep], sizes_host[ep:]
+    if sum(send) != rows.shape[0]:
+        raise ValueError(f"counts sum to {sum(send)}, rows has {rows.shape[0]}")
     # 2. rows, in (source, local expert) order
     received = all_to_all(rows, send, recv, group)
-    # 3. permute to (local expert, source) order: chunk (s, l) starts at start[s, l] in `received`
+    # 3. permute to (local expert, source) order: chunk (s, l) starts at start[s, l] in `received`; in
+    # expert-major order, row i of chunk (l, s) is received row start[s, l] + (i - its chunk's offset)
+    m = sum(recv)
     sizes = recv_counts.reshape(-1)
-    start = (torch.cumsum(sizes, 0) - sizes).reshape(ep, local)
-    chunks = [
-        torch.arange(int(start[s, e]), int(start[s, e] + recv_counts[s, e]))
-        for e in range(local)
-        for s in range(ep)
-    ]
-    order = torch.cat(chunks) if chunks else torch.zeros(0, dtype=torch.int64)
-    order = order.to(rows.device)
+    start = torch.cumsum(sizes, 0) - sizes
+    major_sizes = recv_counts.t().reshape(-1)  # chunk (l, s) in expert-major order
+    major_start = start.reshape(ep, local).t().reshape(-1)
+    major_offset = torch.cumsum(major_sizes, 0) - major_sizes
+    shift = torch.repeat_interleave(major_start - major_offset, major_sizes, output_size=m)
+    order = (torch.arange(m, device=shift.device) + shift).to(rows.device)
     plan = DispatchPlan(group, send, recv, recv_counts.sum(0), order)
     return received[order], plan
 

@@ -62,12 +62,16 @@ def clip_grad_norm_(
     return float(total)
 
 
-def _by_kind(params: list[nn.Parameter]) -> tuple[list[nn.Parameter], list[nn.Parameter]]:
-    """``(DTensor-gradient parameters, plain ones)``: torch's foreach kernels take one kind per call."""
+def _by_kind(params: list[nn.Parameter]) -> list[list[nn.Parameter]]:
+    """The parameters with a gradient, grouped: DTensor gradients per device mesh (in order of first
+    appearance, e.g. FSDP2 shards over ``dp_cp`` and EP-sharded experts over ``ep``), then the plain ones:
+    torch's foreach kernels take one kind, and DTensor ops one mesh, per call."""
     with_grad = [p for p in params if p.grad is not None]
-    return [p for p in with_grad if isinstance(p.grad, DTensor)], [
-        p for p in with_grad if not isinstance(p.grad, DTensor)
-    ]
+    meshes: dict[int, list[nn.Parameter]] = {}
+    for p in with_grad:
+        if isinstance(p.grad, DTensor):
+            meshes.setdefault(id(p.grad.device_mesh), []).append(p)
+    return [*meshes.values(), [p for p in with_grad if not isinstance(p.grad, DTensor)]]
 
 
 def _squared_norm(params: list[nn.Parameter], device: torch.device | None) -> torch.Tensor:

@@ -58,9 +58,20 @@ between steps anyway, so there the policy has nothing to free and is not applied
 The units, their ``FSDPParam`` s (each parameter's sharded and gathered tensors) and the mesh are read
 once, in :func:`apply_llm_zero`; the per-step attach and sync walk those lists (no module traversal).
 
+Expert parallelism (``ep > 1``, :mod:`omni_parallel.moe`): the routed experts' parameters
+(:func:`~omni_parallel.moe.expert_parameters`, already ``Shard(0)`` DTensors over the EP group,
+:func:`~omni_parallel.moe.shard_experts`) are left out of every FSDP2 unit (``fully_shard(...,
+ignored_params=...)``): FSDP2 shards, gathers and reduces the other parameters over ``dp_cp`` as above,
+while the experts keep their EP shards (``1/ep`` of them per rank, whole over the step: never gathered),
+accumulate their gradients in place and are summed over the expert-data-parallel group only
+(:attr:`~omni_parallel.ParallelState.expert_dp_group`, the ranks holding the same shard) by the same
+sync, after the non-expert reduction (:func:`~omni_parallel.moe.expert_parallel_sync` at stage 0). The
+experts' AdamW state is therefore ``1/ep`` at every stage, not sharded further over the expert-data-parallel
+ranks (torchtitan's ``dp_shard_mod_ep`` FSDP of the experts is not built).
+
 Not composed: tensor parallelism (the parameters are already TP ``DTensor``s; FSDP2 over TP needs a 2-D
-mesh ``(dp_cp, tp)`` sliced from one root mesh, which ``ParallelState``'s ``dp_cp`` group is not) and
-expert parallelism; :func:`apply_llm_zero` raises for both.
+mesh ``(dp_cp, tp)`` sliced from one root mesh, which ``ParallelState``'s ``dp_cp`` group is not);
+:func:`apply_llm_zero` raises for it.
 
 Source: torchtitan ``parallelize_llama.apply_fsdp`` (per-block ``fully_shard``, ``reshard_after_forward``
 False under PP), PyTorch FSDP2 (``torch.distributed.fsdp.fully_shard``), Megatron-LM's distributed
@@ -86,6 +97,7 @@ from omni_parallel.encoder_zero import (
     shard_rows,
     sharded_units,
 )
+from omni_parallel.moe import expert_parallel_sync, expert_parameters
 from omni_parallel.state import ParallelState
 
 __all__ = [
@@ -260,17 +272,21 @@ def apply_llm_zero(
     Args:
         chunks: the stage modules the pipeline executor runs (each an FSDP2 root); their parameters are
             the LLM's parameters on this rank. Stage 0 reduces exactly these parameters.
-        ps: the parallel state (its ``dp_cp`` group and mesh, ``tp`` and ``ep`` sizes).
+        ps: the parallel state (its ``dp_cp`` group and mesh, ``tp`` size; with ``ep > 1`` its
+            ``expert_dp_group``, built with ``GroupSpec(expert_dp=True)``).
         zero_stage: 0, 1, 2 or 3.
         blocks: transformer blocks inside ``chunks``, one FSDP2 unit each (sharded before their chunk).
         param_dtype: ``None`` (nothing cast) or the dtype the units gather and compute in (bfloat16 over
             float32 shards), with float32 gradient reductions (``MixedPrecisionPolicy``; stages 1-3).
         reshard_after_forward: ZeRO-3: free each block unit after its forward (module docstring).
 
+    With ``ep > 1`` the routed experts in ``chunks`` stay out of FSDP2 and are summed over the
+    expert-data-parallel group (module docstring), at every stage.
+
     Raises:
-        ValueError: ``zero_stage`` not in 0-3; ``zero_stage > 0`` with ``tp > 1`` or ``ep > 1`` (not
-            composed, see the module docstring); a block not inside any chunk; ``param_dtype`` not a
-            floating dtype.
+        ValueError: ``zero_stage`` not in 0-3; ``zero_stage > 0`` with ``tp > 1`` (not composed, see the
+            module docstring); a block not inside any chunk; ``param_dtype`` not a floating dtype; routed
+            experts with ``ep`` < ``dp_cp`` and no ``ps.expert_dp_group``.
     """
     from omni_parallel.parallelize import apply_dp
 
@@ -279,33 +295,58 @@ def apply_llm_zero(
     if param_dtype is not None and not param_dtype.is_floating_point:
         raise ValueError(f"apply_llm_zero: param_dtype {param_dtype} is not a floating dtype")
     chunks = list(chunks)
+    experts = expert_parameters(chunks) if ps is not None and ps.size("ep") > 1 else []
+    if experts and ps.expert_dp_group is None and ps.size("dp_cp") > ps.size("ep"):
+        raise ValueError(
+            f"apply_llm_zero: ep = {ps.size('ep')} inside dp_cp = {ps.size('dp_cp')} needs the "
+            "expert-data-parallel group (ParallelState.build(..., groups=GroupSpec(expert_dp=True)))"
+        )
     if zero_stage == 0 or ps.size("dp_cp") == 1:
+        if experts:  # the experts over the expert-data-parallel ranks, the rest over dp_cp
+            dense = ps.group("dp_cp") if ps.size("dp_cp") > 1 else None
+            return LLMGradientSync(expert_parallel_sync(chunks, dense, ps.expert_dp_group))
         return LLMGradientSync(apply_dp(chunks, ps))
-    for axis in ("tp", "ep"):
-        if ps.size(axis) > 1:
-            raise ValueError(
-                f"apply_llm_zero: ZeRO stage {zero_stage} with {axis} = {ps.size(axis)} is not supported "
-                f"(the parameters are {axis.upper()} DTensors; FSDP2 over them needs a 2-D mesh)"
-            )
+    if ps.size("tp") > 1:
+        raise ValueError(
+            f"apply_llm_zero: ZeRO stage {zero_stage} with tp = {ps.size('tp')} is not supported "
+            "(the parameters are TP DTensors; FSDP2 over them needs a 2-D mesh)"
+        )
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32 if param_dtype else None)
     inside = {id(m) for c in chunks for m in c.modules()}
     mesh = ps.device_mesh("dp_cp")
+    ignored = set(experts) or None  # EP-sharded experts: not FSDP2's (module docstring)
     blocks = list(blocks)
     for i, block in enumerate(blocks):
         if id(block) not in inside:
             raise ValueError(f"apply_llm_zero: blocks[{i}] ({type(block).__name__}) is in no chunk")
-        fully_shard(block, mesh=mesh, reshard_after_forward=False, mp_policy=mp)
+        fully_shard(block, mesh=mesh, reshard_after_forward=False, mp_policy=mp, ignored_params=ignored)
     for chunk in chunks:
-        fully_shard(chunk, mesh=mesh, reshard_after_forward=False, mp_policy=mp)
+        fully_shard(chunk, mesh=mesh, reshard_after_forward=False, mp_policy=mp, ignored_params=ignored)
     configure_step_schedule(chunks, keep_gathered=zero_stage < 3)
     lazy = blocks if zero_stage == 3 and reshard_after_forward else []
     for block in lazy:  # gathered by its own pre-forward hook, freed after its forward
         block.set_reshard_after_forward(True, recurse=False)
     units = _Units.of(chunks, "apply_llm_zero", lazy=lazy)
     reduce = units.all_reduce if zero_stage == 1 else units.reduce_scatter
+    if experts:
+        reduce = _then_sum_experts(reduce, experts, ps.expert_dp_group)
     return LLMGradientSync(reduce, units.attach, zero_stage, bool(lazy))
+
+
+def _then_sum_experts(
+    reduce: Callable[[], None], experts: list[nn.Parameter], group: dist.ProcessGroup | None
+) -> Callable[[], None]:
+    """``reduce`` (the FSDP2 units' sync), then the experts' gradients summed over ``group`` (the
+    expert-data-parallel ranks; ``None``: one holder of each shard, nothing to sum)."""
+    from omni_parallel.data_parallel import all_reduce_gradients
+
+    def sync() -> None:
+        reduce()
+        all_reduce_gradients(experts, group)
+
+    return sync
 
 
 def all_reduce_into_shards(modules: Iterable[nn.Module], *, divide_by: float = 1.0) -> None:

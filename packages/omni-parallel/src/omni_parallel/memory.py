@@ -22,13 +22,18 @@ pipeline stage: ``P_tp`` the ones TP splits, the blocks' projections, counted be
 ones every TP rank holds whole, norms, embedding and LM head; ``b`` bytes per element, ``W`` ranks of the
 ZeRO group)::
 
-    parameters = S b / (W if zero >= 1 else 1)     (ZeRO 1-3 keep FSDP2 shards as the parameters)
-    gathered   = S b                   if zero in (1, 2) else 0
-    gradients  = S b / (W if zero >= 2 else 1)
-    optimizer  = 2 S b / (W if zero >= 1 else 1) + s * tensors      (s: bytes of AdamW's step)
+    parameters = S b / (W if zero >= 1 else 1) + X b / ep    (ZeRO 1-3 keep FSDP2 shards as the parameters)
+    gathered   = S g                   if zero in (1, 2) else 0
+    gradients  = S b / (W if zero >= 2 else 1) + X b / ep
+    optimizer  = 2 S b / (W if zero >= 1 else 1) + 2 X b / ep + s * tensors   (s: bytes of AdamW's step)
 
 (Rajbhandari et al., "ZeRO", SC'20, §5: ZeRO-1 and 2 hold the whole parameters too, here as the kept
-``gathered`` copy beside the shard; FSDP2 pads uneven shards, which the formula leaves out.)
+``gathered`` copy beside the shard; FSDP2 pads uneven shards, which the formula leaves out.) ``g`` is
+the bytes per element of the gathered copy: FSDP2 gathers in ``MixedPrecisionPolicy.param_dtype`` (2 for
+bfloat16 compute over float32 masters, ``train.dtype = "bfloat16"``), else ``b``. ``X`` counts the routed
+experts' parameters of the stage (all ``E`` experts; :mod:`omni_parallel.moe`): sharded over the ``ep``
+ranks of the expert-parallel group at every ZeRO stage and never gathered (they stay out of FSDP2,
+:mod:`omni_parallel.llm_zero`); ``S`` then counts the rest.
 
 :func:`block_activation_bytes` counts what one pre-norm decoder block (RMSNorm, RoPE, GQA attention with
 the fused or the reference varlen kernel, SwiGLU; TP with or without Megatron SP, autocast, selective
@@ -182,8 +187,9 @@ def planned_state_bytes(
     Args:
         modules: the built, parallelised modules (FSDP2 / TP applied).
         optimizer: their optimizer (Adam/AdamW), not stepped yet; ``None``: ``optimizer`` is 0.
-        whole_gradients: each gradient is the whole parameter's (ZeRO-1: gradients all-reduced whole,
-            state sharded), not its local shard's.
+        whole_gradients: each FSDP2 unit's gradient is the whole parameter's (ZeRO-1: gradients
+            all-reduced whole, state sharded), not its local shard's; parameters outside FSDP2 (e.g.
+            EP-sharded experts) keep their local shard's.
 
     Returns:
         ``{kind: bytes}`` over :data:`KINDS`.
@@ -196,7 +202,10 @@ def planned_state_bytes(
             dtype = fp.mp_policy.param_dtype or fp.sharded_param.dtype  # FSDPParam.init_dtype_attrs
             numel = fp.padded_sharded_param_size.numel() * fp.mesh_info.shard_mesh_size
             gathered += numel * torch.empty((), dtype=dtype, device="meta").element_size()
-    grads = sum((p if whole_gradients else _local(p)).numel() * p.element_size() for p in params)
+    # ZeRO-1's whole gradients are the FSDP2 units' (parameters FSDP2 leaves out, e.g. EP-sharded experts,
+    # keep gradients of their local shard)
+    fsdp = {id(fp.sharded_param) for fp in _fsdp_params(modules)} if whole_gradients else set()
+    grads = sum((p if id(p) in fsdp else _local(p)).numel() * p.element_size() for p in params)
     return {
         "parameters": storage_bytes(params),
         "gathered": gathered,
@@ -215,9 +224,12 @@ def analytic_state_bytes(
     shards: int = 1,
     tensors: int = 0,
     step_bytes: int = 4,
+    gathered_bytes_per: int | None = None,
+    experts: float = 0,
+    ep: int = 1,
 ) -> dict[str, float]:
     """The module docstring's formula: bytes per rank of a stage whose TP-sharded parameters number
-    ``params`` (before TP) and whose TP-replicated ones ``replicated``.
+    ``params`` (before TP) and whose TP-replicated ones ``replicated`` (and routed-expert ones ``experts``).
 
     Args:
         params: parameters of the rank's stage that TP splits (the blocks' projections), all TP ranks
@@ -230,24 +242,36 @@ def analytic_state_bytes(
         shards: ranks of the ZeRO group ``W`` (1: nothing to shard).
         tensors: parameter tensors (one AdamW ``step`` each).
         step_bytes: bytes of one AdamW ``step`` (4; 8 unfused under a float64 default dtype).
+        gathered_bytes_per: bytes per element of ZeRO-1/2's kept gathered copy: the
+            ``MixedPrecisionPolicy.param_dtype``'s (2 for ``train.dtype = "bfloat16"`` over float32
+            masters, :func:`omni_parallel.llm_zero.apply_llm_zero`); ``None``: ``bytes_per`` (no cast).
+        experts: routed-expert parameters of the stage, all ``E`` experts (0: no MoE); not in
+            ``params`` / ``replicated``.
+        ep: expert-parallel ranks ``experts`` are split over (every ZeRO stage; never gathered).
 
     Returns:
         ``{kind: bytes}`` over :data:`KINDS`; FSDP2's padding of uneven shards is not counted.
 
     Raises:
-        ValueError: ``zero`` not in 0-3, or ``tp`` / ``shards`` < 1.
+        ValueError: ``zero`` not in 0-3, ``tp`` / ``shards`` / ``ep`` < 1, or ``gathered_bytes_per`` < 1.
     """
-    if zero not in (0, 1, 2, 3) or tp < 1 or shards < 1:
+    if zero not in (0, 1, 2, 3) or tp < 1 or shards < 1 or ep < 1:
         raise ValueError(
-            f"analytic_state_bytes: zero in 0-3, tp >= 1, shards >= 1; got {zero}, {tp}, {shards}"
+            "analytic_state_bytes: zero in 0-3, tp >= 1, shards >= 1, ep >= 1; "
+            f"got {zero}, {tp}, {shards}, {ep}"
         )
-    whole = (params / tp + replicated) * bytes_per
+    if gathered_bytes_per is not None and gathered_bytes_per < 1:
+        raise ValueError(f"analytic_state_bytes: gathered_bytes_per must be >= 1, got {gathered_bytes_per}")
+    elements = params / tp + replicated
+    whole = elements * bytes_per
+    gathered = elements * (bytes_per if gathered_bytes_per is None else gathered_bytes_per)
+    local_experts = experts / ep * bytes_per
     w = shards
     return {
-        "parameters": whole / (w if zero >= 1 else 1),
-        "gathered": whole if zero in (1, 2) and w > 1 else 0.0,
-        "gradients": whole / (w if zero >= 2 else 1),
-        "optimizer": 2 * whole / (w if zero >= 1 else 1) + step_bytes * tensors,
+        "parameters": whole / (w if zero >= 1 else 1) + local_experts,
+        "gathered": gathered if zero in (1, 2) and w > 1 else 0.0,
+        "gradients": whole / (w if zero >= 2 else 1) + local_experts,
+        "optimizer": 2 * whole / (w if zero >= 1 else 1) + 2 * local_experts + step_bytes * tensors,
     }
 
 

@@ -19,8 +19,17 @@ Losses (one MoE layer, one forward over ``T`` tokens):
 
 Both are returned unscaled; the coefficients (:attr:`MoEConfig.aux_loss_coef`,
 :attr:`MoEConfig.z_loss_coef`) are applied by :func:`attach_aux_loss`, which adds
-``aux_loss_coef * aux + z_loss_coef * z`` to the objective through the backward pass only (Megatron-Core's
-``MoEAuxLossAutoScaler``), so it works on any pipeline stage, where no loss tensor exists.
+``loss_scale * (aux_loss_coef * aux + z_loss_coef * z)`` to the objective through the backward pass only
+(Megatron-Core's ``MoEAuxLossAutoScaler``), so it works on any pipeline stage, where no loss tensor exists.
+:attr:`MoE.loss_scale` (default 1) is the caller's normalisation: a trainer whose cross-entropy is a mean
+over the step's tokens sets it to ``1 / (forwards of the layer per step x MoE layers)``, so the objective
+holds ``coef x`` the mean over the step's packs and MoE layers (Megatron scales by ``1 / num_microbatches``
+and averages over DP; ``transformers``' Qwen2-MoE pools all layers' router rows into one loss of one
+layer's size, i.e. a layer mean, and adds ``router_aux_loss_coef`` times it once per batch).
+
+Capacity (:attr:`MoEConfig.capacity_factor`) is enforced per forward on the forward's own ``T`` tokens:
+under expert parallelism, per *sending* rank, so an expert may receive up to ``ep x capacity`` rows from
+the EP group (not GShard's capacity per expert over the group).
 
 Expert compute: ``torch._grouped_mm`` on CUDA in bfloat16 on devices with compute capability 9.0 or more
 (one kernel for all experts), a plain per-expert loop elsewhere (float64 on CPU always loops). Expert
@@ -81,6 +90,8 @@ class MoEConfig:
         capacity_factor: ``None``: dropless. Otherwise each expert takes at most
             ``ceil(capacity_factor * T * top_k / E)`` of a forward's ``T`` tokens (first come, first
             served in token order); the rest of its assignments are dropped (their weight counts as 0).
+            Under EP the capacity is enforced per sending rank: an expert may receive up to
+            ``ep x capacity`` rows over the EP group.
 
     Raises:
         ValueError: a size out of range, naming the field.
@@ -209,7 +220,8 @@ class GroupedExperts(nn.Module):
     ``N``) -> ``[N, dim]``, expert ``e`` applied to its rows: ``down(silu(gate x) * up x)``.
 
     Raises:
-        ValueError: ``counts`` does not sum to the rows of ``x`` or has the wrong length.
+        ValueError: ``counts`` has the wrong length, or (per-expert loop only: the ``torch._grouped_mm``
+            path does not sync the host to check) does not sum to the rows of ``x``.
     """
 
     def __init__(self, experts: int, dim: int, hidden: int) -> None:
@@ -221,9 +233,6 @@ class GroupedExperts(nn.Module):
     def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         if counts.numel() != self.experts:
             raise ValueError(f"counts has {counts.numel()} entries, expected {self.experts} experts")
-        sizes = [int(c) for c in counts.tolist()]
-        if sum(sizes) != x.shape[0]:
-            raise ValueError(f"counts sum to {sum(sizes)}, x has {x.shape[0]} rows")
         # expert-parallel shards (omni_parallel.expert_parallel.shard_experts): compute on the local experts
         gate_up = (
             self.gate_up_proj.to_local() if isinstance(self.gate_up_proj, DTensor) else self.gate_up_proj
@@ -234,6 +243,9 @@ class GroupedExperts(nn.Module):
             h = torch._grouped_mm(x, gate_up.transpose(-2, -1), offs=offs)
             gate, up = h.chunk(2, dim=-1)
             return torch._grouped_mm(F.silu(gate) * up, down.transpose(-2, -1), offs=offs)
+        sizes = [int(c) for c in counts.tolist()]  # the loop's split sizes: one host sync
+        if sum(sizes) != x.shape[0]:
+            raise ValueError(f"counts sum to {sum(sizes)}, x has {x.shape[0]} rows")
         outs = []
         for e, rows in enumerate(x.split(sizes)):
             gate, up = F.linear(rows, gate_up[e]).chunk(2, dim=-1)
@@ -259,9 +271,11 @@ class _SharedSwiGLU(nn.Module):
 class MoEOutput(NamedTuple):
     """One forward of :class:`MoE`: ``out [T, dim]``; ``aux`` and ``z`` the unscaled losses (scalars,
     differentiable); ``tokens_per_expert [E]`` int64 (this forward's (token, slot) assignments per global
-    expert, before any capacity); ``computed`` int (rows sent to the experts on this rank's behalf:
-    ``T * top_k`` when dropless); ``received`` int (rows this rank's experts computed, from every rank of
-    the EP group; summed over the group it equals the sum of ``computed``)."""
+    expert, before any capacity); ``computed`` int (rows sent to the experts on this rank's behalf, after
+    capacity drops: ``T * top_k`` when dropless); ``received`` int (rows this rank's experts computed,
+    from every rank of the EP group; summed over the group it equals the sum of ``computed``);
+    ``routed`` int (the (token, slot) assignments before any capacity drop: ``T * top_k``; dropped rows
+    are ``routed - computed``)."""
 
     out: torch.Tensor
     aux: torch.Tensor
@@ -269,6 +283,7 @@ class MoEOutput(NamedTuple):
     tokens_per_expert: torch.Tensor
     computed: int
     received: int
+    routed: int
 
 
 class _AttachAux(torch.autograd.Function):
@@ -309,7 +324,12 @@ class MoE(nn.Module):
             every rank of the group must call forward the same number of times. ``None``: all experts here.
 
     Forward: ``x [T, dim]`` -> :class:`MoEOutput`. The aux losses are attached to ``out`` with
-    :func:`attach_aux_loss` using the config's coefficients.
+    :func:`attach_aux_loss` with weights ``loss_scale * coef`` (:attr:`loss_scale`, default 1: the caller's
+    normalisation, e.g. ``1 / (forwards of the layer per step x MoE layers)``; module docstring).
+
+    Host syncs per forward: dropless, one in :func:`~omni_parallel.expert_parallel.dispatch` under EP (the
+    split sizes of the all-to-all) and one in :class:`GroupedExperts` on the per-expert loop (its split
+    sizes; none on the ``torch._grouped_mm`` path); with a capacity, one more for the kept row count.
 
     Raises:
         ValueError: ``ep`` does not divide ``cfg.experts``.
@@ -323,6 +343,7 @@ class MoE(nn.Module):
         if cfg.experts % ep:
             raise ValueError(f"MoEConfig.experts = {cfg.experts} is not divisible by the EP size {ep}")
         self.ep = ep
+        self.loss_scale = 1.0  # the objective's weight of the attached losses is loss_scale * coef
         self.ep_rank = dist.get_rank(ep_group) if ep_group is not None else 0
         self.local_experts = cfg.experts // ep
         self.router = TopKRouter(cfg.dim, cfg.experts, cfg.top_k, norm_topk_prob=cfg.norm_topk_prob)
@@ -375,15 +396,15 @@ class MoE(nn.Module):
         flat = r.indices.reshape(-1)  # [T*k], slot j of token i at i*k + j
         counts = torch.bincount(flat, minlength=cfg.experts)
         weights = r.weights.reshape(-1)
-        keep = None
+        n = t * cfg.top_k  # dropless: every (token, slot) row is sent, no host sync
+        routed = counts
         if cfg.capacity_factor is not None:
             keep = _within_capacity(flat, cfg.experts, cfg.capacity_factor, t * cfg.top_k)
             flat = torch.where(keep, flat, cfg.experts)  # dropped slots sort last and are not sent
+            routed = torch.bincount(flat, minlength=cfg.experts + 1)[: cfg.experts]
+            n = int(keep.sum())  # the one extra host sync of a capacity: the kept row count
         # Stable sort by expert: the rows for expert e are contiguous, in token order.
-        order = torch.argsort(flat, stable=True)
-        routed = counts if keep is None else torch.bincount(flat, minlength=cfg.experts + 1)[: cfg.experts]
-        n = int(routed.sum())
-        order = order[:n]
+        order = torch.argsort(flat, stable=True)[:n]
         rows = x[order // cfg.top_k]  # [n, dim]
         if self.ep_group is None:
             y, received = self.experts(rows, routed), n
@@ -398,9 +419,9 @@ class MoE(nn.Module):
             if self.shared_expert_gate is not None:
                 s = torch.sigmoid(self.shared_expert_gate(x)) * s
             out = out + s
-        out = attach_aux_loss(out, aux, cfg.aux_loss_coef)
-        out = attach_aux_loss(out, z, cfg.z_loss_coef)
-        return MoEOutput(out, aux, z, counts, n, received)
+        out = attach_aux_loss(out, aux, self.loss_scale * cfg.aux_loss_coef)
+        out = attach_aux_loss(out, z, self.loss_scale * cfg.z_loss_coef)
+        return MoEOutput(out, aux, z, counts, n, received, t * cfg.top_k)
 
 
 def _within_capacity(flat: torch.Tensor, experts: int, factor: float, slots: int) -> torch.Tensor:

@@ -215,4 +215,4 @@ __all__ = [
     "validate_comms",
     "write_chrome_trace",
 ]
-__version__ = "0.6.0"
+__version__ = "0.7.0"

@@ -1,7 +1,7 @@
 """The whole training step of one layout: the pipeline simulated action by action, plus every collective of
 the step over a two-tier network, the optimizer, and per-rank memory with an OOM verdict.
 
-A :class:`Layout` (pp, dp, tp with Megatron SP, CP ring / all-gather, Ulysses, LLM and encoder ZeRO,
+A :class:`Layout` (pp, dp, tp with Megatron SP, CP ring / all-gather, Ulysses, EP, LLM and encoder ZeRO,
 recompute, placement, reordering group) of a :class:`~omni_pipeline.workload.Workload` on a
 :class:`Device` and a :class:`~omni_pipeline.cost.Network` is predicted by :func:`predict_step`:
 
@@ -23,26 +23,49 @@ recompute, placement, reordering group) of a :class:`~omni_pipeline.workload.Wor
     (an upper bound).
   - Ulysses (group ``ulysses``, stride ``tp * cp``): 4 all-to-alls per layer in forward (Q, K, V in,
     the attention output back) and 4 in backward (Jacobs et al., "DeepSpeed Ulysses", 2023, §3).
+  - EP (group ``ep``, stride ``tp * cp * ulysses``: carved out of DP, order tp-cp-ep-dp-pp as
+    ``omni_parallel.topology``), per MoE layer (:class:`~omni_pipeline.workload.MoEShape`): the dispatch
+    and the combine all-to-all in forward and their two adjoints in backward, each of the rank's
+    ``T' * top_k`` (token, expert) rows of ``dim`` bf16 features, ``(ep - 1) / ep`` of them leaving the
+    rank (Lepikhin et al., "GShard", 2020, §2.2; :mod:`omni_parallel.expert_parallel`: dropless, no
+    capacity). Assumption: routing balanced (the aux loss's aim), so every rank of the EP group computes
+    ``T' * top_k`` rows whatever ``ep`` is, and the all-to-all is timed at its mean volume.
 
   Recompute repeats the forward's collectives in backward.
 * **Once per step** (after the pipeline: the step-scoped ZeRO schedule of :mod:`omni_parallel.llm_zero`
   gathers when the step starts and reduces after the last backward, so nothing overlaps them here):
-  LLM gradients over the stage's data group (``dp * cp * ulysses`` ranks, stride ``tp``, float32):
-  ZeRO-0 all-reduce; ZeRO-1 all-gather + all-reduce; ZeRO-2/3 all-gather + reduce-scatter. The encoders
-  over every rank (``encoder_zero``, :mod:`omni_parallel.encoder_zero`) the same way. The reordering
+  LLM gradients over the stage's data group (``dp * cp * ulysses`` ranks, stride ``tp``): ZeRO-0
+  all-reduce; ZeRO-1 all-gather + all-reduce; ZeRO-2/3 all-gather + reduce-scatter. Reductions move
+  float32 gradients (``reduce_dtype``); all-gathers move bf16 copies (``MixedPrecisionPolicy.param_dtype``:
+  the trainer's ``train.dtype = "bfloat16"``, the paper's; assumption: a float32 run gathers twice the
+  bytes). ZeRO-3 under :meth:`Layout.reshards` (``llm_reshard = "always"``, or ``"auto"`` at ``pp = 1`` or
+  one microbatch: :func:`omni_parallel.llm_zero.reshard_after_forward`) gathers the root units (embedding,
+  final norm, LM head) once and every block in each microbatch's forward and again in its backward
+  (``2 * microbatches`` gathers of a block's bytes); they are added to the step here, not to the
+  actions (assumption: exact at ``pp = 1``, where the step is the one stage's actions in sequence). With EP, the
+  routed experts (outside FSDP2 at every ZeRO stage, :mod:`omni_parallel.llm_zero`) have their gradients
+  all-reduced over the expert-data-parallel group (``data_group / ep`` ranks,
+  ``omni_parallel.topology.expert_groups``), the rest as above over the data group. The encoders
+  over every rank (``encoder_zero``, :mod:`omni_parallel.encoder_zero`) the same way, once per step at
+  float32 (no mixed-precision policy on the encoder units). The reordering
   all-to-all (paper §4.2, Figure 20) over ``reorder_group`` DP replicas: each rank sends
   ``(g - 1) / g`` of its share of the step's encoder outputs. The AdamW step: memory-bound, 28 bytes per
   local parameter element (read parameter, gradient, two moments; write parameter, two moments; float32)
   over the device's HBM bandwidth.
 * **Memory** per pipeline rank (:func:`rank_memory`): parameters, gradients and AdamW state per ZeRO stage
   from :func:`omni_parallel.memory.analytic_state_bytes` (or the exact bytes of a build, ``state=``, e.g.
-  ``omni-train memory``'s), plus the peak over the simulated timeline of stored activations: per LLM
+  ``omni-train memory``'s; routed experts ``1 / ep`` per rank at every ZeRO stage, never gathered, as
+  :mod:`omni_parallel.memory` counts them), plus what ZeRO-2/3 hold only inside a step (the whole
+  float32 gradients until the sync, ZeRO-3's gathered parameters: :func:`rank_memory`), plus the peak over the simulated timeline of stored activations: per LLM
   stage and microbatch :func:`omni_parallel.memory.block_activation_bytes` (bf16, after the CP / Ulysses
-  split, TP / SP / recompute honoured) times its layers, and on the last stage the loss's float32
+  split, TP / SP / recompute honoured) times its layers (an MoE layer counted as a SwiGLU of
+  ``top_k * expert_ffn_dim + shared`` features: the rows its experts compute per token; the router's
+  and the all-to-alls' buffers left out), and on the last stage the loss's float32
   log-softmax over the vocabulary (what ``omni-train memory`` counts); encoder activations and outputs as
-  the simulator holds them. OOM when a rank's peak exceeds ``Device.memory_bytes``.
+  the simulator holds them. OOM when a rank's peak (``total``: state + in-step + activations) exceeds
+  ``Device.memory_bytes``.
 
-Not modelled: data loading, expert parallelism, offload, virtual stages, compute-communication overlap
+Not modelled: data loading, expert load imbalance, offload, virtual stages, compute-communication overlap
 inside an action, link contention between groups.
 """
 
@@ -52,7 +75,7 @@ import dataclasses
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
-from omni_data import encoder_microbatch_ids, split_encoder_microbatches
+from omni_data import Pack, encoder_microbatch_ids, split_encoder_microbatches
 from omni_parallel.flops import TransformerShape, attention_flops, model_flops
 from omni_parallel.memory import analytic_state_bytes, block_activation_bytes
 from omni_pipeline.actions import Action, ActionKind
@@ -64,10 +87,11 @@ from omni_pipeline.cost import (
     all_to_all_s,
     reduce_scatter_s,
 )
+from omni_pipeline.placement import encoder_ranks_for, simulate_disaggregated
 from omni_pipeline.schedules import Schedule1F1B
 from omni_pipeline.simulator import SimulationResult, simulate
 from omni_pipeline.step_costs import encoder_forward_flops, modelled_step_costs
-from omni_pipeline.workload import Workload
+from omni_pipeline.workload import MoEShape, Workload
 
 __all__ = [
     "PLACEMENTS",
@@ -78,13 +102,24 @@ __all__ = [
     "llm_stage_params",
     "predict_step",
     "rank_memory",
+    "stage_expert_params",
     "step_collectives",
 ]
 
-# placements predict_step runs (omni_pipeline.place policies and the Optimus baseline)
-PLACEMENTS = ("prepend_first_stage", "optimus_static", "isolated", "uniform_on_demand", "planned")
+# placements predict_step runs (omni_pipeline.place policies, the Megatron-Dist / DistTrain and Optimus baselines)
+PLACEMENTS = (
+    "prepend_first_stage",
+    "megatron_dist",
+    "optimus_static",
+    "isolated",
+    "uniform_on_demand",
+    "planned",
+)
 ADAMW_BYTES_PER_ELEMENT = 28  # read p, g, m, v; write p, m, v; float32 (4 bytes each)
 MASTER_BYTES = 4  # float32 masters, gradients and AdamW moments (omni_parallel.parallelize mixed precision)
+GATHER_BYTES = 2  # LLM ZeRO all-gathers bf16 copies (MixedPrecisionPolicy(param_dtype=bfloat16), llm_zero)
+ENCODER_GATHER_BYTES = 4  # encoder ZeRO has no MixedPrecisionPolicy: it gathers the float32 shards
+RESHARD_POLICIES = ("auto", "always", "never")
 ACT_BYTES = 2  # bf16 activations under autocast
 
 
@@ -120,10 +155,16 @@ class Layout:
         recompute: every block (LLM and encoders) recomputes its activations in backward.
         placement: one of :data:`PLACEMENTS`.
         reorder_group: DP replicas the reordering all-to-all spans (1: reorder within the replica only).
+        ep: expert-parallel size, carved out of ``dp`` (``parallel.ep``): the MoE layers' routed experts
+            sharded over ``ep`` ranks that exchange tokens by all-to-all; 1: every expert on every rank.
+        llm_reshard: ``parallel.llm_reshard_after_forward`` (ZeRO-3): ``"auto"`` (``always`` unless
+            ``pp > 1`` and more than one microbatch, :func:`omni_parallel.llm_zero.reshard_after_forward`),
+            ``"always"`` (each block gathered per microbatch in forward and again in backward) or
+            ``"never"`` (the stage gathered once per step and held through it).
 
     Raises:
         ValueError: a size < 1, ``sequence_parallel`` without ``tp > 1``, an unknown ``cp_attention``,
-            ``placement`` or ZeRO stage, or ``reorder_group`` not dividing ``dp`` (named).
+            ``placement`` or ZeRO stage, or ``reorder_group`` / ``ep`` not dividing ``dp`` (named).
     """
 
     pp: int = 1
@@ -138,15 +179,19 @@ class Layout:
     recompute: bool = False
     placement: str = "uniform_on_demand"
     reorder_group: int = 1
+    ep: int = 1
+    llm_reshard: str = "auto"
 
     def __post_init__(self) -> None:
         errors = [f"{k} must be an int >= 1, got {getattr(self, k)!r}" for k in
-                  ("pp", "dp", "tp", "cp", "ulysses", "reorder_group")
+                  ("pp", "dp", "tp", "cp", "ulysses", "reorder_group", "ep")
                   if not (isinstance(getattr(self, k), int) and getattr(self, k) >= 1)]  # fmt: skip
         if self.sequence_parallel and self.tp < 2:
             errors.append("sequence_parallel needs tp > 1")
         if self.cp_attention not in ("allgather", "ring"):
             errors.append(f"cp_attention must be 'allgather' or 'ring', got {self.cp_attention!r}")
+        if self.llm_reshard not in RESHARD_POLICIES:
+            errors.append(f"llm_reshard must be one of {RESHARD_POLICIES}, got {self.llm_reshard!r}")
         if self.llm_zero not in (0, 1, 2, 3):
             errors.append(f"llm_zero must be 0-3, got {self.llm_zero!r}")
         if self.encoder_zero not in (0, 2, 3):
@@ -159,6 +204,8 @@ class Layout:
             and self.dp % max(self.reorder_group, 1)
         ):
             errors.append(f"reorder_group {self.reorder_group} must divide dp {self.dp}")
+        if isinstance(self.ep, int) and isinstance(self.dp, int) and self.dp % max(self.ep, 1):
+            errors.append(f"ep {self.ep} must divide dp {self.dp} (EP is carved out of DP)")
         if errors:
             raise ValueError("Layout: " + "; ".join(errors))
 
@@ -177,6 +224,22 @@ class Layout:
         """Ranks of a stage's data group (its gradients are summed over it): ``dp * cp * ulysses``."""
         return self.dp * self.cp * self.ulysses
 
+    def reshards(self, microbatches: int) -> bool:
+        """Whether ZeRO-3 re-gathers each block per microbatch (forward and backward): ``llm_zero == 3``
+        over more than one rank and ``llm_reshard`` resolving to ``always`` (``auto``: unless ``pp > 1``
+        and ``microbatches > 1``; :func:`omni_parallel.llm_zero.reshard_after_forward`)."""
+        if self.llm_zero != 3 or self.data_group == 1:
+            return False
+        if self.llm_reshard == "auto":
+            return not (self.pp > 1 and microbatches > 1)
+        return self.llm_reshard == "always"
+
+    @property
+    def expert_data_group(self) -> int:
+        """Ranks holding the same expert shard (routed-expert gradients are summed over them):
+        ``data_group / ep``."""
+        return self.data_group // self.ep
+
 
 def even_stage_layers(n_layers: int, stages: int) -> list[int]:
     """Layers per stage shared out evenly, the first ``n_layers % stages`` stages taking one more (the
@@ -192,12 +255,22 @@ def even_stage_layers(n_layers: int, stages: int) -> list[int]:
 
 
 def llm_stage_params(
-    shape: TransformerShape, vocab: int, layers: int, *, first: bool, last: bool, tp: int = 1
+    shape: TransformerShape,
+    vocab: int,
+    layers: int,
+    *,
+    first: bool,
+    last: bool,
+    tp: int = 1,
+    moe: MoEShape | None = None,
+    first_layer: int = 0,
 ) -> tuple[float, int]:
-    """``(parameters, tensors)`` one TP rank holds of an LLM stage of ``layers`` LLaMA blocks: each block's
-    matmul weights over ``tp`` (``llama_tp_plan``: Q/K/V/gate/up column-, O/down row-parallel) and its two
-    RMSNorm weights whole; the first stage's token embedding and the last stage's final norm and LM head
-    (``vocab x dim``, untied), whole (not TP-sharded). No biases.
+    """``(parameters, tensors)`` one TP rank holds of an LLM stage of ``layers`` LLaMA blocks (LLM layers
+    ``first_layer ..``), routed experts left out (:func:`stage_expert_params`): each block's matmul
+    weights over ``tp`` (``llama_tp_plan``: Q/K/V/gate/up column-, O/down row-parallel) and its two
+    RMSNorm weights whole; in an MoE layer of ``moe`` the router (``experts x dim``) and the shared SwiGLU
+    (3 tensors) instead of the dense SwiGLU; the first stage's token embedding and the last stage's final
+    norm and LM head (``vocab x dim``, untied), whole (not TP-sharded). No biases.
     """
     per_block = shape.layer_matmul_params / tp + 2 * shape.dim
     tensors_per_block = (7 if shape.gated_mlp else 6) + 2
@@ -205,7 +278,28 @@ def llm_stage_params(
         layers * per_block + (vocab * shape.dim if first else 0) + ((vocab + 1) * shape.dim if last else 0)
     )
     tensors = layers * tensors_per_block + (1 if first else 0) + (2 if last else 0)
+    if moe is not None:
+        n = moe.moe_layers(first_layer, layers)
+        params += n * moe.layer_params_delta(shape.dim, shape.mlp_dim) / tp
+        tensors += n * (1 + (3 if moe.shared_width else 0) - 3)  # router + shared SwiGLU - dense SwiGLU
     return params, tensors
+
+
+def stage_expert_params(
+    shape: TransformerShape, moe: MoEShape | None, layers: int, *, first_layer: int = 0, ep: int = 1
+) -> tuple[float, int]:
+    """``(parameters, tensors)`` of the routed experts one rank holds of an LLM stage (layers
+    ``first_layer .. first_layer + layers - 1``): ``experts / ep`` SwiGLU experts per MoE layer, stored as
+    two tensors (``gate_up_proj``, ``down_proj``: :class:`omni_parallel.moe.GroupedExperts`). ``(0, 0)``
+    for a dense LLM."""
+    if moe is None:
+        return 0.0, 0
+    n = moe.moe_layers(first_layer, layers)
+    return n * moe.expert_params(shape.dim) / ep, 2 * n
+
+
+def _layer_offsets(layers: Sequence[int]) -> list[int]:
+    return [sum(layers[:s]) for s in range(len(layers))]
 
 
 def _encoder_params(shapes: Mapping[str, TransformerShape]) -> tuple[float, int]:
@@ -221,26 +315,42 @@ def _encoder_params(shapes: Mapping[str, TransformerShape]) -> tuple[float, int]
 
 
 def _stage_activation_bytes(
-    shape: TransformerShape, vocab: int, layers: int, tokens: int, layout: Layout, *, last: bool
+    shape: TransformerShape,
+    vocab: int,
+    layers: int,
+    tokens: int,
+    layout: Layout,
+    *,
+    last: bool,
+    moe: MoEShape | None = None,
+    first_layer: int = 0,
 ) -> int:
     """Bytes one LLM stage stores per microbatch (``omni-train memory``'s formula: block activations of
     the rank's ``tokens // (cp * ulysses)`` tokens times ``layers``, plus the float32 log-softmax over the
-    vocabulary on the last stage)."""
+    vocabulary on the last stage; an MoE layer as a SwiGLU of ``top_k * expert_ffn_dim + shared``
+    features, the module docstring's assumption)."""
     t = tokens // (layout.cp * layout.ulysses)
-    block = block_activation_bytes(
-        t,
-        shape.dim,
-        shape.kv_dim,
-        int(shape.mlp_dim),
-        heads=shape.n_heads,
-        tp=layout.tp,
-        sequence_parallel=layout.sequence_parallel,
-        bytes_per=ACT_BYTES,
-        master_bytes=MASTER_BYTES,
-        recompute=layout.recompute,
-        kernel="flash",  # bf16 on CUDA: the fused varlen kernel (omni_parallel.varlen)
-    )
-    return block * layers + (t * vocab * 4 if last else 0)
+
+    def block(ffn: int) -> int:
+        return block_activation_bytes(
+            t,
+            shape.dim,
+            shape.kv_dim,
+            ffn,
+            heads=shape.n_heads,
+            tp=layout.tp,
+            sequence_parallel=layout.sequence_parallel,
+            bytes_per=ACT_BYTES,
+            master_bytes=MASTER_BYTES,
+            recompute=layout.recompute,
+            kernel="flash",  # bf16 on CUDA: the fused varlen kernel (omni_parallel.varlen)
+        )
+
+    n_moe = moe.moe_layers(first_layer, layers) if moe is not None else 0
+    total = block(int(shape.mlp_dim)) * (layers - n_moe)
+    if n_moe:
+        total += block(moe.top_k * moe.expert_ffn_dim + moe.shared_width) * n_moe
+    return total + (t * vocab * 4 if last else 0)
 
 
 def rank_memory(
@@ -251,10 +361,25 @@ def rank_memory(
     stage_layers: Sequence[int] | None = None,
     activations: Mapping[int, float] | None = None,
     state: Mapping[int, Mapping[str, float]] | None = None,
+    microbatches: int | None = None,
 ) -> dict[int, dict[str, float]]:
-    """Bytes per pipeline rank: LLM and encoder state by kind (``llm_parameters`` ... ``enc_optimizer``,
-    kinds of :data:`omni_parallel.memory.KINDS`), ``activations`` (the simulated peak, or the schedule's
-    in-flight LLM activations when ``activations`` is not given) and ``total``.
+    """Bytes per pipeline rank: LLM and encoder state by kind held between steps (``llm_parameters`` ...
+    ``enc_optimizer``, kinds of :data:`omni_parallel.memory.KINDS`), the bytes held only inside a step
+    (``llm_in_step_gradients``, ``llm_in_step_gathered``, ``enc_in_step_gradients``,
+    ``enc_in_step_gathered``), ``activations`` (the simulated peak, or the schedule's in-flight LLM
+    activations when ``activations`` is not given), ``between_steps`` (the state) and ``total``: the
+    step's peak, state + in-step + activations (what the OOM verdict compares with the device).
+
+    In-step terms (the step-scoped ZeRO of :mod:`omni_parallel.llm_zero` / :mod:`omni_parallel.encoder_zero`;
+    ``omni_train.memory_plan.in_step_bytes`` counts the same from a build): ZeRO-2/3 over more than one
+    rank accumulates every microbatch's gradients UNSHARDED (float32) until the one reduce-scatter after
+    the last backward: the stage's whole ``P x 4`` bytes, beside the shards written at the sync. ZeRO-3
+    also holds gathered parameters (LLM: bf16, ``MixedPrecisionPolicy``; encoders: float32): the whole
+    stage under ``llm_reshard`` ``never`` (and for the encoders always), or, when
+    :meth:`Layout.reshards`, the root units (embedding, final norm, LM head) plus the two largest blocks
+    (the one running and the one FSDP2 prefetches: an assumption). Routed experts hold their gradients
+    between steps (counted there). The activations' peak and the sync are at different moments, so
+    ``total`` is an upper bound by at most the smaller of the two.
 
     Args:
         workload: gives the shapes (``workload.shapes``) and the pack length.
@@ -262,8 +387,11 @@ def rank_memory(
         stage_layers: layers per stage (default :func:`even_stage_layers`).
         activations: ``{pp rank: peak activation bytes}`` from a simulation; default: 1F1B's in-flight
             LLM activations (stage ``s`` holds ``min(pp - s, microbatches)`` microbatches).
-        state: ``{pp rank: {"llm": {kind: bytes}, "encoders": {kind: bytes}}}`` measured from a build
-            (``omni-train memory``); default: :func:`omni_parallel.memory.analytic_state_bytes` per stage.
+        state: ``{pp rank: {"llm": {kind: bytes}, "encoders": {kind: bytes}, "in_step": {"llm" |
+            "encoders": {"gradients", "gathered"}}}}`` measured from a build (``omni-train memory``;
+            ``in_step`` optional: analytic when absent); default:
+            :func:`omni_parallel.memory.analytic_state_bytes` per stage.
+        microbatches: per replica and step (default the workload's): decides ``llm_reshard = "auto"``.
 
     Raises:
         ValueError: the workload has no LLM shape, or the layers do not fill the stages.
@@ -271,21 +399,36 @@ def rank_memory(
     if "llm" not in workload.shapes:
         raise ValueError(f"rank_memory: workload {workload.name!r} has no LLM shape")
     llm = workload.shapes["llm"]
+    moe = workload.moe
+    _check_ep(workload, layout)
     layers = list(stage_layers) if stage_layers is not None else even_stage_layers(llm.n_layers, layout.pp)
+    offsets = _layer_offsets(layers)
     enc_p, enc_t = _encoder_params(workload.shapes)
+    m = workload.microbatches if microbatches is None else microbatches
     out: dict[int, dict[str, float]] = {}
     for r in range(layout.pp):
+        p, t = llm_stage_params(
+            llm, vocab, layers[r], first=r == 0, last=r == layout.pp - 1, tp=layout.tp, moe=moe,
+            first_layer=offsets[r],
+        )  # fmt: skip
+        in_step = (state[r].get("in_step") if state is not None else None) or {
+            "llm": _llm_in_step(llm, vocab, layers[r], offsets[r], r, layout, moe, p, m),
+            "encoders": _encoder_in_step(enc_p, layout),
+        }
         if state is not None:
             llm_state, enc_state = state[r]["llm"], state[r]["encoders"]
         else:
-            p, t = llm_stage_params(
-                llm, vocab, layers[r], first=r == 0, last=r == layout.pp - 1, tp=layout.tp
-            )
             llm_state = analytic_state_bytes(
-                p, bytes_per=MASTER_BYTES, zero=layout.llm_zero, shards=layout.data_group, tensors=t
-            )
+                p, bytes_per=MASTER_BYTES, zero=layout.llm_zero, shards=layout.data_group, tensors=t,
+                gathered_bytes_per=GATHER_BYTES,  # ZeRO-1/2's kept copy: bf16 (MixedPrecisionPolicy)
+            )  # fmt: skip
             if layout.llm_zero == 1 and layout.data_group > 1:  # ZeRO-1 all-reduces whole gradients
                 llm_state = dict(llm_state, gradients=p * MASTER_BYTES)
+            xp, xt = stage_expert_params(llm, moe, layers[r], first_layer=offsets[r], ep=layout.ep)
+            if xp:  # routed experts: 1/ep per rank at every ZeRO stage, outside FSDP2, never gathered
+                xb = xp * MASTER_BYTES  # (omni_parallel.memory's formula, its X b / ep terms)
+                xs = {"parameters": xb, "gathered": 0.0, "gradients": xb, "optimizer": 2 * xb + 4 * xt}
+                llm_state = {k: llm_state[k] + xs.get(k, 0.0) for k in llm_state}
             enc_state = analytic_state_bytes(
                 enc_p, bytes_per=MASTER_BYTES, zero=layout.encoder_zero, shards=layout.gpus, tensors=enc_t
             )
@@ -295,15 +438,82 @@ def rank_memory(
             act = float(
                 min(layout.pp - r, workload.microbatches)
                 * _stage_activation_bytes(
-                    llm, vocab, layers[r], workload.max_seq_len, layout, last=r == layout.pp - 1
+                    llm,
+                    vocab,
+                    layers[r],
+                    workload.max_seq_len,
+                    layout,
+                    last=r == layout.pp - 1,
+                    moe=moe,
+                    first_layer=offsets[r],
                 )
             )
         row = {f"llm_{k}": float(v) for k, v in llm_state.items()}
         row |= {f"enc_{k}": float(v) for k, v in enc_state.items()}
+        row["between_steps"] = sum(row.values())
+        for part, pre in (("llm", "llm"), ("encoders", "enc")):
+            for k in ("gradients", "gathered"):
+                row[f"{pre}_in_step_{k}"] = float(in_step[part][k])
         row["activations"] = act
-        row["total"] = sum(row.values())
+        row["total"] = (
+            row["between_steps"]
+            + act
+            + sum(row[f"{pre}_in_step_{k}"] for pre in ("llm", "enc") for k in ("gradients", "gathered"))
+        )
         out[r] = row
     return out
+
+
+def _llm_in_step(
+    llm: TransformerShape,
+    vocab: int,
+    layers: int,
+    first_layer: int,
+    r: int,
+    layout: Layout,
+    moe: MoEShape | None,
+    params: float,
+    microbatches: int,
+) -> dict[str, float]:
+    """An LLM stage's in-step bytes (:func:`rank_memory`): ``params`` = its non-expert parameters per
+    TP rank (:func:`llm_stage_params`)."""
+    if layout.llm_zero < 2 or layout.data_group == 1:
+        return {"gradients": 0.0, "gathered": 0.0}
+    grads = params * MASTER_BYTES
+    if layout.llm_zero == 2:
+        return {"gradients": grads, "gathered": 0.0}
+    if not layout.reshards(microbatches):
+        return {"gradients": grads, "gathered": params * GATHER_BYTES}
+    blocks = [
+        llm_stage_params(
+            llm, vocab, 1, first=False, last=False, tp=layout.tp, moe=moe, first_layer=first_layer + i
+        )[0]
+        for i in range(layers)
+    ]
+    roots = params - sum(blocks)
+    return {"gradients": grads, "gathered": (roots + sum(sorted(blocks)[-2:])) * GATHER_BYTES}
+
+
+def _encoder_in_step(enc_p: float, layout: Layout) -> dict[str, float]:
+    """The encoders' in-step bytes (:func:`rank_memory`): ZeRO-2/3 whole float32 gradients, ZeRO-3 the
+    gathered float32 towers (gathered when the step starts, :mod:`omni_parallel.encoder_zero`)."""
+    if layout.encoder_zero < 2 or layout.gpus == 1 or not enc_p:
+        return {"gradients": 0.0, "gathered": 0.0}
+    gathered = enc_p * ENCODER_GATHER_BYTES if layout.encoder_zero == 3 else 0.0
+    return {"gradients": enc_p * MASTER_BYTES, "gathered": gathered}
+
+
+def _check_ep(workload: Workload, layout: Layout) -> None:
+    if layout.ep == 1:
+        return
+    if workload.moe is None:
+        raise ValueError(
+            f"Layout.ep: {layout.ep} needs an MoE LLM (workload {workload.name!r} has no [model] moe)"
+        )
+    if workload.moe.experts % layout.ep:
+        raise ValueError(
+            f"Layout.ep: {layout.ep} does not divide the {workload.moe.experts} experts ([model] moe)"
+        )
 
 
 def step_collectives(
@@ -316,26 +526,36 @@ def step_collectives(
     encoder_output_bytes: float = 0.0,
     vocab: int = 32000,
     stage_layers: Sequence[int] | None = None,
+    microbatches: int = 1,
 ) -> tuple[dict[str, float], dict[str, float]]:
     """Seconds of the step's collectives and optimizer (module docstring).
 
     Args:
         tokens: LLM tokens of one microbatch (``T``, before the CP / Ulysses split).
+        microbatches: per replica and step: ZeRO-3 under :meth:`Layout.reshards` gathers each block
+            ``2 * microbatches`` times.
         encoder_output_bytes: bytes of encoder output of one pipeline replica's step (the reordering
             all-to-all's payload, spread over the replica's ranks).
 
     Returns:
         ``(per_action, per_step)``: ``per_action``: ``{"tp" | "cp" | "ulysses": (forward seconds, backward
         seconds) of one layer}`` flattened as ``{"tp_fwd": s, "tp_bwd": s, ...}`` per LLM layer and
-        microbatch; ``per_step``: ``{"llm_all_reduce" | "llm_all_gather" | "llm_reduce_scatter" |
-        "encoder_all_reduce" | "encoder_all_gather" | "encoder_reduce_scatter" | "reorder_all_to_all" |
-        "optimizer": seconds}`` of the busiest pipeline rank (the largest stage).
+        microbatch, and ``"ep_fwd"`` / ``"ep_bwd"`` per MoE layer and microbatch; ``per_step``:
+        ``{"llm_all_reduce" | "llm_all_gather" | "llm_reduce_scatter" | "expert_all_reduce" |
+        "encoder_all_reduce" | "encoder_all_gather" |
+        "encoder_reduce_scatter" | "reorder_all_to_all" | "optimizer": seconds}`` of the busiest pipeline
+        rank (the stage with the most local parameters).
+
+    Raises:
+        ValueError: ``layout.ep > 1`` without MoE, or ``ep`` not dividing the experts.
     """
     llm = workload.shapes["llm"]
+    moe = workload.moe
     L = layout
+    _check_ep(workload, L)
     t_rank = tokens / (L.cp * L.ulysses)  # tokens per rank after CP / Ulysses
     per: dict[str, float] = dict.fromkeys(
-        ("tp_fwd", "tp_bwd", "cp_fwd", "cp_bwd", "ulysses_fwd", "ulysses_bwd"), 0.0
+        ("tp_fwd", "tp_bwd", "cp_fwd", "cp_bwd", "ulysses_fwd", "ulysses_bwd", "ep_fwd", "ep_bwd"), 0.0
     )
     redo = 1.0 if L.recompute else 0.0  # recompute repeats the forward's collectives in backward
     if L.tp > 1:
@@ -357,24 +577,52 @@ def step_collectives(
         widths = (llm.dim, llm.kv_dim, llm.kv_dim, llm.dim)  # Q, K, V in; attention output back
         fwd = sum(all_to_all_s(ACT_BYTES * t_rank * w / L.tp, L.ulysses, bw, lat) for w in widths)
         per["ulysses_fwd"], per["ulysses_bwd"] = fwd, fwd + redo * fwd
+    if L.ep > 1:  # dispatch + combine in forward, their adjoints in backward (module docstring)
+        bw, lat = network.link(L.ep, L.model_parallel)
+        one = all_to_all_s(ACT_BYTES * t_rank * moe.top_k * llm.dim, L.ep, bw, lat)
+        per["ep_fwd"], per["ep_bwd"] = 2 * one, (2 + 2 * redo) * one
     layers = list(stage_layers) if stage_layers is not None else even_stage_layers(llm.n_layers, L.pp)
-    big = max(
+    offsets = _layer_offsets(layers)
+    stages = [
         (
-            llm_stage_params(llm, vocab, layers[r], first=r == 0, last=r == L.pp - 1, tp=L.tp)[0]
-            for r in range(L.pp)
-        ),
-    )
+            llm_stage_params(llm, vocab, layers[r], first=r == 0, last=r == L.pp - 1, tp=L.tp, moe=moe,
+                             first_layer=offsets[r])[0],
+            stage_expert_params(llm, moe, layers[r], first_layer=offsets[r], ep=L.ep)[0],
+        )
+        for r in range(L.pp)
+    ]  # fmt: skip
+    zero_shards = L.data_group if L.llm_zero >= 1 else 1
+    busy = max(range(L.pp), key=lambda r: stages[r][0] / zero_shards + stages[r][1])
+    big, experts = stages[busy]
     step: dict[str, float] = {}
-    nbytes = MASTER_BYTES * big
+    nbytes = MASTER_BYTES * big  # float32 gradient reductions (reduce_dtype)
+    gbytes = GATHER_BYTES * big  # bf16 gathers (MixedPrecisionPolicy.param_dtype)
     bw, lat = network.link(L.data_group, L.tp)
     if L.llm_zero == 0:
         step["llm_all_reduce"] = all_reduce_s(nbytes, L.data_group, bw, lat)
     elif L.llm_zero == 1:
-        step["llm_all_gather"] = all_gather_s(nbytes, L.data_group, bw, lat)
+        step["llm_all_gather"] = all_gather_s(gbytes, L.data_group, bw, lat)
         step["llm_all_reduce"] = all_reduce_s(nbytes, L.data_group, bw, lat)
     else:
-        step["llm_all_gather"] = all_gather_s(nbytes, L.data_group, bw, lat)
+        if L.reshards(microbatches):  # roots once per step; every block per microbatch, forward and backward
+            blocks = [
+                llm_stage_params(llm, vocab, 1, first=False, last=False, tp=L.tp, moe=moe,
+                                 first_layer=offsets[busy] + i)[0]
+                for i in range(layers[busy])
+            ]  # fmt: skip
+            roots = big - sum(blocks)
+            step["llm_all_gather"] = all_gather_s(
+                GATHER_BYTES * roots, L.data_group, bw, lat
+            ) + 2 * microbatches * sum(all_gather_s(GATHER_BYTES * b, L.data_group, bw, lat) for b in blocks)
+        else:
+            step["llm_all_gather"] = all_gather_s(gbytes, L.data_group, bw, lat)
         step["llm_reduce_scatter"] = reduce_scatter_s(nbytes, L.data_group, bw, lat)
+    if experts:  # routed experts over the expert-data-parallel group (omni_parallel.topology.expert_groups)
+        edp = L.expert_data_group
+        xbytes = MASTER_BYTES * experts
+        # its ranks span the stage's data group (stride tp) unless dp / ep is 1 (then cp * ulysses only)
+        xbw, xlat = network.link(L.data_group if L.dp > L.ep else edp, L.tp)
+        step["expert_all_reduce"] = all_reduce_s(xbytes, edp, xbw, xlat)  # every ZeRO stage: outside FSDP2
     enc_p, _ = _encoder_params(workload.shapes)
     if enc_p:
         ebw, elat = network.link(L.gpus, 1)
@@ -388,7 +636,7 @@ def step_collectives(
         rbw, rlat = network.link(L.reorder_group, L.model_parallel)  # DP replicas are tp*cp*ulysses apart
         share = encoder_output_bytes / (L.pp * L.model_parallel)
         step["reorder_all_to_all"] = all_to_all_s(share, L.reorder_group, rbw, rlat)
-    local = big / (L.data_group if L.llm_zero >= 1 else 1) + enc_p / (L.gpus if L.encoder_zero >= 2 else 1)
+    local = big / zero_shards + experts + enc_p / (L.gpus if L.encoder_zero >= 2 else 1)
     step["optimizer"] = ADAMW_BYTES_PER_ELEMENT * local / device.hbm_Bps
     return per, step
 
@@ -402,11 +650,13 @@ class StepPrediction:
         tokens_per_s: LLM tokens of the whole job per second (every replica).
         mfu: model FLOPs (no recompute) over ``step_time_s * gpus * peak_flops``.
         time_s: where the time goes on the pipeline's busiest rank, seconds: ``llm_compute``,
-            ``encoder_compute``, ``tp`` / ``cp`` / ``ulysses`` (inside its actions), ``pipeline_idle``
+            ``encoder_compute``, ``tp`` / ``cp`` / ``ulysses`` / ``ep`` (inside its actions), ``pipeline_idle``
             (bubbles and P2P waits), then the per-step items of :func:`step_collectives`; they sum to
             ``step_time_s``.
         memory: :func:`rank_memory`'s rows. oom: ranks whose ``total`` exceeds the device memory.
         simulation: the pipeline's :class:`~omni_pipeline.simulator.SimulationResult`.
+        encoder_ranks: ``megatron_dist``: encoder ranks per pipeline replica (0 otherwise); the same GPUs
+            then hold ``dp * pp / (pp + encoder_ranks)`` replicas, which ``tokens_per_s`` and ``mfu`` count.
     """
 
     layout: Layout
@@ -417,11 +667,19 @@ class StepPrediction:
     memory: dict[int, dict[str, float]]
     oom: list[int]
     simulation: SimulationResult | None = field(default=None, repr=False)
+    encoder_ranks: int = 0
 
     @property
     def peak_memory_bytes(self) -> float:
         """The largest rank's ``total``."""
         return max(m["total"] for m in self.memory.values())
+
+
+def _moe_layers(workload: Workload, layers: Sequence[int]) -> list[int]:
+    """MoE layers per stage (0 for a dense LLM)."""
+    if workload.moe is None:
+        return [0] * len(layers)
+    return [workload.moe.moe_layers(o, n) for o, n in zip(_layer_offsets(layers), layers, strict=True)]
 
 
 def _flow(placement: str, schedule, encoder_inputs, costs: CostModel):
@@ -430,6 +688,8 @@ def _flow(placement: str, schedule, encoder_inputs, costs: CostModel):
 
     if placement == "optimus_static":
         return optimus_static(schedule, encoder_inputs, costs)
+    if placement == "megatron_dist":
+        return None
     return place(placement, schedule, encoder_inputs, costs)
 
 
@@ -445,12 +705,27 @@ def predict_step(
     stage_layers: Sequence[int] | None = None,
     state: Mapping[int, Mapping[str, float]] | None = None,
     cache: dict | None = None,
+    packs: Sequence[Pack] | None = None,
+    balance: bool = True,
+    encoder_sp: bool = True,
+    encoder_ranks: int | None = None,
 ) -> StepPrediction:
     """Predict one step of ``workload`` (its step ``step``'s packs, ``microbatches`` per replica, default
     the workload's) under ``layout`` (module docstring).
 
+    Placement ``megatron_dist`` (Megatron-Dist / DistTrain, paper §6 baseline 2) runs the encoders on
+    ``encoder_ranks`` ranks of their own per replica (default :func:`omni_pipeline.encoder_ranks_for` of
+    this step, :func:`omni_pipeline.simulate_disaggregated`), out of the same GPUs.
+
     Args:
         state: exact per-rank state bytes (see :func:`rank_memory`); default analytic.
+        packs: this replica's packs (``microbatches`` of them) instead of the workload's step ``step``.
+        balance: split each microbatch's media into encoder microbatches by Karmarkar-Karp over encoder
+            FLOPs (the paper's workload balancing); ``False``: in sample order (the ablation).
+        encoder_sp: a pipeline position's ``tp * cp * ulysses`` ranks split its encoder work (long-short
+            sequence parallelism for the encoders, paper §4); ``False`` (the ablation): one rank of the
+            group runs each encoder microbatch whole while the others wait (assumption: the penalty's
+            upper bound, encoder seconds times ``tp * cp * ulysses``).
         cache: a dict kept between calls of one search (same workload, device, network, vocab and
             stage layers): packs and pipeline simulations are reused across layouts that differ only in
             ``llm_zero`` / ``encoder_zero`` (which change neither).
@@ -468,10 +743,15 @@ def predict_step(
         raise ValueError(f"predict_step: {m} microbatches cannot fill {L.pp} stages")
     llm = workload.shapes["llm"]
     layers = list(stage_layers) if stage_layers is not None else even_stage_layers(llm.n_layers, L.pp)
-    key = ("pipe", dataclasses.replace(L, llm_zero=0, encoder_zero=0), m, step)
+    if packs is not None:
+        m = len(packs)
+    if m < L.pp:
+        raise ValueError(f"predict_step: {m} microbatches cannot fill {L.pp} stages")
+    opts = (None if packs is None else id(packs), balance, encoder_sp, encoder_ranks)
+    key = ("pipe", dataclasses.replace(L, llm_zero=0, encoder_zero=0), m, step, opts)
     if key not in cache:
-        cache[key] = _pipeline(workload, L, device, network, m, step, vocab, layers, cache)
-    sim, tokens, enc_out, per, fwd_flops = cache[key]
+        cache[key] = _pipeline(workload, L, device, network, m, step, vocab, layers, cache, packs, opts)
+    sim, tokens, enc_out, per, fwd_flops, er = cache[key][:6]
     _, per_step = step_collectives(
         workload,
         L,
@@ -481,10 +761,11 @@ def predict_step(
         encoder_output_bytes=enc_out,
         vocab=vocab,
         stage_layers=layers,
+        microbatches=m,
     )
     step_s = sim.makespan_s + sum(per_step.values())
     # where the time goes on the busiest rank (1F1B: pipeline rank r runs stage r)
-    busiest = max(sim.timelines, key=lambda r: sum(ev.end_s - ev.start_s for ev in sim.timelines[r]))
+    busiest = max(range(L.pp), key=lambda r: sum(ev.end_s - ev.start_s for ev in sim.timelines[r]))
     llm_c = enc_c = n_f = n_b = 0.0
     for ev in sim.timelines[busiest]:
         d = ev.end_s - ev.start_s
@@ -497,17 +778,21 @@ def predict_step(
     time_s = {"llm_compute": 0.0, "encoder_compute": enc_c}
     for k in ("tp", "cp", "ulysses"):
         time_s[k] = layers[busiest] * (n_f * per[f"{k}_fwd"] + n_b * per[f"{k}_bwd"])
-    time_s["llm_compute"] = llm_c - time_s["tp"] - time_s["cp"] - time_s["ulysses"]
+    n_moe = _moe_layers(workload, layers)[busiest]
+    time_s["ep"] = n_moe * (n_f * per["ep_fwd"] + n_b * per["ep_bwd"])
+    time_s["llm_compute"] = llm_c - time_s["tp"] - time_s["cp"] - time_s["ulysses"] - time_s["ep"]
     time_s["pipeline_idle"] = sim.makespan_s - llm_c - enc_c
     time_s |= per_step
-    job_flops = 3 * fwd_flops * L.dp  # model FLOPs (no recompute): backward = 2x forward
+    replicas = L.dp * L.pp / (L.pp + er)  # megatron_dist: encoder ranks out of the same GPUs
+    job_flops = 3 * fwd_flops * replicas  # model FLOPs (no recompute): backward = 2x forward
     mfu = job_flops / (step_s * L.gpus * device.peak_flops) if step_s > 0 else 0.0
-    tokens_per_s = tokens * m * L.dp / step_s if step_s > 0 else 0.0
+    tokens_per_s = tokens * m * replicas / step_s if step_s > 0 else 0.0
     memory = rank_memory(
-        workload, L, vocab=vocab, stage_layers=layers, activations=sim.peak_activation_bytes, state=state
-    )
+        workload, L, vocab=vocab, stage_layers=layers, activations=sim.peak_activation_bytes, state=state,
+        microbatches=m,
+    )  # fmt: skip
     oom = [r for r, row in memory.items() if row["total"] > device.memory_bytes]
-    return StepPrediction(L, step_s, tokens_per_s, mfu, time_s, memory, oom, sim)
+    return StepPrediction(L, step_s, tokens_per_s, mfu, time_s, memory, oom, sim, er)
 
 
 def _pipeline(
@@ -520,14 +805,18 @@ def _pipeline(
     vocab: int,
     layers: list[int],
     cache: dict,
-) -> tuple[SimulationResult, float, float, dict[str, float], float]:
+    given: Sequence[Pack] | None = None,
+    opts: tuple = (None, True, True, None),
+) -> tuple:
     """The simulated pipeline of one layout (collectives inside the actions), with the microbatch's
-    tokens, the replica's encoder output bytes, the per-layer collective seconds and the forward FLOPs."""
+    tokens, the replica's encoder output bytes, the per-layer collective seconds, the forward FLOPs, the
+    encoder ranks (``megatron_dist``; else 0) and the packs (kept alive: the cache keys them by id)."""
     llm = workload.shapes["llm"]
-    pk = ("packs", step, m, L.pp)
+    _, balance, encoder_sp, encoder_ranks = opts
+    pk = ("packs", step, m, L.pp, opts[0], balance)
     if pk not in cache:
-        packs = workload.step_packs(step, m)
-        mbs = split_encoder_microbatches(packs, m, L.pp, balance=True)
+        packs = list(given) if given is not None else workload.step_packs(step, m)
+        mbs = split_encoder_microbatches(packs, m, L.pp, balance=balance)
         fwd = sum(
             model_flops(workload.model.llm_params, p.num_tokens,
                         attention_flops(p.seqlens, workload.model.llm_dim, workload.model.llm_layers, causal=True),
@@ -541,6 +830,10 @@ def _pipeline(
     mp = L.model_parallel
     weights = [n * L.pp / llm.n_layers for n in layers]
     costs = modelled_step_costs(workload.model, packs, mbs, L.pp, rate * mp, L.dp, stage_weights=weights)
+    if not encoder_sp:  # one rank of the position runs each encoder microbatch whole
+        costs = dataclasses.replace(
+            costs, encoder_forward_s={e: v * mp for e, v in costs.encoder_forward_s.items()}
+        )
     tokens = costs.tokens_per_microbatch
     enc_out = sum(costs.encoder_output_bytes.values())
     per, _ = step_collectives(
@@ -556,17 +849,22 @@ def _pipeline(
     F, B = ActionKind.FORWARD, ActionKind.BACKWARD
     comm_f = sum(per[f"{k}_fwd"] for k in ("tp", "cp", "ulysses"))
     comm_b = sum(per[f"{k}_bwd"] for k in ("tp", "cp", "ulysses"))
+    n_moe = _moe_layers(workload, layers)
     llm_s: dict[Action, float] = {}
     for k in range(m):
         for s in range(L.pp):
             f = costs.duration(Action(F, k, s))
-            llm_s[Action(F, k, s)] = f + layers[s] * comm_f
-            llm_s[Action(B, k, s)] = 2 * f + (f if L.recompute else 0.0) + layers[s] * comm_b
+            llm_s[Action(F, k, s)] = f + layers[s] * comm_f + n_moe[s] * per["ep_fwd"]
+            llm_s[Action(B, k, s)] = (
+                2 * f + (f if L.recompute else 0.0) + layers[s] * comm_b + n_moe[s] * per["ep_bwd"]
+            )
     enc_b = {e: (3.0 if L.recompute else 2.0) * v for e, v in costs.encoder_forward_s.items()}
+    offsets = _layer_offsets(layers)
     act = [
-        _stage_activation_bytes(llm, vocab, layers[s], workload.max_seq_len, L, last=s == L.pp - 1)
+        _stage_activation_bytes(llm, vocab, layers[s], workload.max_seq_len, L, last=s == L.pp - 1,
+                                moe=workload.moe, first_layer=offsets[s])
         for s in range(L.pp)
-    ]
+    ]  # fmt: skip
     enc_scale = (1.0 / 17.0 if L.recompute else 1.0) / mp  # recompute keeps each block's input only
     costs = dataclasses.replace(
         costs,
@@ -581,5 +879,10 @@ def _pipeline(
     )
     schedule = Schedule1F1B(L.pp, m)
     encoder_inputs = encoder_microbatch_ids(m, L.pp)
-    sim = simulate(schedule, _flow(L.placement, schedule, encoder_inputs, costs), costs)
-    return sim, tokens, enc_out, per, fwd_flops
+    er = 0
+    if L.placement == "megatron_dist":
+        er = encoder_ranks if encoder_ranks is not None else encoder_ranks_for(costs, schedule)
+        sim = simulate_disaggregated(schedule, encoder_inputs, costs, er)
+    else:
+        sim = simulate(schedule, _flow(L.placement, schedule, encoder_inputs, costs), costs)
+    return sim, tokens, enc_out, per, fwd_flops, er, packs

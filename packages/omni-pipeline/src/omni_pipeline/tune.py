@@ -5,9 +5,18 @@ predicted tokens/s (the paper tunes parallelism per workload, MegaScale-Omni §5
 Search space (:func:`candidate_layouts`): ``pp`` (a divisor of ``gpus`` up to the LLM's layers, with at
 least ``pp`` microbatches per replica at the fixed global batch), ``tp`` (1 .. ``gpus_per_node``, dividing
 the heads; Megatron SP on whenever ``tp > 1``: the same ring time as plain TP and less memory), CP (ring
-or all-gather) or Ulysses (1 .. 8), ``dp`` = what is left, ``llm_zero`` 0-3, recompute on / off, and a
-placement (``uniform_on_demand`` in the search; ``isolated`` and ``planned`` for the best layouts). The global batch (packs per step, all replicas) is fixed, so each replica runs
-``global_batch / dp`` microbatches.
+or all-gather) or Ulysses (1 .. 8), ``dp`` = what is left, ``ep`` (an MoE LLM only: powers of two dividing
+``dp`` and the experts, up to ``max_ep``), ``llm_zero`` 0-3, recompute on / off, and a placement (``uniform_on_demand`` in the search; ``isolated`` and ``planned`` for the best layouts). The global batch (packs per step, all replicas) is fixed, so each replica runs
+``global_batch / dp`` microbatches. Fixed, not searched: ``encoder_zero = 0`` (the encoders replicated:
+their state counts whole on every rank), ``llm_reshard = "auto"`` (ZeRO-3 re-gathers every block per
+microbatch at ``pp = 1``, holds the gathered stage through the step at ``pp > 1``; the step model times
+and sizes the policy it resolves to, and ``omni_train.simulate.workload_config`` writes it explicitly),
+virtual stages, offload and the reordering group. ZeRO all-gathers are timed at bf16 bytes and
+reductions at float32 (:mod:`omni_pipeline.step_model`).
+
+Memory: a plan fits when every pipeline rank's step peak (:func:`~omni_pipeline.step_model.rank_memory`'s
+``total``: state + ZeRO-2/3's in-step whole gradients and ZeRO-3's gathered parameters + activations) is
+within ``Device.memory_bytes``.
 
 Cost: pipeline simulations are shared by layouts differing only in their ZeRO stage
 (``predict_step(cache=...)``); a layout's memory is first bounded without simulating (state plus 1F1B's
@@ -70,6 +79,7 @@ def candidate_layouts(
     max_sp: int = 8,
     max_microbatches: int = 128,
     placements: Sequence[str] = CHEAP_PLACEMENTS,
+    max_ep: int = 64,
 ) -> Iterator[tuple[Layout, int]]:
     """Every ``(layout, microbatches per replica)`` of the search space (module docstring).
 
@@ -93,7 +103,13 @@ def candidate_layouts(
                 dp = gpus // (pp * mp)
                 if global_batch % dp or not pp <= global_batch // dp <= max_microbatches:
                     continue
-                for zero in (0, 1, 2, 3):
+                experts = workload.moe.experts if workload.moe is not None else 1
+                eps = [
+                    e
+                    for e in (1, 2, 4, 8, 16, 32, 64, 128)
+                    if e <= max_ep and dp % e == 0 and experts % e == 0
+                ]
+                for ep, zero in ((e, z) for e in eps for z in (0, 1, 2, 3)):
                     for recompute in (False, True):
                         for placement in placements:
                             yield (
@@ -101,7 +117,7 @@ def candidate_layouts(
                                     pp=pp, dp=dp, tp=tp, sequence_parallel=tp > 1,
                                     cp=n if kind == "cp" else 1, cp_attention=attn,
                                     ulysses=n if kind == "ulysses" else 1, llm_zero=zero,
-                                    recompute=recompute, placement=placement,
+                                    recompute=recompute, placement=placement, ep=ep,
                                 ),
                                 global_batch // dp,
                             )  # fmt: skip

@@ -20,6 +20,7 @@ File format (every key checked; unknown keys refused)::
     llm = "llama-12b"
     image = "vit-1b"              # a tower per media modality the sources use
     image_merge = 2               # optional: ViT patches per LLM token = image_merge ** 2
+    moe = { experts = 64, top_k = 8, expert_ffn_dim = 1408 }   # optional: MoE LLM (MoEShape's keys)
 
     [[sources]]
     name = "openimages"
@@ -61,6 +62,7 @@ from omni_pipeline.step_costs import MODEL_SHAPES, ModelScale, encoder_forward_f
 __all__ = [
     "LengthDistribution",
     "MixturePhase",
+    "MoEShape",
     "Workload",
     "WorkloadError",
     "WorkloadSource",
@@ -78,6 +80,14 @@ MAX_MICROBATCHES = 4096
 MAX_BUFFER = 1 << 16
 MAX_SIGMA = 4.0
 _SHAPE_KEYS = {"dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim", "mlp_ratio", "gated_mlp"}
+_MOE_KEYS = {
+    "experts",
+    "top_k",
+    "expert_ffn_dim",
+    "shared_experts",
+    "shared_expert_ffn_dim",
+    "every_n_layers",
+}
 
 
 class WorkloadError(ValueError):
@@ -159,6 +169,72 @@ class MixturePhase:
 
 
 @dataclasses.dataclass(frozen=True)
+class MoEShape:
+    """The LLM's mixture-of-experts layers (``[model] moe`` of a workload; the trainer's
+    ``[model.llm] moe``, ``omni_train.models.llm.MoESpec``): layer ``i`` (0-based) is an MoE layer when
+    ``(i + 1) % every_n_layers == 0``; there the dense SwiGLU of ``ffn_dim`` gives way to a router
+    (``experts x dim`` weights), ``experts`` routed SwiGLU experts of ``expert_ffn_dim`` features (each
+    token computes ``top_k`` of them) and an always-on shared SwiGLU of ``shared_expert_ffn_dim`` features
+    (default ``shared_experts * expert_ffn_dim``; 0: none). Qwen2-MoE / DeepSeek-MoE layout.
+
+    Raises:
+        ValueError: a size < 1 (``shared_*`` < 0), or ``top_k > experts`` (named).
+    """
+
+    experts: int
+    top_k: int
+    expert_ffn_dim: int
+    shared_experts: int = 0
+    shared_expert_ffn_dim: int | None = None
+    every_n_layers: int = 1
+
+    def __post_init__(self) -> None:
+        for k in ("experts", "top_k", "expert_ffn_dim", "every_n_layers"):
+            v = getattr(self, k)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"MoEShape.{k} must be an int >= 1, got {v!r}")
+        if self.top_k > self.experts:
+            raise ValueError(f"MoEShape.top_k {self.top_k} exceeds MoEShape.experts {self.experts}")
+        if self.shared_experts < 0 or (
+            self.shared_expert_ffn_dim is not None and self.shared_expert_ffn_dim < 0
+        ):
+            raise ValueError(f"MoEShape.shared_experts / shared_expert_ffn_dim must be >= 0: {self!r}")
+
+    @property
+    def shared_width(self) -> int:
+        """Features of the fused shared SwiGLU (0: none)."""
+        if self.shared_expert_ffn_dim is not None:
+            return self.shared_expert_ffn_dim
+        return self.shared_experts * self.expert_ffn_dim
+
+    def is_moe_layer(self, i: int) -> bool:
+        """Whether LLM layer ``i`` (0-based) is an MoE layer."""
+        return (i + 1) % self.every_n_layers == 0
+
+    def moe_layers(self, first: int, count: int) -> int:
+        """MoE layers among LLM layers ``first .. first + count - 1``."""
+        return sum(1 for i in range(first, first + count) if self.is_moe_layer(i))
+
+    def expert_params(self, dim: int) -> float:
+        """Routed-expert weights of one MoE layer: ``experts * 3 * dim * expert_ffn_dim`` (what EP shards)."""
+        return float(self.experts * 3 * dim * self.expert_ffn_dim)
+
+    def layer_params_delta(self, dim: int, ffn_dim: float) -> float:
+        """Non-expert weights of one MoE layer minus the dense SwiGLU they replace: the router and the
+        shared SwiGLU, less ``3 * dim * ffn_dim``."""
+        return float(self.experts * dim + 3 * dim * self.shared_width - 3 * dim * ffn_dim)
+
+    def active_params_delta(self, dim: int, ffn_dim: float) -> float:
+        """Matmul weights one token computes through in an MoE layer minus the dense SwiGLU's: router,
+        ``top_k`` experts and the shared SwiGLU, less ``3 * dim * ffn_dim`` (dropless, no capacity)."""
+        return float(
+            self.experts * dim
+            + 3 * dim * (self.top_k * self.expert_ffn_dim + self.shared_width)
+            - 3 * dim * ffn_dim
+        )
+
+
+@dataclasses.dataclass(frozen=True)
 class Workload:
     """A workload (see the module docstring): sources, phases, pack length, batch, model sizes, seed.
 
@@ -168,6 +244,9 @@ class Workload:
             sample's ``encoder_flops`` (the encoder split's balance) is computed from.
         shapes: the block shapes ``model`` was made from, ``{"llm" | "image" | "audio": TransformerShape}``
             (what per-rank memory and collective sizes are computed from: widths, KV heads, MLP width).
+        moe: the LLM's MoE layers (:class:`MoEShape`), ``None``: dense. With MoE, ``model.llm_params``
+            counts the weights a token computes through (router, ``top_k`` experts, shared SwiGLU in the
+            MoE layers), so the modelled LLM FLOPs are the active ones.
     """
 
     name: str
@@ -179,6 +258,7 @@ class Workload:
     seed: int = 0
     packer_buffer: int = 256
     shapes: Mapping[str, TransformerShape] = dataclasses.field(default_factory=dict)
+    moe: MoEShape | None = None
 
     def phase(self, step: int) -> MixturePhase:
         """The mixture phase of ``step`` (the first whose ``until_step`` is above it; else the last)."""
@@ -309,7 +389,7 @@ def parse_workload(text: str, where: str = "<workload>") -> Workload:
     if dup:
         p.fail("sources", f"source names must be unique, {dup} repeated")
     media = {str(s.modality) for s in sources if s.modality is not Modality.TEXT}
-    model, shapes = p.model(p.table(doc, "model"), media)
+    model, shapes, moe = p.model(p.table(doc, "model"), media)
     raw_phases = p.array(doc, "phases", MAX_PHASES)
     phases: list[MixturePhase] = []
     last = -1
@@ -331,7 +411,7 @@ def parse_workload(text: str, where: str = "<workload>") -> Workload:
         last = until if until is not None else last
         phases.append(MixturePhase({k: float(v) for k, v in weights.items()}, until))
     return Workload(
-        name, tuple(sources), tuple(phases), max_seq_len, microbatches, model, seed, buffer, shapes
+        name, tuple(sources), tuple(phases), max_seq_len, microbatches, model, seed, buffer, shapes, moe
     )
 
 
@@ -459,8 +539,10 @@ class _Reader:
         except ValueError as exc:
             self.fail(sub, str(exc))
 
-    def model(self, raw: dict, media: set[str]) -> tuple[ModelScale, dict[str, TransformerShape]]:
-        self.keys(raw, "model", {"llm", "image", "audio", "image_merge"})
+    def model(
+        self, raw: dict, media: set[str]
+    ) -> tuple[ModelScale, dict[str, TransformerShape], MoEShape | None]:
+        self.keys(raw, "model", {"llm", "image", "audio", "image_merge", "moe"})
         shapes = {}
         for part in ("llm", "image", "audio"):
             if part not in raw:
@@ -493,7 +575,37 @@ class _Reader:
                 self.fail(key, f"must be a preset name or a shape table, got {v!r}")
         merge = self.integer(raw, "image_merge", 1, 64, default=2, prefix="model")
         scale = model_scale(shapes["llm"], {k: s for k, s in shapes.items() if k != "llm"}, image_merge=merge)
-        return scale, shapes
+        moe = self.moe(raw["moe"], shapes["llm"]) if "moe" in raw else None
+        if moe is not None:
+            llm = shapes["llm"]
+            if not llm.gated_mlp:
+                self.fail("model.moe", "an MoE LLM needs a gated (SwiGLU) llm shape, gated_mlp = true")
+            n = moe.moe_layers(0, llm.n_layers)
+            active = llm.matmul_params + n * moe.active_params_delta(llm.dim, llm.mlp_dim)
+            scale = dataclasses.replace(scale, llm_params=active)
+        return scale, shapes, moe
+
+    def moe(self, raw: Any, llm: TransformerShape) -> MoEShape:
+        key = "model.moe"
+        if not isinstance(raw, dict):
+            self.fail(key, "must be a table {experts, top_k, expert_ffn_dim, ...}")
+        self.keys(raw, key, _MOE_KEYS)
+        args = {
+            "experts": self.integer(raw, "experts", 1, 4096, prefix=key),
+            "top_k": self.integer(raw, "top_k", 1, 64, prefix=key),
+            "expert_ffn_dim": self.integer(
+                raw, "expert_ffn_dim", 1, 1 << 20, default=int(llm.mlp_dim), prefix=key
+            ),
+            "shared_experts": self.integer(raw, "shared_experts", 0, 64, default=0, prefix=key),
+            "shared_expert_ffn_dim": self.integer(
+                raw, "shared_expert_ffn_dim", 0, 1 << 20, default=None, prefix=key
+            ),
+            "every_n_layers": self.integer(raw, "every_n_layers", 1, llm.n_layers, default=1, prefix=key),
+        }
+        try:
+            return MoEShape(**args)
+        except ValueError as exc:
+            self.fail(key, str(exc))
 
 
 _REQUIRED = object()

@@ -8,6 +8,10 @@ Qwen2 is LLaMA with biases on Q/K/V (``qkv_bias``) and, in its small sizes, a ti
 Qwen2-MoE is Qwen2 whose every ``decoder_sparse_step``-th MLP is an MoE layer (``[model.llm] moe``,
 :class:`omni_parallel.moe.MoE`): router ``mlp.gate``, per-expert ``mlp.experts.<e>.{gate,up,down}_proj`` on
 disk (stacked into our ``gate_up_proj [E, 2I, H]`` / ``down_proj [E, H, I]``), a gated shared expert.
+The adapter works on whole tensors, so any expert-parallel size goes through it: under ``parallel.ep`` the
+trainer's stacked experts are ``Shard(0)`` DTensors, i.e. boxes of rows ``[r E/ep, (r+1) E/ep)`` of these
+tensors in omni-ckpt, loaded from an imported step 0 and gathered whole for export by box intersection
+(``omni_train.hf.convert``).
 
 Refused on import, naming the ``config.json`` key: RoPE scaling (``rope_type`` other than ``default``),
 sliding-window attention, ``attention_bias``/``mlp_bias`` in a Llama config, an activation other than
@@ -126,6 +130,9 @@ def _moe_from_hf(hf: Mapping[str, Any], where: str) -> MoESpec:
         shared_expert_ffn_dim=shared,
         shared_gate=True,
         norm_topk_prob=bool(hf.get("norm_topk_prob", False)),
+        # verbatim: transformers adds router_aux_loss_coef x (one loss over all layers' router rows pooled,
+        # a layer mean in scale) per batch; the trainer's aux term is coef x its mean over the step's
+        # packs and MoE layers (omni_train.models.llm.set_moe_loss_scale): the same weight
         aux_loss_coef=float(hf.get("router_aux_loss_coef", 0.001)),
         z_loss_coef=0.0,
     )

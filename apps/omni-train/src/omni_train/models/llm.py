@@ -32,7 +32,17 @@ from omni_parallel.varlen import varlen_attention
 from omni_pipeline.split import stage_slices
 from omni_train.models.attention import apply_rope, rope_angles
 
-__all__ = ["LLMConfig", "LLMStage", "MoEFeedForward", "MoESpec", "RMSNorm", "moe_step_metrics"]
+__all__ = [
+    "LLMConfig",
+    "LLMStage",
+    "MoEFeedForward",
+    "MoESpec",
+    "RMSNorm",
+    "moe_forwards_per_step",
+    "moe_layer_count",
+    "moe_step_metrics",
+    "set_moe_loss_scale",
+]
 
 
 @dataclass(frozen=True)
@@ -54,8 +64,10 @@ class MoESpec:
         shared_gate: scale the shared experts' output by ``sigmoid(x w)`` (Qwen2-MoE ``shared_expert_gate``).
         norm_topk_prob: renormalise the top-k routing weights to sum 1 (Qwen3-MoE ``norm_topk_prob``).
         aux_loss_coef: weight of the Switch load-balancing loss (``omni_parallel.moe.load_balancing_loss``)
-            in the objective: every MoE layer adds ``aux_loss_coef * loss`` per forward (pack), >= 0.
-        z_loss_coef: weight of the ST-MoE router z-loss, added the same way, >= 0.
+            in the objective, >= 0: the objective holds ``aux_loss_coef x`` its mean over the step's packs
+            (forwards) and the model's MoE layers (:func:`set_moe_loss_scale`), so it does not change with
+            ``parallel.dp`` / ``data.microbatches``; the scale of Qwen2-MoE's ``router_aux_loss_coef``.
+        z_loss_coef: weight of the ST-MoE router z-loss, normalised the same way, >= 0.
         capacity_factor: unset: dropless (every token reaches its ``top_k`` experts); otherwise each
             expert takes at most ``ceil(capacity_factor * T * top_k / experts)`` of a forward's ``T``
             tokens, > 0.
@@ -187,8 +199,8 @@ class MoEFeedForward(nn.Module):
 
     ``stats``: one float64 row per forward since the last :func:`moe_step_metrics` (forwards re-run by
     activation recompute inside the backward are not counted): ``[1, aux, z, routed, computed,
-    tokens_per_expert (E)]``, ``routed`` the (token, slot) rows this rank sent, ``computed`` the rows
-    its experts computed.
+    tokens_per_expert (E)]``, ``routed`` this rank's (token, slot) assignments before any capacity drop
+    (``T x top_k``), ``computed`` the rows its experts computed (after the senders' capacity drops).
     """
 
     def __init__(self, cfg: MoEConfig, ep_group: dist.ProcessGroup | None = None) -> None:
@@ -201,10 +213,59 @@ class MoEFeedForward(nn.Module):
         # a recompute (activation checkpointing) runs inside the autograd engine's graph task
         if torch._C._current_graph_task_id() == -1:
             head = torch.tensor(
-                [1.0, float(r.aux.detach()), float(r.z.detach()), r.computed, r.received], dtype=torch.float64
+                [1.0, float(r.aux.detach()), float(r.z.detach()), r.routed, r.received], dtype=torch.float64
             )
             self.stats.append(torch.cat([head, r.tokens_per_expert.detach().to("cpu", torch.float64)]))
         return r.out
+
+
+def moe_layer_count(cfg: LLMConfig) -> int:
+    """MoE layers of the whole model (all pipeline stages); 0 without ``cfg.moe``."""
+    return 0 if cfg.moe is None else sum(cfg.moe.is_moe_layer(i) for i in range(cfg.n_layers))
+
+
+def moe_forwards_per_step(microbatches: int, *, world: int, pp: int, tp: int) -> int:
+    """Forwards of one MoE layer per step over the world: each of a pipeline stage's ``world / (pp x tp)``
+    ranks (DP, CP and Ulysses ranks; TP peers share a forward) runs it on ``microbatches`` packs (or their
+    CP / Ulysses shards). With DP only: the step's global pack count, ``dp x microbatches``."""
+    return microbatches * (world // (pp * tp))
+
+
+def set_moe_loss_scale(stages: nn.Module, cfg: LLMConfig, forwards: int) -> float:
+    """Normalise the MoE aux / z losses against a cross-entropy that is a mean over the step's tokens:
+    every MoE layer in ``stages`` gets :attr:`omni_parallel.moe.MoE.loss_scale` ``= 1 / (forwards x
+    moe layers)``, so the objective holds ``aux_loss_coef x`` the mean of the per-forward load-balancing
+    loss over the step's forwards and the model's MoE layers (likewise ``z_loss_coef``): the same at any
+    ``parallel.dp`` / ``data.microbatches`` split of the same global batch.
+
+    Args:
+        stages: this rank's LLM stage(s).
+        cfg: the LLM config (its MoE layer count).
+        forwards: forwards of one MoE layer per step over the world: ``data.microbatches`` x the ranks
+            of a pipeline stage that run them (``world / (pp x tp)``; with dp only: the step's global
+            pack count, ``dp x microbatches``; Megatron-Core's ``MoEAuxLossAutoScaler`` scale is
+            ``1 / num_microbatches``, with the DP mean on top).
+
+    Layers are averaged, not summed: ``transformers``' Qwen2-MoE ``load_balancing_loss_func`` pools every
+    layer's router rows into one loss of one layer's scale and adds ``router_aux_loss_coef`` times it
+    once per batch, so an imported ``router_aux_loss_coef`` means the same here.
+
+    Returns:
+        The scale set (1.0 without MoE layers).
+
+    Raises:
+        ValueError: ``forwards`` < 1.
+    """
+    if forwards < 1:
+        raise ValueError(f"forwards must be >= 1, got {forwards}")
+    layers = moe_layer_count(cfg)
+    if layers == 0:
+        return 1.0
+    scale = 1.0 / (forwards * layers)
+    for m in stages.modules():
+        if isinstance(m, MoEFeedForward):
+            m.moe.loss_scale = scale
+    return scale
 
 
 def moe_step_metrics(stages: nn.Module, cfg: LLMConfig, group: dist.ProcessGroup | None) -> dict:
@@ -213,8 +274,9 @@ def moe_step_metrics(stages: nn.Module, cfg: LLMConfig, group: dist.ProcessGroup
 
     Returns (sums over every rank and forward; TP peers are not deduplicated, MoE refuses TP):
         ``moe_aux``, ``moe_z``: the mean load-balancing and z-loss per layer forward (unscaled);
-        ``moe_tokens_routed`` / ``moe_tokens_computed``: (token, slot) rows sent to experts / computed by
-        them (equal when dropless: ``tokens x top_k`` per MoE layer); ``moe_tokens_per_expert``:
+        ``moe_tokens_routed``: (token, slot) assignments before any capacity drop (``tokens x top_k`` per
+        MoE layer); ``moe_tokens_computed``: rows the experts computed (after the drops);
+        ``moe_tokens_dropped``: routed - computed (0 when dropless); ``moe_tokens_per_expert``:
         ``{"L<layer>/e<expert>": rows}``; ``moe_load_max_over_mean``: ``{"L<layer>": max_e / mean_e}``
         of the rows per expert (1 = balanced).
     """
@@ -235,6 +297,7 @@ def moe_step_metrics(stages: nn.Module, cfg: LLMConfig, group: dist.ProcessGroup
         "moe_z": float(table[:, 2].sum()) / forwards,
         "moe_tokens_routed": int(table[:, 3].sum()),
         "moe_tokens_computed": int(table[:, 4].sum()),
+        "moe_tokens_dropped": int(table[:, 3].sum()) - int(table[:, 4].sum()),
         "moe_tokens_per_expert": {},
         "moe_load_max_over_mean": {},
     }
