@@ -53,6 +53,7 @@ from omni_pipeline.cost import Network
 from omni_pipeline.step_model import Device, Layout, StepPrediction, predict_step
 from omni_pipeline.tune import tune
 from omni_pipeline.workload import Workload, load_workload
+from omni_train.simulate import layout_check
 
 ROOT = Path(__file__).resolve().parents[1]
 WORKLOADS = ROOT / "apps/omni-train/src/omni_train/configs/workloads"
@@ -173,7 +174,14 @@ def tuning(gpus: int = 64) -> dict:
     w = vlm(7, 3)
     t0 = time.perf_counter()
     res = tune(
-        w, gpus, device=DEVICE, network=NETWORK, global_batch=w.microbatches * gpus // 16, top=1, max_sp=4
+        w,
+        gpus,
+        device=DEVICE,
+        network=NETWORK,
+        global_batch=w.microbatches * gpus // 16,
+        top=1,
+        max_sp=4,
+        check=layout_check(w),  # only layouts the trainer's preflight accepts
     )
     wall = time.perf_counter() - t0
     best = res.plans[0]
