@@ -282,15 +282,9 @@ def simulate_config(
     return "\n".join(lines)
 
 
-# the rows of a workload simulation: the paper's baselines (Megatron-LM, Megatron-Dist, Optimus) and ours
-WORKLOAD_ROWS = (
-    "prepend_first_stage",
-    "megatron_dist",
-    "optimus_static",
-    "isolated",
-    "uniform_on_demand",
-    "planned",
-)
+# the rows of a workload simulation: the paper's baselines (Megatron-LM, Megatron-Dist, Optimus) and ours,
+# the placements the whole-step model runs
+WORKLOAD_ROWS = PLACEMENTS
 
 
 def resolve_workload(name_or_path: str) -> Workload:
