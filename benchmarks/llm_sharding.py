@@ -28,9 +28,9 @@ from typing import Any
 from long_context import apply_changes  # benchmarks/ is on sys.path when run as a script
 
 from omni_parallel.testing import run_world
+from omni_pipeline.step_metrics import PHASES
 from omni_train.binder import load_config
 from omni_train.metrics import tokens_per_s
-from omni_train.step_metrics import PHASES
 
 ZERO = {"pp": 2, "dp": 2, "tp": 1}
 TP = {"pp": 1, "dp": 2, "tp": 2}

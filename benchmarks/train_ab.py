@@ -50,11 +50,11 @@ from pathlib import Path
 
 from omni_parallel.testing import run_world
 from omni_pipeline import PlacementPolicy
+from omni_pipeline.step_metrics import PHASES
 from omni_train.binder import load_config
 from omni_train.config import MixturePhase, RunConfig
 from omni_train.metrics import read_metrics, tokens_per_s
 from omni_train.simulate import simulate_config
-from omni_train.step_metrics import PHASES
 
 BASELINE = (PlacementPolicy.PREPEND_FIRST_STAGE, False)
 SWEEP_SHARES = ("1:9", "5:5", "9:1")

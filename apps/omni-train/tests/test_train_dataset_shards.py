@@ -8,6 +8,7 @@ import re
 from collections import Counter
 from pathlib import Path
 
+import av
 import numpy as np
 import pytest
 import soundfile as sf
@@ -15,7 +16,7 @@ import webdataset as wds
 from PIL import Image
 from tokenizers import Tokenizer
 
-from omni_data import PayloadReader, WebDatasetSource
+from omni_data import ImageTokens, PayloadReader, VideoTokens, WebDatasetSource
 from omni_train.data import MANIFEST_PATH, SHARDS_DIR, TOKENIZER_PATH, Modality, shard_paths
 from omni_train.prepare.sources import SOURCES
 
@@ -25,6 +26,7 @@ REQUIRED = {
     "image": {"modality", "source", "license", "width", "height", "title"},
     "audio": {"modality", "source", "license", "sample_rate", "num_frames", "human", "speaker"},
     "text": {"modality", "source", "play", "license"},
+    "video": {"modality", "source", "license", "fps", "frames", "width", "height", "duration_s", "origin"},
 }
 
 
@@ -35,7 +37,7 @@ def _samples(modality: str) -> list[dict]:
 
 @pytest.fixture(scope="module")
 def samples() -> dict[str, list[dict]]:
-    return {m: _samples(m) for m in ("image", "audio", "text")}
+    return {m: _samples(m) for m in ("image", "audio", "text", "video")}
 
 
 def test_counts_and_size(samples):
@@ -51,6 +53,9 @@ def test_counts_and_size(samples):
     assert sum(manifest["counts"]["audio"].values()) == len(samples["audio"])
     assert manifest["counts"]["image"]["openclipart"] == len(samples["image"])
     assert manifest["counts"]["text"]["shakespeare passages"] == len(samples["text"])
+    assert sum(manifest["counts"]["video"]["clips"].values()) == len(samples["video"]) >= 50
+    video_bytes = sum(p.stat().st_size for p in shard_paths("video"))
+    assert video_bytes == manifest["shard_bytes"]["video"] <= 4 * 2**20
 
 
 def test_metadata_contract(samples):
@@ -74,6 +79,18 @@ def test_metadata_contract(samples):
                 assert (info.samplerate, info.channels, info.format) == (16000, 1, "FLAC"), where
                 assert info.frames == meta["num_frames"] and meta["sample_rate"] == 16000, where
                 assert meta["human"] is (meta["source"] == "pocketsphinx-testdata"), where
+            elif modality == "video":
+                with av.open(io.BytesIO(s["mp4"])) as c:
+                    st = c.streams.video[0]
+                    n = sum(1 for _ in c.decode(st))
+                    assert (n, float(st.average_rate)) == (meta["frames"], meta["fps"]), where
+                    assert (st.codec_context.width, st.codec_context.height) == (
+                        meta["width"],
+                        meta["height"],
+                    )
+                assert max(meta["width"], meta["height"]) <= 112 and meta["duration_s"] == n / meta["fps"], (
+                    where
+                )
             else:
                 assert meta["source"] == "shakespeare" and len(s["txt"]) <= 4096, where
 
@@ -130,9 +147,14 @@ def test_loads_through_omni_data_webdataset_source(samples):
     tokenizer = Tokenizer.from_file(str(TOKENIZER_PATH))
     reader = PayloadReader(tokenizer)
     try:
-        for modality in ("image", "audio", "text"):
+        # video: small frames so the check stays cheap (the bundled clips are 112 px on the long side)
+        vt = VideoTokens(frame=ImageTokens(min_pixels=28 * 28, max_pixels=112 * 112))
+        for modality in ("image", "audio", "text", "video"):
             source = WebDatasetSource(
-                [str(p) for p in shard_paths(modality)], modality=modality, tokenizer=tokenizer
+                [str(p) for p in shard_paths(modality)],
+                modality=modality,
+                tokenizer=tokenizer,
+                video_tokens=vt,
             )
             metas = list(source)
             # every sample of the shards (read with webdataset itself) comes through, none skipped
@@ -148,6 +170,9 @@ def test_loads_through_omni_data_webdataset_source(samples):
                     assert payload.sample_rate == 16000 and payload.waveform.shape == ref.shape
                     assert np.allclose(payload.waveform.numpy(), ref, atol=1e-6), meta.key
                     assert np.abs(ref).max() > 0.01  # real signal, not silence
+                elif modality == "video":
+                    assert payload.frames is not None and payload.frames.shape == meta.shape
+                    assert float(payload.frames.std()) > 0.01  # real footage, not a blank frame
                 assert tokenizer.decode(payload.text_ids.tolist()) == _text_of(meta), meta.key
     finally:
         reader.close()

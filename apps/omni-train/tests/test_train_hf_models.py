@@ -16,6 +16,7 @@ import torch
 os.environ["HF_HUB_OFFLINE"] = "1"
 transformers = pytest.importorskip("transformers")
 
+from hf_oracle import TOL, assert_close_at_tol, perturb  # noqa: E402
 from transformers import (  # noqa: E402
     LlamaConfig,
     LlamaForCausalLM,
@@ -42,26 +43,6 @@ from omni_train.hf import (  # noqa: E402
 )
 from omni_train.models import AudioConfig, AudioEncoder, ImageTower, LLMStage, log_mel, patchify  # noqa: E402
 from omni_train.models.audio import mel_filterbank  # noqa: E402
-
-TOL = 1e-5
-
-
-def _perturb(model: torch.nn.Module, seed: int) -> None:
-    """Biases ~ N(0, 0.1), norm weights ~ N(1, 0.1), everything else as initialised."""
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("bias"):
-                p.copy_(torch.randn(p.shape, generator=g) * 0.1)
-            elif p.dim() == 1:
-                p.copy_(1 + torch.randn(p.shape, generator=g) * 0.1)
-
-
-def _close(ours: torch.Tensor, ref: torch.Tensor) -> None:
-    assert ours.shape == ref.shape
-    assert ref.std() > 0.1  # values of a real scale: a tolerance of 1e-5 means something
-    torch.testing.assert_close(ours, ref, rtol=0, atol=TOL)
-
 
 # -- LLM -------------------------------------------------------------------------------------------------------
 LLM_SIZES = dict(
@@ -96,7 +77,7 @@ def _packed_vs_batched(ours: LLMStage, hf_model, seed: int) -> tuple[torch.Tenso
 def test_llm_from_hf_folder_equals_transformers_and_export_loads(tmp_path, cls, hf_cfg):
     torch.manual_seed(0)
     hf_model = cls(hf_cfg).eval()
-    _perturb(hf_model, 1)
+    perturb(hf_model, 1)
     hf_model.save_pretrained(tmp_path / "hf", max_shard_size="40KB")
     assert (tmp_path / "hf" / "model.safetensors.index.json").is_file()  # sharded: the index is read
 
@@ -106,18 +87,18 @@ def test_llm_from_hf_folder_equals_transformers_and_export_loads(tmp_path, cls, 
     ours = LLMStage(cfg)
     adapter = LlamaAdapter(cfg)
     ours.load_state_dict(adapter.from_hf(read_weights(tmp_path / "hf")), strict=True)
-    _close(*_packed_vs_batched(ours, hf_model, 2))
+    assert_close_at_tol(*_packed_vs_batched(ours, hf_model, 2))
 
     # export: our seeded model (biases and norms randomised) -> folder -> from_pretrained
     mine = LLMStage(cfg, seed=7)
-    _perturb(mine, 3)
+    perturb(mine, 3)
     files = write_folder(
         tmp_path / "out", adapter.hf_config(), adapter.to_hf(mine.state_dict()), max_shard_bytes=30_000
     )
     assert len(files) > 1
     loaded = cls.from_pretrained(tmp_path / "out").eval()
     assert type(loaded) is cls
-    _close(*_packed_vs_batched(mine, loaded, 4))
+    assert_close_at_tol(*_packed_vs_batched(mine, loaded, 4))
 
 
 def test_llm_import_refuses_what_it_cannot_represent(tmp_path):
@@ -160,7 +141,7 @@ def test_vision_tower_from_hf_folder_equals_qwen2vl_and_export_loads(tmp_path):
         rope_parameters={"rope_type": "axial", "rope_theta": 1000.0},
     )
     hf_model = Qwen2VisionTransformerPretrainedModel(hf_cfg).eval()
-    _perturb(hf_model, 1)
+    perturb(hf_model, 1)
     hf_model.save_pretrained(tmp_path / "hf")
     cfg, llm_dim = vit_config_from_hf(read_config(tmp_path / "hf"))
     assert llm_dim == 48 and cfg.projector_hidden == 128 and not cfg.patch_bias
@@ -170,16 +151,18 @@ def test_vision_tower_from_hf_folder_equals_qwen2vl_and_export_loads(tmp_path):
     patches, grids, hf_patches, thw = _vision_inputs(2)
     with torch.no_grad():
         ref = hf_model(hf_patches, grid_thw=thw)
-        _close(tower(patches, grids), ref.pooler_output)  # merged tokens at the LLM width
+        assert_close_at_tol(tower(patches, grids), ref.pooler_output)  # merged tokens at the LLM width
         # the ViT alone: its final norm is the merger's ln_q, applied before the 2x2 merge
-        _close(tower.encoder(patches, grids), hf_model.merger.ln_q(ref.last_hidden_state).reshape(-1, 128))
+        assert_close_at_tol(
+            tower.encoder(patches, grids), hf_model.merger.ln_q(ref.last_hidden_state).reshape(-1, 128)
+        )
 
     mine = ImageTower(cfg, llm_dim, seed=5)
-    _perturb(mine, 3)
+    perturb(mine, 3)
     write_folder(tmp_path / "out", adapter.hf_config(), adapter.to_hf(mine.state_dict()))
     loaded = Qwen2VisionTransformerPretrainedModel.from_pretrained(tmp_path / "out").eval()
     with torch.no_grad():
-        _close(mine(patches, grids), loaded(hf_patches, grid_thw=thw).pooler_output)
+        assert_close_at_tol(mine(patches, grids), loaded(hf_patches, grid_thw=thw).pooler_output)
 
 
 # -- audio -------------------------------------------------------------------------------------------------------
@@ -196,7 +179,7 @@ def test_audio_encoder_from_hf_folder_equals_whisper_and_export_loads(tmp_path):
     )
     hf_model = WhisperEncoder(hf_cfg).eval()
     fresh_positions = hf_model.embed_positions.weight.detach().clone()
-    _perturb(hf_model, 1)
+    perturb(hf_model, 1)
     hf_model.save_pretrained(tmp_path / "hf")
     cfg = audio_config_from_hf(read_config(tmp_path / "hf"))
     enc = AudioEncoder(cfg)
@@ -207,14 +190,18 @@ def test_audio_encoder_from_hf_folder_equals_whisper_and_export_loads(tmp_path):
     mels = torch.randn(3, 16, 24, generator=torch.Generator().manual_seed(2))
     packed = mels.transpose(1, 2).reshape(-1, 16)
     with torch.no_grad():
-        _close(enc(packed, torch.tensor([24, 24, 24])), hf_model(mels).last_hidden_state.reshape(-1, 32))
+        assert_close_at_tol(
+            enc(packed, torch.tensor([24, 24, 24])), hf_model(mels).last_hidden_state.reshape(-1, 32)
+        )
 
     mine = AudioEncoder(cfg, seed=5)
-    _perturb(mine, 3)  # the key third of the fused bias too: Whisper drops it, softmax ignores it
+    perturb(mine, 3)  # the key third of the fused bias too: Whisper drops it, softmax ignores it
     write_folder(tmp_path / "out", adapter.hf_config(), adapter.to_hf(mine.state_dict()))
     loaded = WhisperEncoder.from_pretrained(tmp_path / "out").eval()
     with torch.no_grad():
-        _close(mine(packed, torch.tensor([24, 24, 24])), loaded(mels).last_hidden_state.reshape(-1, 32))
+        assert_close_at_tol(
+            mine(packed, torch.tensor([24, 24, 24])), loaded(mels).last_hidden_state.reshape(-1, 32)
+        )
 
 
 def test_slaney_log_mel_equals_whisper_feature_extractor():
@@ -263,7 +250,7 @@ def test_towers_inside_full_checkpoints_are_found_and_the_rest_counted(tmp_path)
     tower.load_state_dict(ours, strict=True)
     patches, grids, hf_patches, thw = _vision_inputs(5)
     with torch.no_grad():
-        _close(tower(patches, grids), vlm.model.visual(hf_patches, grid_thw=thw).pooler_output)
+        assert_close_at_tol(tower(patches, grids), vlm.model.visual(hf_patches, grid_thw=thw).pooler_output)
 
     whisper = WhisperForConditionalGeneration(
         WhisperConfig(
@@ -282,4 +269,4 @@ def test_towers_inside_full_checkpoints_are_found_and_the_rest_counted(tmp_path)
     mels = torch.randn(1, 16, 16, generator=torch.Generator().manual_seed(6))
     with torch.no_grad():
         ref = whisper.model.encoder(mels).last_hidden_state[0]
-        _close(enc(mels[0].T.contiguous(), torch.tensor([16])), ref)
+        assert_close_at_tol(enc(mels[0].T.contiguous(), torch.tensor([16])), ref)

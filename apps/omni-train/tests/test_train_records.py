@@ -20,9 +20,9 @@ from train_fixtures import make_dataset, write_config
 
 from omni_parallel.testing import run_world
 from omni_pipeline import fit_cost_model, read_records
+from omni_pipeline.step_metrics import PHASES
 from omni_train.binder import load_config
 from omni_train.cli import main
-from omni_train.step_metrics import PHASES
 
 pytestmark = pytest.mark.slow
 

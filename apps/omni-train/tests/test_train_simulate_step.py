@@ -250,3 +250,10 @@ weights = { t = 1, i = 1 }
     # each rank's routed experts: 8 experts x 3 x 256 x 128 float32 weights in the stage's one MoE layer
     experts = 4 * 8 * 3 * 256 * 128
     assert totals[0] - totals[1] == experts / 2 and totals[0] - totals[2] == experts * 3 / 4
+    # at llm_zero 1-3 each EP shard is further sharded over the dp / ep = 2 expert-data-parallel ranks
+    for zero in (1, 3):
+        lay = Layout(pp=2, dp=4, ep=2, llm_zero=zero)
+        exact, analytic = exact_state(w, lay, 4), rank_memory(w, lay)
+        for r in range(2):
+            for k in KINDS:
+                assert analytic[r][f"llm_{k}"] == exact[r]["llm"][k], (zero, r, k)

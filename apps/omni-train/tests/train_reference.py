@@ -248,8 +248,9 @@ def reference_resplit_run(cfg, saved: str, run: Path, resume_at: int) -> tuple[l
     return losses[-(cfg.train.steps - resume_at) :], grads
 
 
-def reference_run(cfg, run: Path, dp: int) -> tuple[list[float], list[dict]]:
-    """The one-process reference of ``cfg``'s run over ``dp`` replicas (call inside a 1-process world)."""
+def reference_run(cfg, run: Path, dp: int, *, on_inputs=None) -> tuple[list[float], list[dict]]:
+    """The one-process reference of ``cfg``'s run over ``dp`` replicas (call inside a 1-process world);
+    ``on_inputs`` as for :func:`capture_run`."""
     from tokenizers import Tokenizer
 
     from omni_train.data_files import tokenizer_path
@@ -265,7 +266,7 @@ def reference_run(cfg, run: Path, dp: int) -> tuple[list[float], list[dict]]:
         data_reorder_group_size=1,
     )
     stream = MergedStream(cfg, Tokenizer.from_file(str(tokenizer_path(cfg.data))), dp) if dp > 1 else None
-    out = capture_run(ref, run, stream=stream)
+    out = capture_run(ref, run, stream=stream, on_inputs=on_inputs)
     assert out is not None
     return out
 

@@ -164,10 +164,10 @@ def test_a_csv_manifest_with_a_byte_order_mark_keeps_its_path_column(folder, tmp
 
 def test_unknown_files_are_named_and_an_output_folder_inside_the_input_is_not_read(folder, tmp_path):
     d = _copy(folder, tmp_path)
-    (d / "words" / "hello.mp4").write_bytes(b"\0" * 64)  # not a format the loader reads
+    (d / "words" / "hello.doc").write_bytes(b"\0" * 64)  # not a format the loader reads
     (d / "notes.pdf").write_bytes(b"%PDF-1.4")
     first = write_dataset(d, str(d / "shards"))
-    assert first.skipped["not an image, audio, .txt or .json file"] == ["notes.pdf", "words/hello.mp4"]
+    assert first.skipped["not an image, video, audio, .txt or .json file"] == ["notes.pdf", "words/hello.doc"]
     # the README's layout: the shards inside the input folder; a second run does not read them back
     again = write_dataset(d, str(d / "shards"))
     assert again.to_dict() == first.to_dict()

@@ -13,8 +13,15 @@
   senders of their rows. In the same
   world, LLM ZeRO 1, 2 and 3 beside ep = 2 (dp = 2): the dense parameters FSDP2-sharded, the experts left
   out as EP shards; gradients and one AdamW step equal the one process's (<= 1e-10).
-* The expert layout (:func:`omni_parallel.topology.expert_groups`) as a pure function, and
-  ``GroupSpec(expert_dp=True)`` building it on a fake 8-rank world.
+  Also in that world: :func:`update_expert_bias` after two forwards per rank (and one under ``no_grad``,
+  not counted) gives the same bias on both ranks, equal to ``rate * sign(mean - load)`` written out over
+  both ranks' loads, twice.
+* One process: the router's selection-only expert bias (``bias_update_rate`` set) forces an expert into
+  every token's top-k while the gate weights stay the unbiased softmax (brute force ranking on
+  ``probs + bias``, <= 1e-12); the bias is a state-dict buffer, not a parameter.
+* The expert layout (:func:`omni_parallel.topology.expert_groups`) as a pure function, EP inside DP and
+  carved out of DP x CP (``ParallelConfig.ep_split``), and ``GroupSpec(expert_dp=True)`` building it on
+  fake 8- and 12-rank worlds (the EP group over DP x CP ranks enumerated, its 1-D mesh from it).
 """
 
 from __future__ import annotations
@@ -54,7 +61,10 @@ def _brute(m: MoE, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.T
         tot = sum(ex)
         probs = [v / tot for v in ex]
         probs_all.append(torch.stack(probs))
-        ranked = sorted(range(cfg.experts), key=lambda e: (-float(probs[e].detach()), e))[: cfg.top_k]
+        # chosen on probs + the router's selection-only bias (DeepSeek-V3), weighted by probs alone
+        bias = [0.0] * cfg.experts if m.router.expert_bias is None else m.router.expert_bias.tolist()
+        ranked = sorted(range(cfg.experts), key=lambda e: (-(float(probs[e].detach()) + bias[e]), e))
+        ranked = ranked[: cfg.top_k]
         chosen.append(ranked)
         w = [probs[e] for e in ranked]
         if cfg.norm_topk_prob:
@@ -111,6 +121,33 @@ def test_moe_matches_brute_force(norm: bool, shared: int) -> None:
     assert r.computed == T * cfg.top_k and int(r.tokens_per_expert.sum()) == T * cfg.top_k
     for k in want:
         torch.testing.assert_close(got[k], want[k], atol=1e-12, rtol=0, msg=k)
+    torch.testing.assert_close(gx, x2.grad, atol=1e-12, rtol=0)
+
+
+def test_router_expert_bias_chooses_without_weighting() -> None:
+    """A selection-only expert bias (``bias_update_rate`` set, DeepSeek-V3): with a bias of +1 on
+    expert 3 every token picks it (it would not without), the gate weights stay the unbiased softmax, and
+    outputs, losses and every gradient equal the brute force ranking on ``probs + bias`` (<= 1e-12). The
+    bias is a buffer in the state dict, no parameter."""
+    cfg = MoEConfig(DIM, HIDDEN, experts=4, top_k=2, aux_loss_coef=AUX, z_loss_coef=ZC, bias_update_rate=0.0)
+    m = _layer(cfg)
+    assert "router.expert_bias" in m.state_dict() and "router.expert_bias" not in dict(m.named_parameters())
+    x = torch.randn(T, DIM, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    assert not bool((m(x).tokens_per_expert == T).any())  # unbiased: no expert in every token's top-2
+    m.router.expert_bias[3] = 1.0
+    x1 = x.clone().requires_grad_(True)
+    r = m(x1)
+    assert r.tokens_per_expert[3] == T
+    r.out.sum().backward()
+    got, gx = _grads(m), x1.grad
+    m.zero_grad()
+    x2 = x.clone().requires_grad_(True)
+    out, aux, z = _brute(m, x2)
+    (out.sum() + AUX * aux + ZC * z).backward()
+    torch.testing.assert_close(r.out, out, atol=1e-12, rtol=0)
+    torch.testing.assert_close(r.aux, aux, atol=1e-12, rtol=0)
+    for k, v in _grads(m).items():
+        torch.testing.assert_close(got[k], v, atol=1e-12, rtol=0, msg=k)
     torch.testing.assert_close(gx, x2.grad, atol=1e-12, rtol=0)
 
 
@@ -241,7 +278,35 @@ def _ep_rank(rank: int, world: int) -> dict:
             "routed": o.routed,
         }
     results["llm_zero"] = _llm_zero_beside_ep(rank, world)
+    results["bias"] = _bias_update(rank, world)
     return results
+
+
+RATE = 0.25
+
+
+def _bias_update(rank: int, world: int) -> dict:
+    """Two forwards per rank at ep = 2 (one more under ``no_grad``, which must not count), then
+    :func:`update_expert_bias` over the group, twice: each rank's bias after each update and the loads
+    of the forwards (global counts per expert, per update)."""
+    from omni_parallel.moe import update_expert_bias
+
+    cfg = MoEConfig(DIM, HIDDEN, experts=4, top_k=2, bias_update_rate=RATE)
+    m = _layer(cfg, dist.group.WORLD)
+    out: dict = {"bias": [], "counts": []}
+    for update in range(2):
+        counts = torch.zeros(cfg.experts, dtype=torch.int64)
+        for f in range(2):
+            gen = torch.Generator().manual_seed(100 * update + 10 * f + rank)
+            counts += m(torch.randn(T, DIM, dtype=torch.float64, generator=gen)).tokens_per_expert
+        with torch.no_grad():  # 5 T rows all on expert 0: counted, they would tip its load
+            target = torch.tensor([[5.0], [-5.0], [-5.0], [-5.0]], dtype=torch.float64)
+            d = torch.linalg.lstsq(m.router.weight.detach(), target).solution[:, 0]
+            assert int(m(d.expand(5 * T, DIM).clone()).tokens_per_expert[0]) == 5 * T
+        out["counts"].append(counts.tolist())
+        assert update_expert_bias([m], dist.group.WORLD) == 1
+        out["bias"].append(m.router.expert_bias.tolist())
+    return out
 
 
 class _Net(torch.nn.Module):
@@ -335,6 +400,14 @@ def test_expert_parallel_equals_one_process() -> None:
     one = res[0]["one_expert"]
     assert one["sent"] == [[T, 0, 0, 0], [0, 0, 0, T]]  # all of a rank's tokens on one expert
     assert one["local_counts"] == [T, 0] and res[1]["one_expert"]["local_counts"] == [0, T]
+    # the expert bias update: the same on both ranks, equal to the rule written out over both ranks' loads
+    bias = [0.0] * 4
+    for u in range(2):
+        load = [sum(r["bias"]["counts"][u][e] for r in res) for e in range(4)]
+        mean = sum(load) / 4
+        bias = [b + RATE * ((mean > v) - (mean < v)) for b, v in zip(bias, load)]
+        assert res[0]["bias"]["bias"][u] == res[1]["bias"]["bias"][u] == bias, (u, load, res[0]["bias"])
+        assert any(b != 0 for b in bias) or u == 1  # the first update moved it
     # LLM ZeRO 1-3 beside EP: one process's gradients and AdamW step; FSDP2 manages the dense parameters
     # only, the experts stay EP shards (Shard(0) over the EP group, 2 of the 4 experts per rank)
     for rank, r in enumerate(res):
@@ -359,6 +432,24 @@ def test_expert_groups_layout() -> None:
     assert expert_groups(4, ParallelConfig())["edp"] == rank_groups(4, ParallelConfig())["dp_cp"]
     with pytest.raises(ValueError, match="ep = 3 must divide dp"):
         expert_groups(4, ParallelConfig(ep=3))
+    # EP carved out of DP x CP (ep_split: gcd(ep, dp) DP ranks x the slowest ep_seq sequence ranks)
+    assert ParallelConfig(cp=2, ep=2, dp=1).ep_split() == (1, 2)
+    g = expert_groups(2, ParallelConfig(cp=2, ep=2))  # dp = 1: the CP pair is the EP group
+    assert g == {"ep": [[0, 1]], "edp": [[0], [1]]}
+    assert rank_groups(2, ParallelConfig(cp=2, ep=2))["ep"] == [[0, 1]]
+    g = expert_groups(12, ParallelConfig(cp=2, ep=4))  # dp = 6: 2 DP ranks x the 2 CP ranks
+    assert g["ep"] == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9, 10, 11]]
+    assert g["edp"] == [[0, 4, 8], [1, 5, 9], [2, 6, 10], [3, 7, 11]]
+    g = expert_groups(16, ParallelConfig(cp=4, ep=4, pp=2))  # dp = 2: 2 DP ranks x the slower CP half
+    assert g["ep"][:2] == [[0, 2, 4, 6], [1, 3, 5, 7]] and g["edp"][:2] == [[0, 1], [2, 3]]
+    dp_cp = rank_groups(16, ParallelConfig(cp=4, ep=4, pp=2))["dp_cp"]
+    for ep_g in g["ep"]:
+        assert any(set(ep_g) <= set(d) for d in dp_cp)
+        assert sum(len(set(ep_g) & set(e)) == 1 for e in g["edp"]) == 4
+    with pytest.raises(ValueError, match=r"ep / gcd\(ep, dp\) = 3 must divide cp \* ulysses = 2"):
+        expert_groups(12, ParallelConfig(cp=2, ep=3, dp=2, pp=3))
+    with pytest.raises(ValueError, match="cp, ep and dp adjacent"):
+        rank_groups(2, ParallelConfig(cp=2, ep=2), order="tp-ep-dp-cp-pp")
 
 
 def test_group_spec_builds_expert_dp() -> None:
@@ -366,6 +457,12 @@ def test_group_spec_builds_expert_dp() -> None:
         ps = ParallelState.build(ParallelConfig(ep=2, cp=2), groups=GroupSpec(expert_dp=True))
         assert ps.expert_dp_group is not None and ps.members["edp"] == [0, 1, 4, 5]
         assert ps.members["ep"] == [5, 7]
+    with fake_world(12, rank=6):  # EP over DP x CP: an enumerated group, its 1-D mesh from it
+        ps = ParallelState.build(ParallelConfig(ep=4, cp=2), groups=GroupSpec(expert_dp=True))
+        assert ps.members["ep"] == [4, 5, 6, 7] and ps.members["edp"] == [2, 6, 10]
+        assert ps.size("ep") == 4 and ps.local_rank("ep") == 2
+        assert dist.get_world_size(ps.group("ep")) == 4
+        assert ps.device_mesh("ep").size() == 4
     with pytest.raises(ValueError, match=r"GroupSpec\.expert_dp"):
         GroupSpec(expert_dp=1)  # type: ignore[arg-type]
 
@@ -375,6 +472,8 @@ def test_moe_config_errors() -> None:
         MoEConfig(DIM, HIDDEN, experts=2, top_k=3)
     with pytest.raises(ValueError, match=r"MoEConfig\.experts"):
         MoEConfig(DIM, HIDDEN, experts=0, top_k=1)
+    with pytest.raises(ValueError, match=r"MoEConfig\.bias_update_rate must be >= 0 or None"):
+        MoEConfig(DIM, HIDDEN, experts=2, top_k=1, bias_update_rate=-0.1)
     x = torch.randn(3, DIM)
     with pytest.raises(ValueError, match="counts sum"):
         _layer(MoEConfig(DIM, HIDDEN, 2, 1)).experts(x.double(), torch.tensor([1, 1]))

@@ -19,8 +19,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from omni_parallel import ParallelConfig, ParallelState
 from omni_parallel.grad_clip import clip_grad_norm_
-from omni_parallel.numerics import NumericsGuard, NumericsSpec, OnNonFinite
+from omni_parallel.numerics import NonFiniteError, NumericsGuard, NumericsSpec, OnNonFinite, apply_verdict
 from omni_parallel.testing import run_world
 
 CPU = torch.device("cpu")
@@ -78,7 +79,17 @@ def _world(rank: int, world_size: int) -> dict:
     bad, calls1, norm1, _ = _one_step(rank, enc, head, opt, guard, 1, poison=rank == 1)
     unchanged = all(torch.equal(a, b) for a, b in zip(before, _state(params, opt)))
     again, _, _, _ = _one_step(rank, enc, head, opt, guard, 2, poison=False)
+    # in a pp=2 layout only the last stage's loss counts (for_layout); a NaN output of the watched tower
+    # on the first stage is flagged all the same, and the loss reaches the guard through wrap_loss
+    ps = ParallelState.build(ParallelConfig(pp=2))
+    staged = NumericsGuard.for_layout(NumericsSpec(), ps, {"image_encoder": enc}, device=CPU)
+    loss = staged.wrap_loss(lambda k, y: (y.sum() * k, {"k": k}))
+    got = loss(2, torch.tensor([rank + 1.0], dtype=torch.float64))
+    enc(torch.full((1, 4), math.nan if rank == 0 else 1.0, dtype=torch.float64))
+    staged.reduce()
+    layout = staged.verdict(0, 1.0)
     return {
+        "layout": (layout.action, dict(layout.nonfinite), layout.loss, float(got[0]), got[1]),
         "good": (good.action, good.loss, dict(good.nonfinite)),
         "losses0": losses0,
         "bad": (bad.action, dict(bad.nonfinite), bad.in_a_row, bad.what()),
@@ -110,6 +121,8 @@ def test_one_ranks_nan_encoder_output_makes_every_rank_skip_the_step():
         assert r["summary"]["events"] == [
             {"step": 1, "action": "skip_step", "nonfinite": {"image_encoder": 1}}
         ]
+        # the loss counted on the last stage only: rank 1's 2 x 2.0 (every rank's would sum to 6)
+        assert r["layout"] == ("skip_step", {"image_encoder": 1}, 4.0, 2.0 * (rank + 1), {"k": 2}), rank
     # rank 0 saw nothing wrong by itself: only the guard's reduction told it
     assert math.isfinite(results[0]["local_norm1"])
 
@@ -195,3 +208,49 @@ def test_verdict_needs_the_steps_reduction():
 def test_the_spec_names_a_field_out_of_range(spec, field):
     with pytest.raises(ValueError, match=field):
         NumericsSpec(**spec)
+
+
+def _bad_step(action: str, step: int = 5) -> tuple[NumericsGuard, object]:
+    guard = _guard(on_nonfinite=action)
+    return guard, _step(guard, step, math.nan)
+
+
+def test_apply_verdict_steps_skips_rolls_back_or_stops():
+    model = nn.Linear(2, 1).double()
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1)
+    model(torch.ones(1, 2, dtype=torch.float64)).sum().backward()
+    before = _state(list(model.parameters()), opt)
+    said: list[str] = []
+    # skip: nothing changes, one line said, the step's entry returned
+    guard, bad = _bad_step("skip_step")
+    out = apply_verdict(bad, guard, opt, say=said.append)
+    assert all(torch.equal(a, b) for a, b in zip(before, _state(list(model.parameters()), opt)))
+    assert out == {"bad_steps": 1, "numerics": {"step": 5, "action": "skip_step", "nonfinite": {"loss": 1}}}
+    assert said == ["step 5: non-finite loss; step skipped (1 in a row)"]
+    assert guard.stop_error(bad) is None
+    # rollback: the caller's roll_back(step) runs, its answer noted and said
+    calls: list[int] = []
+    guard, bad = _bad_step("rollback")
+    out = apply_verdict(
+        bad, guard, opt, roll_back=lambda s: (calls.append(s), (3, ["step-4.x"]))[1], say=said.append
+    )
+    assert calls == [5] and out["numerics"]["rolled_back_to"] == 3
+    assert said[-1] == (
+        "step 5: non-finite loss; rolled back to step 3's parameters and optimizer state (set aside: step-4.x) "
+        "(1 in a row)"
+    )
+    guard, bad = _bad_step("rollback")
+    out = apply_verdict(bad, guard, opt, roll_back=lambda s: (None, []))
+    assert out["numerics"]["rolled_back_to"] is None
+    assert all(torch.equal(a, b) for a, b in zip(before, _state(list(model.parameters()), opt)))
+    # stop: nothing changes here, the error names the step
+    guard, bad = _bad_step("stop")
+    apply_verdict(bad, guard, opt, say=said.append)
+    assert said[-1] == "step 5: non-finite loss; stopping (1 in a row)"
+    err = guard.stop_error(bad)
+    assert isinstance(err, NonFiniteError) and str(err) == guard.stop_message(bad)
+    # a good step steps the optimizer
+    guard = _guard()
+    good = _step(guard, 6, 1.0)
+    assert apply_verdict(good, guard, opt) == {"bad_steps": 0}
+    assert not torch.equal(before[0], model.weight.detach())

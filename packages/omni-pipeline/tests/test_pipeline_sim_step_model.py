@@ -289,6 +289,14 @@ def test_ep_adds_dispatch_and_combine_all_to_alls_and_shards_the_experts():
         one.time_s["expert_all_reduce"], 2 * (3 / 4 * 4 * experts / bw + 3 * lat), rel_tol=1e-12
     )
     assert four.time_s.get("expert_all_reduce", 0.0) == 0.0
+    # llm_zero >= 1 shards each EP shard over its expert-data-parallel group (dp / ep = 2 ranks): one
+    # all-gather per step, then the gradient all-reduced (ZeRO-1) or reduce-scattered (ZeRO-2)
+    xb, x_lat = 4 * experts / 2, net.intra_latency_s  # one rank's EP shard at ep 2, float32
+    for zero, reduce in ((1, "expert_all_reduce"), (2, "expert_reduce_scatter")):
+        sharded = predict_step(w, Layout(pp=2, dp=4, ep=2, llm_zero=zero), device=dev, network=net)
+        assert math.isclose(sharded.time_s["expert_all_gather"], 1 / 2 * xb / bw + x_lat, rel_tol=1e-12)
+        ring = (2 if reduce == "expert_all_reduce" else 1) * (1 / 2 * xb / bw + x_lat)
+        assert math.isclose(sharded.time_s[reduce], ring, rel_tol=1e-12), zero
     # the tuner searches ep for an MoE workload only; bad sizes are named
     from omni_pipeline.tune import candidate_layouts
 

@@ -161,7 +161,7 @@ def test_steps_are_deterministic_alone_and_phases_switch_by_step():
             lambda t: t.replace("weights = { img = 1, txt = 1 }", "weights = { img = 0, txt = 0 }"),
             "phases[0].weights",
         ),
-        (lambda t: t.replace('modality = "image"', 'modality = "video"'), "sources[0].modality"),
+        (lambda t: t.replace('modality = "image"', 'modality = "smell"'), "sources[0].modality"),
         (lambda t: t.replace('image = "vit-1b"', 'image = "vit-99b"'), "model.image: unknown model"),
         (lambda t: t.replace('image = "vit-1b"\n', ""), "model.image: missing"),
         (lambda t: t.replace("seed = 7", "seed = 7\nsede = 8"), "sede: unknown key"),

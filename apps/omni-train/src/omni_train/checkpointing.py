@@ -33,10 +33,11 @@ States that cannot be re-split (a node without ``load_resplit``, e.g. a text sou
 which ``omni_train.preflight.check_resume_layout`` refuses before any worker starts) are refused with
 :class:`~omni_data.LayoutMismatchError` naming both layouts before a sample is read.
 
-The optimizer's parameter groups are saved without their member lists: which parameters a rank holds
-depends on the layout (pipeline schedule, virtual stages, pp), and a per-rank list would make every rank
-load the saved layout's names. Membership is the optimizer's own (``build_optimizer`` decides it from
-each parameter's shape); the saved groups give the hyperparameters, the saved state the moments by name.
+The optimizer state is omni-ckpt's portable one (:func:`omni_ckpt.portable_optimizer_state_dict`): its
+parameter groups are saved without their member lists, since which parameters a rank holds depends on the
+layout (pipeline schedule, virtual stages, pp). Membership is the optimizer's own (``build_optimizer``
+decides it from each parameter's shape); the saved groups give the hyperparameters, the saved state the
+moments by name.
 """
 
 from __future__ import annotations
@@ -45,17 +46,17 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-import msgpack
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from omni_ckpt import (
     BoxShard,
     CheckpointError,
     CheckpointManager,
-    load_optimizer_state_dict,
-    optimizer_state_dict,
+    byte_rows,
+    decode_row,
+    load_portable_optimizer_state_dict,
+    portable_optimizer_state_dict,
 )
 from omni_data import LayoutMismatchError, ReplicaMerge, ZeroRedundancyFilter, hand_over_replicas
 from omni_parallel import ParallelState
@@ -67,7 +68,6 @@ LAYOUT_AXES = ("dp", "pp", "tp", "cp", "ulysses")
 """The parallel sizes a checkpoint records (``layout.<axis>``); any of them may change on resume."""
 
 _POSITION_AXES = ("pp", "tp", "cp", "ulysses")  # ranks of one DP rank, slowest first
-_MIN_ROW = 4096
 
 
 def _describe(layout: dict[str, int]) -> str:
@@ -142,18 +142,10 @@ class TrainCheckpoint:
         return next_step == self.total_steps or (self.cfg.every > 0 and next_step % self.cfg.every == 0)
 
     def save(self, next_step: int) -> None:
-        blob = self.stream.snapshot().blob
-        width = torch.tensor([8 + len(blob)], dtype=torch.int64)
-        if dist.is_initialized():
-            dist.all_reduce(width, op=dist.ReduceOp.MAX)
-        # a power of two keeps the tensor's shape (and so omni-ckpt's cached save plan) stable over saves
-        width = max(_MIN_ROW, 1 << (int(width) - 1).bit_length())
-        row = torch.zeros(1, 1, width, dtype=torch.uint8)
-        row[0, 0, :8] = torch.frombuffer(bytearray(len(blob).to_bytes(8, "little")), dtype=torch.uint8)
-        row[0, 0, 8 : 8 + len(blob)] = torch.frombuffer(bytearray(blob), dtype=torch.uint8)
-        rows = BoxShard(row, (self.layout["dp"], self.positions, width), (self.dp_rank, self.position, 0))
+        blob = self.stream.snapshot().blob  # msgpack bytes, made ahead on the loader's thread
+        rows = byte_rows(blob, (self.dp_rank, self.position), (self.layout["dp"], self.positions))
         state = self._state(rows)
-        state["layout"] = {**self.layout, **self.fixed, "loader_width": width}
+        state["layout"] = {**self.layout, **self.fixed, "loader_width": rows.global_shape[-1]}
         state["step"] = next_step
         # Returns once the state is staged to host memory (omni-ckpt's default), so the optimizer may step
         # at once; the write and the commit continue in the background.
@@ -179,6 +171,8 @@ class TrainCheckpoint:
                 cannot be re-split exactly (both layouts named; raised before the loader reads anything).
             RuntimeError: the checkpoint's recorded step differs from its directory's, or it was saved
                 with another ``fixed`` value under the same layout (names the field and both values).
+            ValueError: the saved optimizer state does not fit this run's optimizer (another number of
+                parameter groups, a moment of another shape: :func:`omni_ckpt.load_portable_optimizer_state_dict`).
             omni_ckpt.CheckpointError: ``step`` is not a committed step (the committed ones named), or
                 the step fails its checks (a damaged file, named; the older committed steps are named
                 with the ``--resume-step`` that resumes from one of them).
@@ -231,24 +225,16 @@ class TrainCheckpoint:
         rows = torch.zeros(count, hi - lo if changed else 1, width, dtype=torch.uint8)
         at = (first, lo if changed else self.position, 0)
         state = self._state(BoxShard(rows, (old["dp"], old_positions, width), at))
-        members = [g["params"] for g in optimizer_state_dict(self.model, self.optimizer)["param_groups"]]
         self.manager.load(latest, state)
-        groups = state["optim"]["param_groups"]
-        if len(groups) != len(members):
-            raise RuntimeError(
-                f"checkpoint step-{latest:08d}: {len(groups)} optimizer parameter groups, this run has "
-                f"{len(members)}"
-            )
-        state["optim"]["param_groups"] = [dict(g, params=m) for g, m in zip(groups, members)]
-        load_optimizer_state_dict(self.model, self.optimizer, state["optim"])
+        load_portable_optimizer_state_dict(self.model, self.optimizer, state["optim"])
         if int(state["step"]) != latest:
             raise RuntimeError(f"checkpoint step-{latest:08d} holds step {state['step']}")
         if not changed:
-            self.stream.reset(_decode_row(rows[0, 0], f"{where}: loader row of DP rank {first}"))
+            self.stream.reset(decode_row(rows[0, 0], f"{where}: loader row of DP rank {first}"))
             return latest
 
         def row(d: int, p: int) -> dict[str, Any]:
-            return _decode_row(rows[d, p - lo], f"{where}: loader row of DP rank {d} at position {p}")
+            return decode_row(rows[d, p - lo], f"{where}: loader row of DP rank {d} at position {p}")
 
         states = [row(d, meta) for d in range(count)]
         by_position = [row(d, p) if p != meta else states[d] for p in skips for d in range(count)]
@@ -305,11 +291,8 @@ class TrainCheckpoint:
         """The model and the optimizer state of committed ``step``, whatever layout saved them."""
         state = self._state(None)
         del state["loader"], state["step"]
-        members = [g["params"] for g in optimizer_state_dict(self.model, self.optimizer)["param_groups"]]
         self.manager.load(step, state)
-        groups = state["optim"]["param_groups"]
-        state["optim"]["param_groups"] = [dict(g, params=m) for g, m in zip(groups, members)]
-        load_optimizer_state_dict(self.model, self.optimizer, state["optim"])
+        load_portable_optimizer_state_dict(self.model, self.optimizer, state["optim"])
 
     def steps(self) -> list[int]:
         """Committed steps, oldest first."""
@@ -320,24 +303,9 @@ class TrainCheckpoint:
         self.manager.close()
 
     def _state(self, loader: Any) -> dict[str, Any]:
-        optim = optimizer_state_dict(self.model, self.optimizer)
-        optim["param_groups"] = [{k: v for k, v in g.items() if k != "params"} for g in optim["param_groups"]]
         return {
             "model": self.model.state_dict(),
-            "optim": optim,
+            "optim": portable_optimizer_state_dict(self.model, self.optimizer),
             "loader": loader,
             "step": 0,
         }
-
-
-def _decode_row(row: torch.Tensor, what: str) -> dict[str, Any]:
-    """A loader state from its row (length prefix, msgpack); checksums were checked by omni-ckpt.
-
-    Raises:
-        ValueError: the length prefix exceeds the row (naming ``what``).
-    """
-    raw = row.numpy().tobytes()
-    n = int.from_bytes(raw[:8], "little")
-    if not 0 < n <= len(raw) - 8:
-        raise ValueError(f"{what}: length {n} does not fit the row of {len(raw) - 8} bytes")
-    return msgpack.unpackb(raw[8 : 8 + n], strict_map_key=False)

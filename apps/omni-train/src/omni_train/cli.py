@@ -214,10 +214,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
 
     shards = sub.add_parser(
-        "make-shards", help="turn a folder of images/audio with .txt captions or transcripts into shards"
+        "make-shards",
+        help="turn a folder of images/videos/audio with .txt captions or transcripts into shards",
     )
     shards.add_argument("input", nargs="?", help="folder of media files with same-named .txt (and .json)")
-    shards.add_argument("out", help="output folder for {image,audio,text}-NNNNNN.tar and manifest.json")
+    shards.add_argument("out", help="output folder for {image,audio,text,video}-NNNNNN.tar and manifest.json")
     shards.add_argument(
         "--manifest", help="CSV or JSONL instead of a folder: path, text (caption/transcript), key"
     )

@@ -92,9 +92,10 @@ class ModelConfig:
 
 @dataclass
 class SourceConfig:
-    """One WebDataset source. ``urls``: a glob or brace pattern, absolute, an fsspec URL
+    """One WebDataset source of one ``modality`` (``image``, ``audio``, ``text`` or ``video``; a video
+    source is encoded by ``[model.vit]``, frames sampled at 2 per second). ``urls``: a glob or brace pattern, absolute, an fsspec URL
     (``scheme://...``), or relative to the folder of the config file (:func:`omni_train.data_files.data_root`; the bundled
-    configs' to the bundled data directory ``omni_train/data``). ``min_pixels`` / ``max_pixels`` (image sources): this source's resize bounds
+    configs' to the bundled data directory ``omni_train/data``). ``min_pixels`` / ``max_pixels`` (image and video sources; a video's per frame): this source's resize bounds
     instead of ``[model.vit]``'s, as datasets of different resolutions have (a recipe's image-size mix). ``join_tokens`` (text sources, 0 = off): the consecutive passages of
     one document (keys ``<doc>-000``, ``<doc>-001``, ...) are joined into documents of up to this many
     tokens (``omni_data.JoinDocuments``: whole plays for a long-context recipe)."""
@@ -245,10 +246,13 @@ class ParallelConfigSection:
             measured per-action times) the planner's costs are fitted from; unset: modelled FLOPs.
         ep: expert-parallel size (``model.llm.moe``'s routed experts sharded over ``ep`` ranks of each
             stage's data group, tokens exchanged by all-to-all: ``omni_parallel.expert_parallel``); carved
-            out of ``dp`` (must divide it; not a factor of the process count), as Megatron-Core does.
-            Expert gradients are summed over the ``dp / ep`` expert-data-parallel ranks
+            out of the ``dp x cp`` ranks of a stage (not a factor of the process count), as Megatron-Core
+            and torchtitan do: ``ep`` divides ``dp``, or ``ep / gcd(ep, dp)`` divides ``cp`` (EP then
+            spans CP ranks too, plain or ``hybrid_cp``; not with ``ulysses``).
+            Expert gradients are summed over the ``dp x cp / ep`` expert-data-parallel ranks
             (``omni_parallel.topology.expert_groups``), the rest over the stage's data group as without
-            EP. 1: every expert on every rank.
+            EP; with ``llm_zero`` 1-3 the experts are also sharded over those ranks at the same ZeRO
+            stage (``omni_parallel.llm_zero``). 1: every expert on every rank.
         stage_calibration: with ``stage_layers = "auto"``: a run directory of this model (same
             ``model.llm`` shape, ``data.max_seq_len`` and tokenizer vocabulary, any split of >= 2
             stages and any pipeline size) whose measured
@@ -502,12 +506,14 @@ FIELD_BOUNDS: dict[str, Bounds] = {
     "model.llm.moe.aux_loss_coef": Bounds(0, 1e3),
     "model.llm.moe.z_loss_coef": Bounds(0, 1e3),
     "model.llm.moe.capacity_factor": Bounds(0, 1e3, lo_open=True),
+    "model.llm.moe.bias_update_rate": Bounds(0, 1e3),
     **_encoder_bounds("model.vit"),
     "model.vit.patch": Bounds(1, 256),  # pixels per patch side
     "model.vit.merge": Bounds(1, 16),  # patches per merged-token side
     "model.vit.min_pixels": _PIXELS,
     "model.vit.max_pixels": _PIXELS,
     "model.vit.projector_hidden": _COUNT,
+    "model.vit.temporal_patch": Bounds(1, 16),  # frames per patch (Qwen2-VL: 2)
     **_encoder_bounds("model.audio"),
     "model.audio.n_mels": Bounds(1, 1024),
     "model.audio.sample_rate": Bounds(1000, 384_000),  # Hz: telephone to studio rates

@@ -43,25 +43,21 @@ from omni_data import (
     MixtureSchedule,
     MixtureStream,
     Modality,
-    Pack,
     PackedLoader,
     PayloadReader,
     ReplicaMerge,
     SampleMeta,
+    VideoTokens,
     WebDatasetSource,
     ZeroRedundancyFilter,
-    encoder_microbatch_ids,
     replica_ids,
 )
-from omni_data.zero_redundancy import SampleIndex
 from omni_train.config import ConfigError, DataConfig, Packing, RunConfig
 from omni_train.data_files import data_root, expand_urls
 
 __all__ = [
     "build_sources",
     "build_step_stream",
-    "encoder_imbalance",
-    "encoder_load",
     "mixture_schedule",
     "mixture_unit",
     "step_config",
@@ -122,39 +118,15 @@ def mixture_unit(data: DataConfig) -> str:
     return "token" if tokens else "step"
 
 
-def encoder_load(
-    packs: list[Pack], mbs: dict[int, list[SampleIndex]], owner: dict[int, int], num_ranks: int
-) -> dict[int, list[float]]:
-    """Encoder forward FLOPs per pipeline rank for each LLM microbatch ``k`` (from 1) of one step.
-
-    ``mbs``: encoder microbatch -> samples, numbered by ``omni_data.encoder_microbatch_ids``; ``owner``:
-    encoder microbatch -> pipeline rank. Returns ``{k: [FLOPs on rank 0, rank 1, ...]}``.
-    """
-    slices = max(1, len(mbs) // max(1, len(packs)))
-    ids = encoder_microbatch_ids(-(-max(mbs, default=0) // slices), slices)
-    consumer = {e: k for k, es in ids.items() for e in es}
-    out: dict[int, list[float]] = {}
-    for e, items in sorted(mbs.items()):
-        load = out.setdefault(consumer[e], [0.0] * num_ranks)
-        load[owner[e]] += sum(packs[p].samples[i].encoder_flops for p, i in items)
-    return out
-
-
-def encoder_imbalance(load: dict[int, list[float]]) -> float | None:
-    """Mean over LLM microbatches with encoder work of ``max / mean`` encoder FLOPs over ranks (1.0 is
-    perfect balance, ``num_ranks`` all on one rank): how long stage 0 waits for the slowest slice of each
-    microbatch's encoder work. ``None`` when no microbatch has encoder work (a text-only step), so that
-    such steps do not pass for balanced ones in averages."""
-    ratios = [max(v) * len(v) / sum(v) for v in load.values() if sum(v) > 0]
-    return sum(ratios) / len(ratios) if ratios else None
-
-
 def build_sources(
     cfg: RunConfig, tokenizer: Tokenizer, *, dp_rank: int, dp_size: int
 ) -> dict[str, BaseNode[SampleMeta]]:
     """One :class:`WebDatasetSource` per ``[[data.sources]]`` entry, split over ``dp_size`` DP ranks, with
     the encoders' token accounting and FLOP costs and, for audio, the encoder's sample rate; a text source
-    with ``join_tokens`` is wrapped in :class:`~omni_data.JoinDocuments`."""
+    with ``join_tokens`` is wrapped in :class:`~omni_data.JoinDocuments`. A video source is encoded by the
+    ViT (Qwen2-VL): :class:`~omni_data.VideoTokens` with ``model.vit``'s ``temporal_patch`` and each frame
+    resized as the source's images would be (``[model.vit]`` or the source's ``min_pixels`` /
+    ``max_pixels``); frames sampled at omni-data's defaults (2 per second, at least 4)."""
     m = cfg.model
     vit, aud = m.vit, m.audio
     image_tokens = (
@@ -170,7 +142,7 @@ def build_sources(
     for src in cfg.data.sources:
         modality = Modality(src.modality)
         cost = None
-        if modality is Modality.IMAGE and vit is not None:
+        if modality in (Modality.IMAGE, Modality.VIDEO) and vit is not None:
             cost = EncoderCost(hidden=vit.dim, layers=vit.n_layers, mlp_ratio=vit.mlp_ratio)
         elif modality is Modality.AUDIO and aud is not None:
             cost = EncoderCost(hidden=aud.dim, layers=aud.n_layers, mlp_ratio=aud.mlp_ratio)
@@ -181,6 +153,11 @@ def build_sources(
                 min_pixels=src.min_pixels if src.min_pixels is not None else tokens.min_pixels,
                 max_pixels=src.max_pixels if src.max_pixels is not None else tokens.max_pixels,
             )
+        video_tokens = (
+            VideoTokens(temporal_patch=vit.temporal_patch, frame=tokens)
+            if modality is Modality.VIDEO and vit is not None and tokens is not None
+            else None
+        )
         sources[src.name] = source = WebDatasetSource(
             expand_urls(src.urls, root),
             modality=modality,
@@ -188,6 +165,7 @@ def build_sources(
             tokenizer=tokenizer,
             image_tokens=tokens,
             audio_tokens=audio_tokens,
+            video_tokens=video_tokens,
             encoder_cost=cost,
             # clips at other rates are described (and decoded) as resampled to the encoder's rate
             sample_rate=aud.sample_rate if modality is Modality.AUDIO and aud is not None else None,

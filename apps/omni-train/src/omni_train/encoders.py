@@ -1,6 +1,11 @@
 """The encoders of a run: one tower per modality, routed by omni-pipeline's
 :class:`~omni_pipeline.ModalityRouter`, and the model-specific preprocessing of each tower's inputs.
 
+Videos go through the image tower (Wang et al., "Qwen2-VL", 2024, §2.1 "unified image and video
+understanding": one ViT, the same weights, for images and videos): the router sends ``video`` samples to
+the ``image`` tower, whose input builder patchifies images and clips together (``ViTConfig.temporal_patch``
+frames per patch; an image is its one frame repeated), grids ``[n, 3]`` ``(t, h, w)``.
+
 Encoder parameters live on every pipeline rank (decoupled layout: encoder data parallelism spans every
 rank); each rank runs the encoder microbatches the data flow places on it.
 """
@@ -16,23 +21,38 @@ from omni_data.tokens import AudioTokens
 from omni_pipeline import ModalityRouter, TowerBatch, TowerInputs
 from omni_train.models.audio import AudioConfig, log_mel
 from omni_train.models.multimodal import AudioTower, ImageTower
-from omni_train.models.vit import ViTConfig, patchify
+from omni_train.models.vit import ViTConfig, patchify_video
 
-__all__ = ["Encoders", "audio_inputs", "image_inputs"]
+__all__ = ["VISION_ROUTES", "Encoders", "audio_inputs", "image_inputs"]
+
+# modalities encoded by another modality's tower: videos by the image tower (Qwen2-VL's one ViT)
+VISION_ROUTES = {"video": "image"}
 
 
 def image_inputs(payloads: Sequence[Payload], vit: ViTConfig) -> TowerBatch:
-    """The image tower's inputs: ``(patches [N, 3*p*p], grids int64 [n_img, 2])``, and
-    ``grid_h * grid_w / merge**2`` rows per image.
+    """The image tower's inputs for images and videos, in the given order:
+    ``(patches [N, 3 * temporal_patch * patch**2], grids int64 [n, 3])`` and ``t * grid_h * grid_w /
+    merge**2`` rows per sample.
+
+    An image (``pixels [3, H, W]``) is one frame repeated ``vit.temporal_patch`` times, grid ``(1, h, w)``;
+    a video (``frames [F, 3, H, W]``) is :func:`~omni_train.models.vit.patchify_video`'s
+    ``ceil(F / temporal_patch)`` temporal slices (the last frame repeated up to a multiple).
 
     Raises:
-        ValueError: an image whose patch grid does not give its metadata's media tokens (names it).
+        ValueError: a sample that is neither an image nor a video (no pixels, no frames), or whose patch
+            grid does not give its metadata's media tokens (names it).
     """
     patches, grids, rows = [], [], []
     for p in payloads:
         m = p.meta
-        x, grid = patchify(p.pixels, vit.patch, vit.merge)
-        if grid[0] * grid[1] // vit.merge**2 != m.media_tokens:
+        if p.frames is not None:
+            frames = p.frames
+        elif p.pixels is not None:
+            frames = p.pixels[None]
+        else:
+            raise ValueError(f"sample {m.uid}: {m.modality} has no pixels or frames for the image tower")
+        x, grid = patchify_video(frames, vit.patch, vit.merge, vit.temporal_patch)
+        if grid[0] * grid[1] * grid[2] // vit.merge**2 != m.media_tokens:
             raise ValueError(f"sample {m.uid}: {grid} patch grid does not give {m.media_tokens} tokens")
         patches.append(x)
         grids.append(grid)
@@ -64,7 +84,8 @@ def audio_inputs(payloads: Sequence[Payload], audio: AudioConfig, tokens: AudioT
 
 
 class Encoders(ModalityRouter):
-    """``image`` (ViT + projector) and ``audio`` (speech encoder + projector) towers, either optional.
+    """``image`` (ViT + projector; also encodes ``video`` samples, :data:`VISION_ROUTES`) and ``audio``
+    (speech encoder + projector) towers, either optional.
 
     Forward (:class:`~omni_pipeline.ModalityRouter`): ``(payloads, long=None) -> [sum media_tokens,
     llm_dim]``, each sample's embeddings in the given order; with ``long`` (long-short SP:
@@ -82,4 +103,5 @@ class Encoders(ModalityRouter):
             tokens = AudioTokens(frame_ms=1000.0 * audio.hop / audio.sample_rate, subsample=audio.subsample)
             towers["audio"] = AudioTower(audio, llm_dim, seed=seed + 200)
             inputs["audio"] = lambda payloads: audio_inputs(payloads, audio, tokens)
-        super().__init__(towers, inputs, llm_dim)
+        routes = {m: t for m, t in VISION_ROUTES.items() if t in towers}
+        super().__init__(towers, inputs, llm_dim, routes=routes)

@@ -1,7 +1,8 @@
 """``omni-train make-shards``: your own media -> omni-data shards -> the config lines that train on them.
 
-:func:`omni_data.write.write_dataset` turns a folder of images or audio with same-named ``.txt`` captions
-or transcripts (or a CSV/JSONL manifest) into ``OUT/{image,audio,text}-NNNNNN.tar`` with metadata; this
+:func:`omni_data.write.write_dataset` turns a folder of images, videos or audio with same-named ``.txt``
+captions or transcripts (or a CSV/JSONL manifest) into ``OUT/{image,audio,text,video}-NNNNNN.tar`` with
+metadata; this
 module adds what the trainer needs: the ``[[data.sources]]`` and ``[[data.mixture]]`` TOML lines for
 those shards (weights proportional to the sample counts, so each sample is drawn about equally often), and
 optionally a whole run config, the default recipe's model and training settings with those lines as its
@@ -61,12 +62,17 @@ def _toml_string(text: str) -> str:
 
 def write_run_config(path: Path, data: str, *, base: str = "omni-tiny") -> Path:
     """Write a run config at ``path``: the bundled config ``base`` (model, parallel, optim, checkpoint,
-    train) with its ``[[data.sources]]`` and ``[[data.mixture]]`` tables replaced by ``data``.
+    train) with its ``[[data.sources]]`` and ``[[data.mixture]]`` tables replaced by ``data``. When ``data``
+    has a video source and the base's ``[model.vit]`` sets no ``temporal_patch``, it gets
+    ``temporal_patch = 2``: videos in 2-frame patches, the ViT's Qwen2-VL video path (images unchanged in
+    meaning: a still image is its frame twice).
 
     Raises:
         ConfigError: ``base`` is not a bundled config or an existing TOML file.
     """
     text = config_path(base).read_text()
+    video = re.search(r'^modality = "video"$', data, re.MULTILINE) is not None
+    video &= re.search(r"^\s*temporal_patch\s*=", text, re.MULTILINE) is None
     kept, skipping = [], False
     for line in text.splitlines():
         header = re.match(r"\s*\[", line)
@@ -74,6 +80,10 @@ def write_run_config(path: Path, data: str, *, base: str = "omni-tiny") -> Path:
             skipping = line.strip() in ("[[data.sources]]", "[[data.mixture]]")
         if not skipping:
             kept.append(line)
+        if video and line.strip() == "[model.vit]":
+            kept.append(
+                "temporal_patch = 2  # videos in 2-frame patches (Qwen2-VL); an image is its frame twice"
+            )
     body = "\n".join(kept).lstrip("\n")
     while body.startswith("#"):  # the base's comments describe its own data
         body = body.split("\n", 1)[1] if "\n" in body else ""

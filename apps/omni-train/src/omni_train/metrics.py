@@ -182,11 +182,12 @@ def finish_run(
 ) -> dict[str, Any]:
     """Rank 0 at the end of a run: plot the loss and the last step's timeline, write ``summary.json``
     (first/last mean loss over a window of up to 20 steps, ``tokens_per_s``: the run's tokens over the
-    summed wall time of its steps (:func:`tokens_per_s`), skipped payloads, each
+    summed wall time of its steps (:func:`tokens_per_s`), skipped payloads, ``samples_per_modality``
+    (the packs' samples by modality over the run) and ``video_frames`` (their videos' sampled frames), each
     ``*_per_rank`` peak of the steps as its per-rank maximum over the steps, the last step's
     ``llm_state_bytes_per_rank`` / ``encoder_state_bytes_per_rank``, and ``skipped``: every skip
     of the run by scope, source and reason with the first keys, from
-    :class:`~omni_train.skip_metrics.SkipMetrics`; ``numerics``: the steps the numerics guard found bad,
+    :class:`omni_data.SkipMetrics`; ``numerics``: the steps the numerics guard found bad,
     :meth:`omni_parallel.numerics.NumericsGuard.summary`) and return it.
     """
     metrics = read_metrics(out_dir / "metrics.jsonl")
@@ -207,6 +208,9 @@ def finish_run(
         "window": n,
         "tokens_per_s": tokens_per_s(metrics),
         "skipped_payloads": sum(m.get("skipped_payloads", 0) for m in metrics),
+        # samples of the run's packs by modality (all DP replicas) and the sampled frames of its videos
+        "samples_per_modality": _summed(metrics, "samples_per_modality"),
+        "video_frames": sum(m.get("video_frames", 0) for m in metrics),
         "checkpoints": checkpoints,
         **_peaks_per_rank(metrics),
         # bytes held between steps (omni_parallel.memory.state_bytes), at the last step's layout
@@ -222,6 +226,15 @@ def finish_run(
         summary["numerics"] = numerics
     (out_dir / "summary.json").write_text(json.dumps(summary, indent=2))
     return summary
+
+
+def _summed(metrics: list[dict[str, Any]], key: str) -> dict[str, int]:
+    """``{name: sum over the steps}`` of the steps' ``key`` dicts (a step without it adds nothing)."""
+    out: dict[str, int] = {}
+    for m in metrics:
+        for k, v in m.get(key, {}).items():
+            out[k] = out.get(k, 0) + v
+    return out
 
 
 def _peaks_per_rank(metrics: list[dict[str, Any]]) -> dict[str, list[int]]:

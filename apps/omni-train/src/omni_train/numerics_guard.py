@@ -1,8 +1,9 @@
 """The run's numerics guard (``train.on_nonfinite``, ``train.max_nonfinite_steps``, ``train.spike_zscore``,
-``train.spike_window``): the config mapped to :class:`omni_parallel.numerics.NumericsSpec`, the guard
-watching each encoder tower's output and every microbatch loss, and what the trainer does with a bad
-step's verdict (MegaScale-Omni §7-8: encoder outputs checked, loss spikes bypassed by going back to a
-checkpoint and skipping the data).
+``train.spike_window``): the config mapped to :class:`omni_parallel.numerics.NumericsSpec`, and the
+package's guard (:meth:`~omni_parallel.numerics.NumericsGuard.for_layout`: each encoder tower's output and
+every microbatch loss) with its verdicts acted on by :func:`omni_parallel.numerics.apply_verdict`, rolling
+back through the run's checkpoint (MegaScale-Omni §7-8: encoder outputs checked, loss spikes bypassed by
+going back to a checkpoint and skipping the data).
 
 The checks ride the step's existing world all-reduce before the gradient sync (the trainer's
 ``reduce_gradients`` hook calls :meth:`~omni_parallel.numerics.NumericsGuard.reduce` where it waited for
@@ -24,7 +25,6 @@ counted in ``summary.json`` (``numerics``).
 
 from __future__ import annotations
 
-import dataclasses
 import sys
 from typing import Any
 
@@ -32,12 +32,11 @@ import torch
 from torch import nn
 
 from omni_parallel import ParallelState
-from omni_parallel.numerics import NonFiniteError, NumericsGuard, NumericsSpec, OnNonFinite, StepVerdict
-from omni_pipeline import StepFunctions
+from omni_parallel.numerics import NumericsGuard, NumericsSpec, OnNonFinite, StepVerdict, apply_verdict
 from omni_train.checkpointing import TrainCheckpoint
 from omni_train.config import ConfigError, TrainSection
 
-__all__ = ["act_on", "numerics_guard", "numerics_spec", "source_name", "stop_error", "watch_loss"]
+__all__ = ["act_on", "numerics_guard", "numerics_spec", "source_name"]
 
 
 def numerics_spec(train: TrainSection) -> NumericsSpec:
@@ -65,32 +64,9 @@ def source_name(modality: str) -> str:
 def numerics_guard(
     train: TrainSection, ps: ParallelState, towers: dict[str, nn.Module], device: torch.device
 ) -> NumericsGuard:
-    """This rank's guard, watching each of ``towers`` (``{modality: module}``, every rank's, in one order).
-
-    The step's loss counts once per replica: on the last pipeline stage (where ``loss`` runs), TP rank 0
-    (TP ranks hold copies; SP and CP ranks hold partial sums), as ``omni_train.step_metrics`` counts it.
-    """
-    last = ps.local_rank("pp") == ps.size("pp") - 1
-    guard = NumericsGuard(
-        numerics_spec(train),
-        [source_name(m) for m in towers],
-        device=device,
-        counts_loss=last and ps.local_rank("tp") == 0,
-    )
-    guard.watch({source_name(m): tower for m, tower in towers.items()})
-    return guard
-
-
-def watch_loss(functions: StepFunctions, guard: NumericsGuard) -> StepFunctions:
-    """``functions`` whose ``loss`` hands each microbatch loss to ``guard`` as well."""
-    loss = functions.loss
-
-    def watched(k: int, y: torch.Tensor) -> Any:
-        got = loss(k, y)
-        guard.observe_loss(got[0] if isinstance(got, tuple) else got)
-        return got
-
-    return dataclasses.replace(functions, loss=watched)
+    """This rank's guard, watching each of ``towers`` (``{modality: module}``, every rank's, in one order)."""
+    watched = {source_name(m): tower for m, tower in towers.items()}
+    return NumericsGuard.for_layout(numerics_spec(train), ps, watched, device=device)
 
 
 def act_on(
@@ -100,33 +76,13 @@ def act_on(
     checkpoint: TrainCheckpoint,
     rank: int,
 ) -> dict[str, Any]:
-    """Step the optimizer on a good step; on a bad one do what the verdict says (collective on a
-    roll-back: every rank has the same verdict) and say it on stderr (rank 0). Returns the step's entries
-    for ``metrics.jsonl``. A stopping verdict changes nothing here: the caller logs the step, then raises
-    :func:`stop_error`."""
-    if verdict.ok:
-        optimizer.step()
-        return {"bad_steps": len(guard.events)}
-    said = "step skipped"
-    if verdict.action == OnNonFinite.ROLLBACK:
-        to, aside = checkpoint.roll_back_state(verdict.step)
-        guard.note(verdict.step, rolled_back_to=to)
-        if to is None:
-            said = "no committed checkpoint before it to roll back to; step skipped"
-        else:
-            said = f"rolled back to step {to}'s parameters and optimizer state (set aside: {', '.join(aside) or 'none'})"
-    elif verdict.action == OnNonFinite.STOP:
-        said = "stopping"
-    if rank == 0:
-        print(
-            f"omni-train: step {verdict.step}: {verdict.what()}; {said} ({verdict.in_a_row} in a row)",
-            file=sys.stderr,
-        )
-    entry = dict(verdict.record())
-    entry.update(guard.events[-1] if guard.events and guard.events[-1]["step"] == verdict.step else {})
-    return {"bad_steps": len(guard.events), "numerics": entry}
+    """:func:`omni_parallel.numerics.apply_verdict`, rolling back through ``checkpoint``
+    (:meth:`~omni_train.checkpointing.TrainCheckpoint.roll_back_state`), a bad step said on stderr by
+    rank 0; returns the step's entries for ``metrics.jsonl``."""
 
+    def say(line: str) -> None:
+        print(f"omni-train: {line}", file=sys.stderr)
 
-def stop_error(verdict: StepVerdict, guard: NumericsGuard) -> NonFiniteError | None:
-    """The error that ends the run after ``verdict``, or None when it goes on."""
-    return NonFiniteError(guard.stop_message(verdict)) if verdict.action == OnNonFinite.STOP else None
+    return apply_verdict(
+        verdict, guard, optimizer, roll_back=checkpoint.roll_back_state, say=say if rank == 0 else None
+    )

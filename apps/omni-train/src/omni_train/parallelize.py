@@ -123,7 +123,8 @@ def parallelize(
     apply_offload(family_blocks(stage, encoders, train.offload), memory)
     apply_mixed_precision(stage.chunks, num_stages, training_dtypes(train.dtype)[1], modules=[encoders])
     blocks = {name: list(tower.encoder.blocks) for name, tower in encoders.towers.items()}
-    # with parallel.ep the experts stay out of FSDP2, summed over the expert-data-parallel ranks only
+    # with parallel.ep the experts stay out of FSDP2, summed over the expert-data-parallel ranks only (and
+    # at llm_zero 1-3 sharded over them: omni_parallel.llm_zero)
     compute = training_dtypes(train.dtype)[1]  # bf16 over float32 masters: FSDP2 mixed precision
     sync_llm = apply_llm_zero(
         list(stage.chunks.values()), ps, llm_zero, blocks=stage.layers.values(),

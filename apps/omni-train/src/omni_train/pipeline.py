@@ -75,7 +75,10 @@ def config_scale(cfg: RunConfig) -> ModelScale:
         for name, e in (("image", cfg.model.vit), ("audio", cfg.model.audio))
         if e is not None
     }
-    return model_scale(llm_shape(cfg.model.llm).blocks, encoders, image_merge=image_merge(cfg))
+    tp = cfg.model.vit.temporal_patch if cfg.model.vit is not None else 2  # a video's temporal slices
+    return model_scale(
+        llm_shape(cfg.model.llm).blocks, encoders, image_merge=image_merge(cfg), temporal_patch=tp
+    )
 
 
 def fitted_cost_model(cfg: RunConfig) -> CostModel:

@@ -94,6 +94,20 @@ def validate(cfg: RunConfig, nproc: int) -> None:
         raise ConfigError(
             f"model.llm.n_heads: {llm.n_heads} is not divisible by model.llm.n_kv_heads {llm.n_kv_heads} (GQA)"
         )
+    if llm.mrope_section is not None:
+        sec, half = llm.mrope_section, llm.dim // llm.n_heads // 2
+        if len(sec) != 3 or min(sec) < 0 or sum(sec) != half:
+            raise ConfigError(
+                f"model.llm.mrope_section: {sec} must be 3 non-negative counts summing to head_dim / 2 = {half}"
+            )
+        # packs carry [3, T] positions (omni_pipeline.StepSpec.mrope), whole on every rank of a stage
+        # (verified against one process at pp = 2 and tp = 2: tests/test_train_video.py)
+        if par.cp > 1 or par.ulysses > 1 or par.hybrid_cp or par.sequence_parallel:
+            raise ConfigError(
+                f"model.llm.mrope_section: M-RoPE positions are not wired with parallel.cp {par.cp} / "
+                f"ulysses {par.ulysses} / hybrid_cp {par.hybrid_cp} / sequence_parallel "
+                f"{par.sequence_parallel}; use cp = ulysses = 1, hybrid_cp and sequence_parallel false"
+            )
     # Column-parallel Q/K/V and SwiGLU gate/up shard whole heads and equal slices of ffn_dim per TP rank.
     for name in ("n_heads", "n_kv_heads", "ffn_dim"):
         if getattr(llm, name) % par.tp:
@@ -141,16 +155,32 @@ def validate(cfg: RunConfig, nproc: int) -> None:
         raise ConfigError("data.sources: at least one source is needed")
     names = [s.name for s in data.sources]
     for i, src in enumerate(data.sources):
-        if src.modality not in ("image", "audio", "text"):
-            raise ConfigError(f"data.sources[{i}].modality: {src.modality!r} is not image, audio or text")
-        if src.modality == "image" and cfg.model.vit is None:
-            raise ConfigError(f"data.sources[{i}].modality: image source {src.name!r} but no [model.vit]")
+        if src.modality not in ("image", "audio", "text", "video"):
+            raise ConfigError(
+                f"data.sources[{i}].modality: {src.modality!r} is not image, audio, text or video"
+            )
+        if src.modality in ("image", "video") and cfg.model.vit is None:
+            raise ConfigError(
+                f"data.sources[{i}].modality: {src.modality} source {src.name!r} but no [model.vit]"
+            )
+        # Verified against one process (tests/test_train_video.py): pp, tp, the planned placement,
+        # reordering across DP (frames moved), long-short SP over Ulysses and over CP (long videos
+        # split). Hybrid DP/CP (per-pack CP blocks) of video is not.
+        if src.modality == "video" and par.hybrid_cp:
+            raise ConfigError(
+                f"data.sources[{i}].modality: video source {src.name!r} with parallel.hybrid_cp: video is "
+                "not verified under hybrid DP/CP; use hybrid_cp false (parallel.cp or ulysses carry long "
+                "videos)"
+            )
         if src.modality == "audio" and cfg.model.audio is None:
             raise ConfigError(f"data.sources[{i}].modality: audio source {src.name!r} but no [model.audio]")
-        if (src.min_pixels is not None or src.max_pixels is not None) and src.modality != "image":
-            raise ConfigError(f"data.sources[{i}].min_pixels: resize bounds are for image sources only")
+        bounds = src.min_pixels is not None or src.max_pixels is not None
+        if bounds and src.modality not in ("image", "video"):
+            raise ConfigError(
+                f"data.sources[{i}].min_pixels: resize bounds are for image and video sources only"
+            )
         vit = cfg.model.vit
-        if src.modality == "image" and vit is not None:
+        if src.modality in ("image", "video") and vit is not None:
             lo = src.min_pixels if src.min_pixels is not None else vit.min_pixels
             hi = src.max_pixels if src.max_pixels is not None else vit.max_pixels
             if not 0 < lo <= hi:
@@ -335,8 +365,19 @@ def _validate_moe(cfg: RunConfig) -> None:
         raise ConfigError(
             f"parallel.ep: {par.ep} needs model.llm.moe (expert parallelism shards MoE experts)"
         )
-    if par.dp % par.ep:
-        raise ConfigError(f"parallel.ep: {par.ep} must divide parallel.dp {par.dp} (EP is carved out of DP)")
+    ep_seq = par.ep // math.gcd(par.ep, par.dp)  # EP ranks across the sequence-parallel ranks
+    if (par.cp * par.ulysses) % ep_seq:
+        raise ConfigError(
+            f"parallel.ep: {par.ep} must divide parallel.dp {par.dp}, or ep / gcd(ep, dp) = {ep_seq} must "
+            f"divide parallel.cp {par.cp} x parallel.ulysses {par.ulysses} (EP is carved out of the DP x CP "
+            "ranks of a stage)"
+        )
+    if ep_seq > 1 and par.ulysses > 1:
+        raise ConfigError(
+            f"parallel.ep: {par.ep} beyond parallel.dp {par.dp} spans sequence-parallel ranks, which is "
+            f"supported over parallel.cp ranks only (not with parallel.ulysses {par.ulysses}); use an ep "
+            "dividing parallel.dp"
+        )
     if moe is None:
         return
     if moe.top_k > moe.experts:
@@ -348,6 +389,18 @@ def _validate_moe(cfg: RunConfig) -> None:
         )
     if moe.experts % par.ep:
         raise ConfigError(f"model.llm.moe.experts: {moe.experts} is not divisible by parallel.ep {par.ep}")
+    edp = par.dp * par.cp * par.ulysses // par.ep  # holders of each EP shard: sharded over at llm_zero 1-3
+    if par.ep > 1 and par.llm_zero and edp > 1:  # each expert tensor along a dim edp divides (llm_zero)
+        local, dim = moe.experts // par.ep, cfg.model.llm.dim
+        hidden = moe.expert_ffn_dim if moe.expert_ffn_dim is not None else cfg.model.llm.ffn_dim
+        for name, shape in (("gate_up_proj", (local, 2 * hidden, dim)), ("down_proj", (local, dim, hidden))):
+            if all(n % edp for n in shape):
+                raise ConfigError(
+                    f"parallel.llm_zero: {par.llm_zero} shards each expert shard over its {edp} "
+                    f"expert-data-parallel ranks (dp x cp x ulysses / ep), which divide no dim of the "
+                    f"experts' {name} {shape} (model.llm.moe.experts / parallel.ep, model.llm.moe."
+                    "expert_ffn_dim, model.llm.dim)"
+                )
     if par.tp > 1:  # parallel.ep with parallel.llm_zero 1-3 composes: experts outside FSDP2 (llm_zero)
         raise ConfigError(
             f"model.llm.moe: with parallel.tp {par.tp} is not supported (no tensor-parallel plan for experts)"

@@ -86,6 +86,8 @@ class RunOutputs:
         checkpoint_s: the previous step's checkpoint save, reported in this step's time breakdown.
         writes: rank 0's file writes, off the step.
         said_over_cap: the planner's over-cap notice was given (it is given once).
+        temporal_patch: the ViT's frames per patch (``model.vit.temporal_patch``): a video's attention
+            slices in the records' token counts (:func:`omni_pipeline.action_tokens`).
     """
 
     out: Path
@@ -97,6 +99,7 @@ class RunOutputs:
     checkpoint_s: float = 0.0
     writes: RunWrites = field(default_factory=RunWrites)
     said_over_cap: bool = False
+    temporal_patch: int = 1
 
     @classmethod
     def open(
@@ -136,7 +139,8 @@ class RunOutputs:
         profiler = StepProfiler(
             out, rank, cfg.train.profile_steps, first_step=start, total_steps=cfg.train.steps, device=device
         ).start()
-        return cls(out, rank, logger, records, profiler, clock=time.perf_counter())
+        clock, temporal = time.perf_counter(), cfg.model.vit.temporal_patch
+        return cls(out, rank, logger, records, profiler, clock=clock, temporal_patch=temporal)
 
     def write_records(
         self,
@@ -157,7 +161,9 @@ class RunOutputs:
         if any(ps.local_rank(a) for a in ("dp", "tp", "cp", "ulysses")):
             return
         pp_rank = ps.local_rank("pp")
-        llm, enc = action_tokens(inputs.packs, fs.microbatches, image_merge=image_merge)
+        llm, enc = action_tokens(
+            inputs.packs, fs.microbatches, image_merge=image_merge, temporal_patch=self.temporal_patch
+        )
         flow = inputs.plan.flow if planned and pp_rank == 0 else None
         pp_group = ps.group("pp") if ps.size("pp") > 1 else None
         records = gather_step_records(

@@ -186,7 +186,8 @@ def simulate_config(
         if scale == "config":
             ms = config_scale(cfg)
         elif scale in MODEL_SCALES:
-            ms = dataclasses.replace(MODEL_SCALES[scale], image_merge=image_merge(cfg))  # the data's patches
+            tp = cfg.model.vit.temporal_patch if cfg.model.vit is not None else 2  # the data's patches
+            ms = dataclasses.replace(MODEL_SCALES[scale], image_merge=image_merge(cfg), temporal_patch=tp)
         else:
             raise ConfigError(f"--scale: {scale!r} is not 'config' or one of {sorted(MODEL_SCALES)}")
         gpus = 1024 if gpus is None else gpus

@@ -1,302 +1,33 @@
-"""What one training step measured: one all-reduce of per-rank numbers over the world, then the row rank 0
-logs to ``metrics.jsonl`` (the fields are listed in the app README, "Outputs").
-
-Model FLOPs count 2 per multiply-add, training = 3x forward, attention per packed document
-(:mod:`omni_parallel.flops`); MFU divides by the measured peak of every process.
-
-The same all-reduce carries the step's memory peaks (:data:`MEMORY_METRICS`: saved activations per rank,
-kept and offloaded (:mod:`omni_parallel.activation_memory`), and on CUDA the allocator's peak) and the
-world's count of skipped items (:class:`omni_train.skip_metrics.SkipMetrics` gathers the named report
-only when that count changed): one collective per step for all of the step's numbers, since every
-collective after the pipeline step is a point where every rank waits for the slowest.
+"""The run config mapped to :class:`omni_pipeline.step_metrics.StepMetricsSpec`: the shapes the step's
+metrics (one all-reduce per step, then rank 0's ``metrics.jsonl`` row; fields listed in the app README,
+"Outputs") count FLOPs, packs and tokens with.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import Any
-
-import torch
-import torch.distributed as dist
-
-from omni_data import Modality, split_encoder_microbatches
-from omni_parallel import ParallelState
-from omni_parallel.activation_memory import StepPeaks
-from omni_parallel.flops import attention_flops, model_flops
-from omni_parallel.memory import KINDS
-from omni_pipeline import MODALITIES, StepInputs, StepResult
+from omni_pipeline.step_metrics import EncoderShape, StepMetricsSpec
 from omni_train.config import RunConfig
-from omni_train.data_pipeline import encoder_imbalance, encoder_load
 from omni_train.models import LLMConfig
 
-__all__ = ["MEMORY_METRICS", "PHASES", "StepMetrics", "step_phases"]
-
-# metrics.jsonl ``time_s_per_rank`` keys: where a rank's step wall time went (seconds, they sum to it)
-PHASES = (
-    "data",
-    "encoder",
-    "llm",
-    "p2p_wait",
-    "reduce_wait",
-    "grad_reduce",
-    "optimizer",
-    "checkpoint",
-    "other",
-)
-
-# metrics.jsonl keys of the memory peaks, each a list over global ranks (bytes)
-MEMORY_METRICS = (
-    "peak_activation_bytes_per_rank",
-    "peak_offloaded_bytes_per_rank",
-    "peak_allocated_bytes_per_rank",
-)
+__all__ = ["step_metrics_spec"]
 
 
-def _memory_vector(peaks: StepPeaks | None, rank: int, world: int) -> torch.Tensor:
-    """This rank's column of the ``3 x world`` peaks (bytes; zeros without ``peaks``), flattened."""
-    vec = torch.zeros(len(MEMORY_METRICS), world, dtype=torch.float64)
-    if peaks is not None:
-        vec[:, rank] = torch.tensor(
-            [peaks.activation_bytes, peaks.offloaded_bytes, peaks.allocated_bytes or 0], dtype=torch.float64
-        )
-    return vec.reshape(-1)
-
-
-def _memory_numbers(v: list[float], world: int, cuda: bool) -> dict[str, list[int]]:
-    """:func:`_memory_vector` summed over the world -> :data:`MEMORY_METRICS` -> ``[bytes per global
-    rank]`` (float64 holds byte counts below 2**53 exactly); ``peak_allocated_bytes_per_rank`` only on
-    CUDA."""
-    rows = [[int(x) for x in v[i * world : (i + 1) * world]] for i in range(len(MEMORY_METRICS))]
-    return {name: rows[i] for i, name in enumerate(MEMORY_METRICS) if i < 2 or cuda}
-
-
-def step_phases(result: StepResult, wall: float, measured: dict[str, float]) -> dict[str, float]:
-    """One rank's step wall time by :data:`PHASES`: ``data`` (loader step, decode and the step's input
-    building, its collectives included), ``encoder`` / ``llm`` (seconds inside encoder / LLM actions of
-    the executor's timeline), ``p2p_wait`` (blocked on receives, ``StepResult.waits``), ``reduce_wait``
-    (at the gradient reduction, waiting for the slowest rank to finish its last backward:
-    ``StepResult.reduce_wait_s``), ``grad_reduce`` (the rest of ``StepResult.reduce_s``: the gradient
-    collectives themselves), ``optimizer`` (clipping and the AdamW step), ``checkpoint`` (the save
-    after the previous step), from ``measured`` where the executor does not know them; ``other`` is
-    ``wall`` minus the rest (dispatch, sends, loss broadcast, metrics), so the phases sum to ``wall``."""
-    out = dict.fromkeys(PHASES, 0.0)
-    for name in ("data", "optimizer", "checkpoint"):
-        out[name] = float(measured.get(name, 0.0))
-    for ev in result.timeline:
-        out["encoder" if ev.is_encoder else "llm"] += ev.end_s - ev.start_s
-    out["p2p_wait"] = sum(result.waits.values())
-    out["reduce_wait"] = result.reduce_wait_s
-    out["grad_reduce"] = result.reduce_s - result.reduce_wait_s
-    out["other"] = wall - sum(v for k, v in out.items() if k != "other")
-    return out
-
-
-_STATE_PARTS = KINDS  # the fields of {llm,encoder}_state_bytes[_per_rank]
-_STATE_OWNERS = ("encoder", "llm")
-
-
-class StepMetrics:
-    """Per-step metrics of one rank's run.
-
-    Args:
-        cfg: the run config.
-        ps: the parallel state (ranks and sizes).
-        llm: the LLM config (vocabulary set).
-        llm_matmul: matmul parameters of the whole LLM (all stages, before TP).
-        encoder_matmul: ``{modality: matmul parameters}`` of each encoder tower.
-        peak_flops: measured peak FLOP/s of one process.
-        encoder_bytes: ``() -> {"parameters", "gathered", "gradients", "optimizer": bytes}`` this rank
-            holds for the encoders (``omni_parallel.memory.state_bytes``); ``None``: not reported.
-        llm_bytes: the same for this rank's LLM stages.
-    """
-
-    def __init__(
-        self,
-        cfg: RunConfig,
-        ps: ParallelState,
-        *,
-        llm: LLMConfig,
-        llm_matmul: float,
-        encoder_matmul: dict[str, int],
-        peak_flops: float,
-        encoder_bytes: Callable[[], dict[str, int]] | None = None,
-        llm_bytes: Callable[[], dict[str, int]] | None = None,
-    ) -> None:
-        self.cfg, self.llm, self.peak_flops = cfg, llm, peak_flops
-        self.state_bytes = {"encoder": encoder_bytes, "llm": llm_bytes}
-        self.llm_matmul, self.encoder_matmul = llm_matmul, encoder_matmul
-        self.rank, self.world = ps.rank, ps.world_size
-        self.pp, self.pp_rank = ps.size("pp"), ps.local_rank("pp")
-        self.dp, self.tp_rank, self.sp_rank = ps.size("dp"), ps.local_rank("tp"), ps.local_rank("ulysses")
-        # CP ranks hold the same packs: one counts them. Hybrid DP/CP: every rank of a stage holds the
-        # same (dp * cp times larger) packs, one data replica in all.
-        hybrid = cfg.parallel.hybrid_cp
-        self.counts_packs = ps.local_rank("dp_cp" if hybrid else "cp") == 0
-        self.replicas = 1 if hybrid else self.dp
-        self.pack_tokens = cfg.data.max_seq_len * (ps.size("dp_cp") if hybrid else 1)
-
-    def reduce(
-        self,
-        inputs: StepInputs,
-        result: StepResult,
-        wall: float,
-        phases: dict[str, float] | None = None,
-        *,
-        peaks: StepPeaks | None = None,
-        skip_total: int = 0,
-    ) -> dict[str, Any]:
-        """One all-reduce over the world (collective): per-rank wall/busy seconds and the step's time per
-        :data:`PHASES` (``phases`` gives ``data``, ``optimizer``, ``checkpoint``; the rest comes from the
-        executor's result; ``other`` is the wall time left), and (from pipeline rank 0 of each DP
-        replica, which holds the broadcast losses) loss and per-modality sums, tokens, samples, skipped
-        payloads, and in the same all-reduce the encoder numbers of :meth:`_encoder_vector`, this rank's
-        memory ``peaks`` (``"memory"``: :data:`MEMORY_METRICS` -> bytes per global rank) and its count of
-        skipped items ``skip_total`` (``"skip_total"``: the sum over the world)."""
-        n, packs = self.world, inputs.packs
-        times = step_phases(result, wall, phases or {})
-        vec = torch.zeros(2 * n + 1 + 2 * len(MODALITIES) + 3 + len(PHASES) * n, dtype=torch.float64)
-        vec[self.rank] = wall
-        vec[n + self.rank] = sum(ev.end_s - ev.start_s for ev in result.timeline)
-        at = 2 * n + 1 + 2 * len(MODALITIES) + 3
-        for i, name in enumerate(PHASES):
-            vec[at + i * n + self.rank] = times[name]
-        # TP ranks hold the same losses: count one. SP ranks hold the sums over their chunks: add them.
-        if self.pp_rank == 0 and self.tp_rank == 0:
-            vec[2 * n] = result.loss
-            for i, mod in enumerate(MODALITIES):
-                vec[2 * n + 1 + i] = sum(m[f"ce_{mod}"] for m in result.metrics.values())
-                vec[2 * n + 1 + len(MODALITIES) + i] = sum(m[f"n_{mod}"] for m in result.metrics.values())
-        if self.pp_rank == 0 and self.tp_rank == 0 and self.sp_rank == 0 and self.counts_packs:
-            vec[at - 3] = sum(p.num_tokens for p in packs)
-            vec[at - 2] = sum(len(p.samples) for p in packs)
-            vec[at - 1] = len(inputs.masked)
-        own = vec.numel()
-        enc = self._encoder_vector(inputs, result)
-        mem = _memory_vector(peaks, self.rank, n)
-        skips = torch.tensor([float(skip_total)], dtype=torch.float64)
-        vec = torch.cat([vec, enc, mem, skips])
-        if dist.is_initialized() and n > 1:
-            dist.all_reduce(vec)
-        v = vec.tolist()
-        at_mem = own + enc.numel()
-        cuda = peaks is not None and peaks.allocated_bytes is not None
-        return self._encoder_numbers(v[own:at_mem]) | {
-            "memory": _memory_numbers(v[at_mem : at_mem + mem.numel()], n, cuda),
-            "skip_total": int(v[-1]),
-            "wall": v[:n],
-            "busy": v[n : 2 * n],
-            "loss": v[2 * n],
-            "ce": v[2 * n + 1 : 2 * n + 1 + len(MODALITIES)],
-            "count": v[2 * n + 1 + len(MODALITIES) : 2 * n + 1 + 2 * len(MODALITIES)],
-            "tokens": v[at - 3],
-            "samples": v[at - 2],
-            "skipped_payloads": int(v[at - 1]),
-            "phases": {name: v[at + i * n : at + (i + 1) * n] for i, name in enumerate(PHASES)},
-        }
-
-    def _encoder_vector(self, inputs: StepInputs, result: StepResult) -> torch.Tensor:
-        """This rank's share of encoder parallelism's per-rank numbers, summed over the world in
-        :meth:`reduce`'s one all-reduce: measured seconds in encoder forwards and backwards (the
-        collectives of SP and reordering included), modelled encoder FLOPs without and with the
-        reordering across DP, payload bytes the reordering moved, and the state bytes of the encoders and
-        of the LLM stages (:data:`_STATE_OWNERS` x :data:`_STATE_PARTS` x ranks)."""
-        n = self.world
-        vec = torch.zeros(3 * n + 1 + len(_STATE_OWNERS) * len(_STATE_PARTS) * n, dtype=torch.float64)
-        vec[self.rank] = sum(ev.end_s - ev.start_s for ev in result.timeline if ev.kind in ("EF", "EB"))
-        works = inputs.encoder_work.values()
-        vec[n + self.rank] = sum(w.flops_before for w in works)
-        vec[2 * n + self.rank] = sum(w.flops_after for w in works)
-        vec[3 * n] = sum(w.bytes_sent for w in works)
-        for j, owner in enumerate(_STATE_OWNERS):
-            measure = self.state_bytes[owner]
-            held = measure() if measure is not None else {}
-            for i, part in enumerate(_STATE_PARTS):
-                vec[3 * n + 1 + (j * len(_STATE_PARTS) + i) * n + self.rank] = held.get(part, 0)
-        return vec
-
-    def _encoder_numbers(self, v: list[float]) -> dict[str, Any]:
-        """:meth:`_encoder_vector`'s layout, summed over the world, as named numbers."""
-        n, k = self.world, len(_STATE_PARTS)
-        at = 3 * n + 1
-        return {
-            "encoder_s": v[:n],
-            "encoder_flops_before": v[n : 2 * n],
-            "encoder_flops_after": v[2 * n : 3 * n],
-            "reorder_bytes": int(v[3 * n]),
-            **{
-                f"{owner}_bytes": {
-                    p: [int(x) for x in v[at + (j * k + i) * n : at + (j * k + i + 1) * n]]
-                    for i, p in enumerate(_STATE_PARTS)
-                }
-                for j, owner in enumerate(_STATE_OWNERS)
-            },
-        }
-
-    def row(self, inputs: StepInputs, row: dict[str, Any], lr: float, grad_norm: float) -> dict[str, Any]:
-        """The logged metrics of a step from :meth:`reduce`'s result."""
-        packs, m, pp = inputs.packs, self.cfg.data.microbatches, self.pp
-        step_s = max(row["wall"])
-        flow = inputs.plan.flow  # the step's own (per-step "planned") or the run's
-        owner = {e: flow.encoder_rank(e) for e in flow.encoder_consumer}
-        before = encoder_imbalance(
-            encoder_load(packs, split_encoder_microbatches(packs, m, pp, balance=False), owner, pp)
-        )
-        after = encoder_imbalance(encoder_load(packs, split_encoder_microbatches(packs, m, pp), owner, pp))
-        flops = self.step_flops(inputs)
-        return {
-            "loss": row["loss"],
-            "loss_per_modality": {
-                str(mod): row["ce"][i] / row["count"][i]
-                for i, mod in enumerate(MODALITIES)
-                if row["count"][i] > 0
-            },
-            "targets_per_modality": {str(mod): int(row["count"][i]) for i, mod in enumerate(MODALITIES)},
-            "tokens": row["tokens"],
-            "tokens_per_s": row["tokens"] / step_s,
-            "samples_per_s": row["samples"] / step_s,
-            "skipped_payloads": row["skipped_payloads"],
-            "packing_fill": sum(p.num_tokens for p in packs) / (len(packs) * self.pack_tokens),
-            "encoder_imbalance_before_reorder": before,
-            "encoder_imbalance_after_reorder": after,
-            "mfu": flops / step_s / (self.peak_flops * self.world),
-            "step_time_s": step_s,
-            "idle_s_per_rank": [w - b for w, b in zip(row["wall"], row["busy"])],
-            "time_s_per_rank": row["phases"],
-            "lr": lr,
-            "grad_norm": grad_norm,
-            "encoder_s_per_rank": row["encoder_s"],
-            "encoder_time_imbalance": _max_over_mean(row["encoder_s"]),
-            "encoder_flops_imbalance_before_dp_reorder": _max_over_mean(row["encoder_flops_before"]),
-            "encoder_flops_imbalance_after_dp_reorder": _max_over_mean(row["encoder_flops_after"]),
-            "reorder_bytes": row["reorder_bytes"],
-            "encoder_state_bytes": {p: max(v) for p, v in row["encoder_bytes"].items()},
-            "llm_state_bytes": {p: max(v) for p, v in row["llm_bytes"].items()},
-            "encoder_state_bytes_per_rank": row["encoder_bytes"],
-            "llm_state_bytes_per_rank": row["llm_bytes"],
-        }
-
-    def step_flops(self, inputs: StepInputs) -> float:
-        """Model FLOPs of the step on every DP replica (all stages, encoders included), training (3x
-        forward), estimated from this replica's packs."""
-        llm, model = self.llm, self.cfg.model
-        total = 0.0
-        for p in inputs.packs:
-            total += model_flops(0, 0, attention_flops(p.seqlens, llm.dim, llm.n_layers, causal=True))
-            for s in p.samples:
-                if s.modality is Modality.TEXT or s.modality.value not in self.encoder_matmul:
-                    continue
-                ec = model.vit if s.modality is Modality.IMAGE else model.audio
-                seq = s.media_tokens * (ec.merge**2 if s.modality is Modality.IMAGE else 1)
-                total += model_flops(
-                    self.encoder_matmul[s.modality.value],
-                    seq,
-                    attention_flops([seq], ec.dim, ec.n_layers, causal=False),
-                )
-        total += model_flops(self.llm_matmul, sum(p.num_tokens for p in inputs.packs), 0.0)
-        return total * self.replicas  # every DP replica runs as much work as this one (estimated from it)
-
-
-def _max_over_mean(values: list[float]) -> float | None:
-    """``max / mean`` (1.0: balanced); ``None`` when everything is 0 (no encoder work)."""
-    total = sum(values)
-    return max(values) * len(values) / total if total > 0 else None
+def step_metrics_spec(cfg: RunConfig, llm: LLMConfig) -> StepMetricsSpec:
+    """``cfg`` (its ``data.microbatches`` per DP replica) and the LLM's config as the metrics' spec: each
+    configured encoder tower's shape (an image's or video's sequence is ``merge**2`` patches per merged
+    token; a video attends per ``temporal_patch`` frames)."""
+    m = cfg.model
+    encoders = {}
+    if m.vit is not None:
+        # videos run on the image tower, attention per temporal slice of temporal_patch frames
+        encoders["image"] = EncoderShape(m.vit.dim, m.vit.n_layers, m.vit.merge**2, m.vit.temporal_patch)
+    if m.audio is not None:
+        encoders["audio"] = EncoderShape(m.audio.dim, m.audio.n_layers)
+    return StepMetricsSpec(
+        microbatches=cfg.data.microbatches,
+        max_seq_len=cfg.data.max_seq_len,
+        llm_dim=llm.dim,
+        llm_layers=llm.n_layers,
+        hybrid_cp=cfg.parallel.hybrid_cp,
+        encoders=encoders,
+    )

@@ -10,12 +10,11 @@ is :mod:`omni_train.run_outputs`'s.
 Each step: learning rate, gradients zeroed (ZeRO-0 encoder gradients re-attached to their flat buffers;
 LLM ZeRO 1-3 parameters all-gathered) -> the loader's step -> :class:`~omni_pipeline.StepInputs` (a value;
 the executor's callables close over it) -> executor step -> gradient clipping across pipeline ranks and
-encoder replicas -> the numerics guard's verdict (:mod:`omni_train.numerics_guard`: AdamW steps, or the
-step is skipped, rolled back or stops the run) -> metrics (:mod:`omni_train.step_metrics`, one collective) -> records -> checkpoint. A step's wall clock
-runs from the end of the previous step's metrics reduction, so the previous checkpoint save counts in
-it; where it went, per rank and phase, is ``time_s_per_rank`` in ``metrics.jsonl``. Everything the loader
-skipped (undecodable payloads keep their place, their targets masked) is reduced over the ranks each step
-by :class:`~omni_train.skip_metrics.SkipMetrics`.
+encoder replicas -> the numerics guard's verdict (``omni_parallel.numerics``: AdamW steps, or the step is
+skipped, rolled back or stops the run) -> metrics (one collective) -> records -> checkpoint. A step's wall
+clock runs from the end of the previous step's metrics reduction, so the previous checkpoint save counts
+in it (``time_s_per_rank`` in ``metrics.jsonl`` says where it went). The loader's skips are reduced over
+the ranks each step (``omni_data.SkipMetrics``).
 
 Determinism: one intra-op thread per process, parameters initialised from seeded private generators, no
 dropout, data order from seeded shard shuffles and the deterministic mixture; a resumed run therefore
@@ -24,12 +23,12 @@ reproduces the uninterrupted run's losses step for step on CPU.
 Hangs and preemption (issue 29): a heartbeat watchdog (:func:`omni_train.wiring.watchdog`,
 ``omni_parallel.watchdog``) runs beside the loop and names a rank that stops beating; after each step the
 ranks agree on a stop signal (``omni_parallel.preemption``, its counts carried in the numerics guard's
-all-reduce: no collective of its own) and, on one,
-commit checkpoint N synchronously and stop (:attr:`Trainer.stopped`).
+all-reduce: no collective of its own) and, on one, commit checkpoint N synchronously and stop.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -48,12 +47,11 @@ from omni_train.config import RunConfig
 from omni_train.data_files import load_tokenizer
 from omni_train.data_pipeline import step_config
 from omni_train.launch import StopReport, restart_count
-from omni_train.models.llm import moe_forwards_per_step, moe_step_metrics, set_moe_loss_scale
-from omni_train.numerics_guard import act_on, numerics_guard, stop_error, watch_loss
+from omni_train.models.llm import moe_step_metrics
+from omni_train.numerics_guard import act_on, numerics_guard
 from omni_train.optim import lr_at
 from omni_train.pipeline import image_merge
 from omni_train.run_outputs import RunOutputs
-from omni_train.skip_metrics import SkipMetrics
 
 __all__ = ["Trainer"]
 
@@ -84,7 +82,6 @@ class Trainer:
         self.stop, self.stopped = stop, None  # stopped: a StopReport once the ranks stopped on a signal
         self.out.mkdir(parents=True, exist_ok=True)
         self.ps = wiring.parallel_state(cfg)  # every group of the run, here, in one order
-        self.reorder_group_size = self.ps.reorder_size
         self.rank, self.world = self.ps.rank, self.ps.world_size
         self.pp_rank, self.pp = self.ps.local_rank("pp"), self.ps.size("pp")
         self.dp, self.tp, self.sp = self.ps.size("dp"), self.ps.size("tp"), self.ps.size("ulysses")
@@ -99,9 +96,6 @@ class Trainer:
         parts = wiring.build_model(cfg, self.ps, self.schedule, self.tokenizer.get_vocab_size(), self.device)
         self.llm_cfg, self.split = parts.llm_cfg, parts.split
         self.stage, self.encoders = parts.stage, parts.encoders
-        # [model.llm] moe: aux / z losses as coef x their mean over the step's forwards and MoE layers
-        forwards = moe_forwards_per_step(cfg.data.microbatches, world=self.world, pp=self.pp, tp=self.tp)
-        set_moe_loss_scale(self.stage, self.llm_cfg, forwards)
         self.model, self.optimizer, self.memory = parts.model, parts.optimizer, parts.memory
         self.sync_llm, self.sync_encoders = parts.sync_llm, parts.sync_encoders  # the executor's hook's
         self._step_media: frozenset[str] | None = None  # the running step's StepInputs.media (None: all)
@@ -118,8 +112,7 @@ class Trainer:
         self.watchdog = wiring.watchdog(cfg, self.ps, self.executor)  # started with the loop
         self.checkpoint = wiring.checkpoint(cfg, self.out, self.ps, parts, self.stream)
         self.metrics = wiring.step_metrics(cfg, self.ps, parts, self.device)
-        self.skips = SkipMetrics(self.stream, self.ps)
-        # loss, gradient norm and each tower's output checked every step (omni_train.numerics_guard)
+        self.skips = wiring.skip_metrics(self.ps, self.stream)
         self.guard = numerics_guard(cfg.train, self.ps, dict(self.encoders.towers.items()), self.device)
 
     # -- the loop -----------------------------------------------------------------------------------------
@@ -205,11 +198,12 @@ class Trainer:
         self.stream.prepare()  # step + 1 from here on, on the loader's thread (wiring.step_stream)
         data_s = time.perf_counter() - t
         self.memory.start_step()
+        fns = self.builder.functions(inputs)
         with self.memory.track():
             result = self.executor.step(
                 inputs.plan,
                 inputs.encoder_work,
-                functions=watch_loss(self.builder.functions(inputs), self.guard),
+                functions=dataclasses.replace(fns, loss=self.guard.wrap_loss(fns.loss)),  # loss watched
                 gather_timelines=step == self.cfg.train.steps - 1,
                 step=step,
             )
@@ -239,7 +233,7 @@ class Trainer:
             over_cap = run.planner_metrics(self.planner, self.cfg.parallel.planner_memory_cap_mib)
             extra = {**row["memory"], **skipped, **run.cp_metrics(self.sharding), **over_cap, **numerics}
             run.log(step, {**metrics, **extra, **moe})
-        stop = stop_error(verdict, self.guard)
+        stop = self.guard.stop_error(verdict)
         if stop is not None:  # after the step's metrics, before its checkpoint
             self.checkpoint.close()  # the save in flight commits: a resume starts from it
             raise stop

@@ -8,19 +8,21 @@ which is the order the ranks create groups, draw parameters from seeded generato
    place, one order: the loader's DP copy, encoder P2P, hybrid DP/CP blocks, reordering across DP).
 2. :func:`training_device`, then :func:`build_model`: this pipeline rank's LLM stages and the encoders,
    parallelised (:func:`omni_train.parallelize.parallelize`: TP, activation checkpointing, compile,
-   offload, mixed precision, the gradient syncs), and AdamW.
+   offload, mixed precision, the gradient syncs), the MoE losses' scale, and AdamW.
 3. :func:`cp_sharding`, :func:`data_flow`, :func:`step_stream`: CP / hybrid-CP delivery
    (``omni_pipeline.cp_delivery``), the data flow of the placement policy (or the per-step planner of
    ``placement = "planned"``), and the loader, which reads only what the flow runs on this rank.
 4. :func:`step_builder`, :func:`executor`: the step-input bridge (``omni_pipeline.StepBuilder`` with the
    encoders' groups of :func:`encoder_parallel`) and the pipeline executor over the encoder anchor.
-5. :func:`checkpoint`, :func:`step_metrics`: the run's checkpoint and per-step metrics.
+5. :func:`checkpoint`, :func:`step_metrics`, :func:`skip_metrics`: the run's checkpoint, per-step metrics
+   (``omni_pipeline.step_metrics``) and the loader's skips over all ranks (``omni_data.SkipMetrics``).
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import logging
 import os
 import sys
 from collections.abc import Callable
@@ -35,12 +37,14 @@ from tokenizers import Tokenizer
 from torch import nn
 
 from omni_data import Modality, encoder_microbatch_ids
+from omni_data.skip_metrics import SkipMetrics
 from omni_data.zero_redundancy import ZeroRedundancyFilter
 from omni_parallel import GroupSpec, ParallelConfig, ParallelState, ReshardMode, mesh_device_type
 from omni_parallel.activation_memory import ActivationMemory
 from omni_parallel.flops import matmul_params, measure_peak_flops
 from omni_parallel.llm_zero import LLMGradientSync, reshard_after_forward
 from omni_parallel.memory import state_bytes
+from omni_parallel.moe import update_expert_bias
 from omni_parallel.parallelize import EncoderGradientSync, training_dtypes
 from omni_parallel.watchdog import Watchdog, WatchdogSpec, default_store_client
 from omni_pipeline import (
@@ -63,16 +67,18 @@ from omni_pipeline import (
     stage_weights,
     static_flow,
 )
+from omni_pipeline.step_metrics import StepMetrics
 from omni_train.checkpointing import TrainCheckpoint
 from omni_train.config import RunConfig
 from omni_train.data_pipeline import build_step_stream
 from omni_train.encoders import Encoders
 from omni_train.launch import report_dir, restart_count
 from omni_train.models import LLMConfig
+from omni_train.models.llm import moe_forwards_per_step, set_moe_loss_scale
 from omni_train.optim import build_optimizer
 from omni_train.parallelize import parallelize
 from omni_train.pipeline import RankStages, build_rank_stages, llm_shape, planner_spec, stage_split
-from omni_train.step_metrics import StepMetrics
+from omni_train.step_metrics import step_metrics_spec
 
 __all__ = [
     "DataFlowParts",
@@ -86,6 +92,7 @@ __all__ = [
     "group_spec",
     "pack_tokens",
     "parallel_state",
+    "skip_metrics",
     "step_builder",
     "step_metrics",
     "step_stream",
@@ -204,8 +211,18 @@ def build_model(
         num_stages=schedule.num_stages,
         device=device,
     )
+    # [model.llm] moe: aux / z losses as coef x their mean over the step's forwards and MoE layers
+    forwards = moe_forwards_per_step(
+        cfg.data.microbatches, world=ps.world_size, pp=ps.size("pp"), tp=ps.size("tp")
+    )
+    set_moe_loss_scale(stage, llm_cfg, forwards)
     model = nn.ModuleDict({"llm": stage, "encoders": encoders})
     optimizer = build_optimizer([stage, encoders], cfg.optim)
+    if llm_cfg.moe is not None and llm_cfg.moe.bias_update_rate is not None:
+        # [model.llm] moe.bias_update_rate: the routers' expert bias moved after every optimizer step by
+        # the step's loads summed over the stage's data ranks (the same update on each of them)
+        loads = ps.group("dp_cp") if ps.size("dp_cp") > 1 else None
+        optimizer.register_step_post_hook(lambda *_: update_expert_bias([stage], loads))
     return ModelParts(
         llm_cfg, dtype, compute_dtype, split, stage, encoders, model, optimizer,
         par.memory, par.sync_llm, par.sync_encoders, llm_matmul,
@@ -377,8 +394,14 @@ def step_builder(
     """
     pp_rank, pp, dp = ps.local_rank("pp"), ps.size("pp"), ps.size("dp")
     special = {Modality.IMAGE: "<|image|>", Modality.AUDIO: "<|audio|>"}
+    placeholders = {m: _special(cfg, tokenizer, token) for m, token in special.items()}
+    # a video's slots: <|video|> where the tokenizer has it, else <|image|> (one vision tower; stage 0
+    # overwrites the slots with its rows either way, and they are never targets)
+    video = tokenizer.token_to_id("<|video|>")
+    placeholders[Modality.VIDEO] = placeholders[Modality.IMAGE] if video is None else video
+    vit = cfg.model.vit
     spec = StepSpec(
-        {m: _special(cfg, tokenizer, token) for m, token in special.items()},
+        placeholders,
         parts.llm_cfg.dim,
         parts.compute_dtype,
         device,
@@ -386,6 +409,11 @@ def step_builder(
         sp=ps.size("ulysses"),
         sp_rank=ps.local_rank("ulysses"),
         tp_sp=ps.size("tp") if cfg.parallel.sequence_parallel else 1,
+        routes=parts.encoders.routes,  # videos to the image tower
+        # [model.llm] mrope_section: packs carry M-RoPE positions [3, T] from the ViT's grids
+        mrope=(vit.patch, vit.merge, vit.temporal_patch)
+        if parts.llm_cfg.mrope_section is not None and vit is not None
+        else None,
     )
     # the ranks of a stage that share its packs under CP: the CP group, or dp_cp for hybrid DP/CP
     cp_group = None if sharding is None else ps.group("dp_cp" if sharding.hybrid else "cp")
@@ -475,9 +503,8 @@ def step_metrics(cfg: RunConfig, ps: ParallelState, parts: ModelParts, device: t
         dist.all_reduce(llm_matmul, group=ps.group("pp"))
     towers = parts.encoders.towers
     return StepMetrics(
-        cfg,
+        step_metrics_spec(cfg, parts.llm_cfg),
         ps,
-        llm=parts.llm_cfg,
         llm_matmul=float(llm_matmul),
         encoder_matmul={k: matmul_params(t) for k, t in towers.items()},
         peak_flops=measure_peak_flops(device),
@@ -486,6 +513,18 @@ def step_metrics(cfg: RunConfig, ps: ParallelState, parts: ModelParts, device: t
         # register them, so their root units' gathered storage would be missed
         llm_bytes=_measured_once(lambda: state_bytes(parts.stage.chunks.values(), parts.optimizer)),
     )
+
+
+def skip_metrics(ps: ParallelState, stream: ZeroRedundancyFilter) -> SkipMetrics:
+    """The loader's skips reduced over the world each step (``omni_data.SkipMetrics``); rank 0's first
+    notice of a source says where the run's counts are."""
+
+    def notice(line: str) -> None:
+        logging.getLogger("omni_train").warning(
+            "omni-train: %s. Counts per step are in metrics.jsonl ('skipped'), totals in summary.json", line
+        )
+
+    return SkipMetrics(stream, ps, notice=notice)
 
 
 def _measured_once(measure: Callable[[], dict[str, int]]) -> Callable[[], dict[str, int]]:

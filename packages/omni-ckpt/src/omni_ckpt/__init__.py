@@ -11,6 +11,8 @@ from omni_ckpt.manager import CheckpointManager
 from omni_ckpt.optim import init_optimizer_state, load_optimizer_state_dict, optimizer_state_dict
 from omni_ckpt.plan import PlanCache
 from omni_ckpt.portable import (
+    byte_rows,
+    decode_row,
     load_object_rows,
     load_portable_optimizer_state_dict,
     object_rows,
@@ -34,6 +36,8 @@ __all__ = [
     "Placeholder",
     "PlanCache",
     "async_save",
+    "byte_rows",
+    "decode_row",
     "describe",
     "dtensor_box",
     "export",
@@ -52,4 +56,4 @@ __all__ = [
     "save",
     "save_ranks",
 ]
-__version__ = "0.4.1"
+__version__ = "0.5.0"

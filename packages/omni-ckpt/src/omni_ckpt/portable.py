@@ -15,7 +15,10 @@ its own layout decided). A parameter whose state the checkpoint lacks resumes wi
 Per-replica plain state (each DP replica's loader position, a msgpack-serialisable value) differs across
 ranks too; :func:`object_rows` stores it as row ``index`` of a ``uint8`` tensor of rows (msgpack bytes with
 an 8-byte little-endian length prefix, zero padded to a common power-of-two width), which any rank of any
-later layout reads with :func:`load_object_rows` (every row is checksummed like any tensor).
+later layout reads with :func:`load_object_rows` (every row is checksummed like any tensor). Its two
+halves are public for callers that serialise ahead or lay rows out themselves: :func:`byte_rows` takes
+bytes already msgpack-encoded (a loader snapshot made on the loader's thread) and :func:`decode_row` reads
+one loaded row (omni-train's checkpoint keeps ``[dp, positions, width]`` rows and reads ranges of them).
 """
 
 from __future__ import annotations
@@ -32,6 +35,8 @@ from omni_ckpt.optim import load_optimizer_state_dict, optimizer_state_dict
 from omni_ckpt.sharding import BoxShard
 
 __all__ = [
+    "byte_rows",
+    "decode_row",
     "load_object_rows",
     "load_portable_optimizer_state_dict",
     "object_rows",
@@ -114,20 +119,55 @@ def object_rows(
     Raises:
         ValueError: ``index`` outside ``shape``.
     """
+    rows = byte_rows(msgpack.packb(value), index, shape, process_group=process_group, what="object_rows")
+    return {"shape": [int(s) for s in shape], "width": rows.global_shape[-1], "rows": rows}
+
+
+def byte_rows(
+    blob: bytes,
+    index: Sequence[int],
+    shape: Sequence[int],
+    *,
+    process_group: dist.ProcessGroup | None = None,
+    what: str = "byte_rows",
+) -> BoxShard:
+    """Already-serialised msgpack ``blob`` (e.g. a loader snapshot's bytes, made ahead on another thread)
+    as row ``index`` of a ``uint8 [*shape, width]`` tensor: an 8-byte little-endian length, the bytes, zero
+    padding to ``width``, the ranks' common power of two (at least 4096), which keeps the tensor's shape,
+    and so the manager's cached save plan, stable over saves. Collective as :func:`object_rows` (one
+    all-reduce over ``process_group`` agrees on the width: ``global_shape[-1]`` of the result); read a row
+    back with :func:`decode_row`.
+
+    Raises:
+        ValueError: ``index`` outside ``shape`` (named with ``what``).
+    """
     index, shape = tuple(int(i) for i in index), tuple(int(s) for s in shape)
     if len(index) != len(shape) or not all(0 <= i < s for i, s in zip(index, shape)):
-        raise ValueError(f"object_rows: index {index} is outside shape {shape}")
-    blob = msgpack.packb(value)
+        raise ValueError(f"{what}: index {index} is outside shape {shape}")
     need = torch.tensor([8 + len(blob)], dtype=torch.int64)
     if dist.is_initialized():
         dist.all_reduce(need, op=dist.ReduceOp.MAX, group=process_group)
-    # a power of two keeps the tensor's shape, and so the manager's cached save plan, stable over saves
     width = max(_MIN_WIDTH, 1 << (int(need) - 1).bit_length())
     row = torch.zeros(width, dtype=torch.uint8)
     row[:8] = torch.frombuffer(bytearray(len(blob).to_bytes(8, "little")), dtype=torch.uint8)
     row[8 : 8 + len(blob)] = torch.frombuffer(bytearray(blob), dtype=torch.uint8)
     local = row.reshape(*([1] * len(shape)), width)
-    return {"shape": list(shape), "width": width, "rows": BoxShard(local, (*shape, width), (*index, 0))}
+    return BoxShard(local, (*shape, width), (*index, 0))
+
+
+def decode_row(row: torch.Tensor, what: str) -> Any:
+    """The value one row of :func:`byte_rows` / :func:`object_rows` holds (``row``: ``uint8 [width]``,
+    loaded; checksums were checked by the load).
+
+    Raises:
+        ValueError: the length prefix does not fit the row (``"<what>: length N does not fit the row of M
+            bytes"``).
+    """
+    raw = row.reshape(-1).numpy().tobytes()
+    n = int.from_bytes(raw[:8], "little")
+    if not 0 < n <= len(raw) - 8:
+        raise ValueError(f"{what}: length {n} does not fit the row of {len(raw) - 8} bytes")
+    return msgpack.unpackb(raw[8 : 8 + n], strict_map_key=False)
 
 
 def load_object_rows(url: str, key: str, indices: Sequence[Sequence[int]]) -> list[Any]:
@@ -152,9 +192,5 @@ def load_object_rows(url: str, key: str, indices: Sequence[Sequence[int]]) -> li
             raise ValueError(f"{url}: {key} row {idx} is outside the saved rows {shape}")
         local = torch.zeros(*([1] * len(shape)), width, dtype=torch.uint8)
         load({key: {"rows": BoxShard(local, (*shape, width), (*idx, 0))}}, url)
-        raw = local.reshape(width).numpy().tobytes()
-        n = int.from_bytes(raw[:8], "little")
-        if not 0 < n <= width - 8:
-            raise ValueError(f"{url}: {key} row {idx}: length {n} does not fit the row of {width - 8} bytes")
-        out.append(msgpack.unpackb(raw[8 : 8 + n], strict_map_key=False))
+        out.append(decode_row(local, f"{url}: {key} row {idx}"))
     return out

@@ -24,6 +24,7 @@ from omni_data.payload import (
 from omni_data.reorder import GroupedReorderer, PlanMismatchError, ReorderPlan, encoder_flops
 from omni_data.replicas import ReplicaMerge, hand_over_replicas, replica_ids
 from omni_data.sample import MemberRef, Modality, SampleMeta
+from omni_data.skip_metrics import SkipMetrics, merge_skip_reports
 from omni_data.skips import SkipLedger, skip_report
 from omni_data.source import (
     EmptySourceError,
@@ -31,7 +32,16 @@ from omni_data.source import (
     UnsupportedCompressionError,
     WebDatasetSource,
 )
-from omni_data.tokens import AudioTokens, EncoderCost, ImageTokens, count_text_tokens, resampled_length
+from omni_data.tokens import (
+    AudioTokens,
+    EncoderCost,
+    ImageTokens,
+    VideoTokens,
+    count_text_tokens,
+    resampled_length,
+    sampled_frame_indices,
+)
+from omni_data.video import VIDEO_EXTS, VideoInfo
 from omni_data.workers import RoundRobinWorkers
 from omni_data.zero_redundancy import (
     ConsumesFn,
@@ -45,6 +55,7 @@ from omni_data.zero_redundancy import (
 
 __all__ = [
     "DEFAULT_MAX_IMAGE_PIXELS",
+    "VIDEO_EXTS",
     "AudioTokens",
     "ConsumesFn",
     "EmptySourceError",
@@ -78,12 +89,15 @@ __all__ = [
     "SampleMeta",
     "ScheduleUnit",
     "SkipLedger",
+    "SkipMetrics",
     "SkippedPayloadError",
     "StatefulNode",
     "StepBatch",
     "UndecodablePayloadError",
     "UnreadablePayloadError",
     "UnsupportedCompressionError",
+    "VideoInfo",
+    "VideoTokens",
     "WebDatasetSource",
     "ZeroRedundancyFilter",
     "collate_packs",
@@ -93,12 +107,14 @@ __all__ = [
     "encoder_microbatch_id",
     "encoder_microbatch_ids",
     "hand_over_replicas",
+    "merge_skip_reports",
     "replica_ids",
     "resampled_length",
+    "sampled_frame_indices",
     "skip_report",
     "snapshot_async",
     "split_encoder_microbatches",
     "text_members",
     "to_rgb",
 ]
-__version__ = "0.5.0"
+__version__ = "0.6.0"

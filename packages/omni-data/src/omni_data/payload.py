@@ -27,7 +27,8 @@ from omni_data.join import text_members
 from omni_data.media_checks import DEFAULT_MAX_IMAGE_PIXELS, MediaRefusedError, open_image, waveform_problem
 from omni_data.sample import MemberRef, Modality, SampleMeta
 from omni_data.source import AUDIO_EXTS, IMAGE_EXTS, open_shard
-from omni_data.tokens import TextTokenizer, resampled_length
+from omni_data.tokens import TextTokenizer, resampled_length, sampled_frame_indices
+from omni_data.video import VIDEO_EXTS, decode_frames
 
 __all__ = [
     "Payload",
@@ -57,8 +58,8 @@ class SkippedPayloadError(PayloadError):
 
 
 class UndecodablePayloadError(SkippedPayloadError):
-    """An image or audio member whose header passed the metadata pass but whose body does not decode
-    (or decodes to another size or length than the metadata says)."""
+    """An image, audio or video member whose header passed the metadata pass but whose body does not
+    decode (or decodes to another size, length or frame count than the metadata says)."""
 
 
 class UnreadablePayloadError(SkippedPayloadError):
@@ -94,11 +95,14 @@ class Payload:
         waveform: ``[num_samples]`` float32 mono in ``[-1, 1]`` at ``meta.sample_rate`` (audio of any
             channel count, averaged; of any rate, resampled with soxr).
         sample_rate: Hz (audio).
+        frames: ``[T, 3, H, W]`` float32 RGB in ``[0, 1]``: the ``T = meta.shape[0]`` sampled frames
+            (:func:`omni_data.tokens.sampled_frame_indices`) of a video, each resized to ``meta.shape[2:]``
+            as images are.
         text_ids: ``[meta.text_tokens]`` int64 token ids (text, or caption/transcript when a tokenizer
             is given), else ``None``.
         error: ``None`` for a decoded payload; for a sample whose image/audio could not be read or
-            decoded, why, and ``pixels``/``waveform`` are zeros of the metadata's shape (a placeholder
-            that keeps the pack layout; mask the sample's loss). Set by
+            decoded, why, and ``pixels``/``waveform``/``frames`` are zeros of the metadata's shape (a
+            placeholder that keeps the pack layout; mask the sample's loss). Set by
             :class:`~omni_data.zero_redundancy.ZeroRedundancyFilter`.
     """
 
@@ -108,13 +112,17 @@ class Payload:
     sample_rate: int | None = None
     text_ids: torch.Tensor | None = None
     error: str | None = None
+    frames: torch.Tensor | None = None
 
     @classmethod
     def placeholder(cls, meta: SampleMeta, error: str) -> Payload:
-        """Zeros of ``meta.shape`` in place of an undecodable image (``pixels``) or audio (``waveform``)."""
+        """Zeros of ``meta.shape`` in place of an undecodable image (``pixels``), video (``frames``) or
+        audio (``waveform``)."""
         out = cls(meta, error=error)
         if meta.modality is Modality.IMAGE:
             out.pixels = torch.zeros(meta.shape, dtype=torch.float32)
+        elif meta.modality is Modality.VIDEO:
+            out.frames = torch.zeros(meta.shape, dtype=torch.float32)
         elif meta.modality is Modality.AUDIO:
             out.waveform = torch.zeros(meta.shape, dtype=torch.float32)
             out.sample_rate = meta.sample_rate
@@ -173,7 +181,8 @@ class PayloadReader:
             before decoding (:func:`omni_data.media_checks.open_image`).
 
     Counters (:attr:`stats`, thread-safe): ``bytes``, ``retries``, ``batched_calls``, ``batched_ranges``,
-    ``split_text_hits``.
+    ``split_text_hits``; for video, ``videos`` (decoded), ``video_frames`` (sampled frames returned) and
+    ``video_frames_decoded`` (frames the codec produced to reach them).
 
     Raises:
         ValueError: ``retries``, ``backoff_s`` or ``split_cache_tokens`` < 0, ``max_image_pixels`` < 1, or
@@ -206,7 +215,16 @@ class PayloadReader:
         self._local = threading.local()
         self._lock = threading.Lock()  # guards _caches and stats
         self._caches: list[OrderedDict[str, Any]] = []
-        self.stats = {"bytes": 0, "retries": 0, "batched_calls": 0, "batched_ranges": 0, "split_text_hits": 0}
+        self.stats = {
+            "bytes": 0,
+            "retries": 0,
+            "batched_calls": 0,
+            "batched_ranges": 0,
+            "split_text_hits": 0,
+            "videos": 0,
+            "video_frames": 0,
+            "video_frames_decoded": 0,
+        }
         self.split_cache_tokens = split_cache_tokens
         # split document (its txt members' url, offset, size) -> all its ids, least recently used first
         self._split_ids: OrderedDict[tuple[tuple[str, int, int], ...], torch.Tensor] = OrderedDict()
@@ -360,12 +378,12 @@ class PayloadReader:
         return data
 
     def refs(self, meta: SampleMeta, *, media: bool = True, text: bool = True) -> list[MemberRef]:
-        """The members :meth:`read` reads for ``meta`` (its image or audio member, its ``txt``): the
+        """The members :meth:`read` reads for ``meta`` (its image, video or audio member, its ``txt``): the
         ``txt`` of a split document whose ids are cached is left out (:meth:`fetch` would read it again;
         if it is evicted before the read, :meth:`read_bytes` reads it then)."""
         out = []
         if media and meta.modality is not Modality.TEXT:
-            exts = IMAGE_EXTS if meta.modality is Modality.IMAGE else AUDIO_EXTS
+            exts = {Modality.IMAGE: IMAGE_EXTS, Modality.VIDEO: VIDEO_EXTS}.get(meta.modality, AUDIO_EXTS)
             ext = next((e for e in exts if e in meta.members), None)
             if ext is not None:
                 out.append(meta.members[ext])
@@ -388,10 +406,11 @@ class PayloadReader:
 
         Raises:
             RefusedPayloadError: hostile media, refused before the expensive decode: an image over
-                ``max_image_pixels`` or of no pixels (from its header), audio with no frames or a NaN,
-                Inf or absurdly large sample (after decoding the PCM, before resampling).
-            UndecodablePayloadError: the image/audio member does not decode, or decodes to another
-                size or length than ``meta`` says.
+                ``max_image_pixels`` or of no pixels (from its header), a video whose frames are
+                over that bound or of no pixels (from its stream header), audio with no frames or a
+                NaN, Inf or absurdly large sample (after decoding the PCM, before resampling).
+            UndecodablePayloadError: the image/audio/video member does not decode, or decodes to another
+                size or length than ``meta`` says (a video: fewer frames than its sampled indices need).
             UnreadablePayloadError: a member read kept failing after the retries.
             PayloadError: a member is missing or cut short, the text does not match ``meta``, or a text
                 sample has no tokenizer.
@@ -489,6 +508,21 @@ class PayloadReader:
             # HWC -> CHW in numpy on uint8: a torch permute-copy of float32 spins up intra-op threads
             chw = np.ascontiguousarray(np.asarray(rgb, dtype=np.uint8).transpose(2, 0, 1))
             out.pixels = torch.from_numpy(chw.astype(np.float32) * np.float32(1.0 / 255.0))
+            return out
+        if meta.modality is Modality.VIDEO:
+            if meta.frames is None or len(meta.shape) != 4:
+                raise PayloadError(f"{where}: video metadata without a frame count or a [T, 3, H, W] shape")
+            indices = sampled_frame_indices(meta.frames, meta.shape[0])
+            try:
+                frames, decoded = decode_frames(
+                    data, indices, (meta.shape[2], meta.shape[3]), self.max_image_pixels
+                )
+            except MediaRefusedError as e:
+                raise RefusedPayloadError(f"{where}: {e}", e.reason) from e
+            except ValueError as e:  # FFmpeg errors, or fewer frames than the metadata says
+                raise UndecodablePayloadError(f"{where}: undecodable video: {e}") from e
+            self._count(videos=1, video_frames=len(indices), video_frames_decoded=decoded)
+            out.frames = torch.from_numpy(frames)
             return out
         try:
             wave, rate = soundfile.read(io.BytesIO(data), dtype="float32", always_2d=True)

@@ -1,7 +1,8 @@
 """Sample metadata and payload references: what every rank knows before any payload is read.
 
 A sample travels through the pipeline as a :class:`SampleMeta` (small, msgpack-serialisable, identical on
-every rank that holds the same loader state). Its payload (image pixels, audio waveform, text token ids)
+every rank that holds the same loader state). Its payload (image pixels, audio waveform, video frames, text
+token ids)
 is read and decoded only where it is consumed, from the :class:`MemberRef` byte ranges the metadata
 carries (DESIGN.md §omni-data: "metadata before payload"; paper §5.2 zero-redundancy loaders).
 """
@@ -21,6 +22,7 @@ class Modality(StrEnum):
     IMAGE = "image"
     AUDIO = "audio"
     TEXT = "text"
+    VIDEO = "video"
 
 
 @dataclass(frozen=True, slots=True)
@@ -44,8 +46,8 @@ class MemberRef:
 class SampleMeta:
     """Everything known about a sample before its payload is decoded.
 
-    Token layout inside a pack: ``media_tokens`` encoder embeddings first (image patches after merge or
-    audio frames after subsampling), then ``text_tokens`` LLM tokens (caption, transcript or text). For a
+    Token layout inside a pack: ``media_tokens`` encoder embeddings first (image or video patches after
+    merge, or audio frames after subsampling), then ``text_tokens`` LLM tokens (caption, transcript or text). For a
     text sample split because it is longer than the pack, ``text_range`` is the ``[start, end)`` slice of
     its token ids that this piece holds.
 
@@ -56,13 +58,17 @@ class SampleMeta:
         media_tokens: expanded encoder tokens (0 for text).
         text_tokens: LLM text tokens of this piece.
         encoder_flops: forward FLOPs of the encoder for this sample (0 for text); see :mod:`omni_data.tokens`.
-        shape: payload shape after decoding: ``(3, H, W)`` resized pixels, ``(num_samples,)`` mono
-            waveform at the source sample rate, ``(text_tokens,)`` for text.
+        shape: payload shape after decoding: ``(3, H, W)`` resized pixels, ``(T, 3, H, W)`` sampled and
+            resized video frames, ``(num_samples,)`` mono waveform at the source sample rate,
+            ``(text_tokens,)`` for text.
         members: byte ranges of the sample's tar members, by extension.
         text_range: ``(start, end)`` token slice for split text, else ``None``.
         epoch: the source epoch the sample was read in.
         sample_rate: audio sample rate in Hz (``None`` for images and text), so a reader can describe
             the waveform without decoding it.
+        frames: video only: frames in the whole video (``None`` otherwise); the ``shape[0]`` sampled
+            ones are its frames ``omni_data.tokens.sampled_frame_indices(frames, shape[0])``.
+        fps: video only: the video's frame rate, frames per second (``None`` otherwise).
     """
 
     key: str
@@ -76,6 +82,8 @@ class SampleMeta:
     text_range: tuple[int, int] | None = None
     epoch: int = 0
     sample_rate: int | None = None
+    frames: int | None = None
+    fps: float | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -89,8 +97,9 @@ class SampleMeta:
         return base if self.text_range is None else f"{base}@{self.text_range[0]}"
 
     def to_dict(self) -> dict[str, Any]:
-        """Plain msgpack-serialisable form (a few hundred bytes; no payload)."""
-        return {
+        """Plain msgpack-serialisable form (a few hundred bytes; no payload). ``frames`` and ``fps`` only
+        for a video, so the states of runs without video are what they were before video existed."""
+        out = {
             "key": self.key,
             "source": self.source,
             "modality": str(self.modality),
@@ -103,6 +112,9 @@ class SampleMeta:
             "epoch": self.epoch,
             "sample_rate": self.sample_rate,
         }
+        if self.frames is not None:
+            out["frames"], out["fps"] = self.frames, self.fps
+        return out
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> SampleMeta:
@@ -120,4 +132,6 @@ class SampleMeta:
             else (int(d["text_range"][0]), int(d["text_range"][1])),
             epoch=int(d.get("epoch", 0)),
             sample_rate=None if d.get("sample_rate") is None else int(d["sample_rate"]),
+            frames=None if d.get("frames") is None else int(d["frames"]),
+            fps=None if d.get("fps") is None else float(d["fps"]),
         )

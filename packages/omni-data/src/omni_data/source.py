@@ -4,10 +4,11 @@ The source walks each tar's headers (seeking, not reading, over payload members)
 samples by WebDataset's key convention (``webdataset.tariterators.base_plus_ext``) and yields a
 :class:`~omni_data.sample.SampleMeta` per sample. Only small members are read for metadata: ``key.json``
 (``width``/``height``, ``num_frames``/``sample_rate`` or ``duration_s``), ``key.txt`` when a tokenizer
-counts its tokens, the first bytes of an image (PIL parses the header lazily), and, when ``key.json``
+counts its tokens, the first bytes of an image (PIL parses the header lazily), when ``key.json``
 lacks the audio length, the first 4 KiB of a FLAC (its STREAMINFO) or the whole WAV/OGG
-(``soundfile.info``). Payloads are read later, where they are consumed
-(:class:`omni_data.payload.PayloadReader`).
+(``soundfile.info``), and, when ``key.json`` lacks a video's ``frames``/``fps``/``width``/``height``, the
+whole video member (its container header, :func:`omni_data.video.probe_video`). Payloads are read later,
+where they are consumed (:class:`omni_data.payload.PayloadReader`).
 
 Gzip-compressed shards (told by content, :mod:`omni_data.compressed`) are walked through a seekable view
 of their decompressed tar, so offsets, resume points and damage handling are those of a plain shard; the
@@ -30,8 +31,10 @@ the shard), a damaged tar header (the walk resynchronises at the next valid head
 sides of the damage are skipped), a damaged PAX record, a key that is not UTF-8, an image whose header
 PIL cannot parse, declares no pixels or more than ``max_image_pixels`` (a decompression bomb, refused
 undecoded), a 0-byte image, a tar member with an absolute or ``..`` name and a link or device member
-(:class:`~omni_data.tar_index.TarRefused`, keyed ``shard:URL@BYTE:NAME``), audio ``soundfile`` cannot read, a sample missing its main member, an empty or
-unreadable shard, and a read that keeps failing (an ``OSError`` is retried ``retries`` times with
+(:class:`~omni_data.tar_index.TarRefused`, keyed ``shard:URL@BYTE:NAME``), audio ``soundfile`` cannot
+read, a video of no frames, rate or pixels, of frames over ``max_image_pixels``, with a ``key.json`` whose
+video fields are not numbers, or (without them) that FFmpeg cannot read, a sample missing its main
+member, an empty or unreadable shard, and a read that keeps failing (an ``OSError`` is retried ``retries`` times with
 backoff, from the start of the sample, before the rest of the shard is given up). Each is counted per
 reason with its key in :attr:`WebDatasetSource.ledger` (:class:`~omni_data.skips.SkipLedger`) and logged
 once per reason. The resume position counts skipped samples, so resume stays exact.
@@ -65,13 +68,16 @@ from omni_data.tokens import (
     EncoderCost,
     ImageTokens,
     TextTokenizer,
+    VideoTokens,
     count_text_tokens,
     resampled_length,
 )
+from omni_data.video import VIDEO_EXTS, VideoInfo, probe_video, video_info_from_json
 
 __all__ = [
     "AUDIO_EXTS",
     "IMAGE_EXTS",
+    "VIDEO_EXTS",
     "EmptySourceError",
     "LayoutMismatchError",
     "UnsupportedCompressionError",
@@ -146,12 +152,14 @@ class WebDatasetSource(StatefulNode[SampleMeta]):
         urls: fsspec URLs or local paths of tar shards, plain or gzip-compressed (``.tar.gz``, ``.tgz``,
             told by content); brace patterns (``shard-{000..009}.tar``) expand.
         modality: what each sample is; image samples need an image member, audio an audio member,
-            text a ``txt`` member.
+            video a video member (``mp4 webm mkv mov avi ogv``), text a ``txt`` member.
         name: source name in metadata and counters (default: first URL).
         tokenizer: counts ``txt`` tokens (required for text; captions/transcripts count 0 without it).
-        image_tokens, audio_tokens: token accounting (:mod:`omni_data.tokens`).
-        encoder_cost: FLOPs model of this modality's encoder (image: over ViT patches; audio: over
-            subsampled frames).
+        image_tokens, audio_tokens, video_tokens: token accounting (:mod:`omni_data.tokens`); a video's
+            frames are sampled by ``video_tokens`` (``fps``, ``min_frames``, ``max_frames``) from the
+            ``frames`` and ``fps`` its ``key.json`` gives, so no payload is read to plan.
+        encoder_cost: FLOPs model of this modality's encoder (image and video: over ViT patches; audio:
+            over subsampled frames).
         sample_rate: audio only: the rate (Hz) the encoder takes. Clips at another rate are described as
             resampled to it (``shape``, ``sample_rate`` and token counts after resampling, see
             :func:`omni_data.tokens.resampled_length`); :class:`~omni_data.payload.PayloadReader`
@@ -172,7 +180,8 @@ class WebDatasetSource(StatefulNode[SampleMeta]):
         backoff_s: wait before the first retry, seconds (doubled each time).
         max_image_pixels: image sources: the most ``width * height`` an image may declare (>= 1); a larger
             one (a decompression bomb), one of no pixels or a 0-byte member is skipped and counted from
-            its header, never decoded (:mod:`omni_data.media_checks`).
+            its header, never decoded (:mod:`omni_data.media_checks`). Video sources: the same bound per
+            frame (``"video over the pixel limit"``).
 
     Raises:
         ValueError: no URLs, an unknown modality, a text source without a tokenizer, or a bad split.
@@ -191,6 +200,7 @@ class WebDatasetSource(StatefulNode[SampleMeta]):
         audio_tokens: AudioTokens | None = None,
         encoder_cost: EncoderCost | None = None,
         sample_rate: int | None = None,
+        video_tokens: VideoTokens | None = None,
         rank: int = 0,
         world_size: int = 1,
         worker: int = 0,
@@ -226,6 +236,7 @@ class WebDatasetSource(StatefulNode[SampleMeta]):
         self.tokenizer = tokenizer
         self.image_tokens = image_tokens or ImageTokens()
         self.audio_tokens = audio_tokens or AudioTokens()
+        self.video_tokens = video_tokens or VideoTokens()
         self.encoder_cost = encoder_cost or EncoderCost()
         self.sample_rate = sample_rate
         self.rank, self.world_size, self.worker, self.num_workers = rank, world_size, worker, num_workers
@@ -598,6 +609,31 @@ class WebDatasetSource(StatefulNode[SampleMeta]):
             tokens = self.image_tokens.tokens(h, w)
             flops = self.encoder_cost.flops(self.image_tokens.patches(h, w))
             return SampleMeta(key, self.name, m, tokens, text_tokens, flops, (3, rh, rw), refs, None, epoch)
+        if m is Modality.VIDEO:
+            ext = next((e for e in VIDEO_EXTS if e in refs), None)
+            if ext is None:
+                raise _SkipSample("missing video member")
+            v = self._video_info(info, refs[ext], f)
+            vt = self.video_tokens
+            n = vt.num_sampled(v.frames, v.fps)
+            rh, rw = vt.frame.resize(v.height, v.width)
+            t, gh, gw = vt.grid(v.frames, v.fps, v.height, v.width)
+            flops = self.encoder_cost.flops(t * gh * gw, slices=t)  # attention per temporal slice
+            return SampleMeta(
+                key,
+                self.name,
+                m,
+                vt.tokens(v.frames, v.fps, v.height, v.width),
+                text_tokens,
+                flops,
+                (n, 3, rh, rw),
+                refs,
+                None,
+                epoch,
+                None,
+                v.frames,
+                v.fps,
+            )
         ext = next((e for e in AUDIO_EXTS if e in refs), None)
         if ext is None:
             raise _SkipSample("missing audio member")
@@ -624,6 +660,22 @@ class WebDatasetSource(StatefulNode[SampleMeta]):
         if h < 1 or w < 1:
             raise _SkipSample("empty image")
         return h, w
+
+    def _video_info(self, info: dict[str, Any], ref: MemberRef, f: Any) -> VideoInfo:
+        """``key.json``'s description of the video, else the whole member probed (container header and
+        packet count; no frame decoded)."""
+        try:
+            v = video_info_from_json(info)
+        except (TypeError, ValueError) as e:
+            raise _SkipSample("bad video json") from e
+        try:
+            if v is not None:
+                return v.check(self.max_image_pixels)
+            return probe_video(self._read(f, ref), self.max_image_pixels)
+        except MediaRefusedError as e:
+            raise _SkipSample(e.reason) from e
+        except Exception as e:  # FFmpeg errors on garbage
+            raise _SkipSample("undecodable video") from e
 
     def _audio_len(self, info: dict[str, Any], ref: MemberRef, f: Any) -> tuple[int, int]:
         rate = info.get("sample_rate")

@@ -47,6 +47,7 @@ __all__ = [
     "audio_samples",
     "damaged_image_shards",
     "declared_png",
+    "encode_mp4",
     "flaky_url",
     "float_wav",
     "hostile_media_folder",
@@ -58,6 +59,7 @@ __all__ = [
     "text_samples",
     "train_tiny_bpe",
     "trained_sources",
+    "video_samples",
     "webdataset_sources",
     "write_shards",
     "write_tar",
@@ -121,6 +123,60 @@ def image_samples(
         }
         if with_json:
             sample["json"] = json.dumps({"width": w, "height": h}).encode()
+        yield sample
+
+
+def encode_mp4(frames: np.ndarray, fps: int, codec: str = "mpeg4") -> bytes:
+    """``[T, H, W, 3]`` uint8 RGB frames (``H``, ``W`` even) as an ``.mp4`` at ``fps`` frames per second
+    (PyAV, FFmpeg's own ``mpeg4`` encoder, one thread, bit-exact flags, fixed quantiser 4)."""
+    import av  # a dependency of omni-data; imported here so the image/audio helpers need not load it
+
+    buf = io.BytesIO()
+    with av.open(buf, "w", format="mp4", options={"fflags": "+bitexact"}) as out:
+        st = out.add_stream(codec, rate=fps)
+        st.width, st.height, st.pix_fmt = int(frames.shape[2]), int(frames.shape[1]), "yuv420p"
+        st.codec_context.thread_count = 1
+        st.codec_context.options = {"flags": "+bitexact", "qmin": "4", "qmax": "4"}  # fixed quantiser
+        for arr in frames:
+            for packet in st.encode(av.VideoFrame.from_ndarray(np.ascontiguousarray(arr), format="rgb24")):
+                out.mux(packet)
+        for packet in st.encode():
+            out.mux(packet)
+    return buf.getvalue()
+
+
+def video_samples(
+    n: int,
+    *,
+    seed: int = 0,
+    sizes: tuple[int, int] = (16, 48),
+    frames: tuple[int, int] = (3, 12),
+    fps: int = 4,
+    prefix: str = "vid",
+    with_json: bool = True,
+) -> Iterator[dict[str, Any]]:
+    """``n`` samples ``{__key__, mp4, txt[, json]}``: clips of a random number of frames (in ``frames``)
+    of even random sides (in ``sizes`` pixels) at ``fps``, a smooth gradient moving a few pixels a frame
+    plus noise (so frames differ and the codec has motion to predict); json ``{frames, fps, width,
+    height, duration_s}``."""
+    rng = random.Random(seed)
+    for i in range(n):
+        w, h = 2 * (rng.randint(*sizes) // 2), 2 * (rng.randint(*sizes) // 2)
+        t = rng.randint(*frames)
+        g = np.random.default_rng(seed * 100003 + i)
+        yy, xx = np.mgrid[0:h, 0:w]
+        clip = np.empty((t, h, w, 3), dtype=np.uint8)
+        for k in range(t):
+            base = np.stack([(xx + 3 * k) * 5, (yy + 2 * k) * 7, (xx + yy + k) * 3], axis=-1) % 256
+            clip[k] = np.clip(base + g.integers(-20, 21, (h, w, 3)), 0, 255).astype(np.uint8)
+        sample = {
+            "__key__": f"{prefix}{i:06d}",
+            "mp4": encode_mp4(clip, fps),
+            "txt": _sentence(rng, rng.randint(3, 12)),
+        }
+        if with_json:
+            meta = {"frames": t, "fps": fps, "width": w, "height": h, "duration_s": t / fps}
+            sample["json"] = json.dumps(meta).encode()
         yield sample
 
 

@@ -2,8 +2,9 @@
 
 Input, either:
 
-- a folder: every image (``png jpg jpeg webp``, or ``bmp gif tif tiff``, re-encoded as PNG) or audio file
-  (``flac wav ogg``, or anything else libsndfile reads, e.g. ``mp3 aiff``, re-encoded as FLAC), with its
+- a folder: every image (``png jpg jpeg webp``, or ``bmp gif tif tiff``, re-encoded as PNG), video
+  (``mp4 webm mkv mov avi ogv``, stored as is) or audio file (``flac wav ogg``, or anything else libsndfile
+  reads, e.g. ``mp3 aiff``, re-encoded as FLAC), with its
   caption or transcript in a ``.txt`` of the same name beside it (optional), and extra fields in a
   ``.json`` of the same name (optional, merged into the sample's json). A folder of only ``.txt`` files
   becomes text shards;
@@ -12,17 +13,19 @@ Input, either:
   ``transcript``), and optionally ``key``.
 
 Output (the layout ``WebDatasetSource`` reads): ``OUT/{modality}-000000.tar, ...`` with ``--per-shard``
-samples each; per sample ``KEY.{png|jpg|jpeg|webp}`` or ``KEY.{flac|wav|ogg}`` (the file's own bytes
-when already in one of those formats), ``KEY.txt`` (UTF-8) and ``KEY.json``: images ``{"width",
-"height"}``, audio ``{"num_frames", "sample_rate", "channels"}`` (of the file as stored: the loader
+samples each; per sample ``KEY.{png|jpg|jpeg|webp}``, ``KEY.{mp4|webm|mkv|mov|avi|ogv}`` or
+``KEY.{flac|wav|ogg}`` (the file's own bytes when already in one of those formats), ``KEY.txt`` (UTF-8)
+and ``KEY.json``: images ``{"width", "height"}``, videos ``{"frames", "fps", "width", "height",
+"duration_s"}`` (frames counted by decoding the whole video with PyAV, so a damaged one is found here;
+the loader plans from these fields without reading the video), audio ``{"num_frames", "sample_rate", "channels"}`` (of the file as stored: the loader
 resamples to the encoder's rate and averages channels), plus ``"path"`` (where it came from) and any
 fields of the sidecar json. Keys are the relative path without extension, with ``/`` as ``__`` and
 characters outside ``[A-Za-z0-9_-]`` as ``_`` (WebDataset keys cannot hold dots), made unique.
 ``OUT/manifest.json`` lists the shards, counts per modality and every file skipped, by reason (a file
 that does not decode, text that is not UTF-8, a caption without media, a file of another type, and
 hostile media refused before the expensive decode, :mod:`omni_data.media_checks`: an empty file, an
-image of no pixels or declaring more than ``max_image_pixels`` (a decompression bomb), audio with no
-frames or a NaN, Inf or absurdly large sample). Files under ``OUT`` are not read when ``OUT`` lies
+image of no pixels or declaring more than ``max_image_pixels`` (a decompression bomb), a video of no
+frames or whose frames exceed that bound, audio with no frames or a NaN, Inf or absurdly large sample). Files under ``OUT`` are not read when ``OUT`` lies
 inside the input folder.
 
 Source: WebDataset's shard format (``webdataset.ShardWriter``), through fsspec (``OUT`` may be any
@@ -52,6 +55,7 @@ import webdataset as wds
 from omni_data.media_checks import DEFAULT_MAX_IMAGE_PIXELS, MediaRefusedError, open_image, waveform_problem
 from omni_data.sample import Modality
 from omni_data.source import AUDIO_EXTS, IMAGE_EXTS
+from omni_data.video import VIDEO_EXTS, decoded_info
 
 __all__ = ["WriteReport", "main", "write_dataset", "write_dataset_args", "write_shards"]
 
@@ -138,6 +142,8 @@ def _modality_of(path: Path) -> Modality | None:
     ext = path.suffix.lower().lstrip(".")
     if ext in IMAGE_EXTS or ext in _IMAGE_CONVERT:
         return Modality.IMAGE
+    if ext in VIDEO_EXTS:
+        return Modality.VIDEO
     if ext in AUDIO_EXTS or ext in _AUDIO_CONVERT:
         return Modality.AUDIO
     return None
@@ -173,7 +179,7 @@ def _from_folder(root: Path, report: WriteReport, skip_dir: Path | None = None) 
     by_stem: dict[Path, list[Path]] = {}
     for p in files:
         if _modality_of(p) is None and p.suffix.lower() not in (".txt", ".json"):
-            report.skip(str(p.relative_to(root)), "not an image, audio, .txt or .json file")
+            report.skip(str(p.relative_to(root)), "not an image, video, audio, .txt or .json file")
             continue
         by_stem.setdefault(p.with_suffix(""), []).append(p)
     taken: set[str] = set()
@@ -238,7 +244,7 @@ def _from_manifest(manifest: Path, report: WriteReport) -> Iterator[_Item]:
             report.skip(str(row["path"]), "file not found")
             continue
         if path is not None and _modality_of(path) is None:
-            report.skip(str(row["path"]), "not an image or audio file")
+            report.skip(str(row["path"]), "not an image, video or audio file")
             continue
         name = str(row.get("key") or Path(str(row.get("path") or f"row{n:06d}")).with_suffix(""))
         extra = {k: v for k, v in row.items() if k not in ("path", "key", *_TEXT_FIELDS)}
@@ -273,6 +279,15 @@ def _encode(
                         im if im.mode in ("1", "L", "LA", "P", "RGB", "RGBA", "I;16") else im.convert("RGB")
                     ).save(buf, format="PNG")
                     data, ext = buf.getvalue(), "png"
+        elif modality is Modality.VIDEO:
+            v = decoded_info(data, max_image_pixels)
+            info.update(
+                frames=v.frames,
+                fps=v.fps,
+                width=v.width,
+                height=v.height,
+                duration_s=round(v.frames / v.fps, 6),
+            )
         else:
             wave, rate = soundfile.read(io.BytesIO(data), dtype="float32", always_2d=True)
             bad = waveform_problem(wave)  # no frames, or a NaN/Inf/absurd sample that would poison the run
@@ -286,7 +301,7 @@ def _encode(
     except MediaRefusedError as e:
         report.skip(item.origin, e.reason)
         return None
-    except Exception as e:  # PIL and libsndfile raise many types for files they cannot decode
+    except Exception as e:  # PIL, libsndfile and FFmpeg raise many types for files they cannot decode
         report.skip(item.origin, f"undecodable {modality} ({type(e).__name__})")
         return None
     sample[ext] = data

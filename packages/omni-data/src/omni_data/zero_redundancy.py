@@ -26,12 +26,12 @@ the other gets it back); without the call the next ``next`` prepares inline.
 
 Parallel decode: payloads are read and decoded by a pool of ``decode_workers`` threads the filter owns
 (torchdata.nodes ``ParallelMapper`` conventions: ``num_workers`` threads, results in order). PIL,
-libsndfile (via cffi), soxr and numpy release the GIL while they decode, resize and resample, so threads
-scale (``benchmarks/loader.py``). Every sample's result goes back to its slot of the step, so the output
+libsndfile (via cffi), soxr, PyAV (FFmpeg's ``avcodec_send_packet`` / ``avcodec_receive_frame``) and numpy
+release the GIL while they decode, resize and resample, so threads scale (``benchmarks/loader.py``). Every sample's result goes back to its slot of the step, so the output
 is the same for any worker count, resume stays exact, and nothing draws from a global RNG. For remote
 stores one ``fs.cat_ranges`` call per step fetches every member first (:meth:`PayloadReader.fetch`).
 
-Bad data: an image or audio whose header passed the metadata pass but whose body does not decode or
+Bad data: an image, video or audio whose header passed the metadata pass but whose body does not decode or
 cannot be read (:class:`~omni_data.payload.SkippedPayloadError`) cannot leave its pack (every rank
 planned the pack from metadata), so its payload is replaced by zeros of the metadata's shape with
 ``Payload.error`` set, counted in :attr:`ZeroRedundancyFilter.ledger` (scope ``"payload"``) with its key
@@ -709,7 +709,7 @@ class ZeroRedundancyFilter(StatefulNode[FilteredStep]):
         if self._reads:
             fa = ia = 0
             for m, p in zip(metas, payloads):
-                x = p.pixels if p.pixels is not None else p.waveform
+                x = next((t for t in (p.pixels, p.frames, p.waveform) if t is not None), None)
                 if x is not None:
                     fbuf[fa : fa + x.numel()] = x.reshape(-1)
                     fa += x.numel()
@@ -727,6 +727,8 @@ class ZeroRedundancyFilter(StatefulNode[FilteredStep]):
             n = _float_numel(m)
             if m.modality is Modality.IMAGE:
                 p.pixels = fbuf[fa : fa + n].view(m.shape)
+            elif m.modality is Modality.VIDEO:
+                p.frames = fbuf[fa : fa + n].view(m.shape)
             elif m.modality is Modality.AUDIO:
                 p.waveform = fbuf[fa : fa + n].view(m.shape)
             fa += n

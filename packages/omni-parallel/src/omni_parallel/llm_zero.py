@@ -62,12 +62,27 @@ Expert parallelism (``ep > 1``, :mod:`omni_parallel.moe`): the routed experts' p
 (:func:`~omni_parallel.moe.expert_parameters`, already ``Shard(0)`` DTensors over the EP group,
 :func:`~omni_parallel.moe.shard_experts`) are left out of every FSDP2 unit (``fully_shard(...,
 ignored_params=...)``): FSDP2 shards, gathers and reduces the other parameters over ``dp_cp`` as above,
-while the experts keep their EP shards (``1/ep`` of them per rank, whole over the step: never gathered),
+while the experts keep their EP shards (``1/ep`` of them per rank; with one holder per EP shard never
+gathered, else sharded further over its holders, below),
 accumulate their gradients in place and are summed over the expert-data-parallel group only
 (:attr:`~omni_parallel.ParallelState.expert_dp_group`, the ranks holding the same shard) by the same
-sync, after the non-expert reduction (:func:`~omni_parallel.moe.expert_parallel_sync` at stage 0). The
-experts' AdamW state is therefore ``1/ep`` at every stage, not sharded further over the expert-data-parallel
-ranks (torchtitan's ``dp_shard_mod_ep`` FSDP of the experts is not built).
+sync, after the non-expert reduction (:func:`~omni_parallel.moe.expert_parallel_sync` at stage 0).
+
+Expert-data-parallel sharding (stages 1-3 with ``V = dp_cp / ep > 1`` holders of each EP shard;
+torchtitan's FSDP of the experts over ``dp_shard_mod_ep``, Megatron-Core's distributed optimizer over the
+expert-data-parallel group): each EP shard ``[E/ep, a, b]`` is further split over its ``V`` holders along
+its first dim that ``V`` divides (``d``: 0 when ``V`` divides ``E/ep``), and the parameter becomes a
+``[Shard(0), Shard(d)]`` DTensor over the 2-D ``("ep", "edp")`` mesh (:func:`expert_mesh`), so AdamW,
+clipping (norms made whole over both dims) and checkpoints (a box inside the global ``[E, a, b]``
+tensor, loadable at any ``ep`` / ZeRO stage) see global experts. The same step-scoped schedule as the
+FSDP2 units, written out for these tensors (they stay out of FSDP2, whose mesh is ``dp_cp``):
+:meth:`LLMGradientSync.attach` all-gathers each shard over ``edp`` into the module's
+:attr:`~omni_parallel.moe.GroupedExperts.gathered` leaf (forward and backward of every microbatch compute
+on it and accumulate its gradient), and the sync, after the non-expert reduction, sums those gradients
+over ``edp``: ZeRO-1 all-reduces them whole (the shard's gradient a view of its slice; the whole gradient
+stays allocated), ZeRO-2/3 reduce-scatter into the shard; ZeRO-1/2 keep the gathered copy between steps,
+ZeRO-3 frees it. Per rank the experts then hold the stage's ZeRO bytes with ``W = V`` on top of the
+``1/ep`` split (:func:`omni_parallel.memory.analytic_state_bytes`' ``expert_shards``).
 
 Not composed: tensor parallelism (the parameters are already TP ``DTensor``s; FSDP2 over TP needs a 2-D
 mesh ``(dp_cp, tp)`` sliced from one root mesh, which ``ParallelState``'s ``dp_cp`` group is not);
@@ -87,6 +102,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 
 from omni_parallel.encoder_zero import (
@@ -106,6 +122,7 @@ __all__ = [
     "LLMGradientSync",
     "all_reduce_into_shards",
     "apply_llm_zero",
+    "expert_mesh",
     "reshard_after_forward",
 ]
 
@@ -281,12 +298,15 @@ def apply_llm_zero(
         reshard_after_forward: ZeRO-3: free each block unit after its forward (module docstring).
 
     With ``ep > 1`` the routed experts in ``chunks`` stay out of FSDP2 and are summed over the
-    expert-data-parallel group (module docstring), at every stage.
+    expert-data-parallel group (module docstring), at every stage; at stages 1-3 with an
+    expert-data-parallel group they are sharded over it as well (their parameters replaced by
+    ``[Shard(0), Shard(d)]`` DTensors over :func:`expert_mesh`: build the optimizer after this call).
 
     Raises:
         ValueError: ``zero_stage`` not in 0-3; ``zero_stage > 0`` with ``tp > 1`` (not composed, see the
             module docstring); a block not inside any chunk; ``param_dtype`` not a floating dtype; routed
-            experts with ``ep`` < ``dp_cp`` and no ``ps.expert_dp_group``.
+            experts with ``ep`` < ``dp_cp`` and no ``ps.expert_dp_group``; an expert tensor none of whose
+            dims the expert-data-parallel size divides.
     """
     from omni_parallel.parallelize import apply_dp
 
@@ -316,6 +336,10 @@ def apply_llm_zero(
     mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32 if param_dtype else None)
     inside = {id(m) for c in chunks for m in c.modules()}
     mesh = ps.device_mesh("dp_cp")
+    edp = None
+    if experts and ps.expert_dp_group is not None:  # each EP shard sharded over its edp ranks too
+        edp = _ExpertShards(chunks, expert_mesh(ps), zero_stage)
+        experts = edp.parameters
     ignored = set(experts) or None  # EP-sharded experts: not FSDP2's (module docstring)
     blocks = list(blocks)
     for i, block in enumerate(blocks):
@@ -330,9 +354,125 @@ def apply_llm_zero(
         block.set_reshard_after_forward(True, recurse=False)
     units = _Units.of(chunks, "apply_llm_zero", lazy=lazy)
     reduce = units.all_reduce if zero_stage == 1 else units.reduce_scatter
-    if experts:
+    attach = units.attach
+    if edp is not None:  # the experts sharded over their expert-data-parallel ranks at the same stage
+        reduce, attach = _then(reduce, edp.sync), _then(units.attach, edp.attach)
+    elif experts:
         reduce = _then_sum_experts(reduce, experts, ps.expert_dp_group)
-    return LLMGradientSync(reduce, units.attach, zero_stage, bool(lazy))
+    return LLMGradientSync(reduce, attach, zero_stage, bool(lazy))
+
+
+def _then(first: Callable[[], None], second: Callable[[], None]) -> Callable[[], None]:
+    def both() -> None:
+        first()
+        second()
+
+    return both
+
+
+def expert_mesh(ps: ParallelState) -> DeviceMesh:
+    """The 2-D ``("ep", "edp")`` :class:`DeviceMesh` of this rank's expert block: ``mesh[i, j]`` the rank
+    holding EP shard ``i`` as expert-data-parallel rank ``j`` (from
+    :func:`omni_parallel.topology.expert_groups`' tables; no collective), over ``ps``' ``ep`` group and
+    :attr:`~omni_parallel.ParallelState.expert_dp_group`.
+
+    Raises:
+        ValueError: ``ps`` has no expert-data-parallel group, or its ``ep`` / ``edp`` groups do not form
+            a grid (a layout :func:`~omni_parallel.topology.expert_groups` never builds).
+    """
+    from omni_parallel.topology import expert_groups
+
+    if ps.expert_dp_group is None:
+        raise ValueError("expert_mesh: no expert-data-parallel group (GroupSpec(expert_dp=True), edp > 1)")
+    table = expert_groups(ps.world_size, ps.config, ps.order)
+    ep_of = {r: g for g in table["ep"] for r in g}
+    edp = ps.members["edp"]
+    grid = [[ep_of[r][i] for r in edp] for i in range(ps.size("ep"))]
+    rows = {tuple(sorted(row)) for row in grid}
+    if ep_of[ps.rank] != ps.members["ep"] or not rows <= {tuple(g) for g in table["edp"]}:
+        raise ValueError(f"expert_mesh: the ep and edp groups of rank {ps.rank} do not form a grid: {grid}")
+    return DeviceMesh.from_group(
+        [ps.group("ep"), ps.expert_dp_group], ps.mesh.device_type, mesh=torch.tensor(grid),
+        mesh_dim_names=("ep", "edp"),
+    )  # fmt: skip
+
+
+class _ExpertShards:
+    """The routed experts' expert-data-parallel ZeRO (module docstring): each parameter of every
+    :class:`~omni_parallel.moe.GroupedExperts` (an EP ``Shard(0)`` DTensor, local ``[E_local, a, b]``)
+    becomes a ``[Shard(0), Shard(d)]`` DTensor over ``mesh`` (``("ep", "edp")``): this rank's ``1/W``
+    slice of its EP block along the first dim ``d`` that ``W`` (edp ranks) divides. ``attach`` all-gathers
+    the slices into the module's ``gathered`` leaves; ``sync`` sums their gradients over ``edp`` (ZeRO-1:
+    all-reduce whole, the shard's gradient a view of its slice; 2-3: reduce-scatter) into the shards'
+    DTensor gradients, and frees the gathered copy at ZeRO-3."""
+
+    def __init__(self, modules: list[nn.Module], mesh: DeviceMesh, zero_stage: int) -> None:
+        from omni_parallel.moe import GroupedExperts
+
+        self.mesh, self.zero = mesh, zero_stage
+        self.group, self.world, self.rank = mesh.get_group(1), mesh.size(1), mesh.get_local_rank(1)
+        self.entries: list[tuple[GroupedExperts, str, int]] = []
+        for m in (sub for c in modules for sub in c.modules() if isinstance(sub, GroupedExperts)):
+            if m.edp_dims is not None:
+                continue
+            dims: dict[str, int] = {}
+            for name, p in list(m.named_parameters(recurse=False)):
+                local = p.to_local() if isinstance(p, DTensor) else p.data
+                d = next((k for k, n in enumerate(local.shape) if n % self.world == 0 and n > 0), None)
+                if d is None:
+                    raise ValueError(
+                        f"apply_llm_zero: GroupedExperts.{name} {tuple(local.shape)} has no dim that the "
+                        f"{self.world} expert-data-parallel ranks divide"
+                    )
+                shard = local.detach().chunk(self.world, d)[self.rank].clone()
+                dt = DTensor.from_local(shard, mesh, [Shard(0), Shard(d)], run_check=False)
+                setattr(m, name, nn.Parameter(dt, requires_grad=p.requires_grad))
+                if zero_stage < 3:  # ZeRO-1/2: the gathered copy stays allocated between steps
+                    m.gathered[name] = local.detach().requires_grad_(p.requires_grad)
+                dims[name] = d
+                self.entries.append((m, name, d))
+            m.edp_dims = dims
+
+    @property
+    def parameters(self) -> list[nn.Parameter]:
+        return [getattr(m, name) for m, name, _ in self.entries]
+
+    def attach(self) -> None:
+        """All-gather every expert shard over ``edp`` into its module's ``gathered`` leaf (collective)."""
+        with torch.no_grad():
+            for m, name, d in self.entries:
+                p = getattr(m, name)
+                local = p.to_local()
+                parts = torch.empty((self.world, *local.shape), dtype=local.dtype, device=local.device)
+                dist.all_gather(list(parts.unbind(0)), local.contiguous(), group=self.group)
+                whole = torch.cat(parts.unbind(0), dim=d)
+                kept = m.gathered.get(name)
+                if kept is None:
+                    m.gathered[name] = whole.requires_grad_(p.requires_grad)
+                else:
+                    kept.copy_(whole)
+                    kept.grad = None
+
+    def sync(self) -> None:
+        """The experts' gradients summed over ``edp`` into their shards (collective; after the step's last
+        backward, once the gathered leaves hold the step's gradients)."""
+        for m, name, d in self.entries:
+            p, leaf = getattr(m, name), m.gathered[name]
+            g, leaf.grad = leaf.grad, None
+            if g is None:  # no row reached these experts on this rank: zeros, so the collectives line up
+                g = torch.zeros_like(leaf)
+            if self.zero == 1:  # ZeRO-1: the whole gradient summed, the shard's gradient its slice (a view)
+                dist.all_reduce(g, op=dist.ReduceOp.SUM, group=self.group)
+                mine = g.chunk(self.world, d)[self.rank]
+            else:
+                send = torch.stack(g.chunk(self.world, d)).contiguous()
+                mine = send.new_empty(send.shape[1:])
+                dist.reduce_scatter_tensor(mine, send.view(-1, *send.shape[2:]), group=self.group)
+            p.grad = DTensor.from_local(
+                mine, p.device_mesh, p.placements, shape=p.shape, stride=p.stride(), run_check=False
+            )
+            if self.zero == 3:  # ZeRO-3: the gathered copy freed between steps
+                del m.gathered[name]
 
 
 def _then_sum_experts(

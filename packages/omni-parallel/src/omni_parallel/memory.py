@@ -22,18 +22,20 @@ pipeline stage: ``P_tp`` the ones TP splits, the blocks' projections, counted be
 ones every TP rank holds whole, norms, embedding and LM head; ``b`` bytes per element, ``W`` ranks of the
 ZeRO group)::
 
-    parameters = S b / (W if zero >= 1 else 1) + X b / ep    (ZeRO 1-3 keep FSDP2 shards as the parameters)
-    gathered   = S g                   if zero in (1, 2) else 0
-    gradients  = S b / (W if zero >= 2 else 1) + X b / ep
-    optimizer  = 2 S b / (W if zero >= 1 else 1) + 2 X b / ep + s * tensors   (s: bytes of AdamW's step)
+    parameters = S b / (W if zero >= 1 else 1) + X b / (ep V)    (ZeRO 1-3 keep FSDP2 shards as the parameters)
+    gathered   = S g + X b / ep         if zero in (1, 2) else 0    (X b / ep only with V > 1)
+    gradients  = S b / (W if zero >= 2 else 1) + X b / (ep (V if zero >= 2 else 1))
+    optimizer  = 2 S b / (W if zero >= 1 else 1) + 2 X b / (ep V) + s * tensors   (s: bytes of AdamW's step)
 
 (Rajbhandari et al., "ZeRO", SC'20, §5: ZeRO-1 and 2 hold the whole parameters too, here as the kept
 ``gathered`` copy beside the shard; FSDP2 pads uneven shards, which the formula leaves out.) ``g`` is
 the bytes per element of the gathered copy: FSDP2 gathers in ``MixedPrecisionPolicy.param_dtype`` (2 for
 bfloat16 compute over float32 masters, ``train.dtype = "bfloat16"``), else ``b``. ``X`` counts the routed
 experts' parameters of the stage (all ``E`` experts; :mod:`omni_parallel.moe`): sharded over the ``ep``
-ranks of the expert-parallel group at every ZeRO stage and never gathered (they stay out of FSDP2,
-:mod:`omni_parallel.llm_zero`); ``S`` then counts the rest.
+ranks of the expert-parallel group at every ZeRO stage (they stay out of FSDP2), and at ZeRO 1-3 each EP
+shard over its ``V = dp_cp / ep`` expert-data-parallel ranks with the same stage semantics as ``S``
+(``V = 1`` at ZeRO-0 or with one holder per shard; :mod:`omni_parallel.llm_zero`); ``S`` then counts the
+rest.
 
 :func:`block_activation_bytes` counts what one pre-norm decoder block (RMSNorm, RoPE, GQA attention with
 the fused or the reference varlen kernel, SwiGLU; TP with or without Megatron SP, autocast, selective
@@ -125,7 +127,8 @@ def state_bytes(
         "parameters": storage_bytes(params, seen),
         "gathered": storage_bytes(
             (t for fp in _fsdp_params(modules) for t in getattr(fp, "all_gather_outputs", [])), seen
-        ),
+        )
+        + storage_bytes((t for m in _edp_experts(modules) for t in m.gathered.values()), seen),
         "gradients": storage_bytes((p.grad for p in params), seen),
         "optimizer": 0,
     }
@@ -142,6 +145,19 @@ def state_bytes(
             seen,
         )
     return out
+
+
+def _edp_experts(modules: Iterable[nn.Module]) -> list[nn.Module]:
+    """The :class:`~omni_parallel.moe.GroupedExperts` inside ``modules`` whose parameters are sharded over
+    their expert-data-parallel ranks (:mod:`omni_parallel.llm_zero`), each once."""
+    from omni_parallel.moe import GroupedExperts
+
+    out: dict[int, nn.Module] = {}
+    for m in modules:
+        for sub in m.modules():
+            if isinstance(sub, GroupedExperts) and sub.edp_dims is not None:
+                out.setdefault(id(sub), sub)
+    return list(out.values())
 
 
 def _step_bytes(group: dict[str, Any]) -> int:
@@ -202,10 +218,25 @@ def planned_state_bytes(
             dtype = fp.mp_policy.param_dtype or fp.sharded_param.dtype  # FSDPParam.init_dtype_attrs
             numel = fp.padded_sharded_param_size.numel() * fp.mesh_info.shard_mesh_size
             gathered += numel * torch.empty((), dtype=dtype, device="meta").element_size()
+    # experts sharded over their expert-data-parallel ranks: the kept gathered copy (ZeRO-1/2) of this
+    # rank's EP block, and at ZeRO-1 its whole gradient (the shard's gradient a view of it)
+    edp = _edp_experts(modules)
+    gathered += sum(t.numel() * t.element_size() for m in edp for t in m.gathered.values())
+    whole_edp = {
+        id(p): p.to_local().numel() * p.device_mesh.size(1) for m in edp for p in m.parameters(recurse=False)
+    }
     # ZeRO-1's whole gradients are the FSDP2 units' (parameters FSDP2 leaves out, e.g. EP-sharded experts,
-    # keep gradients of their local shard)
+    # keep gradients of their local shard unless sharded over their edp ranks)
     fsdp = {id(fp.sharded_param) for fp in _fsdp_params(modules)} if whole_gradients else set()
-    grads = sum((p if id(p) in fsdp else _local(p)).numel() * p.element_size() for p in params)
+    grads = sum(
+        (
+            whole_edp[id(p)]
+            if whole_gradients and id(p) in whole_edp
+            else (p if id(p) in fsdp else _local(p)).numel()
+        )
+        * p.element_size()
+        for p in params
+    )
     return {
         "parameters": storage_bytes(params),
         "gathered": gathered,
@@ -227,6 +258,7 @@ def analytic_state_bytes(
     gathered_bytes_per: int | None = None,
     experts: float = 0,
     ep: int = 1,
+    expert_shards: int = 1,
 ) -> dict[str, float]:
     """The module docstring's formula: bytes per rank of a stage whose TP-sharded parameters number
     ``params`` (before TP) and whose TP-replicated ones ``replicated`` (and routed-expert ones ``experts``).
@@ -247,7 +279,10 @@ def analytic_state_bytes(
             masters, :func:`omni_parallel.llm_zero.apply_llm_zero`); ``None``: ``bytes_per`` (no cast).
         experts: routed-expert parameters of the stage, all ``E`` experts (0: no MoE); not in
             ``params`` / ``replicated``.
-        ep: expert-parallel ranks ``experts`` are split over (every ZeRO stage; never gathered).
+        ep: expert-parallel ranks ``experts`` are split over (every ZeRO stage).
+        expert_shards: expert-data-parallel ranks ``V`` each EP shard is further split over at ZeRO 1-3
+            (``dp_cp / ep``; :mod:`omni_parallel.llm_zero`): the experts' term as ``S``'s with ``W = V``,
+            their kept gathered copy counted in ``b`` (they are never cast).
 
     Returns:
         ``{kind: bytes}`` over :data:`KINDS`; FSDP2's padding of uneven shards is not counted.
@@ -255,10 +290,10 @@ def analytic_state_bytes(
     Raises:
         ValueError: ``zero`` not in 0-3, ``tp`` / ``shards`` / ``ep`` < 1, or ``gathered_bytes_per`` < 1.
     """
-    if zero not in (0, 1, 2, 3) or tp < 1 or shards < 1 or ep < 1:
+    if zero not in (0, 1, 2, 3) or tp < 1 or shards < 1 or ep < 1 or expert_shards < 1:
         raise ValueError(
-            "analytic_state_bytes: zero in 0-3, tp >= 1, shards >= 1, ep >= 1; "
-            f"got {zero}, {tp}, {shards}, {ep}"
+            "analytic_state_bytes: zero in 0-3, tp >= 1, shards >= 1, ep >= 1, expert_shards >= 1; "
+            f"got {zero}, {tp}, {shards}, {ep}, {expert_shards}"
         )
     if gathered_bytes_per is not None and gathered_bytes_per < 1:
         raise ValueError(f"analytic_state_bytes: gathered_bytes_per must be >= 1, got {gathered_bytes_per}")
@@ -267,11 +302,12 @@ def analytic_state_bytes(
     gathered = elements * (bytes_per if gathered_bytes_per is None else gathered_bytes_per)
     local_experts = experts / ep * bytes_per
     w = shards
+    v = expert_shards if zero >= 1 and w > 1 else 1  # the experts' edp sharding rides on LLM ZeRO 1-3
     return {
-        "parameters": whole / (w if zero >= 1 else 1) + local_experts,
-        "gathered": gathered if zero in (1, 2) and w > 1 else 0.0,
-        "gradients": whole / (w if zero >= 2 else 1) + local_experts,
-        "optimizer": 2 * whole / (w if zero >= 1 else 1) + 2 * local_experts + step_bytes * tensors,
+        "parameters": whole / (w if zero >= 1 else 1) + local_experts / v,
+        "gathered": (gathered + (local_experts if v > 1 else 0.0)) if zero in (1, 2) and w > 1 else 0.0,
+        "gradients": whole / (w if zero >= 2 else 1) + local_experts / (v if zero >= 2 else 1),
+        "optimizer": 2 * whole / (w if zero >= 1 else 1) + 2 * local_experts / v + step_bytes * tensors,
     }
 
 

@@ -27,6 +27,16 @@ holds ``coef x`` the mean over the step's packs and MoE layers (Megatron scales 
 and averages over DP; ``transformers``' Qwen2-MoE pools all layers' router rows into one loss of one
 layer's size, i.e. a layer mean, and adds ``router_aux_loss_coef`` times it once per batch).
 
+Auxiliary-loss-free load balancing (DeepSeek-V3, Liu et al. 2024, §2.1.2; Wang et al. 2024,
+"Auxiliary-Loss-Free Load Balancing Strategy for Mixture-of-Experts"): with
+:attr:`MoEConfig.bias_update_rate` set, the router holds a per-expert bias ``b [E]`` (a persistent
+buffer, not a parameter: in the checkpoint, no gradient) added to the routing probabilities *only to choose*
+the top-k experts; the gate weights stay the unbiased probabilities of the chosen experts. After each
+optimizer step :func:`update_expert_bias` moves it by ``b_e += rate * sign(mean_e' load_e' - load_e)``,
+``load_e`` the (token, slot) assignments to expert ``e`` over the step's forwards, summed over the ranks
+that route the layer's tokens (so every rank applies the same update). torchtitan calls the rate
+``load_balance_coeff``, Megatron-Core ``moe_router_bias_update_rate``.
+
 Capacity (:attr:`MoEConfig.capacity_factor`) is enforced per forward on the forward's own ``T`` tokens:
 under expert parallelism, per *sending* rank, so an expert may receive up to ``ep x capacity`` rows from
 the EP group (not GShard's capacity per expert over the group).
@@ -63,8 +73,10 @@ __all__ = [
     "expert_parallel_sync",
     "expert_parameters",
     "load_balancing_loss",
+    "moe_layers",
     "router_z_loss",
     "shard_experts",
+    "update_expert_bias",
     "uses_grouped_mm",
 ]
 
@@ -92,6 +104,10 @@ class MoEConfig:
             served in token order); the rest of its assignments are dropped (their weight counts as 0).
             Under EP the capacity is enforced per sending rank: an expert may receive up to
             ``ep x capacity`` rows over the EP group.
+        bias_update_rate: ``None``: no router bias (the routing of ``transformers``' Qwen2/3-MoE). A
+            number >= 0: the router keeps a selection-only expert bias (:attr:`TopKRouter.expert_bias`,
+            DeepSeek-V3's auxiliary-loss-free balancing), moved by this much per step by
+            :func:`update_expert_bias` (0: held where it is set or loaded).
 
     Raises:
         ValueError: a size out of range, naming the field.
@@ -108,6 +124,7 @@ class MoEConfig:
     aux_loss_coef: float = 0.0
     z_loss_coef: float = 0.0
     capacity_factor: float | None = None
+    bias_update_rate: float | None = None
 
     def __post_init__(self) -> None:
         for name in ("dim", "hidden", "experts", "top_k"):
@@ -129,6 +146,10 @@ class MoEConfig:
                 raise ValueError(f"MoEConfig.{name} must be >= 0, got {getattr(self, name)!r}")
         if self.capacity_factor is not None and not self.capacity_factor > 0:
             raise ValueError(f"MoEConfig.capacity_factor must be > 0 or None, got {self.capacity_factor!r}")
+        if self.bias_update_rate is not None and not float(self.bias_update_rate) >= 0.0:
+            raise ValueError(
+                f"MoEConfig.bias_update_rate must be >= 0 or None, got {self.bias_update_rate!r}"
+            )
 
     @property
     def shared_width(self) -> int:
@@ -141,7 +162,7 @@ class MoEConfig:
 class RouterOutput(NamedTuple):
     """``logits [T, E]`` (model dtype), ``probs [T, E]`` (softmax, float32 or float64), ``weights [T, k]``
     (top-k probabilities, renormalised if asked, in the model dtype) and ``indices [T, k]`` (int64 expert
-    ids, descending probability)."""
+    ids, descending probability; with an expert bias, descending ``probability + bias``)."""
 
     logits: torch.Tensor
     probs: torch.Tensor
@@ -150,21 +171,35 @@ class RouterOutput(NamedTuple):
 
 
 class TopKRouter(nn.Module):
-    """Softmax top-k router (Qwen2-MoE / Qwen3-MoE ``TopKRouter``): ``weight [E, dim]``, no bias.
+    """Softmax top-k router (Qwen2-MoE / Qwen3-MoE ``TopKRouter``): ``weight [E, dim]``, no bias in the
+    projection.
+
+    With ``expert_bias=True`` it also holds ``expert_bias [E]`` (a persistent buffer in the model's dtype,
+    zeros at construction; DeepSeek-V3's ``e_score_correction_bias``): the top-k are chosen on
+    ``probs + expert_bias`` and weighted by ``probs`` alone (selection only, no gradient through it).
 
     Forward: ``x [T, dim]`` -> :class:`RouterOutput`.
     """
 
-    def __init__(self, dim: int, experts: int, top_k: int, *, norm_topk_prob: bool = True) -> None:
+    expert_bias: torch.Tensor | None
+
+    def __init__(
+        self, dim: int, experts: int, top_k: int, *, norm_topk_prob: bool = True, expert_bias: bool = False
+    ) -> None:
         super().__init__()
         self.experts, self.top_k, self.norm_topk_prob = experts, top_k, norm_topk_prob
         self.weight = nn.Parameter(torch.zeros(experts, dim))
+        self.register_buffer("expert_bias", torch.zeros(experts) if expert_bias else None)
 
     def forward(self, x: torch.Tensor) -> RouterOutput:
         logits = F.linear(x, self.weight)
         wide = torch.float64 if logits.dtype == torch.float64 else torch.float32
         probs = torch.softmax(logits, dim=-1, dtype=wide)
-        top, indices = torch.topk(probs, self.top_k, dim=-1)
+        if self.expert_bias is None:
+            top, indices = torch.topk(probs, self.top_k, dim=-1)
+        else:  # choose on the biased scores, weight by the unbiased probabilities
+            _, indices = torch.topk(probs + self.expert_bias.to(wide), self.top_k, dim=-1)
+            top = probs.gather(-1, indices)
         if self.norm_topk_prob:
             top = top / top.sum(dim=-1, keepdim=True)
         return RouterOutput(logits, probs, top.to(x.dtype), indices)
@@ -219,9 +254,17 @@ class GroupedExperts(nn.Module):
     Forward: ``x [N, dim]`` sorted by expert, ``counts [E_local]`` (int, tokens per expert, summing to
     ``N``) -> ``[N, dim]``, expert ``e`` applied to its rows: ``down(silu(gate x) * up x)``.
 
+    Expert-data-parallel sharding (LLM ZeRO 1-3 with ``ep > 1``, :mod:`omni_parallel.llm_zero`): the
+    parameters are then ``[Shard(0), Shard(d)]`` DTensors over the 2-D ``(ep, edp)`` mesh (a slice of this
+    rank's ``E_local`` experts), and the forward computes on :attr:`gathered` (``{name: [E_local, ...]}``,
+    the slices all-gathered over ``edp`` by the LLM sync's ``attach``; autograd leaves whose ``.grad`` the
+    sync reduces into the shards). :attr:`edp_dims` (``{name: d}``) is set while sharded.
+
     Raises:
         ValueError: ``counts`` has the wrong length, or (per-expert loop only: the ``torch._grouped_mm``
             path does not sync the host to check) does not sum to the rows of ``x``.
+        RuntimeError: the parameters are expert-data-parallel shards and :attr:`gathered` is empty (the
+            step's ``LLMGradientSync.attach()`` did not run).
     """
 
     def __init__(self, experts: int, dim: int, hidden: int) -> None:
@@ -229,15 +272,27 @@ class GroupedExperts(nn.Module):
         self.experts, self.dim, self.hidden = experts, dim, hidden
         self.gate_up_proj = nn.Parameter(torch.empty(experts, 2 * hidden, dim))
         self.down_proj = nn.Parameter(torch.empty(experts, dim, hidden))
+        self.edp_dims: dict[str, int] | None = None  # set by the expert-data-parallel sharding
+        self.gathered: dict[str, torch.Tensor] = {}
+
+    def _weight(self, name: str) -> torch.Tensor:
+        """This rank's ``[E_local, ...]`` weights: the gathered copy under expert-data-parallel sharding,
+        else the local block of the EP ``Shard(0)`` DTensor (or the plain parameter)."""
+        if self.edp_dims is not None:
+            if name not in self.gathered:
+                raise RuntimeError(
+                    f"GroupedExperts.{name} is sharded over the expert-data-parallel ranks and not gathered: "
+                    "call the LLM sync's attach() before the step's first forward"
+                )
+            return self.gathered[name]
+        p = getattr(self, name)
+        return p.to_local() if isinstance(p, DTensor) else p
 
     def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         if counts.numel() != self.experts:
             raise ValueError(f"counts has {counts.numel()} entries, expected {self.experts} experts")
         # expert-parallel shards (omni_parallel.expert_parallel.shard_experts): compute on the local experts
-        gate_up = (
-            self.gate_up_proj.to_local() if isinstance(self.gate_up_proj, DTensor) else self.gate_up_proj
-        )
-        down = self.down_proj.to_local() if isinstance(self.down_proj, DTensor) else self.down_proj
+        gate_up, down = self._weight("gate_up_proj"), self._weight("down_proj")
         if uses_grouped_mm(x) and x.shape[0] > 0:
             offs = torch.cumsum(counts.to(device=x.device, dtype=torch.int32), 0).to(torch.int32)
             h = torch._grouped_mm(x, gate_up.transpose(-2, -1), offs=offs)
@@ -327,6 +382,10 @@ class MoE(nn.Module):
     :func:`attach_aux_loss` with weights ``loss_scale * coef`` (:attr:`loss_scale`, default 1: the caller's
     normalisation, e.g. ``1 / (forwards of the layer per step x MoE layers)``; module docstring).
 
+    With :attr:`MoEConfig.bias_update_rate` set, each forward run with autograd on (not a recompute inside
+    the backward) adds its ``tokens_per_expert`` to :attr:`pending_load` (``[E]`` int64, ``None`` after an
+    update), which :func:`update_expert_bias` consumes.
+
     Host syncs per forward: dropless, one in :func:`~omni_parallel.expert_parallel.dispatch` under EP (the
     split sizes of the all-to-all) and one in :class:`GroupedExperts` on the per-expert loop (its split
     sizes; none on the ``torch._grouped_mm`` path); with a capacity, one more for the kept row count.
@@ -346,7 +405,13 @@ class MoE(nn.Module):
         self.loss_scale = 1.0  # the objective's weight of the attached losses is loss_scale * coef
         self.ep_rank = dist.get_rank(ep_group) if ep_group is not None else 0
         self.local_experts = cfg.experts // ep
-        self.router = TopKRouter(cfg.dim, cfg.experts, cfg.top_k, norm_topk_prob=cfg.norm_topk_prob)
+        self.router = TopKRouter(
+            cfg.dim, cfg.experts, cfg.top_k, norm_topk_prob=cfg.norm_topk_prob,
+            expert_bias=cfg.bias_update_rate is not None,
+        )  # fmt: skip
+        # (token, slot) assignments per expert since the last update_expert_bias (forwards run by
+        # activation recompute inside the backward are not counted); only with a router bias
+        self.pending_load: torch.Tensor | None = None
         self.experts = GroupedExperts(self.local_experts, cfg.dim, cfg.hidden)
         self.shared_expert = _SharedSwiGLU(cfg.dim, cfg.shared_width) if cfg.shared_width else None
         self.shared_expert_gate = (
@@ -395,6 +460,8 @@ class MoE(nn.Module):
         z = router_z_loss(r.logits)
         flat = r.indices.reshape(-1)  # [T*k], slot j of token i at i*k + j
         counts = torch.bincount(flat, minlength=cfg.experts)
+        if self.router.expert_bias is not None and _counts_toward_load():
+            self.pending_load = counts if self.pending_load is None else self.pending_load + counts
         weights = r.weights.reshape(-1)
         n = t * cfg.top_k  # dropless: every (token, slot) row is sent, no host sync
         routed = counts
@@ -433,6 +500,65 @@ def _within_capacity(flat: torch.Tensor, experts: int, factor: float, slots: int
     one_hot = F.one_hot(flat, experts)
     rank_in_expert = (torch.cumsum(one_hot, 0) * one_hot).sum(-1) - 1
     return rank_in_expert < cap
+
+
+def _counts_toward_load() -> bool:
+    """Whether a forward running now counts toward the expert loads: with autograd on, and not a
+    recompute (activation checkpointing re-runs forwards inside the autograd engine's graph task)."""
+    return torch.is_grad_enabled() and torch._C._current_graph_task_id() == -1
+
+
+def moe_layers(modules: Iterable[nn.Module]) -> list[MoE]:
+    """Every :class:`MoE` in ``modules``, each once, in module order."""
+    seen: dict[int, MoE] = {}
+    for m in modules:
+        for sub in m.modules():
+            if isinstance(sub, MoE):
+                seen.setdefault(id(sub), sub)
+    return list(seen.values())
+
+
+@torch.no_grad()
+def update_expert_bias(modules: Iterable[nn.Module], group: dist.ProcessGroup | None) -> int:
+    """Move every router's expert bias by the loads since the last call, then forget those loads:
+    ``b_e += rate * sign(mean_e' load_e' - load_e)`` (DeepSeek-V3 §2.1.2; Megatron-Core's
+    ``moe_router_bias_update_rate``, torchtitan's ``load_balance_coeff``): under-loaded experts become
+    likelier, over-loaded ones less, by a fixed step; the gate weights are untouched.
+
+    Args:
+        modules: this rank's modules holding :class:`MoE` layers (one pipeline stage's chunks).
+        group: the ranks that route the same layers' tokens (a stage's ``dp_cp`` ranks: data replicas,
+            CP / Ulysses shards and EP ranks); their loads are summed (one ``all_reduce`` of ``[layers, E]``
+            int64) so every member applies the same update. ``None``: this rank alone.
+
+    Returns:
+        The number of layers updated (those built with :attr:`MoEConfig.bias_update_rate`; collective over
+        ``group`` when > 0: every member must hold the same layers, as a stage's ranks do).
+
+    Call it once per optimizer step, after the step's last backward, on every rank of ``group``. A layer
+    with rate 0 keeps its bias; one that saw no token (loads all 0) too (``sign(0) = 0``).
+    """
+    layers = [m for m in moe_layers(modules) if m.router.expert_bias is not None]
+    if not layers:
+        return 0
+    device = layers[0].router.expert_bias.device
+    loads = torch.stack(
+        [
+            m.pending_load.to(device, torch.int64)
+            if m.pending_load is not None
+            else torch.zeros(m.cfg.experts, dtype=torch.int64, device=device)
+            for m in layers
+        ]
+    )
+    if group is not None and dist.get_world_size(group) > 1:
+        dist.all_reduce(loads, group=group)
+    for m, load in zip(layers, loads):
+        m.pending_load = None
+        bias = m.router.expert_bias
+        wide = load.to(torch.float64)
+        step = float(m.cfg.bias_update_rate) * torch.sign(wide.mean() - wide)
+        bias.copy_((bias.to(torch.float64) + step).to(bias.dtype))
+    return len(layers)
 
 
 def expert_parameters(modules: Iterable[nn.Module]) -> list[nn.Parameter]:

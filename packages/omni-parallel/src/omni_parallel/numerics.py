@@ -36,7 +36,7 @@ import math
 import statistics
 import time
 from collections import deque
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any
@@ -46,6 +46,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
+from omni_parallel.state import ParallelState
+
 __all__ = [
     "GRAD_NORM",
     "LOSS",
@@ -54,6 +56,7 @@ __all__ = [
     "NumericsSpec",
     "OnNonFinite",
     "StepVerdict",
+    "apply_verdict",
 ]
 
 LOSS = "loss"
@@ -209,6 +212,32 @@ class NumericsGuard:
         self.counts: dict[str, int] = {}  # bad steps by reason, and by action taken
         self.events: list[dict[str, Any]] = []
 
+    @classmethod
+    def for_layout(
+        cls, spec: NumericsSpec, ps: ParallelState, modules: Mapping[str, nn.Module], *, device: torch.device
+    ) -> NumericsGuard:
+        """This rank's guard in a parallel layout, watching each of ``modules`` (``{source: module}``, the
+        same names on every rank in one order: each encoder tower, whether or not this rank runs it).
+
+        The step's loss counts once per replica: on the last pipeline stage (where the loss runs), TP rank 0
+        (TP ranks hold copies; SP and CP ranks hold partial sums, which the reduction adds).
+        """
+        last = ps.local_rank("pp") == ps.size("pp") - 1
+        guard = cls(spec, list(modules), device=device, counts_loss=last and ps.local_rank("tp") == 0)
+        guard.watch(modules)
+        return guard
+
+    def wrap_loss(self, loss: Callable[..., Any]) -> Callable[..., Any]:
+        """``loss`` that also hands each result to :meth:`observe_loss` (the first item when it returns a
+        tuple, e.g. ``(loss, metrics)``): the executor's loss function, watched."""
+
+        def watched(*args: Any, **kwargs: Any) -> Any:
+            got = loss(*args, **kwargs)
+            self.observe_loss(got[0] if isinstance(got, tuple) else got)
+            return got
+
+        return watched
+
     def _zeros(self) -> torch.Tensor:
         return torch.zeros(2 + len(self.sources), dtype=torch.float64, device=self.device)
 
@@ -326,6 +355,10 @@ class NumericsGuard:
         )
         return f"step {verdict.step}: {verdict.what()}; stopping ({why})"
 
+    def stop_error(self, verdict: StepVerdict) -> NonFiniteError | None:
+        """The error that ends the run after ``verdict`` (:meth:`stop_message`), or None when it goes on."""
+        return NonFiniteError(self.stop_message(verdict)) if verdict.action == OnNonFinite.STOP else None
+
     def summary(self, max_events: int = 20) -> dict[str, Any]:
         """The run's bad steps: ``bad_steps``, ``counts`` (by reason and by action) and the first
         ``max_events`` ``events`` (each :meth:`StepVerdict.record` plus what the caller noted)."""
@@ -334,6 +367,48 @@ class NumericsGuard:
             "counts": dict(self.counts),
             "events": self.events[:max_events],
         }
+
+
+def apply_verdict(
+    verdict: StepVerdict,
+    guard: NumericsGuard,
+    optimizer: torch.optim.Optimizer,
+    *,
+    roll_back: Callable[[int], tuple[int | None, list[str]]] | None = None,
+    say: Callable[[str], None] | None = None,
+) -> dict[str, Any]:
+    """Act on the step's ``verdict`` (collective on a roll-back: every rank holds the same verdict).
+
+    A good step steps ``optimizer``. A bad one does not: ``skip_step`` leaves parameters and optimizer
+    state bit for bit as they were; ``rollback`` calls ``roll_back(step)``, which restores the newest good
+    checkpoint before ``step`` and returns ``(its step, the names it set aside)``, or ``(None, [])`` when
+    there is none (then, and without ``roll_back``, the step is only skipped), noted in the guard's event;
+    ``stop`` changes nothing here: the caller records the step, then raises :meth:`NumericsGuard.stop_error`.
+    A bad step is said in one line through ``say`` (e.g. stderr on rank 0; ``None``: not said):
+    ``"step 5: non-finite loss; step skipped (1 in a row)"``.
+
+    Returns:
+        The step's metrics entries: ``{"bad_steps": the run's count}``, plus ``"numerics"`` (the verdict's
+        :meth:`StepVerdict.record` with what was noted) on a bad step.
+    """
+    if verdict.ok:
+        optimizer.step()
+        return {"bad_steps": len(guard.events)}
+    said = "step skipped"
+    if verdict.action == OnNonFinite.ROLLBACK:
+        to, aside = roll_back(verdict.step) if roll_back is not None else (None, [])
+        guard.note(verdict.step, rolled_back_to=to)
+        if to is None:
+            said = "no committed checkpoint before it to roll back to; step skipped"
+        else:
+            said = f"rolled back to step {to}'s parameters and optimizer state (set aside: {', '.join(aside) or 'none'})"
+    elif verdict.action == OnNonFinite.STOP:
+        said = "stopping"
+    if say is not None:
+        say(f"step {verdict.step}: {verdict.what()}; {said} ({verdict.in_a_row} in a row)")
+    entry = dict(verdict.record())
+    entry.update(guard.events[-1] if guard.events and guard.events[-1]["step"] == verdict.step else {})
+    return {"bad_steps": len(guard.events), "numerics": entry}
 
 
 def _tensors(output: Any) -> Iterable[torch.Tensor]:

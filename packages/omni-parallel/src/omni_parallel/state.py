@@ -7,8 +7,9 @@
 
 Groups come from ``torch.distributed.device_mesh.init_device_mesh`` with one named dimension per
 elementary axis of :func:`omni_parallel.topology.mesh_axes`; combined groups (``dp``, ``dp_cp``,
-``tp_cp``) are created by enumerating :func:`omni_parallel.topology.rank_groups`, whose member lists they
-all equal (``tp_cp`` is the ``tp``, ``ulysses`` or ``cp`` group itself when only one of them exceeds 1).
+``tp_cp``, and ``ep`` when it spans sequence-parallel ranks: ``ParallelConfig.ep_split``) are created by
+enumerating :func:`omni_parallel.topology.rank_groups`, whose member lists they all equal (``tp_cp`` is
+the ``tp``, ``ulysses`` or ``cp`` group itself when only one of them exceeds 1).
 
 Every process group of a run is created here, in :meth:`ParallelState.build`, in one fixed order (group
 creation is collective: every rank must create the same groups in the same order, so no caller creates
@@ -47,6 +48,12 @@ __all__ = [
 ]
 
 _COMBINED = ("dp", "dp_cp", "tp_cp")
+
+
+def _combined(config: ParallelConfig) -> tuple[str, ...]:
+    """The groups created by enumeration rather than taken from the mesh: :data:`_COMBINED`, and ``ep``
+    when it spans sequence-parallel ranks (not one mesh axis)."""
+    return _COMBINED + (("ep",) if config.ep_split()[1] > 1 else ())
 
 
 def mesh_device_type(group: dist.ProcessGroup | None = None) -> str:
@@ -336,8 +343,10 @@ class ParallelState:
         table = rank_groups(world_size, resolved, order)
         # Elementary axes come from the root mesh by name. The combined ones are created by enumeration:
         # flattening would slice the mesh, which imports torch._dynamo (seconds per process).
-        axis_groups = {name: mesh.get_group(name) for name in GROUP_NAMES if name not in _COMBINED}
-        for name in _COMBINED:
+        # EP also spanning sequence-parallel ranks (ParallelConfig.ep_split) is no mesh axis: enumerated
+        combined = _combined(resolved)
+        axis_groups = {name: mesh.get_group(name) for name in GROUP_NAMES if name not in combined}
+        for name in combined:
             # tp_cp over the ranks of one elementary axis (TP, Ulysses or CP alone, or none) is that
             # axis's group: no second communicator over the same ranks
             alias = next(
@@ -395,7 +404,7 @@ class ParallelState:
 
         Slicing the root mesh imports ``torch._dynamo``, so it is done on demand, not in :meth:`build`.
         """
-        if name in _COMBINED or name == "encoder_dp":
+        if name in _combined(self.config) or name == "encoder_dp":
             return DeviceMesh.from_group(self.group(name), self.mesh.device_type, mesh_dim_names=(name,))
         self._members(name)
         return self.mesh[name]

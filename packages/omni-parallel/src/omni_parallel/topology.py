@@ -3,7 +3,10 @@
 The layout follows Megatron-Core's ``RankGenerator`` (``generate_masked_orthogonal_rank_groups``): the
 order string lists the axes from fastest- to slowest-varying, so with the default ``"tp-cp-ep-dp-pp"``
 TP ranks are adjacent and PP ranks are the farthest apart. As in Megatron, EP is carved out of DP (the
-``ep`` and ``dp`` tokens must be adjacent; ``dp`` groups span both), ``dp_cp`` spans DP and the
+``ep`` and ``dp`` tokens must be adjacent; ``dp`` groups span both) and, when DP alone is too small, out
+of DP x CP (:meth:`ParallelConfig.ep_split`: EP then spans all of its DP share and the slowest-varying
+sequence-parallel ranks, the layout of Megatron-Core's expert rank generator and torchtitan's EP over
+``dp_shard x cp``), ``dp_cp`` spans DP and the
 sequence-parallel axes, and ``tp_cp`` spans TP and the sequence-parallel axes (Megatron's
 "tensor and context parallel" group: the ranks of one pipeline stage of one DP replica, which train on the
 same packs).
@@ -36,7 +39,9 @@ class ParallelConfig:
         pp: pipeline-parallel size (number of stages).
         cp: context-parallel size (ring / all-gather KV, head-tail causal balancing).
         ulysses: Ulysses sequence-parallel size (all-to-all sequence <-> heads).
-        ep: expert-parallel size; must divide ``dp`` (experts are sharded inside DP, as in Megatron).
+        ep: expert-parallel size; carved out of the ``dp x cp x ulysses`` ranks of a stage
+            (:meth:`ep_split`): ``ep`` divides ``dp`` (experts sharded inside DP, Megatron's layout), or
+            ``ep / gcd(ep, dp)`` divides ``cp * ulysses`` (EP also spans sequence-parallel ranks).
         dp: data-parallel size including EP; inferred by :meth:`resolve` when ``None``.
     """
 
@@ -60,12 +65,32 @@ class ParallelConfig:
         """Ranks holding one model replica's share of the work: ``tp * cp * ulysses * pp``."""
         return self.tp * self.cp * self.ulysses * self.pp
 
+    def ep_split(self) -> tuple[int, int]:
+        """``(ep_dp, ep_seq)``: how many of the EP group's ranks differ in DP (``gcd(ep, dp)``) and how
+        many in the sequence-parallel block (``ep / ep_dp``, the slowest-varying of its ``cp * ulysses``
+        ranks); ``ep = ep_dp * ep_seq``. ``ep_seq`` is 1 when ``ep`` divides ``dp`` (EP inside DP).
+
+        Raises:
+            ValueError: ``dp`` unresolved, or ``ep_seq`` does not divide ``cp * ulysses`` (``ep`` is not
+                carved out of the ``dp x cp x ulysses`` ranks).
+        """
+        if self.dp is None:
+            raise ValueError("ep_split needs a resolved config (dp set); call config.resolve(world_size)")
+        ep_dp = math.gcd(self.ep, self.dp)
+        ep_seq = self.ep // ep_dp
+        if (self.cp * self.ulysses) % ep_seq:
+            raise ValueError(
+                f"ep = {self.ep} must divide dp = {self.dp}, or ep / gcd(ep, dp) = {ep_seq} must divide "
+                f"cp * ulysses = {self.cp * self.ulysses} (EP is carved out of the DP x CP ranks)"
+            )
+        return ep_dp, ep_seq
+
     def resolve(self, world_size: int) -> ParallelConfig:
         """Return a copy with ``dp`` set for ``world_size`` ranks.
 
         Raises:
             ValueError: ``world_size`` is not a positive int, the sizes do not multiply to it, or ``ep``
-                does not divide ``dp``.
+                is not carved out of the ``dp x cp x ulysses`` ranks (:meth:`ep_split`).
         """
         if not isinstance(world_size, int) or isinstance(world_size, bool) or world_size < 1:
             raise ValueError(f"world_size must be a positive int, got {world_size!r}")
@@ -82,8 +107,7 @@ class ParallelConfig:
                 f"tp*cp*ulysses*pp*dp = {self.tp}*{self.cp}*{self.ulysses}*{self.pp}*{dp} = "
                 f"{dp * self.model_size} != world_size {world_size}"
             )
-        if dp % self.ep:
-            raise ValueError(f"ep = {self.ep} must divide dp = {dp} (experts are sharded inside DP)")
+        ParallelConfig(tp=self.tp, pp=self.pp, cp=self.cp, ulysses=self.ulysses, ep=self.ep, dp=dp).ep_split()
         return ParallelConfig(tp=self.tp, pp=self.pp, cp=self.cp, ulysses=self.ulysses, ep=self.ep, dp=dp)
 
 
@@ -91,11 +115,14 @@ def mesh_axes(config: ParallelConfig, order: str = "tp-cp-ep-dp-pp") -> list[tup
     """Elementary axes ``(name, size)`` from fastest- to slowest-varying for a *resolved* config.
 
     Names: ``tp``, ``ulysses``, ``cp``, ``ep``, ``dp_rest`` (DP without EP), ``pp``. Reversed, this is the
-    mesh shape for ``init_device_mesh`` (whose last dimension varies fastest).
+    mesh shape for ``init_device_mesh`` (whose last dimension varies fastest). ``ep`` is EP's share of DP
+    (``ep_dp`` of :meth:`ParallelConfig.ep_split`): the EP group itself when ``ep`` divides ``dp``; when EP
+    also spans sequence-parallel ranks its groups are :func:`expert_groups`'s (not one mesh axis).
 
     Raises:
         ValueError: ``order`` is not a permutation of tp, cp, ep, dp, pp; ep and dp are not adjacent;
-            or ``config.dp`` is unresolved.
+            EP spans sequence-parallel ranks but ``cp-ep-dp`` is not in ``order``; or ``config.dp`` is
+            unresolved.
     """
     tokens = order.split("-")
     if sorted(tokens) != sorted(_TOKENS):
@@ -104,11 +131,17 @@ def mesh_axes(config: ParallelConfig, order: str = "tp-cp-ep-dp-pp") -> list[tup
         raise ValueError(f"order {order!r}: ep and dp must be adjacent (EP is carved out of DP)")
     if config.dp is None:
         raise ValueError("mesh_axes needs a resolved config (dp set); call config.resolve(world_size)")
+    ep_dp, ep_seq = config.ep_split()
+    if ep_seq > 1 and "cp-ep-dp" not in order:
+        raise ValueError(
+            f"order {order!r}: ep = {config.ep} spans sequence-parallel ranks (dp = {config.dp}), which "
+            "needs cp, ep and dp adjacent in that order"
+        )
     expand = {
         "tp": [("tp", config.tp)],
         "cp": [("ulysses", config.ulysses), ("cp", config.cp)],
-        "ep": [("ep", config.ep)],
-        "dp": [("dp_rest", config.dp // config.ep)],
+        "ep": [("ep", ep_dp)],
+        "dp": [("dp_rest", config.dp // ep_dp)],
         "pp": [("pp", config.pp)],
     }
     return [axis for token in tokens for axis in expand[token]]
@@ -163,8 +196,11 @@ def rank_groups(
 
     Source: Megatron-Core ``parallel_state.RankGenerator``.
     """
-    axes = mesh_axes(config.resolve(world_size), order)
-    return {name: _groups(axes, _GROUP_AXES[name]) for name in GROUP_NAMES}
+    resolved = config.resolve(world_size)
+    axes = mesh_axes(resolved, order)
+    table = {name: _groups(axes, _GROUP_AXES[name]) for name in GROUP_NAMES}
+    table["ep"] = expert_groups(world_size, resolved, order)["ep"]
+    return table
 
 
 def expert_groups(
@@ -179,6 +215,11 @@ def expert_groups(
     expert gradients are reduced (non-expert gradients stay on ``dp_cp``). ``ep * edp = dp * cp *
     ulysses``; with ``ep == 1`` ``edp`` equals ``dp_cp``. The ``ep`` groups are :func:`rank_groups`'s.
 
+    Within a stage's ``dp_cp`` block, numbered as its ranks vary (Ulysses fastest, then CP, then DP), an
+    EP group is ``ep`` ranks at stride ``cp * ulysses / ep_seq``: with ``ep_seq = 1``
+    (:meth:`ParallelConfig.ep_split`) ranks that differ in DP only (stride ``tp * cp * ulysses`` in the
+    world); otherwise all ``ep_dp`` of its DP share times the ``ep_seq`` slowest-varying sequence ranks.
+
     Returns:
         ``{"ep": groups, "edp": groups}``, each partitioning ``range(world_size)`` in ascending lists.
 
@@ -188,5 +229,13 @@ def expert_groups(
     Source: Megatron-Core's expert rank generator (``expert_data_parallel`` over the DP x CP ranks left
     by EP) and torchtitan's ``ep`` / ``dp_shard_mod_ep`` mesh split.
     """
-    axes = mesh_axes(config.resolve(world_size), order)
+    resolved = config.resolve(world_size)
+    axes = mesh_axes(resolved, order)
+    ep_seq = resolved.ep_split()[1]
+    if ep_seq > 1:  # the sequence block (ulysses x cp, ulysses fastest) as (inner, ep_seq): same radix
+        seq = resolved.ulysses * resolved.cp
+        i = next(k for k, (name, _) in enumerate(axes) if name == "ulysses")
+        assert [name for name, _ in axes[i : i + 3]] == ["ulysses", "cp", "ep"]
+        axes = [*axes[:i], ("seq_in", seq // ep_seq), ("ep_seq", ep_seq), *axes[i + 2 :]]
+        return {"ep": _groups(axes, ("ep_seq", "ep")), "edp": _groups(axes, ("seq_in", "dp_rest"))}
     return {"ep": _groups(axes, ("ep",)), "edp": _groups(axes, ("ulysses", "cp", "dp_rest"))}

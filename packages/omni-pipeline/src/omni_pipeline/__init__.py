@@ -28,6 +28,7 @@ from omni_pipeline.microbatch import (
     ulysses_chunk,
     ulysses_layout,
 )
+from omni_pipeline.mrope import MRopeDocument, mrope_documents, mrope_position_ids, vision_positions
 from omni_pipeline.p2p import P2PError
 from omni_pipeline.placement import (
     PlacementPolicy,
@@ -80,6 +81,7 @@ from omni_pipeline.step_costs import (
     encoder_forward_flops,
     model_scale,
     modelled_step_costs,
+    sample_encoder_flops,
 )
 from omni_pipeline.step_inputs import StepBuilder, StepInputs, StepSpec, undecodable_samples
 from omni_pipeline.step_plan import PlannerSpec, StepPlanner, stage_weights, static_flow
@@ -124,6 +126,7 @@ __all__ = [
     "LLMMicrobatch",
     "LLMShape",
     "LengthDistribution",
+    "MRopeDocument",
     "MixturePhase",
     "ModalityRouter",
     "ModelScale",
@@ -188,6 +191,8 @@ __all__ = [
     "microbatch_loss",
     "model_scale",
     "modelled_step_costs",
+    "mrope_documents",
+    "mrope_position_ids",
     "optimus_static",
     "packed_causal_mask",
     "parse_workload",
@@ -197,6 +202,7 @@ __all__ = [
     "plot_timeline",
     "prepend_first_stage",
     "read_records",
+    "sample_encoder_flops",
     "simulate",
     "simulate_disaggregated",
     "simulate_programs",
@@ -213,6 +219,7 @@ __all__ = [
     "undecodable_samples",
     "uniform_on_demand",
     "validate_comms",
+    "vision_positions",
     "write_chrome_trace",
 ]
-__version__ = "0.7.0"
+__version__ = "0.8.0"

@@ -18,9 +18,10 @@ LLM sequence-parallel rank ``u``; TP ranks repeat the same work), one encoder mi
    all-to-all. Replica ``d`` then encodes the samples ``R_d`` the plan gives it, from any replica. The
    SP ranks of a replica plan from identical metadata, so they all hold the same ``R_d``.
 3. **Long-short SP** (:func:`omni_parallel.plan_long_short` over the SP group of ``(d, j)``, which is the
-   stage's LLM sequence group, Ulysses or CP): images of ``R_d`` with more than ``long_threshold`` merged
-   tokens (with ``encoder_sp`` > 1) form one packed sequence cut into ``sp`` equal chunks, encoded with
-   Ulysses attention inside the ViT (2-D RoPE rows and columns of each chunk's own patches); the other
+   stage's LLM sequence group, Ulysses or CP): images and videos of ``R_d`` with more than
+   ``long_threshold`` merged tokens (with ``encoder_sp`` > 1) form one packed sequence cut into ``sp``
+   equal chunks, encoded with Ulysses attention inside the ViT (2-D RoPE rows and columns of each chunk's
+   own patches; a video's temporal slices stay separate attention documents); the other
    samples (audio always: its convolution stem would need halo exchange) go whole to single SP ranks,
    balanced by encoder FLOPs. No sample is encoded twice.
 4. **Restore** (differentiable): rows go back to the replica whose pack they belong to with one
@@ -250,7 +251,7 @@ class EncoderParallel:
             self.long_threshold,
             self.layout.size,
             costs=[m.encoder_flops for m in metas],
-            splittable=[self.encoder_sp > 1 and m.modality is Modality.IMAGE for m in metas],
+            splittable=[self.encoder_sp > 1 and m.modality in _SPLITTABLE for m in metas],
         )
 
     def _production(self, work: EncoderWork, mine: list[Payload], ls: LongShortPlan | None) -> None:
@@ -341,14 +342,30 @@ def _piece(ls: LongShortPlan | None, metas: Sequence, k: int, v: int) -> tuple[i
     return 0, 0
 
 
+# Samples long-short SP may split over the SP group: images and videos (the ViT chunks a packed sequence
+# of images' and clips' patches, 2-D RoPE per temporal slice; omni_train.models.vit). Audio never: its
+# convolution stem would need halo exchange.
+_SPLITTABLE = (Modality.IMAGE, Modality.VIDEO)
+
+
 def _payload_tensor(p: Payload) -> torch.Tensor:
-    x = p.pixels if p.meta.modality is Modality.IMAGE else p.waveform
+    """The tensor the reordering moves: pixels ``[3, H, W]``, video frames ``[T, 3, H, W]`` or waveform
+    ``[num_samples]`` (the metadata's ``shape``).
+
+    Raises:
+        ValueError: the payload has no decoded tensor of its modality.
+    """
+    m = p.meta.modality
+    x = p.pixels if m is Modality.IMAGE else p.frames if m is Modality.VIDEO else p.waveform
     if x is None:
-        raise ValueError(f"sample {p.meta.uid}: no decoded payload to move")
+        raise ValueError(f"sample {p.meta.uid}: no decoded {m} payload to move")
     return x
 
 
 def _rebuild(meta, x: torch.Tensor) -> Payload:
+    """The moved tensor as the payload of ``meta`` (the inverse of :func:`_payload_tensor`)."""
     if meta.modality is Modality.IMAGE:
         return Payload(meta, pixels=x)
+    if meta.modality is Modality.VIDEO:
+        return Payload(meta, frames=x)
     return Payload(meta, waveform=x, sample_rate=meta.sample_rate)

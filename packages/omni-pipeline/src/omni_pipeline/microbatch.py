@@ -1,10 +1,10 @@
 """From packs to LLM inputs and labels: one pack as an LLM microbatch, its Ulysses chunk, a step's targets.
 
 Token layout of a pack (omni-data's :class:`~omni_data.packing.Pack`): sample after sample, each
-``media_tokens`` placeholder slots (``<|image|>`` or ``<|audio|>``, replaced by encoder embeddings on
-stage 0) then its text token ids. The training target is next-token prediction inside each sample: the
-token at position ``t`` is predicted from positions ``<= t - 1`` of the same sample, and only text tokens
-are targets (the first caption token is predicted from the image embeddings: the captioning loss).
+``media_tokens`` placeholder slots (``<|image|>``, ``<|audio|>`` or a video's placeholder, replaced by
+encoder embeddings on stage 0) then its text token ids. The training target is next-token prediction
+inside each sample: the token at position ``t`` is predicted from positions ``<= t - 1`` of the same
+sample, and only text tokens are targets (the first caption token is predicted from the image embeddings: the captioning loss).
 """
 
 from __future__ import annotations
@@ -28,7 +28,8 @@ __all__ = [
 ]
 
 IGNORE = -100  # label of a position with no target (``torch.nn.functional.cross_entropy``'s ignore_index)
-MODALITIES = (Modality.IMAGE, Modality.AUDIO, Modality.TEXT)  # the order of per-modality statistics
+# the order of per-modality statistics (video last: the indices of the others are what they were)
+MODALITIES = (Modality.IMAGE, Modality.AUDIO, Modality.TEXT, Modality.VIDEO)
 
 
 @dataclass
@@ -37,7 +38,8 @@ class LLMMicrobatch:
 
     Attributes:
         input_ids: int64 ``[T]`` (placeholders at media slots).
-        position_ids: int64 ``[T]``, restarting at 0 per sample.
+        position_ids: int64 ``[T]``, restarting at 0 per sample (the pack's); ``[3, T]`` M-RoPE ids when
+            the step builder sets them (``StepSpec.mrope``, :mod:`omni_pipeline.mrope`).
         cu_seqlens: int64 ``[num_samples + 1]``.
         labels: int64 ``[T]``: ``labels[t]`` is the target predicted at ``t`` (``IGNORE`` where none).
         label_modality: int64 ``[T]``: index into :data:`MODALITIES` of the sample each position is in.
@@ -73,7 +75,8 @@ def build_llm_microbatch(
     Args:
         pack: the pack (metadata only).
         text_ids: ``uid -> int64 [text_tokens]`` for every sample of the pack that has text.
-        placeholder_ids: token id of ``<|image|>`` and ``<|audio|>``.
+        placeholder_ids: token id of each media modality's placeholder (``<|image|>``, ``<|audio|>``, a
+            video's).
         masked: indices (in the pack) of samples with no targets: those whose image/audio did not decode
             (``Payload.error``); their tokens stay in the pack, every label is ``IGNORE``.
 

@@ -8,8 +8,16 @@ encoder microbatch's image patches and audio frames, so a step can be simulated 
   in ``actions.jsonl`` (:func:`omni_pipeline.records.action_records`), the ones a calibration fits
   (:func:`omni_pipeline.calibrate.fit_cost_model`) and predicts from. LLM: a pack's tokens and the sum of
   its documents' squared lengths (attention runs per document); encoders: per tower, the samples'
-  encoder sequence (``"image"``: ViT patches before the ``merge x merge`` patch merge, ``"audio"``:
-  frames after subsampling) and its squares.
+  encoder sequence (``"image"``: ViT patches before the ``merge x merge`` patch merge, of images and of
+  videos, which run on the image tower; ``"audio"``: frames after subsampling) and the sum of its
+  attention documents' squares (an image, a clip, or one temporal slice of a video: see below).
+* **Video** (Qwen2-VL's ViT, Wang et al. 2024 §2.1): a clip of ``T`` sampled frames (``SampleMeta.shape``
+  ``(T, 3, H, W)``) is ``t = ceil(T / temporal_patch)`` temporal slices of equal patch grids, encoded by
+  the image tower's weights with attention inside each slice (``cu_seqlens`` per slice,
+  ``omni_train.models.vit``); its encoder sequence is ``media_tokens * merge**2`` patches, attention
+  ``t`` documents of ``seq / t`` patches. Without the frame count (``frames=None``, or a sequence not
+  divisible by ``t``) the clip is modelled as one attention document of ``seq`` patches: an upper bound
+  on its attention FLOPs (``t`` times the slices' sum), matmul FLOPs exact.
 * **Modelled** (:func:`modelled_step_costs`): each action's forward FLOPs from omni-parallel's one FLOP
   model (:mod:`omni_parallel.flops`: ``2 * params * tokens`` plus causal attention per document for the
   LLM, bidirectional per sample for the encoders) over a device rate; backward = 2x forward.
@@ -40,9 +48,13 @@ __all__ = [
     "ModelScale",
     "action_tokens",
     "calibrated_step_costs",
+    "encoder_documents",
     "encoder_forward_flops",
+    "encoder_tower",
     "model_scale",
     "modelled_step_costs",
+    "sample_encoder_flops",
+    "sample_frames",
 ]
 
 # The one modelled interconnect of every simulator consumer (omni-train simulate, benchmarks/pipeline_sim.py):
@@ -57,11 +69,14 @@ P2P_BANDWIDTH_BPS = 50e9
 class ModelScale:
     """The sizes the cost model times: matmul parameters, width and layers of the LLM and of each
     encoder tower (keyed by modality name, ``"image"`` / ``"audio"``), and the image tower's patch
-    merge (``image_merge x image_merge`` ViT patches per LLM token: the encoder sequence of an image).
+    merge (``image_merge x image_merge`` ViT patches per LLM token: the encoder sequence of an image) and
+    its temporal patch (``temporal_patch`` frames per ViT patch: a video's temporal slices). Videos run on
+    the ``"image"`` tower.
 
     Raises:
-        ValueError: ``llm_params`` not > 0, ``llm_dim``, ``llm_layers`` or ``image_merge`` < 1, or a tower's
-            parameters, width or layers not > 0 (naming the field and tower).
+        ValueError: ``llm_params`` not > 0, ``llm_dim``, ``llm_layers``, ``image_merge`` or
+            ``temporal_patch`` < 1 (the last two whole numbers), or a tower's parameters, width or layers
+            not > 0 (naming the field and tower).
     """
 
     llm_params: float
@@ -71,6 +86,7 @@ class ModelScale:
     encoder_dim: dict[str, int]
     encoder_layers: dict[str, int]
     image_merge: int = 2
+    temporal_patch: int = 2
 
     def __post_init__(self) -> None:
         scalars = {
@@ -78,18 +94,24 @@ class ModelScale:
             "llm_dim": self.llm_dim,
             "llm_layers": self.llm_layers,
             "image_merge": self.image_merge,
+            "temporal_patch": self.temporal_patch,
         }
         for name in ("encoder_params", "encoder_dim", "encoder_layers"):
             scalars.update({f"{name}[{k!r}]": v for k, v in getattr(self, name).items()})
         for name, value in scalars.items():
             if isinstance(value, bool) or not isinstance(value, int | float) or not value > 0:
                 raise ValueError(f"ModelScale.{name} must be a number > 0, got {value!r}")
-        if self.image_merge != int(self.image_merge):
-            raise ValueError(f"ModelScale.image_merge must be a whole number, got {self.image_merge!r}")
+        for name in ("image_merge", "temporal_patch"):
+            if getattr(self, name) != int(getattr(self, name)):
+                raise ValueError(f"ModelScale.{name} must be a whole number, got {getattr(self, name)!r}")
 
 
 def model_scale(
-    llm: TransformerShape, encoders: Mapping[str, TransformerShape], *, image_merge: int = 2
+    llm: TransformerShape,
+    encoders: Mapping[str, TransformerShape],
+    *,
+    image_merge: int = 2,
+    temporal_patch: int = 2,
 ) -> ModelScale:
     """The :class:`ModelScale` of models of these shapes (matmul parameters from
     :attr:`omni_parallel.flops.TransformerShape.matmul_params`: GQA, the MLP's width and gating
@@ -97,7 +119,7 @@ def model_scale(
 
     Args:
         llm: the LLM's blocks. encoders: ``{modality name: tower blocks}``.
-        image_merge: the image tower's patch-merge side.
+        image_merge: the image tower's patch-merge side. temporal_patch: its frames per patch (videos).
     """
     return ModelScale(
         llm.matmul_params,
@@ -107,6 +129,7 @@ def model_scale(
         {k: e.dim for k, e in encoders.items()},
         {k: e.n_layers for k, e in encoders.items()},
         image_merge,
+        temporal_patch,
     )
 
 
@@ -132,36 +155,101 @@ MODEL_SCALES = {
 }
 
 
-def _encoder_seq(modality: Modality, media_tokens: int, image_merge: int) -> int:
-    """Encoder sequence of a sample: ViT patches before the merge; audio frames after subsampling."""
-    if modality is Modality.IMAGE:
-        return media_tokens * image_merge * image_merge
-    return media_tokens
+def encoder_tower(modality: Modality | str) -> str:
+    """The tower a sample of ``modality`` runs on: ``"image"`` for images and videos (one ViT, Qwen2-VL),
+    ``"audio"`` for audio.
+
+    Raises:
+        ValueError: ``modality`` is text or not a modality.
+    """
+    modality = Modality(modality)
+    if modality is Modality.TEXT:
+        raise ValueError("a text sample runs on no encoder tower")
+    return "audio" if modality is Modality.AUDIO else "image"
 
 
-def encoder_forward_flops(ms: ModelScale, modality: Modality | str, media_tokens: int) -> float:
+def encoder_documents(
+    modality: Modality | str,
+    media_tokens: int,
+    image_merge: int = 2,
+    *,
+    frames: int | None = None,
+    temporal_patch: int = 2,
+) -> list[int]:
+    """A sample's encoder sequence as its attention documents (lengths in encoder tokens; their sum is the
+    sequence): an image, ``[media_tokens * image_merge**2]`` ViT patches before the merge; audio,
+    ``[media_tokens]`` frames after subsampling; a video of ``frames`` sampled frames,
+    ``t = ceil(frames / temporal_patch)`` temporal slices of ``media_tokens * image_merge**2 / t`` patches
+    each (the ViT attends inside a slice), or one document of the whole sequence when ``frames`` is
+    ``None`` or the sequence does not divide into ``t`` equal slices (the module docstring's bound).
+    ``[]`` for text or no media.
+    """
+    modality = Modality(modality)
+    if modality is Modality.TEXT or media_tokens <= 0:
+        return []
+    if modality is Modality.AUDIO:
+        return [media_tokens]
+    seq = media_tokens * image_merge * image_merge
+    t = -(-frames // temporal_patch) if modality is Modality.VIDEO and frames else 1
+    return [seq // t] * t if seq % t == 0 else [seq]
+
+
+def sample_frames(meta) -> int | None:
+    """Sampled frames of a video sample (``shape[0]`` of its ``(T, 3, H, W)`` metadata), else ``None``."""
+    if meta.modality is Modality.VIDEO and len(meta.shape) == 4:
+        return int(meta.shape[0])
+    return None
+
+
+def _sample_documents(meta, image_merge: int, temporal_patch: int) -> list[int]:
+    return encoder_documents(
+        meta.modality,
+        meta.media_tokens,
+        image_merge,
+        frames=sample_frames(meta),
+        temporal_patch=temporal_patch,
+    )
+
+
+def encoder_forward_flops(
+    ms: ModelScale, modality: Modality | str, media_tokens: int, *, frames: int | None = None
+) -> float:
     """Forward FLOPs of one sample's encoder (:mod:`omni_parallel.flops`: matmul weights twice per token of
-    its encoder sequence, bidirectional attention over the sample): what :func:`modelled_step_costs` times
-    and what a sample's ``encoder_flops`` balances by. 0 for text.
+    its encoder sequence, bidirectional attention per attention document, :func:`encoder_documents`):
+    what :func:`modelled_step_costs` times and what a sample's ``encoder_flops`` balances by. 0 for text.
 
     Args:
-        ms: model sizes. modality: the sample's tower (``"image"`` / ``"audio"``; ``"text"``: 0).
-        media_tokens: the sample's LLM media tokens (images: after the ``image_merge`` patch merge).
+        ms: model sizes. modality: the sample's modality (``"image"`` and ``"video"`` run on the
+            ``"image"`` tower, ``"audio"`` on ``"audio"``; ``"text"``: 0).
+        media_tokens: the sample's LLM media tokens (images and videos: after the ``image_merge`` patch
+            merge).
+        frames: a video's sampled frames (``SampleMeta.shape[0]``), so attention runs per temporal slice
+            of ``ms.temporal_patch`` frames; ``None``: one document over the whole clip (an upper bound).
 
     Raises:
         KeyError: ``ms`` has no tower for ``modality``.
     """
-    modality = Modality(modality)
-    if modality is Modality.TEXT or media_tokens <= 0:
+    docs = encoder_documents(
+        modality, media_tokens, ms.image_merge, frames=frames, temporal_patch=ms.temporal_patch
+    )
+    if not docs:
         return 0.0
-    kind = str(modality)
-    seq = _encoder_seq(modality, media_tokens, ms.image_merge)
-    attention = attention_flops([seq], ms.encoder_dim[kind], ms.encoder_layers[kind], causal=False)
-    return model_flops(ms.encoder_params[kind], seq, attention, training=False)
+    kind = encoder_tower(modality)
+    attention = attention_flops(docs, ms.encoder_dim[kind], ms.encoder_layers[kind], causal=False)
+    return model_flops(ms.encoder_params[kind], sum(docs), attention, training=False)
+
+
+def sample_encoder_flops(ms: ModelScale, meta) -> float:
+    """:func:`encoder_forward_flops` of one sample's metadata (a video's frames from its shape)."""
+    return encoder_forward_flops(ms, meta.modality, meta.media_tokens, frames=sample_frames(meta))
 
 
 def action_tokens(
-    packs: Sequence[Pack], mbs: Mapping[int, Sequence[SampleIndex]], *, image_merge: int = 2
+    packs: Sequence[Pack],
+    mbs: Mapping[int, Sequence[SampleIndex]],
+    *,
+    image_merge: int = 2,
+    temporal_patch: int = 2,
 ) -> tuple[dict[int, ActionTokens], dict[int, ActionTokens]]:
     """Token counts of one step's actions in the convention a trainer records them in (the one
     calibration fits and predicts with).
@@ -169,13 +257,14 @@ def action_tokens(
     * LLM microbatch ``k`` (pack ``k - 1``), every stage's F and B: ``{"llm": (T, sum L**2)}``, ``T``
       the pack's tokens, ``L`` each packed document's (sample's) tokens: attention runs per document
       (``omni_parallel.varlen.varlen_attention``).
-    * Encoder microbatch ``e``: per tower that runs, ``(sum n, sum n**2)`` over its samples, ``n`` a
+    * Encoder microbatch ``e``: per tower that runs, ``(sum n, sum L**2)`` over its samples, ``n`` a
       sample's encoder sequence (``"image"``: ViT patches before the ``image_merge x image_merge``
-      merge, ``"audio"``: frames after subsampling); attention runs per image / per clip.
+      merge, of images and videos; ``"audio"``: frames after subsampling) and ``L`` its attention
+      documents (:func:`encoder_documents`): per image, per audio clip, per temporal slice of a video.
 
     Args:
         packs: the step's packs. mbs: ``{e: [(pack, sample)]}`` (encoder microbatches).
-        image_merge: the image tower's patch-merge side.
+        image_merge: the image tower's patch-merge side. temporal_patch: its frames per patch.
 
     Returns:
         ``({k: ActionTokens}, {e: ActionTokens})``.
@@ -189,10 +278,12 @@ def action_tokens(
         seq: dict[str, list[float]] = {}
         for p, i in items:
             s = packs[p].samples[i]
-            n = _encoder_seq(s.modality, s.media_tokens, image_merge)
-            acc = seq.setdefault(str(s.modality), [0.0, 0.0])
-            acc[0] += n
-            acc[1] += n * n
+            docs = _sample_documents(s, image_merge, temporal_patch)
+            if not docs:
+                continue
+            acc = seq.setdefault(encoder_tower(s.modality), [0.0, 0.0])
+            acc[0] += sum(docs)
+            acc[1] += sum(n * n for n in docs)
         enc[e] = ActionTokens({m: (n, sq) for m, (n, sq) in seq.items()})
     return llm, enc
 
@@ -211,8 +302,10 @@ def _sizes(
         o = st = 0.0
         for p, i in items:
             s = packs[p].samples[i]
-            kind = str(s.modality)
-            seq = _encoder_seq(s.modality, s.media_tokens, ms.image_merge)
+            seq = sum(_sample_documents(s, ms.image_merge, ms.temporal_patch))
+            if not seq:
+                continue
+            kind = encoder_tower(s.modality)
             o += dtype_bytes * s.media_tokens * ms.llm_dim
             st += 17.0 * dtype_bytes * ms.encoder_layers[kind] * seq * ms.encoder_dim[kind]
         out_b[e], stored[e] = o, st
@@ -243,7 +336,7 @@ def calibrated_step_costs(
     Raises:
         KeyError: the fit has no coefficients for a module this step runs (the run never ran it).
     """
-    llm, enc = action_tokens(packs, mbs, image_merge=ms.image_merge)
+    llm, enc = action_tokens(packs, mbs, image_merge=ms.image_merge, temporal_patch=ms.temporal_patch)
     return fitted.for_step(pp, llm, enc, **_sizes(ms, packs, mbs, pp, dtype_bytes))
 
 
@@ -278,10 +371,7 @@ def modelled_step_costs(
     ]
     enc_fwd_s = {}
     for e, items in mbs.items():
-        flops = sum(
-            encoder_forward_flops(ms, packs[p].samples[i].modality, packs[p].samples[i].media_tokens)
-            for p, i in items
-        )
+        flops = sum(sample_encoder_flops(ms, packs[p].samples[i]) for p, i in items)
         enc_fwd_s[e] = flops / rate
     stage_fwd = sum(llm_fwd) / len(llm_fwd) / pp / rate
     fwd: float | list[float] = stage_fwd

@@ -19,6 +19,12 @@ over its own towers and input builders); the groups. Stage 0's module then takes
 embedded ``input_ids`` at the local rows ``media_rows``; later stages take ``position_ids`` and
 ``cu_seqlens`` as keyword arguments; the last stage returns ``[tokens, vocab]`` logits.
 
+Multimodal RoPE (``StepSpec.mrope``; Wang et al., "Qwen2-VL", 2024, §2.1): every pack's positions are
+int64 ``[3, T]`` (temporal, height, width) from its samples' metadata (:mod:`omni_pipeline.mrope`: a
+video's ``(t, h, w)`` grid, an image's ``(1, h, w)``, text 1-D on all three axes), built by every stage
+from the pack (stage 0 in its input, later stages in their keyword arguments; stage boundaries carry only
+hidden states). Videos reach the vision tower through the router's ``routes`` (``StepSpec.routes``).
+
 Ulysses (``sp > 1``): each SP rank holds a contiguous ``1/sp`` chunk of every pack (padded to a multiple
 of ``sp`` with a padding document that has no targets), its global RoPE positions and the whole pack's
 ``cu_seqlens``. Encoder work goes through :mod:`omni_pipeline.encoder_parallel` (reordering across DP,
@@ -66,11 +72,12 @@ from omni_pipeline.microbatch import (
     ulysses_chunk,
     ulysses_layout,
 )
+from omni_pipeline.mrope import mrope_documents, mrope_position_ids
 from omni_pipeline.schedules import Schedule
 
 __all__ = ["StepBuilder", "StepInputs", "StepSpec", "undecodable_samples"]
 
-_MEDIA = (Modality.IMAGE, Modality.AUDIO)  # the modalities with an encoder tower
+_MEDIA = (Modality.IMAGE, Modality.AUDIO, Modality.VIDEO)  # the modalities an encoder tower encodes
 
 
 @dataclass(frozen=True)
@@ -91,9 +98,10 @@ class StepInputs:
         plan: what the executor runs.
         encoder_work: ``{e: EncoderWork}`` for the encoder microbatches the data flow runs on this rank
             (the executor's encoder inputs; payload exchange across DP already done).
-        media: the modalities (``"image"``, ``"audio"``) with at least one media sample in the step on any
-            DP replica: an encoder tower outside it ran nowhere in the step, so its gradients are zero on
-            every rank and need no reduction.
+        media: the encoder towers (``"image"``, ``"audio"``; a modality routed to another's tower,
+            ``StepSpec.routes``, counts as that tower: a video as ``"image"``) with at least one media
+            sample in the step on any DP replica: a tower outside it ran nowhere in the step, so its
+            gradients are zero on every rank and need no reduction.
     """
 
     step: int
@@ -105,7 +113,7 @@ class StepInputs:
     payloads: Mapping[int, list[Payload]]
     plan: StepPlan
     encoder_work: Mapping[int, EncoderWork] = field(default_factory=dict)
-    media: frozenset[str] = frozenset({str(m) for m in _MEDIA})
+    media: frozenset[str] = frozenset({str(Modality.IMAGE), str(Modality.AUDIO)})
 
 
 @dataclass(frozen=True)
@@ -124,11 +132,19 @@ class StepSpec:
             Ulysses chunk) is padded to a multiple of ``sp * tp_sp`` tokens (a padding document without
             targets) and a stage boundary carries ``1 / tp_sp`` of its tokens (the TP rank's shard);
             every TP rank gets the whole (chunk's) token ids, positions, ``cu_seqlens`` and labels.
+        routes: ``{modality: tower}`` for a modality encoded by another's tower (the encoders'
+            ``ModalityRouter.routes``; Qwen2-VL: ``{"video": "image"}``): :attr:`StepInputs.media` names
+            towers.
+        mrope: ``(patch, merge, temporal_patch)`` of the vision tower: the LLM takes multimodal RoPE
+            positions (Wang et al., "Qwen2-VL", 2024, §2.1 M-RoPE; :mod:`omni_pipeline.mrope`), every
+            pack's ``position_ids`` are int64 ``[3, T]`` (temporal, height, width) from its samples'
+            metadata, on every stage; ``None``: the pack's 1-D ``[T]`` positions.
 
     Raises:
         ValueError: ``llm_dim``, ``sp`` or ``tp_sp`` below 1, or ``sp_rank`` outside ``[0, sp)`` (or not ints);
-            ``builds_text`` not a bool; a placeholder keyed by something other than ``image`` / ``audio``,
-            or a token id that is not an int >= 0.
+            ``builds_text`` not a bool; a placeholder keyed by something other than ``image`` / ``audio``
+            / ``video``, or a token id that is not an int >= 0; ``mrope`` not three ints >= 1, or with
+            ``sp`` or ``tp_sp`` > 1 (positions are not split into Ulysses chunks / TP shards in 3-D).
     """
 
     placeholders: Mapping[Modality, int]
@@ -139,6 +155,8 @@ class StepSpec:
     sp: int = 1
     sp_rank: int = 0
     tp_sp: int = 1
+    routes: Mapping[str, str] = field(default_factory=dict)
+    mrope: tuple[int, int, int] | None = None
 
     def __post_init__(self) -> None:
         for name in ("llm_dim", "sp", "sp_rank", "tp_sp"):
@@ -162,6 +180,17 @@ class StepSpec:
                 f"StepSpec: llm_dim {self.llm_dim}, sp {self.sp} and tp_sp {self.tp_sp} must be >= 1 and "
                 f"sp_rank {self.sp_rank} in [0, sp)"
             )
+        if self.mrope is not None:
+            ok = len(self.mrope) == 3 and all(isinstance(v, int) and v >= 1 for v in self.mrope)
+            if not ok:
+                raise ValueError(
+                    f"StepSpec.mrope must be (patch, merge, temporal_patch) >= 1, got {self.mrope!r}"
+                )
+            if self.sp > 1 or self.tp_sp > 1:
+                raise ValueError(
+                    f"StepSpec.mrope: M-RoPE positions with sp {self.sp} / tp_sp {self.tp_sp} > 1 are not "
+                    "supported (3-D positions are not cut into Ulysses chunks or TP shards)"
+                )
 
 
 class StepBuilder:
@@ -180,6 +209,9 @@ class StepBuilder:
         cp: this rank's CP / hybrid DP/CP layout; ``None`` without CP.
         cp_group: the ranks of a stage that share the packs under ``cp`` (the CP group, or dp_cp for
             hybrid DP/CP): they share which samples failed to decode.
+
+    Raises:
+        ValueError: ``spec.mrope`` with ``cp`` (M-RoPE positions are not cut into CP shares).
     """
 
     def __init__(
@@ -196,6 +228,8 @@ class StepBuilder:
         cp_group: dist.ProcessGroup | None = None,
     ) -> None:
         self.spec = spec
+        if spec.mrope is not None and cp is not None:
+            raise ValueError("StepBuilder: M-RoPE positions (StepSpec.mrope) under CP are not supported")
         self.cp, self.cp_group = cp, cp_group
         self.schedule, self.flow, self.encoders = schedule, flow, encoders
         self.placeholders = dict(spec.placeholders)
@@ -219,6 +253,7 @@ class StepBuilder:
                 if self.cp is not None:
                     ids = self.cp.fill_unread(pack, ids)
                 mb = build_llm_microbatch(pack, ids, self.placeholders, {i for p, i in masked if p == k - 1})
+                mb.position_ids = self.positions(pack)
                 mbs[k] = self._local_microbatch(mb, pack)
         positions = {
             e: torch.tensor(self.parallel.slots(packs, items), dtype=torch.int64)
@@ -233,7 +268,8 @@ class StepBuilder:
         targets = torch.tensor([step_targets(packs, masked), *counts], dtype=torch.int64)
         if self.dp_group is not None:
             dist.all_reduce(targets, group=self.dp_group)
-        media = frozenset(str(m) for m, n in zip(_MEDIA, targets[1:].tolist()) if n > 0)
+        routes = self.spec.routes
+        media = frozenset(routes.get(str(m), str(m)) for m, n in zip(_MEDIA, targets[1:].tolist()) if n > 0)
         plan = StepPlan(
             self.schedule,
             flow,
@@ -244,6 +280,21 @@ class StepBuilder:
         return StepInputs(
             fs.step, packs, mbs, masked, max(1, int(targets[0])), positions, fs.payloads, plan, work, media
         )
+
+    def positions(self, pack: Pack) -> torch.Tensor:
+        """The pack's RoPE position ids: int64 ``[T]`` (restarting at 0 per sample), or with
+        ``StepSpec.mrope`` its M-RoPE ids ``[3, T]`` (:func:`omni_pipeline.mrope.mrope_position_ids` of
+        its samples' metadata: the vision grids from their decoded shapes).
+
+        Raises:
+            ValueError: as :func:`omni_pipeline.mrope.mrope_documents` (an image or video whose shape
+                does not give its media tokens; the sample is named).
+        """
+        if self.spec.mrope is None:
+            return pack.position_ids
+        patch, merge, temporal_patch = self.spec.mrope
+        docs = mrope_documents(pack.samples, patch=patch, merge=merge, temporal_patch=temporal_patch)
+        return mrope_position_ids(docs, merge)
 
     def _local_microbatch(self, mb: LLMMicrobatch, pack: Pack) -> LLMMicrobatch:
         """This rank's part of a whole-pack microbatch: its Ulysses chunk or its CP share."""
@@ -281,7 +332,7 @@ class StepBuilder:
                 return {"position_ids": pos, "cu_seqlens": self.cp.sequence(pack)}
             cu = torch.zeros(len(pack.samples) + 1, dtype=torch.int64)
             cu[1:] = torch.cumsum(torch.tensor(pack.seqlens, dtype=torch.int64), 0)
-            pos = pack.position_ids
+            pos = self.positions(pack)
             if self.multiple > 1:
                 pos, cu, _, _ = ulysses_layout(pos, cu, self.sp, self.sp_rank, self.multiple)
             return {"position_ids": pos.to(self.device), "cu_seqlens": cu.to(self.device)}

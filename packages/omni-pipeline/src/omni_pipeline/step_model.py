@@ -43,9 +43,10 @@ recompute, placement, reordering group) of a :class:`~omni_pipeline.workload.Wor
   final norm, LM head) once and every block in each microbatch's forward and again in its backward
   (``2 * microbatches`` gathers of a block's bytes); they are added to the step here, not to the
   actions (assumption: exact at ``pp = 1``, where the step is the one stage's actions in sequence). With EP, the
-  routed experts (outside FSDP2 at every ZeRO stage, :mod:`omni_parallel.llm_zero`) have their gradients
-  all-reduced over the expert-data-parallel group (``data_group / ep`` ranks,
-  ``omni_parallel.topology.expert_groups``), the rest as above over the data group. The encoders
+  routed experts (outside FSDP2, :mod:`omni_parallel.llm_zero`) have their gradients all-reduced over the
+  expert-data-parallel group (``data_group / ep`` ranks, ``omni_parallel.topology.expert_groups``) at
+  ZeRO-0; at ZeRO 1-3 each EP shard is further sharded over that group: one all-gather per step, then
+  the gradient all-reduced (ZeRO-1) or reduce-scattered (ZeRO-2/3); the rest as above over the data group. The encoders
   over every rank (``encoder_zero``, :mod:`omni_parallel.encoder_zero`) the same way, once per step at
   float32 (no mixed-precision policy on the encoder units). The reordering
   all-to-all (paper §4.2, Figure 20) over ``reorder_group`` DP replicas: each rank sends
@@ -54,8 +55,9 @@ recompute, placement, reordering group) of a :class:`~omni_pipeline.workload.Wor
   over the device's HBM bandwidth.
 * **Memory** per pipeline rank (:func:`rank_memory`): parameters, gradients and AdamW state per ZeRO stage
   from :func:`omni_parallel.memory.analytic_state_bytes` (or the exact bytes of a build, ``state=``, e.g.
-  ``omni-train memory``'s; routed experts ``1 / ep`` per rank at every ZeRO stage, never gathered, as
-  :mod:`omni_parallel.memory` counts them), plus what ZeRO-2/3 hold only inside a step (the whole
+  ``omni-train memory``'s; routed experts ``1 / ep`` per rank, and ``1 / (ep * edp)`` of
+  them at ZeRO 1-3 with the EP shard's gathered copy kept at ZeRO-1/2, as :mod:`omni_parallel.memory` counts
+  them), plus what ZeRO-2/3 hold only inside a step (the whole
   float32 gradients until the sync, ZeRO-3's gathered parameters: :func:`rank_memory`), plus the peak over the simulated timeline of stored activations: per LLM
   stage and microbatch :func:`omni_parallel.memory.block_activation_bytes` (bf16, after the CP / Ulysses
   split, TP / SP / recompute honoured) times its layers (an MoE layer counted as a SwiGLU of
@@ -90,7 +92,7 @@ from omni_pipeline.cost import (
 from omni_pipeline.placement import encoder_ranks_for, simulate_disaggregated
 from omni_pipeline.schedules import Schedule1F1B
 from omni_pipeline.simulator import SimulationResult, simulate
-from omni_pipeline.step_costs import encoder_forward_flops, modelled_step_costs
+from omni_pipeline.step_costs import modelled_step_costs, sample_encoder_flops
 from omni_pipeline.workload import MoEShape, Workload
 
 __all__ = [
@@ -425,10 +427,12 @@ def rank_memory(
             if layout.llm_zero == 1 and layout.data_group > 1:  # ZeRO-1 all-reduces whole gradients
                 llm_state = dict(llm_state, gradients=p * MASTER_BYTES)
             xp, xt = stage_expert_params(llm, moe, layers[r], first_layer=offsets[r], ep=layout.ep)
-            if xp:  # routed experts: 1/ep per rank at every ZeRO stage, outside FSDP2, never gathered
-                xb = xp * MASTER_BYTES  # (omni_parallel.memory's formula, its X b / ep terms)
-                xs = {"parameters": xb, "gathered": 0.0, "gradients": xb, "optimizer": 2 * xb + 4 * xt}
-                llm_state = {k: llm_state[k] + xs.get(k, 0.0) for k in llm_state}
+            if xp:  # routed experts: 1/ep per rank, further sharded over edp at ZeRO 1-3 (llm_zero)
+                xs = analytic_state_bytes(
+                    0, bytes_per=MASTER_BYTES, zero=layout.llm_zero, shards=layout.data_group, tensors=xt,
+                    experts=xp * layout.ep, ep=layout.ep, expert_shards=layout.expert_data_group,
+                )  # fmt: skip
+                llm_state = {k: llm_state[k] + xs[k] for k in llm_state}
             enc_state = analytic_state_bytes(
                 enc_p, bytes_per=MASTER_BYTES, zero=layout.encoder_zero, shards=layout.gpus, tensors=enc_t
             )
@@ -542,7 +546,7 @@ def step_collectives(
         seconds) of one layer}`` flattened as ``{"tp_fwd": s, "tp_bwd": s, ...}`` per LLM layer and
         microbatch, and ``"ep_fwd"`` / ``"ep_bwd"`` per MoE layer and microbatch; ``per_step``:
         ``{"llm_all_reduce" | "llm_all_gather" | "llm_reduce_scatter" | "expert_all_reduce" |
-        "encoder_all_reduce" | "encoder_all_gather" |
+        "expert_all_gather" | "expert_reduce_scatter" | "encoder_all_reduce" | "encoder_all_gather" |
         "encoder_reduce_scatter" | "reorder_all_to_all" | "optimizer": seconds}`` of the busiest pipeline
         rank (the stage with the most local parameters).
 
@@ -622,7 +626,14 @@ def step_collectives(
         xbytes = MASTER_BYTES * experts
         # its ranks span the stage's data group (stride tp) unless dp / ep is 1 (then cp * ulysses only)
         xbw, xlat = network.link(L.data_group if L.dp > L.ep else edp, L.tp)
-        step["expert_all_reduce"] = all_reduce_s(xbytes, edp, xbw, xlat)  # every ZeRO stage: outside FSDP2
+        if L.llm_zero >= 1 and edp > 1:  # edp-sharded experts (llm_zero): one gather at attach, then
+            step["expert_all_gather"] = all_gather_s(xbytes, edp, xbw, xlat)  # the whole gradient's
+            if L.llm_zero == 1:  # all-reduce (ZeRO-1) or its reduce-scatter into the shard (ZeRO-2/3)
+                step["expert_all_reduce"] = all_reduce_s(xbytes, edp, xbw, xlat)
+            else:
+                step["expert_reduce_scatter"] = reduce_scatter_s(xbytes, edp, xbw, xlat)
+        else:
+            step["expert_all_reduce"] = all_reduce_s(xbytes, edp, xbw, xlat)
     enc_p, _ = _encoder_params(workload.shapes)
     if enc_p:
         ebw, elat = network.link(L.gpus, 1)
@@ -821,7 +832,7 @@ def _pipeline(
             model_flops(workload.model.llm_params, p.num_tokens,
                         attention_flops(p.seqlens, workload.model.llm_dim, workload.model.llm_layers, causal=True),
                         training=False)
-            + sum(encoder_forward_flops(workload.model, s.modality, s.media_tokens) for s in p.samples)
+            + sum(sample_encoder_flops(workload.model, s) for s in p.samples)
             for p in packs
         )  # fmt: skip
         cache[pk] = (packs, mbs, fwd)

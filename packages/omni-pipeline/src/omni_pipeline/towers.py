@@ -1,8 +1,9 @@
 """Routing of an encoder microbatch's samples to the encoder towers, one tower per modality.
 
 An encoder microbatch may mix modalities (images and audio of one LLM microbatch's slice, in the loader's
-order). :class:`ModalityRouter` groups its decoded payloads by modality, has each tower's input builder
-turn that modality's payloads into the tower's inputs (model-specific preprocessing: patchifying,
+order). :class:`ModalityRouter` groups its decoded payloads by tower (a modality's own, or the one it is
+routed to: videos to the image tower), has each tower's input builder
+turn that group's payloads into the tower's inputs (model-specific preprocessing: patchifying,
 log-mel spectrograms, an HF processor...), runs each tower once on its whole group, and puts the output
 rows back in the samples' order. The towers are plain ``nn.Module``s; nothing here knows a model.
 
@@ -55,6 +56,10 @@ class ModalityRouter(nn.Module):
             ``[rows, llm_dim]``; a tower used for long-short SP also takes ``sp_group=``.
         inputs: ``{modality: builder}`` (:data:`TowerInputs`), one per tower.
         llm_dim: width of every tower's output (the LLM's hidden size).
+        routes: ``{modality: tower}`` for a modality encoded by another modality's tower (Qwen2-VL,
+            Wang et al. 2024 §2.1: ``{"video": "image"}``, one ViT for images and videos); that tower's
+            input builder then gets both modalities' samples together, in order, and the tower runs
+            once over them. Default: every modality its own tower.
 
     Forward:
         payloads: the decoded samples of one encoder microbatch, any mix of modalities, in output order.
@@ -67,20 +72,34 @@ class ModalityRouter(nn.Module):
         rank's chunk of the long samples' rows (``ceil(L / sp)``; padding rows last on the last ranks).
 
     Raises:
-        ValueError: a modality without a tower or without an input builder (at construction), a sample
-            whose modality has no tower, or a builder whose ``rows`` do not add up to its tower's output.
+        ValueError: a modality without a tower or without an input builder, or a route to a tower that
+            does not exist (at construction), a sample whose modality has no tower, or a builder whose
+            ``rows`` do not add up to its tower's output.
     """
 
     def __init__(
-        self, towers: Mapping[str, nn.Module], inputs: Mapping[str, TowerInputs], llm_dim: int
+        self,
+        towers: Mapping[str, nn.Module],
+        inputs: Mapping[str, TowerInputs],
+        llm_dim: int,
+        *,
+        routes: Mapping[str, str] | None = None,
     ) -> None:
         super().__init__()
         missing = sorted(set(towers) ^ set(inputs))
         if missing:
             raise ValueError(f"ModalityRouter: towers and input builders differ in modalities {missing}")
+        self.routes = dict(routes or {})
+        bad = sorted(m for m, t in self.routes.items() if t not in towers)
+        if bad:
+            raise ValueError(f"ModalityRouter: routes {bad} lead to no tower (towers: {sorted(towers)})")
         self.towers = nn.ModuleDict(dict(towers))
         self.inputs = dict(inputs)
         self.llm_dim = llm_dim
+
+    def tower_of(self, modality: str) -> str:
+        """The tower that encodes ``modality``'s samples (its route, else the modality's own)."""
+        return self.routes.get(str(modality), str(modality))
 
     def forward(
         self, payloads: Sequence[Payload], long: tuple[Sequence[Payload], dist.ProcessGroup] | None = None
@@ -99,7 +118,8 @@ class ModalityRouter(nn.Module):
         return out
 
     def _modality(self, p: Payload) -> str:
-        name = str(p.meta.modality)
+        """The tower of ``p``'s modality (a route's target, e.g. ``image`` for a video)."""
+        name = self.tower_of(p.meta.modality)
         if name not in self.towers:
             raise ValueError(f"sample {p.meta.uid}: no {name} tower (towers: {sorted(self.towers)})")
         return name

@@ -18,14 +18,16 @@ File format (every key checked; unknown keys refused)::
 
     [model]                       # names of MODEL_SHAPES presets or {dim, n_layers, n_heads, ...} tables
     llm = "llama-12b"
-    image = "vit-1b"              # a tower per media modality the sources use
+    image = "vit-1b"              # a tower per media modality the sources use (video: the image tower)
     image_merge = 2               # optional: ViT patches per LLM token = image_merge ** 2
+    temporal_patch = 2            # optional: frames per ViT patch of a video (Qwen2-VL: 2)
     moe = { experts = 64, top_k = 8, expert_ffn_dim = 1408 }   # optional: MoE LLM (MoEShape's keys)
 
     [[sources]]
     name = "openimages"
-    modality = "image"            # "image", "audio" or "text"
+    modality = "image"            # "image", "audio", "video" or "text"
     text_tokens = 16              # optional (media): caption tokens inside each sample's length
+    frames = 16                   # optional (video only, default 16): sampled frames per clip (1 .. 4096)
     length = { lognormal = { median = 3340, sigma = 0.5 }, min = 64, max = 16384 }
     # or: length = { histogram = { edges = [64, 1024, 4096], weights = [3, 1] } }   (bins [lo, hi))
     # or: length = { fixed = 340 }
@@ -38,6 +40,12 @@ File format (every key checked; unknown keys refused)::
 and ``max`` clip it (default ``max_seq_len``; a media sample cannot be longer than a pack, so ``max`` of a
 media source may not exceed it; a longer text sample is split by the packer, as a loader's would be).
 A lognormal's mean is ``median * exp(sigma**2 / 2)`` before clipping.
+
+A video sample (Qwen2-VL's ViT, the image tower's weights) of ``frames`` sampled frames is
+``t = ceil(frames / temporal_patch)`` temporal slices of equal grids: its drawn media tokens are rounded
+down to a multiple of ``t`` (at least ``t``), and its metadata shape is ``(frames, 3, 14 m, 14 m k)`` for
+``k`` merged tokens per slice (``m = image_merge``; 14-pixel patches): only ``frames`` and the media tokens
+enter the cost model (:func:`omni_pipeline.step_costs.encoder_documents`: attention per slice).
 
 Untrusted input: the file is at most 1 MiB, every count and size bounded; a bad value raises
 :class:`WorkloadError` whose one-line message names the file and the key.
@@ -152,12 +160,13 @@ class LengthDistribution:
 class WorkloadSource:
     """One data source: its modality, its samples' lengths (LLM tokens, media and text together) and, for
     media, the text tokens (caption, transcript) inside each sample's length (at least one media token
-    is kept)."""
+    is kept); for video, the sampled ``frames`` per clip."""
 
     name: str
     modality: Modality
     length: LengthDistribution
     text_tokens: int = 0
+    frames: int = 16
 
 
 @dataclasses.dataclass(frozen=True)
@@ -329,8 +338,16 @@ class _Draws(StatefulNode[SampleMeta]):
             return SampleMeta(key, src.name, src.modality, 0, n, 0.0, (n,))
         text = min(src.text_tokens, n - 1)
         media = n - text
-        flops = encoder_forward_flops(self.workload.model, src.modality, media)
-        return SampleMeta(key, src.name, src.modality, media, text, flops, (media,))
+        shape: tuple[int, ...] = (media,)
+        frames = None
+        if src.modality is Modality.VIDEO:  # whole temporal slices of equal grids (module docstring)
+            ms, frames = self.workload.model, src.frames
+            t = -(-frames // ms.temporal_patch)
+            media = max(t, media // t * t)
+            side = 14 * ms.image_merge
+            shape = (frames, 3, side, side * (media // t))
+        flops = encoder_forward_flops(self.workload.model, src.modality, media, frames=frames)
+        return SampleMeta(key, src.name, src.modality, media, text, flops, shape)
 
     def next(self) -> SampleMeta:
         return self._draw()
@@ -390,6 +407,14 @@ def parse_workload(text: str, where: str = "<workload>") -> Workload:
         p.fail("sources", f"source names must be unique, {dup} repeated")
     media = {str(s.modality) for s in sources if s.modality is not Modality.TEXT}
     model, shapes, moe = p.model(p.table(doc, "model"), media)
+    for i, s in enumerate(sources):
+        slices = -(-s.frames // model.temporal_patch)  # a clip holds at least one token per slice
+        if s.modality is Modality.VIDEO and slices + s.text_tokens > max_seq_len:
+            p.fail(
+                f"sources[{i}].frames",
+                f"{s.frames} frames are {slices} temporal slices of at least one token each: with "
+                f"{s.text_tokens} text tokens more than max_seq_len {max_seq_len}",
+            )
     raw_phases = p.array(doc, "phases", MAX_PHASES)
     phases: list[MixturePhase] = []
     last = -1
@@ -486,7 +511,7 @@ class _Reader:
     def source(self, raw: Any, key: str, max_seq_len: int) -> WorkloadSource:
         if not isinstance(raw, dict):
             self.fail(key, "must be a table")
-        self.keys(raw, key, {"name", "modality", "length", "text_tokens"})
+        self.keys(raw, key, {"name", "modality", "length", "text_tokens", "frames"})
         name = self.string(raw, "name", prefix=key)
         mod = self.get(raw, "modality", _REQUIRED, key)
         if mod not in {str(m) for m in Modality}:
@@ -497,8 +522,11 @@ class _Reader:
             self.fail(
                 f"{key}.text_tokens", "a text source's length is all text; give text_tokens only for media"
             )
+        if "frames" in raw and modality is not Modality.VIDEO:
+            self.fail(f"{key}.frames", "sampled frames are for video sources only")
+        frames = self.integer(raw, "frames", 1, 4096, default=16, prefix=key)
         length = self.length(self.table(raw, "length", prefix=key), f"{key}.length", modality, max_seq_len)
-        return WorkloadSource(name, modality, length, text)
+        return WorkloadSource(name, modality, length, text, frames)
 
     def length(self, raw: dict, key: str, modality: Modality, max_seq_len: int) -> LengthDistribution:
         self.keys(raw, key, {"lognormal", "histogram", "fixed", "min", "max"})
@@ -542,13 +570,14 @@ class _Reader:
     def model(
         self, raw: dict, media: set[str]
     ) -> tuple[ModelScale, dict[str, TransformerShape], MoEShape | None]:
-        self.keys(raw, "model", {"llm", "image", "audio", "image_merge", "moe"})
+        self.keys(raw, "model", {"llm", "image", "audio", "image_merge", "temporal_patch", "moe"})
         shapes = {}
         for part in ("llm", "image", "audio"):
             if part not in raw:
-                if part == "llm" or part in media:
+                if part == "llm" or part in media or (part == "image" and "video" in media):
+                    kind = "video" if part == "image" and "video" in media else part
                     self.fail(
-                        f"model.{part}", "missing" + ("" if part == "llm" else f" (a source is {part})")
+                        f"model.{part}", "missing" + ("" if part == "llm" else f" (a source is {kind})")
                     )
                 continue
             v, key = raw[part], f"model.{part}"
@@ -574,7 +603,9 @@ class _Reader:
             else:
                 self.fail(key, f"must be a preset name or a shape table, got {v!r}")
         merge = self.integer(raw, "image_merge", 1, 64, default=2, prefix="model")
-        scale = model_scale(shapes["llm"], {k: s for k, s in shapes.items() if k != "llm"}, image_merge=merge)
+        tp = self.integer(raw, "temporal_patch", 1, 16, default=2, prefix="model")
+        towers = {k: s for k, s in shapes.items() if k != "llm"}
+        scale = model_scale(shapes["llm"], towers, image_merge=merge, temporal_patch=tp)
         moe = self.moe(raw["moe"], shapes["llm"]) if "moe" in raw else None
         if moe is not None:
             llm = shapes["llm"]

@@ -1,7 +1,7 @@
 """The bundled dataset: WebDataset shards, the tokenizer and the build manifest, shipped in the package.
 
 Built by `omni-train prepare-data` (see `omni_train.prepare`); origins and licenses in DATA_SOURCES.md.
-Layout: `shards/{image,audio,text}-NNNNNN.tar`, `tokenizer.json`, `manifest.json` (counts per source).
+Layout: `shards/{image,audio,text,video}-NNNNNN.tar`, `tokenizer.json`, `manifest.json` (counts per source).
 """
 
 from __future__ import annotations
@@ -23,11 +23,11 @@ def shard_paths(modality: Modality | str, root: Path = SHARDS_DIR) -> list[Path]
     """The shards of one modality under `root`, in order, e.g. [.../image-000000.tar, ...].
 
     Args:
-        modality: image, audio or text (`omni_data.Modality`).
+        modality: image, audio, text or video (`omni_data.Modality`).
         root: the shard folder (default: the bundled shards).
 
     Raises:
-        ValueError: when `modality` is not one of image, audio, text.
+        ValueError: when `modality` is not one of image, audio, text, video.
         FileNotFoundError: when `root` holds no shard of that modality.
     """
     modality = Modality(modality)

@@ -13,6 +13,11 @@ trainer's stacked experts are ``Shard(0)`` DTensors, i.e. boxes of rows ``[r E/e
 tensors in omni-ckpt, loaded from an imported step 0 and gathered whole for export by box intersection
 (``omni_train.hf.convert``).
 
+Qwen2-VL's language model (inside a full ``qwen2_vl`` checkpoint: ``text_config``; on disk its tensors
+carry Qwen2's names, ``model.layers.*``, next to ``visual.*``) is Qwen2 with multimodal RoPE: its ``rope_parameters.mrope_section`` becomes
+``[model.llm] mrope_section`` (:func:`~omni_train.models.attention.mrope_angles`); export of an M-RoPE
+LLM is refused (it would be a full Qwen2-VL checkpoint, not a Qwen2 one).
+
 Refused on import, naming the ``config.json`` key: RoPE scaling (``rope_type`` other than ``default``),
 sliding-window attention, ``attention_bias``/``mlp_bias`` in a Llama config, an activation other than
 SiLU, a ``head_dim`` other than ``hidden_size / num_attention_heads``; for Qwen2-MoE also
@@ -52,7 +57,7 @@ _TO_HF = {
 
 
 def llm_config_from_hf(hf: Mapping[str, Any], vocab_size: int | None = None, where: str = "llm") -> LLMConfig:
-    """Our LLM config equal to a Llama or Qwen2 ``config.json``.
+    """Our LLM config equal to a Llama, Qwen2, Qwen2-MoE or Qwen2-VL (its ``text_config``) ``config.json``.
 
     Args:
         hf: the parsed ``config.json``.
@@ -64,6 +69,23 @@ def llm_config_from_hf(hf: Mapping[str, Any], vocab_size: int | None = None, whe
             ``vocab_size``, or a malformed field (the key is named).
     """
     model_type = hf.get("model_type")
+    mrope = None
+    if model_type == "qwen2_vl":  # the language model of a full Qwen2-VL checkpoint
+        text = hf.get("text_config")
+        if not isinstance(text, dict):
+            raise HFFolderError(f"{where}: a qwen2_vl config.json needs a 'text_config' object")
+        tied = hf.get("tie_word_embeddings", text.get("tie_word_embeddings", False))
+        hf = {**text, "model_type": "qwen2", "tie_word_embeddings": tied}
+        model_type = "qwen2"
+        rope_parameters = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
+        mrope = rope_parameters.get("mrope_section") if isinstance(rope_parameters, dict) else None
+        if not (
+            isinstance(mrope, list) and len(mrope) == 3 and all(type(v) is int and v >= 0 for v in mrope)
+        ):
+            raise HFFolderError(
+                f"{where}: text_config.rope_parameters.mrope_section must be 3 non-negative integers, "
+                f"got {mrope!r}"
+            )
     if model_type not in LlamaAdapter.accepted_model_types:
         raise HFFolderError(
             f"{where}: model_type {model_type!r} is not one of {LlamaAdapter.accepted_model_types}"
@@ -109,6 +131,7 @@ def llm_config_from_hf(hf: Mapping[str, Any], vocab_size: int | None = None, whe
         qkv_bias=model_type == "qwen2" or (model_type == "qwen2_moe" and bool(hf.get("qkv_bias", True))),
         tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
         moe=moe,
+        mrope_section=mrope,
     )
 
 
@@ -272,6 +295,11 @@ class LlamaAdapter(StateDictAdapter):
 
     def hf_config(self) -> dict[str, Any]:
         c = self.cfg
+        if c.mrope_section is not None:
+            raise ValueError(
+                "llm: export of an M-RoPE LLM (model.llm.mrope_section) is not supported: it is Qwen2-VL's "
+                "language model, not a Qwen2ForCausalLM"
+            )
         config: dict[str, Any] = {
             "architectures": [self.architecture],
             "model_type": "qwen2" if c.qkv_bias else "llama",

@@ -8,10 +8,13 @@ fixed image size, a CLS-free pooling head and no merger: matching it would mean 
 
 Layout differences handled here:
 
-* ``patch_embed.proj`` is a ``Conv3d`` over ``temporal_patch_size`` (2) frames, and Qwen2-VL's processor
-  repeats a still image over both: for images the convolution is our linear patch embedding with the
-  kernel summed over time (import), and a kernel split evenly over time reproduces ours (export).
-  Videos (frames that differ) are outside what our ViT models.
+* ``patch_embed.proj`` is a ``Conv3d`` over ``temporal_patch_size`` (2) frames with stride = kernel, i.e. a
+  linear map of each flattened ``[3, T, p, p]`` patch. At ``model.vit.temporal_patch = T`` our patch
+  embedding is that kernel, flattened and unchanged (import and export keep every weight: videos, whose
+  frames differ, compute Qwen2-VL's function). At ``temporal_patch = 1`` (images only) Qwen2-VL's
+  processor repeats a still image over the ``T`` frames, so the convolution is our linear patch embedding
+  with the kernel summed over time (import), and a kernel split evenly over time reproduces ours
+  (export); the per-frame difference of the kernel is lost on import.
 * ``merger.ln_q`` (a LayerNorm per patch before the 2x2 merge) is our ViT's final norm; ``merger.mlp`` is
   the projector (``fc1`` = ``mlp.0``, ``fc2`` = ``mlp.2``).
 
@@ -69,10 +72,13 @@ def vit_config_from_hf(
     """Our ViT config equal to a Qwen2-VL vision ``config.json`` (a ``qwen2_vl_vision`` config, or the
     ``vision_config`` of a full ``qwen2_vl`` one), and its output width (the LLM's ``dim``).
 
-    ``base`` supplies what the checkpoint does not fix (``min_pixels``, ``max_pixels``: preprocessing).
+    ``base`` supplies what the checkpoint does not fix (``min_pixels``, ``max_pixels``: preprocessing)
+    and ``temporal_patch``: 1 (the default: images only, the kernel summed over time) or the checkpoint's
+    ``temporal_patch_size`` (videos too, the full kernel).
 
     Raises:
-        HFFolderError: another model type, an activation we lack, ``in_channels`` other than 3, or a
+        HFFolderError: another model type, an activation we lack, ``in_channels`` other than 3, a
+            ``base.temporal_patch`` other than 1 or the checkpoint's ``temporal_patch_size``, or a
             malformed field (named).
     """
     if hf.get("model_type") == "qwen2_vl":
@@ -94,8 +100,15 @@ def vit_config_from_hf(
         raise HFFolderError(f"{where}: rope_parameters.rope_theta must be a positive number, got {rope!r}")
     dim = hf_field(hf, "embed_dim", int, where)
     merge = hf_field(hf, "spatial_merge_size", int, where, 2)
+    base = base or ViTConfig()
+    frames = hf_field(hf, "temporal_patch_size", int, where, 2)
+    if base.temporal_patch not in (1, frames):
+        raise HFFolderError(
+            f"{where}: model.vit.temporal_patch {base.temporal_patch} is neither 1 nor the checkpoint's "
+            f"temporal_patch_size {frames}"
+        )
     cfg = dataclasses.replace(
-        base or ViTConfig(),
+        base,
         dim=dim,
         n_layers=hf_field(hf, "depth", int, where),
         n_heads=hf_field(hf, "num_heads", int, where),
@@ -137,7 +150,11 @@ class Qwen2VLVisionAdapter(StateDictAdapter):
     Args:
         cfg: our ViT config (:func:`qwen2vl_vision_problems` must be empty to export).
         llm_dim: the projector's output width (Qwen2-VL's ``hidden_size``).
-        temporal_patch_size: frames of the ``Conv3d`` patch embedding (import: the checkpoint's).
+        temporal_patch_size: frames of the ``Conv3d`` patch embedding (import: the checkpoint's); with
+            ``cfg.temporal_patch > 1`` it must equal it.
+
+    Raises:
+        ValueError: ``cfg.temporal_patch`` is neither 1 nor ``temporal_patch_size``.
     """
 
     model_type = "qwen2_vl_vision"
@@ -146,6 +163,11 @@ class Qwen2VLVisionAdapter(StateDictAdapter):
     anchor = _HF_PATCH
 
     def __init__(self, cfg: ViTConfig, llm_dim: int, *, temporal_patch_size: int = 2) -> None:
+        if cfg.temporal_patch not in (1, temporal_patch_size):
+            raise ValueError(
+                f"vision: model.vit.temporal_patch {cfg.temporal_patch} is neither 1 nor the Conv3d's "
+                f"temporal_patch_size {temporal_patch_size}"
+            )
         self.cfg, self.llm_dim, self.temporal = cfg, llm_dim, temporal_patch_size
 
     def our_names(self) -> list[str]:
@@ -157,8 +179,11 @@ class Qwen2VLVisionAdapter(StateDictAdapter):
         out = {}
         for name, t in state_dict.items():
             if name == _PATCH:
-                # [D, 3*p*p] -> [D, 3, T, p, p], split evenly over the T (identical) frames.
                 p = self.cfg.patch
+                if self.cfg.temporal_patch == self.temporal:  # [D, 3*T*p*p] -> [D, 3, T, p, p], as is
+                    out[_HF_PATCH] = t.reshape(t.shape[0], 3, self.temporal, p, p).contiguous()
+                    continue
+                # [D, 3*p*p] -> [D, 3, T, p, p], split evenly over the T (identical) frames.
                 w = t.reshape(t.shape[0], 3, 1, p, p) / self.temporal
                 out[_HF_PATCH] = w.expand(-1, -1, self.temporal, -1, -1).contiguous()
                 continue
@@ -177,7 +202,15 @@ class Qwen2VLVisionAdapter(StateDictAdapter):
                     raise HFFolderError(
                         f"vision: {_HF_PATCH} has shape {tuple(w.shape)}, not [D, 3, T, p, p]"
                     )
-                out[name] = w.sum(dim=2).reshape(w.shape[0], -1)  # a still image repeats over T frames
+                if self.cfg.temporal_patch > 1:
+                    if w.shape[2] != self.cfg.temporal_patch:
+                        raise HFFolderError(
+                            f"vision: {_HF_PATCH} spans {w.shape[2]} frames, model.vit.temporal_patch is "
+                            f"{self.cfg.temporal_patch}"
+                        )
+                    out[name] = w.reshape(w.shape[0], -1)  # the whole kernel: (channel, frame, row, col)
+                else:
+                    out[name] = w.sum(dim=2).reshape(w.shape[0], -1)  # a still image repeats over T frames
             else:
                 out[name] = take(hf_state_dict, rename(name, _TO_HF), "vision")
         return out

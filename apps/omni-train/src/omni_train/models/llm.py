@@ -30,7 +30,7 @@ from omni_parallel.moe import MoE, MoEConfig
 from omni_parallel.ulysses import ulysses_attention
 from omni_parallel.varlen import varlen_attention
 from omni_pipeline.split import stage_slices
-from omni_train.models.attention import apply_rope, rope_angles
+from omni_train.models.attention import apply_rope, mrope_angles, rope_angles
 
 __all__ = [
     "LLMConfig",
@@ -71,6 +71,13 @@ class MoESpec:
         capacity_factor: unset: dropless (every token reaches its ``top_k`` experts); otherwise each
             expert takes at most ``ceil(capacity_factor * T * top_k / experts)`` of a forward's ``T``
             tokens, > 0.
+        bias_update_rate: unset: no router bias. A number >= 0: each router keeps a per-expert bias added
+            to the routing probabilities only to choose the top-k (DeepSeek-V3's auxiliary-loss-free load
+            balancing, ``omni_parallel.moe.TopKRouter.expert_bias``; a buffer, in the checkpoint), moved
+            after every optimizer step by ``rate * sign(mean load - load_e)`` with the loads summed over
+            the stage's data ranks (``omni_parallel.moe.update_expert_bias``); 0 keeps it where it is. A
+            step whose optimizer step is skipped (``train.on_nonfinite``) moves nothing: its loads count
+            in the next update. Under CP the loads are each rank's forward's (CP padding included).
     """
 
     experts: int = 8
@@ -84,6 +91,7 @@ class MoESpec:
     aux_loss_coef: float = 0.01
     z_loss_coef: float = 0.0
     capacity_factor: float | None = None
+    bias_update_rate: float | None = None
 
     def is_moe_layer(self, i: int) -> bool:
         """Whether layer ``i`` (0-based) is an MoE layer."""
@@ -97,6 +105,7 @@ class MoESpec:
             shared_hidden=self.shared_expert_ffn_dim, shared_gate=self.shared_gate,
             norm_topk_prob=self.norm_topk_prob, aux_loss_coef=self.aux_loss_coef,
             z_loss_coef=self.z_loss_coef, capacity_factor=self.capacity_factor,
+            bias_update_rate=self.bias_update_rate,
         )  # fmt: skip
 
 
@@ -110,6 +119,10 @@ class LLMConfig:
 
     ``vocab_size`` is ``None`` until the tokenizer is known: a run config's ``[model.llm]`` leaves it out
     and ``ModelConfig.llm_config`` sets it from ``data.tokenizer``.
+
+    ``mrope_section``: multimodal RoPE (Qwen2-VL's M-RoPE, :func:`~omni_train.models.attention.mrope_angles`):
+    3 counts of rotary frequencies (temporal, height, width) summing to ``head_dim / 2``; the LLM then takes
+    ``[3, T]`` position ids (``omni_pipeline.mrope``). Unset: 1-D RoPE over ``[T]`` positions.
     """
 
     vocab_size: int | None = None
@@ -123,6 +136,7 @@ class LLMConfig:
     qkv_bias: bool = False
     tie_embeddings: bool = False
     moe: MoESpec | None = None
+    mrope_section: list[int] | None = None
 
     @property
     def head_dim(self) -> int:
@@ -371,7 +385,9 @@ class LLMStage(nn.Module):
 
     Forward:
         x: first stage: token ids int64 ``[T]``; otherwise hidden states ``[T, dim]``.
-        position_ids: int64 ``[T]``, restarting at 0 in each packed document.
+        position_ids: int64 ``[T]``, restarting at 0 in each packed document; with
+            ``cfg.mrope_section`` int64 ``[3, T]`` M-RoPE positions (temporal, height, width;
+            ``omni_pipeline.mrope.mrope_position_ids``), or ``[T]`` for text only.
         cu_seqlens: int64 ``[num_docs + 1]``.
         media_embeds: first stage only, optional ``[M, dim]`` encoder embeddings (after their projector);
             they replace the embeddings of the placeholder tokens at ``media_positions`` (int64 ``[M]``,
@@ -397,7 +413,7 @@ class LLMStage(nn.Module):
 
     Raises:
         ValueError: ``tie_embeddings`` with more than one stage (the embedding and the LM head would live
-            on different ranks).
+            on different ranks); an ``mrope_section`` that is not 3 counts summing to ``head_dim / 2``.
     """
 
     def __init__(
@@ -421,6 +437,10 @@ class LLMStage(nn.Module):
         self.is_last = stage == num_stages - 1
         if cfg.vocab_size is None:
             raise ValueError("LLMStage: LLMConfig.vocab_size is not set (take it from the tokenizer)")
+        if cfg.mrope_section is not None:
+            mrope_angles(
+                torch.zeros(3, 0, dtype=torch.int64), cfg.head_dim, cfg.rope_theta, cfg.mrope_section
+            )
         layers = stage_slices(cfg.n_layers, num_stages)[stage] if layers is None else layers
         self.lo, self.hi = layers.start, layers.stop
         std = 0.02
@@ -474,7 +494,10 @@ class LLMStage(nn.Module):
             h = self.embedded(h)
         else:
             h = x
-        rope = rope_angles(position_ids, self.cfg.head_dim, self.cfg.rope_theta)
+        if self.cfg.mrope_section is None:
+            rope = rope_angles(position_ids, self.cfg.head_dim, self.cfg.rope_theta)
+        else:
+            rope = mrope_angles(position_ids, self.cfg.head_dim, self.cfg.rope_theta, self.cfg.mrope_section)
         for block in self.layers.values():
             h = block(h, rope, cu_seqlens)
         if self.is_last:

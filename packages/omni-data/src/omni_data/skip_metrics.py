@@ -1,34 +1,35 @@
-"""Skipped data in a run's outputs: omni-data's skip ledgers (:func:`omni_data.skip_report`) reduced over
-the ranks at every step, per step into ``metrics.jsonl`` and in total into ``summary.json``.
+"""Skipped data over a parallel run: every rank's skip ledgers (:func:`omni_data.skip_report`) reduced over
+the world at every step, as per-step deltas (for a metrics row) and run totals (for a summary).
 
-How the ledgers reduce (``omni_data.skips``): metadata skips (a damaged tar header, a key that is not
+How the ledgers reduce (:mod:`omni_data.skips`): metadata skips (a damaged tar header, a key that is not
 UTF-8, a read error, a truncated member, over-long media) are counted identically by every pipeline, TP,
 CP and Ulysses rank of a DP rank, so only the rank at position 0 of those groups contributes them;
 payload skips (media whose body does not decode) are counted by the rank that read the payload, so every
-rank contributes its own. Nothing is dropped silently (DESIGN.md §omni-data): each skip is counted per source and
-reason, the first keys of each source are named, and the first time a source skips, rank 0 logs it with
-those keys.
+rank contributes its own. Nothing is dropped silently (DESIGN.md §omni-data): each skip is counted per
+source and reason, the first keys of each source are named, and the first time a source skips, rank 0
+says it with those keys.
 
 Cost: the world's count of skipped items per step (one all-reduce of one int64, or none when the caller
-passes the count: the trainer folds it into the step's metrics all-reduce); only when that count changed,
-two all-gathers of the ranks' msgpack-encoded reports (no pickle).
+passes the count: e.g. folded into the step's own metrics all-reduce); only when that count changed, two
+all-gathers of the ranks' msgpack-encoded reports (no pickle).
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from typing import Any
 
 import msgpack
 import torch
 import torch.distributed as dist
 
-from omni_data import ZeroRedundancyFilter, skip_report
+from omni_data.skips import skip_report
 from omni_parallel import ParallelState
 
 __all__ = ["SkipMetrics", "merge_skip_reports"]
 
-logger = logging.getLogger("omni_train")
+logger = logging.getLogger("omni_data")
 
 _SCOPES = ("metadata", "payload")
 
@@ -57,16 +58,28 @@ class SkipMetrics:
     :meth:`start` once, then :meth:`step` once per step).
 
     Args:
-        stream: this rank's loader (``ZeroRedundancyFilter``; its ledgers and its upstream nodes').
+        stream: this rank's loader (a :class:`~omni_data.ZeroRedundancyFilter`, or any node whose
+            ledgers :func:`~omni_data.skip_report` finds: its own and its upstream nodes').
         ps: the parallel state (which ranks count metadata skips).
-        max_keys: keys named per source in the metrics and the summary (the log line names the first
-            5); counts are always complete.
+        max_keys: keys named per source in the metrics and the summary (the notice names the first 5);
+            counts are always complete.
+        notice: where rank 0 says, once per source, the first time it skips (one line, e.g. ``"source
+            'img' skipped 2 items so far (2 undecodable); first: k1 (undecodable)"``); default: a warning
+            on the ``omni_data`` logger.
     """
 
-    def __init__(self, stream: ZeroRedundancyFilter, ps: ParallelState, *, max_keys: int = 20) -> None:
+    def __init__(
+        self,
+        stream: Any,
+        ps: ParallelState,
+        *,
+        max_keys: int = 20,
+        notice: Callable[[str], None] | None = None,
+    ) -> None:
         self.stream, self.max_keys = stream, max_keys
         self.rank = ps.rank
         self.counts_metadata = all(ps.local_rank(g) == 0 for g in ("pp", "tp", "cp", "ulysses"))
+        self.notice = notice if notice is not None else logger.warning
         self.report = merge_skip_reports([], max_keys)
         self._logged: set[str] = set()
 
@@ -107,13 +120,9 @@ class SkipMetrics:
             if self.rank == 0:
                 counts = {r: n for sc in _SCOPES for r, n in now[sc].get(source, {}).items()}
                 first = ", ".join(f"{k} ({r})" for k, r in now["keys"][source][:5])
-                logger.warning(
-                    "omni-train: source %r skipped %d items so far (%s); first: %s. Counts per step are in "
-                    "metrics.jsonl ('skipped'), totals in summary.json",
-                    source,
-                    sum(counts.values()),
-                    ", ".join(f"{n} {r}" for r, n in counts.items()),
-                    first,
+                said = ", ".join(f"{n} {r}" for r, n in counts.items())
+                self.notice(
+                    f"source {source!r} skipped {sum(counts.values())} items so far ({said}); first: {first}"
                 )
         return {"skipped": delta, "skipped_keys": new_keys}
 
