@@ -185,7 +185,7 @@ class _Layer:
         else:
             side = self.sizes.vit_image_side
             grids = torch.tensor(
-                [[side, side]] * (t // side**2) + ([[1, t % side**2]] if t % side**2 else [])
+                [[1, side, side]] * (t // side**2) + ([[1, 1, t % side**2]] if t % side**2 else [])
             )
             rows, cols = (p.to(self.device) for p in _patch_positions(grids, 1))
             hd = self.dim // self.sizes.vit_heads

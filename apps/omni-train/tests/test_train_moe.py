@@ -571,13 +571,17 @@ def test_moe_preflight_names_the_field(moe_cfg):
     with pytest.raises(ConfigError, match=r"^model\.llm\.moe: with parallel\.tp 2"):
         validate(with_parallel(cfg, pp=1, dp=2, tp=2, ep=2), 4)
     validate(with_parallel(cfg, pp=1, dp=2, ep=2), 2)
-    validate(with_parallel(cfg, pp=1, dp=1, cp=2, ep=2), 2)  # EP carved out of CP
+    # the expert bias's loads under CP would hold each rank's padding rows: refused, naming the field
+    with pytest.raises(ConfigError, match=r"^model\.llm\.moe\.bias_update_rate: 0\.01 with parallel\.cp 2"):
+        validate(with_parallel(cfg, pp=1, dp=1, cp=2, ep=2), 2)
+    per_token = _per_token(cfg)  # no aux / z loss, no bias
+    validate(with_parallel(per_token, pp=1, dp=1, cp=2, ep=2), 2)  # EP carved out of CP
     with pytest.raises(ConfigError, match=r"^parallel\.ep: 4 must divide parallel\.dp 1, or ep / gcd\(ep, dp\) = 4 "
                        r"must divide parallel\.cp 2 x parallel\.ulysses 1"):  # fmt: skip
-        validate(with_parallel(cfg, pp=1, dp=1, cp=2, ep=4), 2)
+        validate(with_parallel(per_token, pp=1, dp=1, cp=2, ep=4), 2)
     with pytest.raises(ConfigError, match=r"^parallel\.ep: 2 beyond parallel\.dp 1 .* parallel\.ulysses 2"):
-        validate(with_parallel(cfg, pp=1, dp=1, cp=1, ulysses=2, ep=2), 2)
-    validate(with_parallel(cfg, pp=1, dp=1, cp=2, ep=2, hybrid_cp=True), 2)
+        validate(with_parallel(per_token, pp=1, dp=1, cp=1, ulysses=2, ep=2), 2)
+    validate(with_parallel(per_token, pp=1, dp=1, cp=2, ep=2, hybrid_cp=True), 2)
     for zero in (1, 2, 3):  # EP composes with LLM ZeRO (the experts stay out of FSDP2)
         validate(with_parallel(cfg, pp=1, dp=2, ep=2, llm_zero=zero), 2)
     # 5 expert-data-parallel ranks per EP shard (dp 10 / ep 2) divide no dim of gate_up_proj [2, 48, 32]

@@ -1,6 +1,7 @@
 """Samples whose image body does not decode (omni-data's zero placeholder, ``Payload.error``) are not
 trained on: their caption targets are masked on the last stage, wherever in the pipeline the image was
-decoded, and counted per step as ``skipped_payloads``.
+decoded, and counted per step as ``skipped_payloads`` (and not as trained samples in
+``samples_per_modality``).
 
 Reference: the same run on the undamaged copy of the data (same metadata, hence the same packs). At the
 first step both models are identical and attention stays inside each sample, so the audio and text
@@ -46,6 +47,13 @@ def test_undecodable_images_are_masked_and_counted(tmp_path):
     bad_read = sum(r[1][1] for r in res)  # every image is decoded by exactly one pipeline rank
     assert clean_read == 0 and all(r["skipped_payloads"] == 0 for r in clean_rows)
     assert sum(r["skipped_payloads"] for r in bad_rows) == bad_read > 0
+    # samples_per_modality counts trained samples: the masked images are skipped_payloads, not images
+    for cr, br in zip(clean_rows, bad_rows):
+        assert br["samples_per_modality"]["image"] == 0
+        assert br["skipped_payloads"] == cr["samples_per_modality"]["image"]
+        assert {m: br["samples_per_modality"][m] for m in ("audio", "text")} == {
+            m: cr["samples_per_modality"][m] for m in ("audio", "text")
+        }
     c, b = clean_rows[0], bad_rows[0]
     assert c["targets_per_modality"]["image"] > 0 and b["targets_per_modality"]["image"] == 0
     assert "image" not in b["loss_per_modality"]

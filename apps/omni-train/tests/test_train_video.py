@@ -8,8 +8,8 @@ every pack carries ``[3, T]`` positions from its samples' grids, on both stages)
 * pp = 2, tp = 2, pp = 2 with the ``planned`` placement (its step costs model videos on the image tower,
   attention per temporal slice: ``omni_pipeline.step_costs``), dp = 2 with grouped reordering across both
   replicas (video frames move in the payload all-to-all), and, without M-RoPE, ulysses = 2 and cp = 2
-  with long-short SP (``encoder_sp = 2``, ``long_threshold = 2``: every video is long and split over the
-  SP group; checked), each on 2 gloo processes: every loss and every gradient equals the one-process
+  with long-short SP (``encoder_sp = 2``, ``long_threshold = 2``: videos are long and split over the
+  SP group; checked that some video of the run was split), each on 2 gloo processes: every loss and every gradient equals the one-process
   reference over the same packs (``train_reference``, <= 1e-10; dp = 2: both replicas' packs); video
   samples were in the step's packs and trained (their caption targets counted in
   ``targets_per_modality["video"]``, their frames encoded by the image tower); both stages built 3-D
@@ -20,6 +20,10 @@ every pack carries ``[3, T]`` positions from its samples' grids, on both stages)
   recipe), and names the field of the combinations not wired: M-RoPE with Ulysses / CP / TP sequence
   parallelism; video with hybrid DP/CP.
 * ``make-shards --write-config`` over videos gives the ViT Qwen2-VL's 2-frame temporal patches.
+
+These are consistency checks (parallel runs against one process over the same code; positions against
+``omni_pipeline.mrope``); that the video path computes what Qwen2-VL computes (patch layout, temporal
+slices, M-RoPE positions, logits) is checked against transformers in ``test_train_hf_video.py``.
 """
 
 from __future__ import annotations

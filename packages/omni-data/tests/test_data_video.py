@@ -218,7 +218,11 @@ def test_zero_redundancy_decodes_each_video_once_counted(tmp_path, tok):
             # each pipeline rank decoded exactly the videos of its own encoder microbatches, no frame more
             assert reader.stats["videos"] == len(good)
             assert reader.stats["video_frames"] == sum(m.shape[0] for m in good)
-            assert reader.stats["video_frames_decoded"] <= sum(m.frames for m in good)
+            # ... and decoded each only up to its last sampled frame (presentation order, no B-frames here)
+            assert reader.stats["video_frames_decoded"] == sum(
+                VT.indices(m.frames, m.fps)[-1] + 1 for m in good
+            )
+            assert reader.stats["video_frames_decoded"] < sum(m.frames for m in good)
         assert placeholders >= 1
         # each placeholder counted once, by the rank that read it, under its reason
         assert sum(f.skipped.get("undecodable video payload", 0) for f in filters.values()) == placeholders

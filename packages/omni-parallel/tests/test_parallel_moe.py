@@ -13,7 +13,8 @@
   senders of their rows. In the same
   world, LLM ZeRO 1, 2 and 3 beside ep = 2 (dp = 2): the dense parameters FSDP2-sharded, the experts left
   out as EP shards; gradients and one AdamW step equal the one process's (<= 1e-10).
-  Also in that world: :func:`update_expert_bias` after two forwards per rank (and one under ``no_grad``,
+  Also in that world: ep = 2 in bfloat16 (top-1, decisive routing) within bf16 rounding of the float64
+  layer, no further than the one-process bf16 layer (output, input and expert gradients); :func:`update_expert_bias` after two forwards per rank (and one under ``no_grad``,
   not counted) gives the same bias on both ranks, equal to ``rate * sign(mean - load)`` written out over
   both ranks' loads, twice.
 * One process: the router's selection-only expert bias (``bias_update_rate`` set) forces an expert into
@@ -279,7 +280,38 @@ def _ep_rank(rank: int, world: int) -> dict:
         }
     results["llm_zero"] = _llm_zero_beside_ep(rank, world)
     results["bias"] = _bias_update(rank, world)
+    results["bf16"] = _bf16_ep(rank)
     return results
+
+
+def _bf16_ep(rank: int) -> dict:
+    """ep = 2 in bfloat16 (top-1 "one_expert" routing: margins far beyond bf16 rounding, so no token
+    changes expert): the all-to-alls carry bf16 rows both ways. Errors of the output, the input gradient
+    and this rank's expert gradients against the float64 one-process layer, for the ep layer and for the
+    one-process bf16 layer over the same tokens (a token's output depends on its own row only)."""
+    cfg = MoEConfig(DIM, HIDDEN, experts=4, top_k=1, shared_experts=1)
+    ref, one, ep = _layer(cfg), _layer(cfg).bfloat16(), _layer(cfg, dist.group.WORLD).bfloat16()
+    x = _routing_x("one_expert", rank, cfg, ref)
+    c = torch.randn(T, DIM, dtype=torch.float64, generator=torch.Generator().manual_seed(40 + rank))
+    got = {}
+    for name, m in (("ref", ref), ("one", one), ("ep", ep)):
+        dtype = next(m.parameters()).dtype
+        xr = x.to(dtype).clone().requires_grad_(True)  # a leaf of its own per layer
+        o = m(xr)
+        (o.out * c.to(dtype)).sum().backward()
+        lo, hi = (ep.expert_range.start, ep.expert_range.stop) if name == "ep" else (2 * rank, 2 * rank + 2)
+        gw = m.experts.gate_up_proj.grad
+        got[name] = (
+            o.out.double(),
+            xr.grad.double(),
+            (gw if name == "ep" else gw[lo:hi]).double(),
+            o.out.dtype,
+        )
+    errs = {}
+    for name in ("one", "ep"):
+        errs[name] = [(a - b).abs().max().item() for a, b in zip(got[name][:3], got["ref"][:3])]
+    scale = [t.abs().max().item() for t in got["ref"][:3]]
+    return {"errs": errs, "scale": scale, "dtype": str(got["ep"][3])}
 
 
 RATE = 0.25
@@ -408,6 +440,15 @@ def test_expert_parallel_equals_one_process() -> None:
         bias = [b + RATE * ((mean > v) - (mean < v)) for b, v in zip(bias, load)]
         assert res[0]["bias"]["bias"][u] == res[1]["bias"]["bias"][u] == bias, (u, load, res[0]["bias"])
         assert any(b != 0 for b in bias) or u == 1  # the first update moved it
+    # bf16: the ep layer as close to the float64 layer as the one-process bf16 layer is (bf16 rounding,
+    # eps 2^-8 relative), so dispatch / combine and their backward run in bf16 without losing more
+    for rank, r in enumerate(res):
+        b = r["bf16"]
+        assert b["dtype"] == "torch.bfloat16", (rank, b)
+        for what, e_ep, e_one, sc in zip(
+            ("out", "dx", "d_experts"), b["errs"]["ep"], b["errs"]["one"], b["scale"]
+        ):
+            assert e_ep <= 2 * e_one + sc * 2**-8 and e_ep <= sc * 2**-5, (rank, what, b)
     # LLM ZeRO 1-3 beside EP: one process's gradients and AdamW step; FSDP2 manages the dense parameters
     # only, the experts stay EP shards (Shard(0) over the EP group, 2 of the 4 experts per rank)
     for rank, r in enumerate(res):

@@ -56,7 +56,7 @@ def test_documents_from_pack_metadata():
     image = SampleMeta("a", "img", Modality.IMAGE, 6, 2, 0.0, (3, 56, 84))
     text = SampleMeta("b", "txt", Modality.TEXT, 0, 4, 0.0, (4,))
     # a video's metadata, as omni-data writes it: (frames, 3, H, W); 5 frames -> 3 temporal patches
-    video = SampleMeta("c", "vid", str(getattr(Modality, "VIDEO", "video")), 3, 1, 0.0, (5, 3, 28, 28))
+    video = SampleMeta("c", "vid", Modality.VIDEO, 3, 1, 0.0, (5, 3, 28, 28))
     docs = mrope_documents([image, text, video], patch=14, merge=2, temporal_patch=2)
     assert docs == [MRopeDocument(6, 2, (1, 4, 6)), MRopeDocument(0, 4), MRopeDocument(3, 1, (3, 2, 2))]
     bad = SampleMeta("d", "img", Modality.IMAGE, 5, 2, 0.0, (3, 56, 84))

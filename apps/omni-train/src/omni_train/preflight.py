@@ -365,6 +365,13 @@ def _validate_moe(cfg: RunConfig) -> None:
         raise ConfigError(
             f"parallel.ep: {par.ep} needs model.llm.moe (expert parallelism shards MoE experts)"
         )
+    if moe is not None and moe.bias_update_rate and (par.cp > 1 or par.hybrid_cp or par.ulysses > 1):
+        # the loads would be each rank's share of a pack with its CP padding rows, not the pack's
+        raise ConfigError(
+            f"model.llm.moe.bias_update_rate: {moe.bias_update_rate} with parallel.cp {par.cp} / "
+            f"ulysses {par.ulysses} / hybrid_cp {par.hybrid_cp}: the expert loads of a rank's sequence share "
+            "include its padding rows; the bias update runs without sequence parallelism only"
+        )
     ep_seq = par.ep // math.gcd(par.ep, par.dp)  # EP ranks across the sequence-parallel ranks
     if (par.cp * par.ulysses) % ep_seq:
         raise ConfigError(

@@ -232,7 +232,7 @@ class StepMetrics:
         enc = self._encoder_vector(inputs, result)
         mem = _memory_vector(peaks, self.rank, n)
         skips = torch.tensor([float(skip_total)], dtype=torch.float64)
-        counts = self._sample_counts(packs)
+        counts = self._sample_counts(packs, inputs.masked)
         vec = torch.cat([vec, enc, mem, counts, skips])
         if dist.is_initialized() and n > 1:
             dist.all_reduce(vec)
@@ -256,16 +256,21 @@ class StepMetrics:
             "phases": {name: v[at + i * n : at + (i + 1) * n] for i, name in enumerate(PHASES)},
         }
 
-    def _sample_counts(self, packs: list[Pack]) -> torch.Tensor:
-        """``[len(MODALITIES) + 1]``: this replica's samples per modality in the step's packs (pieces of
-        a split text each count) and the sampled frames of its videos (``SampleMeta.shape[0]``), from the
+    def _sample_counts(self, packs: list[Pack], masked: frozenset[tuple[int, int]]) -> torch.Tensor:
+        """``[len(MODALITIES) + 1]``: this replica's trained samples per modality in the step's packs
+        (pieces of a split text each count) and the sampled frames of its trained videos
+        (``SampleMeta.shape[0]``); samples whose payload did not decode (``masked``: they keep their place
+        on placeholder frames, their targets masked) are left out: they are ``skipped_payloads``. From the
         one rank per replica that counts packs (zeros elsewhere), summed over the world in :meth:`reduce`."""
         out = torch.zeros(len(MODALITIES) + 1, dtype=torch.float64)
         if self.pp_rank == 0 and self.tp_rank == 0 and self.sp_rank == 0 and self.counts_packs:
-            for s in (s for p in packs for s in p.samples):
-                out[MODALITIES.index(s.modality)] += 1
-                if s.modality is Modality.VIDEO:
-                    out[-1] += s.shape[0]
+            for k, pack in enumerate(packs):
+                for i, s in enumerate(pack.samples):
+                    if (k, i) in masked:
+                        continue
+                    out[MODALITIES.index(s.modality)] += 1
+                    if s.modality is Modality.VIDEO:
+                        out[-1] += s.shape[0]
         return out
 
     def _encoder_vector(self, inputs: StepInputs, result: StepResult) -> torch.Tensor:
