@@ -5,7 +5,7 @@ real footage, decoded with PyAV in the loader), with ``model.vit.temporal_patch 
 through the one ViT, Wang et al., "Qwen2-VL", 2024 §2.1) and ``model.llm.mrope_section`` set (M-RoPE:
 every pack carries ``[3, T]`` positions from its samples' grids, on both stages), float64, 3 steps:
 
-* pp = 2, tp = 2, pp = 2 with the ``planned`` placement (its step costs model videos on the image tower,
+* pp = 2 (1F1B, GPipe, and interleaved 1F1B over 2 virtual stages per rank), tp = 2, pp = 2 with the ``planned`` placement (its step costs model videos on the image tower,
   attention per temporal slice: ``omni_pipeline.step_costs``), dp = 2 with grouped reordering across both
   replicas (video frames move in the payload all-to-all), and, without M-RoPE, ulysses = 2 and cp = 2
   with long-short SP (``encoder_sp = 2``, ``long_threshold = 2``: videos are long and split over the
@@ -97,6 +97,12 @@ def _record(seen: list):
     return on_inputs
 
 
+def _four_layers(cfg):
+    """``cfg`` with 4 LLM layers: one per stage of 2 ranks x 2 virtual stages (interleaved 1F1B)."""
+    llm = dataclasses.replace(cfg.model.llm, n_layers=4)
+    return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, llm=llm))
+
+
 def _no_mrope(cfg):
     llm = dataclasses.replace(cfg.model.llm, mrope_section=None)
     return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, llm=llm))
@@ -129,7 +135,12 @@ def _pp2(rank, world_size, cfg, root):
         Path(root) / "cp2",
         on_inputs=lambda t, step, inputs: _long_videos(t, step, inputs, cp_longs),
     )
-    return got, seen, tp2, planned, dp2, sp2, longs, cp2, cp_longs
+    # the other schedules: GPipe, and interleaved 1F1B over 2 virtual stages per rank (each builds M-RoPE)
+    gpipe = capture_run(with_parallel(cfg, pp=2, schedule="gpipe"), Path(root) / "gpipe")
+    inter = capture_run(
+        with_parallel(_four_layers(cfg), pp=2, schedule="interleaved", virtual_stages=2), Path(root) / "inter"
+    )
+    return got, seen, tp2, planned, dp2, sp2, longs, cp2, cp_longs, gpipe, inter
 
 
 def _reference(rank, world_size, cfg, root):
@@ -137,6 +148,7 @@ def _reference(rank, world_size, cfg, root):
         reference_run(cfg, Path(root) / "ref", 1),
         reference_run(cfg, Path(root) / "ref-dp2", 2),
         reference_run(_no_mrope(cfg), Path(root) / "ref-nomrope", 1),
+        reference_run(_four_layers(cfg), Path(root) / "ref-4l", 1),
     )
 
 
@@ -144,7 +156,7 @@ def test_video_at_pp2_with_mrope_matches_one_process(video_cfg, tmp_path):
     cfg = video_cfg
     validate(with_parallel(cfg, pp=2), 2)
     results = run_world(_pp2, 2, args=(cfg, str(tmp_path)), timeout_s=300)
-    ref, ref_dp2, ref_nomrope = run_world(_reference, 1, args=(cfg, str(tmp_path)), timeout_s=300)[0]
+    ref, ref_dp2, ref_nomrope, ref_4l = run_world(_reference, 1, args=(cfg, str(tmp_path)), timeout_s=300)[0]
     got = results[0][0]
     assert_runs_match(got, ref, "pp=2 with video and M-RoPE")
     assert_runs_match(results[0][2], ref, "tp=2 with video and M-RoPE")
@@ -154,6 +166,10 @@ def test_video_at_pp2_with_mrope_matches_one_process(video_cfg, tmp_path):
     assert all(sum(r[6]) > 0 for r in results), "no video was split over the SP group"
     assert_runs_match(results[0][7], ref_nomrope, "cp=2 with long-short SP of long videos")
     assert all(sum(r[8]) > 0 for r in results), "no video was split over the CP group"
+    assert_runs_match(results[0][9], ref, "pp=2, GPipe, with video and M-RoPE")
+    assert_runs_match(
+        results[0][10], ref_4l, "pp=2, interleaved 1F1B (2 virtual stages), with video and M-RoPE"
+    )
     moved = [
         json.loads(x)["reorder_bytes"] for x in (tmp_path / "dp2" / "metrics.jsonl").read_text().splitlines()
     ]
