@@ -37,6 +37,7 @@ from omni_data.node import StatefulNode
 from omni_data.packing import HybridPacker
 from omni_data.sample import Modality, SampleMeta
 from omni_data.source import WebDatasetSource
+from omni_data.video import encode_mp4  # re-exported: the test clips' encoder
 from omni_data.write import write_shards
 from omni_data.zero_redundancy import FilteredStep
 
@@ -124,25 +125,6 @@ def image_samples(
         if with_json:
             sample["json"] = json.dumps({"width": w, "height": h}).encode()
         yield sample
-
-
-def encode_mp4(frames: np.ndarray, fps: int, codec: str = "mpeg4") -> bytes:
-    """``[T, H, W, 3]`` uint8 RGB frames (``H``, ``W`` even) as an ``.mp4`` at ``fps`` frames per second
-    (PyAV, FFmpeg's own ``mpeg4`` encoder, one thread, bit-exact flags, fixed quantiser 4)."""
-    import av  # a dependency of omni-data; imported here so the image/audio helpers need not load it
-
-    buf = io.BytesIO()
-    with av.open(buf, "w", format="mp4", options={"fflags": "+bitexact"}) as out:
-        st = out.add_stream(codec, rate=fps)
-        st.width, st.height, st.pix_fmt = int(frames.shape[2]), int(frames.shape[1]), "yuv420p"
-        st.codec_context.thread_count = 1
-        st.codec_context.options = {"flags": "+bitexact", "qmin": "4", "qmax": "4"}  # fixed quantiser
-        for arr in frames:
-            for packet in st.encode(av.VideoFrame.from_ndarray(np.ascontiguousarray(arr), format="rgb24")):
-                out.mux(packet)
-        for packet in st.encode():
-            out.mux(packet)
-    return buf.getvalue()
 
 
 def video_samples(

@@ -29,7 +29,15 @@ from PIL import Image
 
 from omni_data.media_checks import MediaRefusedError
 
-__all__ = ["VIDEO_EXTS", "VideoInfo", "decode_frames", "decoded_info", "probe_video", "video_info_from_json"]
+__all__ = [
+    "VIDEO_EXTS",
+    "VideoInfo",
+    "decode_frames",
+    "decoded_info",
+    "encode_mp4",
+    "probe_video",
+    "video_info_from_json",
+]
 
 VIDEO_EXTS = ("mp4", "webm", "mkv", "mov", "avi", "ogv")
 
@@ -199,3 +207,34 @@ def decode_frames(
     raise ValueError(
         f"video decodes to {decoded} frames, frame {nxt} was sampled (index {j} of {len(indices)})"
     )
+
+
+def encode_mp4(
+    frames: np.ndarray | list[np.ndarray], fps: int, *, quality: int = 4, keyframe_interval: int | None = None
+) -> bytes:
+    """``[T, H, W, 3]`` uint8 RGB frames (``H``, ``W`` even) as an ``.mp4`` at ``fps`` frames per second:
+    FFmpeg's own ``mpeg4`` encoder through PyAV, one thread, bit-exact flags (no encoder version string),
+    so the same frames give the same bytes with the same PyAV/FFmpeg build.
+
+    Args:
+        quality: the fixed quantiser (``qmin = qmax``; PyAV frames carry no per-frame quality for
+            FFmpeg's ``+qscale`` mode); lower is better.
+        keyframe_interval: frames between key frames (FFmpeg's ``g``); ``None``: the encoder's default.
+    """
+    height, width = int(frames[0].shape[0]), int(frames[0].shape[1])
+    options = {"flags": "+bitexact", "qmin": str(quality), "qmax": str(quality)}
+    if keyframe_interval is not None:
+        options["g"] = str(keyframe_interval)
+    buf = io.BytesIO()
+    with av.open(buf, "w", format="mp4", options={"fflags": "+bitexact"}) as out:
+        st = out.add_stream("mpeg4", rate=fps)
+        st.width, st.height, st.pix_fmt = width, height, "yuv420p"
+        st.thread_type = "NONE"
+        st.codec_context.thread_count = 1
+        st.codec_context.options = options
+        for arr in frames:
+            for packet in st.encode(av.VideoFrame.from_ndarray(np.ascontiguousarray(arr), format="rgb24")):
+                out.mux(packet)
+        for packet in st.encode():
+            out.mux(packet)
+    return buf.getvalue()

@@ -28,7 +28,6 @@ import re
 import zipfile
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from fractions import Fraction
 from pathlib import Path
 from typing import Any
 
@@ -36,6 +35,7 @@ import av
 import numpy as np
 from PIL import Image
 
+from omni_data.video import encode_mp4
 from omni_train.prepare.shards import encode_json
 from omni_train.prepare.sources import (
     SOURCES,
@@ -221,26 +221,6 @@ def _target_size(width: int, height: int, max_side: int) -> tuple[int, int]:
     return w, h
 
 
-def _encode(frames: list[np.ndarray], fps: int, quality: int) -> bytes:
-    height, width = frames[0].shape[:2]
-    buf = io.BytesIO()
-    with av.open(buf, "w", format="mp4", options={"fflags": "+bitexact"}) as out:
-        st = out.add_stream("mpeg4", rate=Fraction(fps, 1))
-        st.width, st.height, st.pix_fmt = width, height, "yuv420p"
-        st.thread_type = "NONE"
-        st.codec_context.thread_count = 1
-        # qmin = qmax pins the quantiser (PyAV frames carry no per-frame quality for FFmpeg's +qscale
-        # mode); a key frame every second; bit-exact: no encoder version string in the stream
-        q = str(quality)
-        st.codec_context.options = {"flags": "+bitexact", "qmin": q, "qmax": q, "g": str(fps)}
-        for arr in frames:
-            for packet in st.encode(av.VideoFrame.from_ndarray(arr, format="rgb24")):
-                out.mux(packet)
-        for packet in st.encode():
-            out.mux(packet)
-    return buf.getvalue()
-
-
 def clip_samples(
     spec: VideoSpec,
     clip_s: float = 2.0,
@@ -276,7 +256,13 @@ def clip_samples(
                 src += 1
             out.append(frames[src])
         yield VideoClip(
-            f"{spec.name}-{k:03d}", _encode(out, fps, quality), per, fps, w, h, round(k * clip_s, 3)
+            f"{spec.name}-{k:03d}",
+            encode_mp4(out, fps, quality=quality, keyframe_interval=fps),
+            per,
+            fps,
+            w,
+            h,
+            round(k * clip_s, 3),
         )
 
 
