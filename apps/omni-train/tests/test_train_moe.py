@@ -36,8 +36,9 @@
   differ).
 * EP carved out of DP x CP (``ParallelConfig.ep_split``): ep = 2 over the two CP ranks (dp = 1, 2
   processes; plain CP and hybrid DP/CP, whose steps hold samples whole on one rank and CP-sharded ones)
-  and ep = 4 over dp = 2 x cp = 2 with ``llm_zero = 1`` (4 processes), per-token objective (no
-  aux / z loss or bias: under CP those are per rank forward), equal to one process; the per-rank state
+  with a per-token objective (no aux / z loss or bias), and ep = 4 over dp = 2 x cp = 2 with ``llm_zero = 1``
+  (4 processes) with aux + z losses and the bias of whole packs (reduced over each CP group; more under
+  CP / Ulysses / hybrid DP/CP in ``test_train_moe_cp.py``), equal to one process; the per-rank state
   bytes equal ``omni-train memory``'s plan.
 * Preflight names the field of a wrong MoE / EP config (also ``every_n_layers`` beyond the layers, ``ep``
   not carved out of DP x CP, EP over Ulysses ranks).
@@ -119,9 +120,8 @@ EP_DP_CP = {"pp": 1, "dp": 2, "cp": 2, "ep": 4, "llm_zero": 1}
 
 
 def _per_token(cfg):
-    """``cfg`` with the MoE objective per token (no aux / z loss, no expert bias): under CP each rank's
-    forward holds its share of a pack (and the pack's CP padding), so the per-forward aux / z losses and
-    loads are not those of the pack whole; the routing, dispatch and expert compute are per token."""
+    """``cfg`` with the MoE objective per token (no aux / z loss, no expert bias): the routing, dispatch
+    and expert compute alone (the pack-wide aux / z losses and loads under CP: ``test_train_moe_cp.py``)."""
     llm = cfg.model.llm
     moe = dataclasses.replace(llm.moe, aux_loss_coef=0.0, z_loss_coef=0.0, bias_update_rate=None)
     return dataclasses.replace(
@@ -193,7 +193,6 @@ def _references(rank, world_size, cfg, root, dps):
     seen: list = []
     refs["forced"] = (reference_run(cfg, Path(root) / "ref-forced", 2, on_inputs=_force(seen)), seen)
     refs["per_token"] = reference_run(_per_token(cfg), Path(root) / "ref-per-token", 1)
-    refs["per_token2"] = reference_run(_per_token(cfg), Path(root) / "ref-per-token2", 2)
     scales: list[float] = []
 
     def on_inputs(trainer, step, inputs) -> None:
@@ -297,8 +296,8 @@ def test_expert_parallel_carved_out_of_context_parallel_matches_one_process(moe_
 
 
 def _check_dropless(run: Path) -> None:
-    """Every step: the experts computed every routed (token, slot) row (under CP the routed rows include
-    the CP padding, so they are not compared with the step's ``tokens``)."""
+    """Every step: the experts computed every routed (token, slot) row (CP padding rows are routed
+    nowhere)."""
     for row in _rows(run):
         assert row["moe_tokens_computed"] == row["moe_tokens_routed"] > 0 and row["moe_tokens_dropped"] == 0
         assert sum(row["moe_tokens_per_expert"].values()) == row["moe_tokens_routed"]
@@ -370,7 +369,7 @@ def _runs_then_resume_at_ep4(rank, world_size, cfg, root, runs):
     into_edp = relayout_run(
         with_parallel(cfg, **ZERO1_EDP), plain, Path(root) / "dp4-ep2-to-zero1", RESUME_AT
     )
-    (mixed,) = _runs(rank, world_size, _per_token(cfg), root, [("dp2-cp2-ep4", EP_DP_CP)])
+    (mixed,) = _runs(rank, world_size, cfg, root, [("dp2-cp2-ep4", EP_DP_CP)])
     return [*got, (resumed, into_edp), mixed, sizes]
 
 
@@ -383,8 +382,9 @@ def test_expert_parallel_with_pipeline_and_expert_data_parallel_matches_one_proc
     layout, and the experts' own bytes are as :func:`_check_expert_bytes` says. Then
     ``dp4-ep2-zero3``'s step-2 checkpoint resumed at ep = 4, and ``dp4-ep2``'s (ZeRO-0) resumed with
     ``llm_zero = 1`` (into expert-data-parallel shards), continue as ``dp4-ep2`` uninterrupted. Last, ep = 4 over
-    dp = 2 x cp = 2 with ``llm_zero = 1`` (EP carved out of DP x CP, per-token objective: :func:`_per_token`)
-    equal to one process, with its state bytes as planned."""
+    dp = 2 x cp = 2 with ``llm_zero = 1`` (EP carved out of DP x CP; aux + z losses and the expert bias
+    of whole packs, reduced over each CP group) equal to one process, with its metrics and state bytes as
+    the reference's and the plan."""
     tmp, cfg = moe_cfg
     runs = [("pp2-ep2", {"pp": 2, "dp": 2, "ep": 2}), ("dp4-ep2", {"pp": 1, "dp": 4, "ep": 2}),
             ("dp4-ep2-zero3", ZERO3), ("dp4-ep2-zero1", ZERO1_EDP)]  # fmt: skip
@@ -405,10 +405,10 @@ def test_expert_parallel_with_pipeline_and_expert_data_parallel_matches_one_proc
     assert_runs_match(into_edp, (dp4[0][RESUME_AT:], dp4[1][RESUME_AT:]), "resume ep2 -> ep2 edp-sharded")
     ref = references[4]
     assert_runs_match(ep4, (ref[0][RESUME_AT:], ref[1][RESUME_AT:]), "resume ep2 -> ep4 vs reference")
-    # EP carved out of DP x CP: ep = 4 over dp = 2 x cp = 2 with llm_zero = 1 (per-token objective)
-    assert_runs_match(mixed, references["per_token2"], "dp2 x cp2 x ep4")
-    _check_dropless(tmp / "w4" / "dp2-cp2-ep4")
-    _check_plan(_per_token(cfg), tmp / "w4" / "dp2-cp2-ep4", EP_DP_CP, 4)
+    # EP carved out of DP x CP: ep = 4 over dp = 2 x cp = 2 with llm_zero = 1, aux + z + bias per pack
+    assert_runs_match(mixed, references[2], "dp2 x cp2 x ep4")
+    _check_metrics(cfg, tmp / "w4" / "dp2-cp2-ep4", tmp / "w1" / "ref2")
+    _check_plan(cfg, tmp / "w4" / "dp2-cp2-ep4", EP_DP_CP, 4)
 
 
 def _check_expert_bytes(sizes: dict) -> None:
@@ -571,9 +571,7 @@ def test_moe_preflight_names_the_field(moe_cfg):
     with pytest.raises(ConfigError, match=r"^model\.llm\.moe: with parallel\.tp 2"):
         validate(with_parallel(cfg, pp=1, dp=2, tp=2, ep=2), 4)
     validate(with_parallel(cfg, pp=1, dp=2, ep=2), 2)
-    # the expert bias's loads under CP would hold each rank's padding rows: refused, naming the field
-    with pytest.raises(ConfigError, match=r"^model\.llm\.moe\.bias_update_rate: 0\.01 with parallel\.cp 2"):
-        validate(with_parallel(cfg, pp=1, dp=1, cp=2, ep=2), 2)
+    validate(with_parallel(cfg, pp=1, dp=1, cp=2, ep=2), 2)  # the expert bias under CP (test_train_moe_cp)
     per_token = _per_token(cfg)  # no aux / z loss, no bias
     validate(with_parallel(per_token, pp=1, dp=1, cp=2, ep=2), 2)  # EP carved out of CP
     with pytest.raises(ConfigError, match=r"^parallel\.ep: 4 must divide parallel\.dp 1, or ep / gcd\(ep, dp\) = 4 "

@@ -16,7 +16,12 @@
   Also in that world: ep = 2 in bfloat16 (top-1, decisive routing) within bf16 rounding of the float64
   layer, no further than the one-process bf16 layer (output, input and expert gradients); :func:`update_expert_bias` after two forwards per rank (and one under ``no_grad``,
   not counted) gives the same bias on both ranks, equal to ``rate * sign(mean - load)`` written out over
-  both ranks' loads, twice.
+  both ranks' loads, twice. And one pack spread over both ranks with padding rows between its tokens
+  (:class:`~omni_parallel.moe.PackShard`: the valid rows and the group sharing the pack, as CP / Ulysses
+  give them), aux + z + router bias at ep = 2: outputs, aux, z, input and every parameter gradient
+  (summed over the ranks) equal one process running the pack whole (<= 1e-10), the padding rows are
+  routed nowhere (their output the shared expert's, their input gradient 0) and the loads summed over
+  the ranks are one process's.
 * One process: the router's selection-only expert bias (``bias_update_rate`` set) forces an expert into
   every token's top-k while the gate weights stay the unbiased softmax (brute force ranking on
   ``probs + bias``, <= 1e-12); the bias is a state-dict buffer, not a parameter.
@@ -281,7 +286,70 @@ def _ep_rank(rank: int, world: int) -> dict:
     results["llm_zero"] = _llm_zero_beside_ep(rank, world)
     results["bias"] = _bias_update(rank, world)
     results["bf16"] = _bf16_ep(rank)
+    results["pack_shard"] = _pack_shard(rank, world)
     return results
+
+
+# one pack of 13 tokens over 2 ranks: rank r's rows are the pack's tokens PACK_ROWS[r] with padding (-1)
+# between them, as CP's head-tail chunks and Ulysses' last chunk hold
+PACK_ROWS = ([0, 1, 2, -1, 3, 4, 5, 6, -1], [7, 8, -1, 9, 10, 11, 12, -1, -1])
+
+
+def _pack_shard(rank: int, world: int) -> dict:
+    """One pack's tokens spread over both ranks with padding rows (:data:`PACK_ROWS`), each rank's layer
+    given a :class:`~omni_parallel.moe.PackShard` (its valid rows, the group) and ep = 2, aux + z losses
+    and a router bias: errors against one process running the pack whole (outputs of the valid rows,
+    aux, z, input gradients, every parameter gradient summed over the ranks), the padding rows' outputs
+    (the shared expert's alone) and input gradients (0), and the loads (this rank's, to be summed)."""
+    from omni_parallel.moe import PackShard
+
+    cfg = MoEConfig(
+        DIM, HIDDEN, experts=4, top_k=2, shared_experts=1, aux_loss_coef=AUX, z_loss_coef=ZC,
+        bias_update_rate=RATE,
+    )  # fmt: skip
+    tokens = sum(r >= 0 for rows in PACK_ROWS for r in rows)
+    x = torch.randn(tokens, DIM, dtype=torch.float64, generator=torch.Generator().manual_seed(50))
+    c = torch.randn(tokens, DIM, dtype=torch.float64, generator=torch.Generator().manual_seed(51))
+    ref = _layer(cfg)
+    xr = x.clone().requires_grad_(True)
+    o = ref(xr)
+    (o.out * c).sum().backward()
+    mine = torch.tensor(PACK_ROWS[rank])
+    valid = mine >= 0
+    junk = torch.randn(
+        len(mine), DIM, dtype=torch.float64, generator=torch.Generator().manual_seed(60 + rank)
+    )
+    xl = torch.where(valid.unsqueeze(1), x[mine.clamp(min=0)], junk).requires_grad_(True)
+    cl = torch.where(valid.unsqueeze(1), c[mine.clamp(min=0)], 0.0)  # padding rows carry no objective
+    m = _layer(cfg, dist.group.WORLD)
+    got = m(xl, PackShard.from_rows(valid.tolist(), dist.group.WORLD))
+    (got.out * cl).sum().backward()
+    idx = mine[valid]
+    errs = {
+        "out": (got.out[valid] - o.out.detach()[idx]).abs().max().item(),
+        "aux": abs(got.aux.item() - o.aux.item()),
+        "z": abs(got.z.item() - o.z.item()),
+        "dx": (xl.grad[valid] - xr.grad[idx]).abs().max().item(),
+        "dx padding": xl.grad[~valid].abs().max().item(),
+        "out padding": (got.out[~valid] - m.shared_expert(xl[~valid])).abs().max().item(),
+    }
+    lo, hi = m.expert_range.start, m.expert_range.stop
+    for (name, p), (_, q) in zip(m.named_parameters(), ref.named_parameters()):
+        g = p.grad.clone()
+        if name.startswith("experts."):
+            want = q.grad[lo:hi]
+        else:  # the data-parallel sum over the ranks sharing the pack
+            dist.all_reduce(g, group=dist.group.WORLD)
+            want = q.grad
+        errs[name] = (g - want).abs().max().item()
+    return {
+        "errs": errs,
+        "load": m.pending_load.tolist(),
+        "want_load": ref.pending_load.tolist(),
+        "computed": got.computed,
+        "routed": got.routed,
+        "valid": int(valid.sum()),
+    }
 
 
 def _bf16_ep(rank: int) -> dict:
@@ -449,6 +517,15 @@ def test_expert_parallel_equals_one_process() -> None:
             ("out", "dx", "d_experts"), b["errs"]["ep"], b["errs"]["one"], b["scale"]
         ):
             assert e_ep <= 2 * e_one + sc * 2**-8 and e_ep <= sc * 2**-5, (rank, what, b)
+    # a pack spread over both ranks with padding rows (PackShard): the one process's pack whole
+    for rank, r in enumerate(res):
+        got = r["pack_shard"]
+        bad = {k: v for k, v in got["errs"].items() if not v <= 1e-10}
+        assert not bad, f"pack shard rank {rank}: {bad}"
+        assert got["computed"] == got["routed"] == 2 * got["valid"], got  # no padding row sent
+    assert [a + b for a, b in zip(res[0]["pack_shard"]["load"], res[1]["pack_shard"]["load"])] == res[0][
+        "pack_shard"
+    ]["want_load"]
     # LLM ZeRO 1-3 beside EP: one process's gradients and AdamW step; FSDP2 manages the dense parameters
     # only, the experts stay EP shards (Shard(0) over the EP group, 2 of the 4 experts per rank)
     for rank, r in enumerate(res):
@@ -518,6 +595,24 @@ def test_moe_config_errors() -> None:
     x = torch.randn(3, DIM)
     with pytest.raises(ValueError, match="counts sum"):
         _layer(MoEConfig(DIM, HIDDEN, 2, 1)).experts(x.double(), torch.tensor([1, 1]))
+
+
+def test_pack_shard_errors() -> None:
+    from omni_parallel.moe import PackShard
+
+    with pytest.raises(ValueError, match=r"PackShard\.valid must be a 1-D bool tensor"):
+        PackShard(torch.ones(3), 3)
+    with pytest.raises(ValueError, match=r"PackShard\.tokens: give the number of valid rows"):
+        PackShard(torch.ones(3, dtype=torch.bool))
+    with pytest.raises(ValueError, match=r"PackShard\.tokens = 4 outside \[0, 3\]"):
+        PackShard(torch.ones(3, dtype=torch.bool), 4)
+    m = _layer(MoEConfig(DIM, HIDDEN, 4, 2))
+    x = torch.randn(5, DIM, dtype=torch.float64)
+    with pytest.raises(ValueError, match=r"PackShard\.valid has 4 rows, x has 5"):
+        m(x, PackShard.from_rows([True, False, True, True], None))
+    with pytest.raises(ValueError, match=r"PackShard\.tokens = 3 without PackShard\.valid, x has 5 rows"):
+        m(x, PackShard(None, 3))
+    assert PackShard.from_rows([True] * 5, None).valid is None  # every row valid: no mask
 
 
 _ = F  # F used by helpers in other tests of this module family

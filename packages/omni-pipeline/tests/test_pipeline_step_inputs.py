@@ -108,7 +108,7 @@ def test_loss_is_mean_over_step_targets_and_splits_by_modality():
         -torch.log_softmax(logits[t], -1)[y].item() for t, y in enumerate(mb.labels.tolist()) if y != IGNORE
     ]
     assert abs(loss.item() - sum(ce) / 16) < 1e-12
-    assert stats[:, 1].tolist() == [2.0, 3.0, 3.0, 0.0]  # image, audio, text, video
+    assert stats[:, 1].tolist() == [2.0, 3.0, 3.0, 0.0, 0.0]  # image, audio, text, video, generation
     assert abs(stats[:, 0].sum().item() - sum(ce)) < 1e-12
 
 

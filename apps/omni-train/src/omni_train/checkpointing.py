@@ -42,6 +42,7 @@ moments by name.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -55,19 +56,82 @@ from omni_ckpt import (
     CheckpointManager,
     byte_rows,
     decode_row,
+    load,
     load_portable_optimizer_state_dict,
     portable_optimizer_state_dict,
+    read_manifest,
 )
+from omni_ckpt.layout import dtype_from_name
 from omni_data import LayoutMismatchError, ReplicaMerge, ZeroRedundancyFilter, hand_over_replicas
 from omni_parallel import ParallelState
-from omni_train.config import CheckpointConfig
+from omni_train.binder import config_from_dict
+from omni_train.config import CheckpointConfig, ConfigError, RunConfig
 
-__all__ = ["LAYOUT_AXES", "TrainCheckpoint", "with_older_steps"]
+__all__ = [
+    "LAYOUT_AXES",
+    "TrainCheckpoint",
+    "committed_step_url",
+    "read_model_tensors",
+    "run_config",
+    "with_older_steps",
+]
 
 LAYOUT_AXES = ("dp", "pp", "tp", "cp", "ulysses")
 """The parallel sizes a checkpoint records (``layout.<axis>``); any of them may change on resume."""
 
 _POSITION_AXES = ("pp", "tp", "cp", "ulysses")  # ranks of one DP rank, slowest first
+
+
+def run_config(run_dir: str | Path, command: str) -> RunConfig:
+    """The run config saved in ``run_dir/config.json`` (written by the trainer at start).
+
+    Raises:
+        ConfigError: no ``config.json`` there, or it is not a run config (``command`` and the file named).
+    """
+    path = Path(run_dir) / "config.json"
+    if not path.is_file():
+        raise ConfigError(f"{command}: {run_dir} has no config.json (not a run directory)")
+    try:
+        return config_from_dict(json.loads(path.read_text()))
+    except (ValueError, ConfigError) as exc:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
+        raise ConfigError(f"{command}: {path} is not a run config ({exc})") from None
+
+
+def committed_step_url(checkpoints: str | Path, step: int | None, command: str) -> tuple[int, str]:
+    """``(step, url)`` of committed ``step`` (default: the latest) under ``checkpoints`` (a run's
+    ``checkpoints/``), read outside any process group (the CLI's ``export-hf`` and ``sample``).
+
+    Raises:
+        ConfigError: no committed step (``command`` named), or ``step`` is not one (the committed ones named).
+    """
+    mgr = CheckpointManager(str(checkpoints), keep_last=None, async_save=False)
+    steps = mgr.steps()
+    if not steps:
+        raise ConfigError(f"{command}: {checkpoints} holds no committed checkpoint")
+    step = steps[-1] if step is None else step
+    if step not in steps:
+        raise ConfigError(f"--step: {step} is not a committed step of {checkpoints} (have {steps})")
+    return step, mgr.step_url(step)
+
+
+def read_model_tensors(url: str, prefix: str = "") -> dict[str, torch.Tensor]:
+    """The model's whole tensors under ``prefix`` (e.g. ``"llm."``; stripped, with the ``model.`` of the
+    checkpoint) of the committed step at ``url``, whatever layout saved them: omni-ckpt's manifest, then a
+    box read in this process alone (no collective, so one rank of a run may call it).
+
+    Raises:
+        omni_ckpt.CheckpointError: the step is not committed or fails omni-ckpt's checks (raised by
+            ``read_manifest`` before any tensor is allocated from the manifest).
+    """
+    head = "model." + prefix
+    saved = read_manifest(url)["tensors"]
+    tensors = {
+        n.removeprefix("model."): torch.empty(tuple(shape), dtype=dtype_from_name(dt))
+        for n, (dt, shape, _) in saved.items()
+        if n.startswith(head)
+    }
+    load({"model": tensors}, url, process_group=None)
+    return {k.removeprefix(prefix): v for k, v in tensors.items()}
 
 
 def _describe(layout: dict[str, int]) -> str:

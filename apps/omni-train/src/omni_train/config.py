@@ -35,6 +35,7 @@ __all__ = [
     "ConfigError",
     "DType",
     "DataConfig",
+    "ImageTokenizerSection",
     "MixturePhase",
     "ModelConfig",
     "OptimConfig",
@@ -65,16 +66,30 @@ class Packing(StrEnum):
 
 
 @dataclass
+class ImageTokenizerSection:
+    """``[model.image_tokenizer]``: the frozen VQ image tokenizer of ``generation`` sources
+    (:class:`omni_train.models.image_tokenizer.ImageTokenizer`). ``path``: its safetensors weights (the
+    JSON sidecar beside it), absolute, or relative to the config file's folder, then to the bundled data
+    directory (``"image-tokenizer.safetensors"``: the committed weights). With it the LLM's vocabulary is
+    ``V + 2 + K`` (text ids, ``boi``, ``eoi``, ``K`` image codes: ``omni_data.GenerationVocab``)."""
+
+    path: str = "image-tokenizer.safetensors"
+
+
+@dataclass
 class ModelConfig:
     """Model shapes, one class per section: ``[model.llm]`` is :class:`~omni_train.models.LLMConfig`
-    (its ``vocab_size`` comes from the tokenizer; ``[model.llm.moe]`` / ``moe = {experts, top_k, ...}``
+    (its ``vocab_size`` comes from the tokenizer, plus ``boi``, ``eoi`` and the image codes with
+    ``[model.image_tokenizer]``; ``[model.llm.moe]`` / ``moe = {experts, top_k, ...}``
     its mixture-of-experts layers, :class:`~omni_train.models.llm.MoESpec`), ``[model.vit]`` / ``[model.audio]`` the encoders'
-    configs; ``vit``/``audio`` absent means the run has no such encoder."""
+    configs; ``vit``/``audio`` absent means the run has no such encoder; ``[model.image_tokenizer]``
+    (:class:`ImageTokenizerSection`) the frozen image tokenizer of generation sources."""
 
     llm: LLMConfig = field(default_factory=LLMConfig)
     vit: ViTConfig | None = None
     audio: AudioConfig | None = None
     seed: int = 0
+    image_tokenizer: ImageTokenizerSection | None = None
 
     def llm_config(self, vocab_size: int) -> LLMConfig:
         """``[model.llm]`` with the tokenizer's vocabulary size.
@@ -92,8 +107,10 @@ class ModelConfig:
 
 @dataclass
 class SourceConfig:
-    """One WebDataset source of one ``modality`` (``image``, ``audio``, ``text`` or ``video``; a video
-    source is encoded by ``[model.vit]``, frames sampled at 2 per second). ``urls``: a glob or brace pattern, absolute, an fsspec URL
+    """One WebDataset source of one ``modality`` (``image``, ``audio``, ``text``, ``video`` or
+    ``generation``; a video source is encoded by ``[model.vit]``, frames sampled at 2 per second; a
+    generation source reads image shards with captions as text-to-image samples, caption then the
+    image's code tokens from ``[model.image_tokenizer]``, trained on the codes: ``omni_data.image_generation``). ``urls``: a glob or brace pattern, absolute, an fsspec URL
     (``scheme://...``), or relative to the folder of the config file (:func:`omni_train.data_files.data_root`; the bundled
     configs' to the bundled data directory ``omni_train/data``). ``min_pixels`` / ``max_pixels`` (image and video sources; a video's per frame): this source's resize bounds
     instead of ``[model.vit]``'s, as datasets of different resolutions have (a recipe's image-size mix). ``join_tokens`` (text sources, 0 = off): the consecutive passages of

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Mapping
+from pathlib import Path
 
 from tokenizers import Tokenizer
 from torchdata.nodes import BaseNode
@@ -37,7 +38,9 @@ from omni_data import (
     AudioTokens,
     ConsumesFn,
     EncoderCost,
+    GenerationVocab,
     HybridPacker,
+    ImageCodes,
     ImageTokens,
     JoinDocuments,
     MixtureSchedule,
@@ -53,11 +56,16 @@ from omni_data import (
     replica_ids,
 )
 from omni_train.config import ConfigError, DataConfig, Packing, RunConfig
-from omni_train.data_files import data_root, expand_urls
+from omni_train.data_files import bundled_data_dir, data_root, expand_urls
 
 __all__ = [
     "build_sources",
     "build_step_stream",
+    "generation_vocab",
+    "image_codes",
+    "image_tokenizer_candidates",
+    "llm_vocab_size",
+    "load_image_tokenizer",
     "mixture_schedule",
     "mixture_unit",
     "step_config",
@@ -118,6 +126,69 @@ def mixture_unit(data: DataConfig) -> str:
     return "token" if tokens else "step"
 
 
+def image_tokenizer_candidates(cfg: RunConfig) -> list[Path]:
+    """Where ``[model.image_tokenizer] path`` is looked for, in order: itself if absolute; else the config
+    file's folder, then the bundled data directory (``omni_train/data``: the committed weights)."""
+    assert cfg.model.image_tokenizer is not None
+    p = Path(cfg.model.image_tokenizer.path)
+    if p.is_absolute():
+        return [p]
+    root = data_root(cfg)
+    return [root / p] + ([bundled_data_dir() / p] if root != bundled_data_dir() else [])
+
+
+def load_image_tokenizer(cfg: RunConfig):
+    """The frozen :class:`~omni_train.models.image_tokenizer.ImageTokenizer` of ``[model.image_tokenizer]``
+    (the first of :func:`image_tokenizer_candidates` that exists; ``None`` without the section).
+
+    Raises:
+        ImageTokenizerFileError: the file is missing, too large, damaged, of another checksum or config
+            (the message names it; preflight reports it as ``model.image_tokenizer.path``).
+    """
+    if cfg.model.image_tokenizer is None:
+        return None
+    from omni_train.models.image_tokenizer import ImageTokenizer
+
+    paths = image_tokenizer_candidates(cfg)
+    return ImageTokenizer.load(next((p for p in paths if p.is_file()), paths[0]))
+
+
+def generation_vocab(cfg: RunConfig, text_vocab: int, image_tokenizer=None) -> GenerationVocab | None:
+    """The token layout of text and image tokens (``omni_data.GenerationVocab``: ``boi = V``, ``eoi = V+1``,
+    code ``c`` -> ``V + 2 + c``) with ``[model.image_tokenizer]``, else ``None``. ``image_tokenizer``: the
+    loaded one (default: :func:`load_image_tokenizer`)."""
+    tok = image_tokenizer if image_tokenizer is not None else load_image_tokenizer(cfg)
+    if tok is None:
+        return None
+    return GenerationVocab(text_vocab, int(tok.codebook_size), tuple(tok.grid))
+
+
+def llm_vocab_size(cfg: RunConfig, text_vocab: int) -> int:
+    """The LLM's vocabulary: the text tokenizer's ``V``, or ``V + 2 + K`` with ``[model.image_tokenizer]``
+    (``boi``, ``eoi`` and its ``K`` codes)."""
+    vocab = generation_vocab(cfg, text_vocab)
+    return text_vocab if vocab is None else vocab.size
+
+
+def image_codes(cfg: RunConfig, text_vocab: int) -> ImageCodes | None:
+    """What the loader's decode workers turn a generation sample's image into code tokens with: the
+    frozen image tokenizer and its input (:func:`omni_train.models.image_tokenizer.letterbox` to
+    ``S x S``); ``None`` without ``[model.image_tokenizer]``."""
+    tok = load_image_tokenizer(cfg)
+    if tok is None:
+        return None
+    from omni_train.models.image_tokenizer import letterbox
+
+    size = tok.config.image_size
+
+    def to_input(pixels):
+        return letterbox(pixels, size)
+
+    vocab = generation_vocab(cfg, text_vocab, tok)
+    assert vocab is not None
+    return ImageCodes(vocab, tok, to_input)
+
+
 def build_sources(
     cfg: RunConfig, tokenizer: Tokenizer, *, dp_rank: int, dp_size: int
 ) -> dict[str, BaseNode[SampleMeta]]:
@@ -139,6 +210,11 @@ def build_sources(
     )
     root = data_root(cfg)
     sources = {}
+    gen = (
+        generation_vocab(cfg, tokenizer.get_vocab_size())
+        if any(s.modality == Modality.GENERATION for s in cfg.data.sources)
+        else None
+    )
     for src in cfg.data.sources:
         modality = Modality(src.modality)
         cost = None
@@ -166,6 +242,7 @@ def build_sources(
             image_tokens=tokens,
             audio_tokens=audio_tokens,
             video_tokens=video_tokens,
+            generation=gen if modality is Modality.GENERATION else None,
             encoder_cost=cost,
             # clips at other rates are described (and decoded) as resampled to the encoder's rate
             sample_rate=aud.sample_rate if modality is Modality.AUDIO and aud is not None else None,
@@ -197,6 +274,7 @@ def build_step_stream(
     sources: Mapping[str, BaseNode[SampleMeta]] | None = None,
     background: bool = False,
     prepare_on_request: bool = False,
+    count_text_skips: bool = True,
 ) -> ZeroRedundancyFilter:
     """The per-step stream of this rank (see the module docstring); call ``reset()`` or
     ``reset(state)`` before use, ``close()`` after (it owns decode threads).
@@ -216,6 +294,8 @@ def build_step_stream(
             thread uses.
         prepare_on_request: with ``background``, the preparation starts at the filter's ``prepare()``
             (the trainer calls it once the step's inputs are built), not when ``next`` returns.
+        count_text_skips: this rank counts the generation samples whose image did not decode (one of
+            the ranks that read the same text: ``ZeroRedundancyFilter(count_text_skips=...)``).
     """
     schedule = mixture_schedule(cfg.data)
     d = cfg.data
@@ -255,12 +335,18 @@ def build_step_stream(
         consumes,
         microbatches=step_microbatches(cfg, dp_size),
         slices=cfg.parallel.pp,
-        reader=PayloadReader(tokenizer, max_image_pixels=d.max_image_pixels),
+        # generation samples' images become code tokens where their ids are read (first and last stage)
+        reader=PayloadReader(
+            tokenizer,
+            max_image_pixels=d.max_image_pixels,
+            image_codes=image_codes(cfg, tokenizer.get_vocab_size()) if read_text else None,
+        ),
         tp_group=tp_group,
         prefetch=1,
         background=background,
         prepare_on_request=prepare_on_request,
         read_text=read_text,
+        count_text_skips=count_text_skips,
         balance=cfg.parallel.reorder,
         decode_workers=d.decode_workers,
         share=share,

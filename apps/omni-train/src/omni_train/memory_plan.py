@@ -238,8 +238,9 @@ def memory_plan(
     cfg = step_config(cfg, cfg.parallel.dp)
     if vocab is None:
         from omni_train.data_files import load_tokenizer
+        from omni_train.data_pipeline import llm_vocab_size
 
-        vocab = load_tokenizer(cfg.data).get_vocab_size()
+        vocab = llm_vocab_size(cfg, load_tokenizer(cfg.data).get_vocab_size())  # + boi, eoi, image codes
     # Pipeline ranks whose stages hold the same layer counts (and embedding / head) are built once.
     par = cfg.parallel
     split = stage_split(par, cfg.model.llm_config(vocab), cfg.data.max_seq_len)

@@ -182,7 +182,9 @@ def finish_run(
 ) -> dict[str, Any]:
     """Rank 0 at the end of a run: plot the loss and the last step's timeline, write ``summary.json``
     (first/last mean loss over a window of up to 20 steps, ``tokens_per_s``: the run's tokens over the
-    summed wall time of its steps (:func:`tokens_per_s`), skipped payloads, ``samples_per_modality``
+    summed wall time of its steps (:func:`tokens_per_s`), each modality's first/last mean loss
+    (``first_mean_loss_per_modality``, ``last_mean_loss_per_modality``: the generation loss apart from
+    the others), skipped payloads, ``samples_per_modality``
     (the packs' samples by modality over the run) and ``video_frames`` (their videos' sampled frames), each
     ``*_per_rank`` peak of the steps as its per-rank maximum over the steps, the last step's
     ``llm_state_bytes_per_rank`` / ``encoder_state_bytes_per_rank``, and ``skipped``: every skip
@@ -206,6 +208,9 @@ def finish_run(
         "first_mean_loss": sum(losses[:n]) / n if losses else None,
         "last_mean_loss": sum(losses[-n:]) / n if losses else None,
         "window": n,
+        # each modality's loss (the generation loss apart from the understanding ones) over its first and
+        # last up to 20 steps that trained it
+        **_modality_windows(metrics),
         "tokens_per_s": tokens_per_s(metrics),
         "skipped_payloads": sum(m.get("skipped_payloads", 0) for m in metrics),
         # samples of the run's packs by modality (all DP replicas) and the sampled frames of its videos
@@ -226,6 +231,20 @@ def finish_run(
         summary["numerics"] = numerics
     (out_dir / "summary.json").write_text(json.dumps(summary, indent=2))
     return summary
+
+
+def _modality_windows(metrics: list[dict[str, Any]]) -> dict[str, dict[str, float]]:
+    """``first_mean_loss_per_modality`` / ``last_mean_loss_per_modality``: per modality the mean of its
+    ``loss_per_modality`` over the first and the last ``min(20, steps // 2)`` (at least 1) of the steps
+    that had targets of it (nats per target token)."""
+    first: dict[str, float] = {}
+    last: dict[str, float] = {}
+    mods = sorted({k for m in metrics for k in m.get("loss_per_modality", {})})
+    for mod in mods:
+        xs = [m["loss_per_modality"][mod] for m in metrics if mod in m.get("loss_per_modality", {})]
+        n = min(20, len(xs) // 2) or 1
+        first[mod], last[mod] = sum(xs[:n]) / n, sum(xs[-n:]) / n
+    return {"first_mean_loss_per_modality": first, "last_mean_loss_per_modality": last}
 
 
 def _summed(metrics: list[dict[str, Any]], key: str) -> dict[str, int]:

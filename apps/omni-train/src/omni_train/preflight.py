@@ -154,11 +154,15 @@ def validate(cfg: RunConfig, nproc: int) -> None:
     if not data.sources:
         raise ConfigError("data.sources: at least one source is needed")
     names = [s.name for s in data.sources]
+    if cfg.model.image_tokenizer is not None:
+        _check_image_tokenizer(cfg)
     for i, src in enumerate(data.sources):
-        if src.modality not in ("image", "audio", "text", "video"):
+        if src.modality not in ("image", "audio", "text", "video", "generation"):
             raise ConfigError(
-                f"data.sources[{i}].modality: {src.modality!r} is not image, audio, text or video"
+                f"data.sources[{i}].modality: {src.modality!r} is not image, audio, text, video or generation"
             )
+        if src.modality == "generation":  # caption + boi + h*w codes + eoi must fit in a pack
+            _check_generation_source(cfg, i)
         if src.modality in ("image", "video") and cfg.model.vit is None:
             raise ConfigError(
                 f"data.sources[{i}].modality: {src.modality} source {src.name!r} but no [model.vit]"
@@ -324,6 +328,49 @@ def _check_checkpoint_url(url: str) -> None:
         raise ConfigError(f"checkpoint.url: {url!r}: {exc}") from None
 
 
+def _check_image_tokenizer(cfg: RunConfig) -> None:
+    """``[model.image_tokenizer] path`` names a weights file that loads (size, sha256, config and tensors
+    checked against its sidecar: ``ImageTokenizer.load``).
+
+    Raises:
+        ConfigError: ``model.image_tokenizer.path: ...`` naming where it looked and what is wrong.
+    """
+    from omni_train.data_pipeline import image_tokenizer_candidates, load_image_tokenizer
+
+    found = [p for p in image_tokenizer_candidates(cfg) if p.is_file()]
+    if not found:
+        where = ", ".join(str(p) for p in image_tokenizer_candidates(cfg))
+        raise ConfigError(
+            f"model.image_tokenizer.path: {cfg.model.image_tokenizer.path!r} found nowhere (looked at {where})"
+        )
+    try:
+        load_image_tokenizer(cfg)
+    except ValueError as exc:  # ImageTokenizerFileError names the file and the fault
+        raise ConfigError(f"model.image_tokenizer.path: {exc}") from None
+
+
+def _check_generation_source(cfg: RunConfig, i: int) -> None:
+    """A generation source needs ``[model.image_tokenizer]`` and packs that hold an image's codes.
+
+    Raises:
+        ConfigError: naming ``data.sources[i].modality`` or ``data.max_seq_len``.
+    """
+    src = cfg.data.sources[i]
+    if cfg.model.image_tokenizer is None:
+        raise ConfigError(
+            f"data.sources[{i}].modality: generation source {src.name!r} but no [model.image_tokenizer] "
+            "(its images become code tokens of a frozen image tokenizer)"
+        )
+    from omni_train.data_pipeline import load_image_tokenizer
+
+    h, w = load_image_tokenizer(cfg).grid
+    if h * w + 2 >= cfg.data.max_seq_len:
+        raise ConfigError(
+            f"data.max_seq_len: {cfg.data.max_seq_len} tokens cannot hold a generation sample of source "
+            f"{src.name!r} (a caption, boi, {h}x{w} = {h * w} image codes and eoi)"
+        )
+
+
 def _validate_cp(cfg: RunConfig) -> None:
     """CP and hybrid DP/CP: what the trainer's CP path (``omni_pipeline.cp_delivery``) supports."""
     par = cfg.parallel
@@ -365,13 +412,8 @@ def _validate_moe(cfg: RunConfig) -> None:
         raise ConfigError(
             f"parallel.ep: {par.ep} needs model.llm.moe (expert parallelism shards MoE experts)"
         )
-    if moe is not None and moe.bias_update_rate and (par.cp > 1 or par.hybrid_cp or par.ulysses > 1):
-        # the loads would be each rank's share of a pack with its CP padding rows, not the pack's
-        raise ConfigError(
-            f"model.llm.moe.bias_update_rate: {moe.bias_update_rate} with parallel.cp {par.cp} / "
-            f"ulysses {par.ulysses} / hybrid_cp {par.hybrid_cp}: the expert loads of a rank's sequence share "
-            "include its padding rows; the bias update runs without sequence parallelism only"
-        )
+    # moe.bias_update_rate with cp / ulysses / hybrid_cp: the loads exclude the padding rows and sum over
+    # the ranks sharing a pack (omni_parallel.moe.PackShard), as one process (tests/test_train_moe_cp.py)
     ep_seq = par.ep // math.gcd(par.ep, par.dp)  # EP ranks across the sequence-parallel ranks
     if (par.cp * par.ulysses) % ep_seq:
         raise ConfigError(
@@ -476,7 +518,9 @@ def _validate_schedule_and_memory(cfg: RunConfig) -> None:
                 f"parallel.stage_calibration: calibrates the 'auto' split; parallel.stage_layers is "
                 f"{par.stage_layers!r}"
             )
-        vocab = load_tokenizer(cfg.data).get_vocab_size()  # found: checked above
+        from omni_train.data_pipeline import llm_vocab_size
+
+        vocab = llm_vocab_size(cfg, load_tokenizer(cfg.data).get_vocab_size())  # found: checked above
         # read here: a bad run directory is a config error
         stage_split(par, cfg.model.llm_config(vocab), cfg.data.max_seq_len)
     for name, allowed in (("recompute_modules", RECOMPUTE_MODULES), ("offload", OFFLOAD)):

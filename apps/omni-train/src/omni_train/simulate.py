@@ -48,6 +48,7 @@ from omni_pipeline import (
     DataFlow,
     PlacementPolicy,
     Schedule1F1B,
+    ScheduleKind,
     SimulationResult,
     Workload,
     WorkloadError,
@@ -461,7 +462,9 @@ def workload_config(
     MLP ratios for the encoders), its pack length, ``microbatches`` per replica (default the workload's),
     bfloat16, ``train.recompute`` of every family when ``layout.recompute``, and ``[parallel]`` from the
     layout (ZeRO-3: ``llm_reshard_after_forward`` written as ``always`` / ``never``, what
-    :meth:`~omni_pipeline.step_model.Layout.reshards` resolves) (``optimus_static`` and ``megatron_dist``, not trainer placements, map to ``uniform_on_demand``).
+    :meth:`~omni_pipeline.step_model.Layout.reshards` resolves; ``virtual_stages > 1`` as
+    ``schedule = "interleaved"`` with the layers split evenly; ``data.reorder_group_size`` =
+    ``layout.reorder_group``) (``optimus_static`` and ``megatron_dist``, not trainer placements, map to ``uniform_on_demand``).
 
     Raises:
         ConfigError: the workload lacks an LLM shape, or ``base`` lacks a tower the workload uses.
@@ -504,7 +507,11 @@ def workload_config(
         cfg.parallel, pp=layout.pp, dp=layout.dp, tp=layout.tp, sequence_parallel=layout.sequence_parallel,
         cp=layout.cp, cp_attention=layout.cp_attention, ulysses=layout.ulysses, llm_zero=layout.llm_zero,
         encoder_zero=layout.encoder_zero, placement=PlacementPolicy(placement), ep=layout.ep,
+        virtual_stages=layout.virtual_stages, stage_layers=None,
+        schedule=ScheduleKind.INTERLEAVED if layout.virtual_stages > 1 else ScheduleKind.ONE_F_ONE_B,
     )  # fmt: skip
+    # the reordering group the step model timed (its all-to-all), not the trainer's node-wide default
+    data = dataclasses.replace(data, reorder_group_size=layout.reorder_group)
     if layout.llm_zero == 3:  # the policy the step model timed, written explicitly (never "auto")
         par = dataclasses.replace(
             par, llm_reshard_after_forward="always" if layout.reshards(data.microbatches) else "never"
@@ -608,7 +615,8 @@ def whole_step(
     step: int = 0,
     exact_memory: bool = True,
 ) -> tuple[dict[str, StepPrediction], list[str]]:
-    """Every placement of :data:`omni_pipeline.step_model.PLACEMENTS` under ``layout`` (the whole step:
+    """Every placement of :data:`omni_pipeline.step_model.PLACEMENTS` under ``layout`` (``megatron_dist``
+    only without virtual stages; the whole step:
     collectives, optimizer, memory with the OOM verdict), the state exact from ``omni-train memory``'s
     build when ``exact_memory`` (else analytic). Returns the predictions and the report's lines.
 
@@ -623,10 +631,11 @@ def whole_step(
             microbatches=microbatches, step=step, state=state, cache=cache,
         )
         for pl in PLACEMENTS
+        if layout.virtual_stages == 1 or pl != "megatron_dist"  # its encoder ranks run 1F1B only
     }  # fmt: skip
     L = layout
     lines = [
-        f"whole step at pp={L.pp}, dp={L.dp}, tp={L.tp}{' +SP' if L.sequence_parallel else ''}, cp={L.cp} "
+        f"whole step at pp={L.pp}{f' x {L.virtual_stages} virtual' if L.virtual_stages > 1 else ''}, dp={L.dp}, tp={L.tp}{' +SP' if L.sequence_parallel else ''}, cp={L.cp} "
         f"({L.cp_attention}), ulysses={L.ulysses}, llm_zero={L.llm_zero}, encoder_zero={L.encoder_zero}, "
         f"ep={L.ep}, recompute={'on' if L.recompute else 'off'}, reorder group {L.reorder_group}; "
         f"{network.gpus_per_node} GPUs/node, state {'exact (omni-train memory)' if exact_memory else 'analytic'}",
@@ -715,9 +724,10 @@ def tune_workload(
         f"omni-train tune: {workload.name} on {gpus} GPUs ({network.gpus_per_node}/node), global batch "
         f"{res.global_batch} packs of {workload.max_seq_len}; device {_gb(device.memory_bytes)} GB, "
         f"{device.peak_flops / 1e12:g} TFLOP/s x {device.efficiency}; {res.considered} layouts, "
-        f"{res.refused} refused by preflight, {res.oom} out of memory, {res.simulated} simulated; "
+        f"{res.refused} refused by preflight, {res.oom} out of memory, {res.simulated} simulated, "
+        f"{res.bounded} virtual-stage layouts bounded out; "
         f"{res.wall_s:.1f} s",
-        f"{'#':>2} {'pp':>3}{'dp':>5}{'tp':>4}{'sp':>4}{'cp':>4}{'uly':>5}{'ep':>4}{'zero':>5}{'rc':>4} {'placement':<18}"
+        f"{'#':>2} {'pp':>3}{'v':>3}{'dp':>5}{'tp':>4}{'sp':>4}{'cp':>4}{'uly':>5}{'ep':>4}{'zero':>5}{'ez':>3}{'rc':>4} {'placement':<18}"
         f"{'tokens/s':>11}{'MFU':>7}{'peak GB':>9}  top time",
     ]
     for i, p in enumerate(res.plans, 1):
@@ -725,8 +735,9 @@ def tune_workload(
         cp = f"{L.cp}{'r' if L.cp > 1 and L.cp_attention == 'ring' else ''}"
         where = sorted(p.time_s.items(), key=lambda kv: -kv[1])[:3]
         lines.append(
-            f"{i:>2} {L.pp:>3}{L.dp:>5}{L.tp:>4}{'y' if L.sequence_parallel else 'n':>4}{cp:>4}{L.ulysses:>5}{L.ep:>4}"
-            f"{L.llm_zero:>5}{'y' if L.recompute else 'n':>4} {L.placement:<18}{p.tokens_per_s:>11.4g}"
+            f"{i:>2} {L.pp:>3}{L.virtual_stages:>3}{L.dp:>5}{L.tp:>4}{'y' if L.sequence_parallel else 'n':>4}{cp:>4}"
+            f"{L.ulysses:>5}{L.ep:>4}{L.llm_zero:>5}{L.encoder_zero:>3}{'y' if L.recompute else 'n':>4} "
+            f"{L.placement:<18}{p.tokens_per_s:>11.4g}"
             f"{p.mfu:>7.3f}{_gb(p.peak_memory_bytes):>9}  "
             + ", ".join(f"{k} {100 * v / p.step_time_s:.0f}%" for k, v in where)
         )
@@ -744,6 +755,7 @@ def tune_workload(
                 "refused": res.refused,
                 "oom": res.oom,
                 "simulated": res.simulated,
+                "bounded": res.bounded,
                 "wall_s": res.wall_s,
                 "plans": [_prediction_json(p) for p in res.plans],
             },

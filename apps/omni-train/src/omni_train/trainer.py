@@ -45,7 +45,8 @@ from omni_pipeline import StepInputs, StepResult, build_schedule
 from omni_train import wiring
 from omni_train.config import RunConfig
 from omni_train.data_files import load_tokenizer
-from omni_train.data_pipeline import step_config
+from omni_train.data_pipeline import llm_vocab_size, step_config
+from omni_train.generate import SampleWriter
 from omni_train.launch import StopReport, restart_count
 from omni_train.models.llm import moe_step_metrics
 from omni_train.numerics_guard import act_on, numerics_guard
@@ -93,7 +94,8 @@ class Trainer:
         self.tokenizer = load_tokenizer(cfg.data)
         par = cfg.parallel
         self.schedule = build_schedule(par.schedule, par.pp, cfg.data.microbatches, par.virtual_stages)
-        parts = wiring.build_model(cfg, self.ps, self.schedule, self.tokenizer.get_vocab_size(), self.device)
+        vocab = llm_vocab_size(cfg, self.tokenizer.get_vocab_size())  # + boi, eoi, codes: image_tokenizer
+        parts = wiring.build_model(cfg, self.ps, self.schedule, vocab, self.device)
         self.llm_cfg, self.split = parts.llm_cfg, parts.split
         self.stage, self.encoders = parts.stage, parts.encoders
         self.model, self.optimizer, self.memory = parts.model, parts.optimizer, parts.memory
@@ -114,6 +116,8 @@ class Trainer:
         self.metrics = wiring.step_metrics(cfg, self.ps, parts, self.device)
         self.skips = wiring.skip_metrics(self.ps, self.stream)
         self.guard = numerics_guard(cfg.train, self.ps, dict(self.encoders.towers.items()), self.device)
+        # [model.image_tokenizer]: rank 0 writes samples/step-N.png after each checkpoint (omni_train.generate)
+        self.samples = SampleWriter.for_rank(cfg, self.out, self.rank)
 
     # -- the loop -----------------------------------------------------------------------------------------
     def run(
@@ -238,6 +242,8 @@ class Trainer:
             self.checkpoint.close()  # the save in flight commits: a resume starts from it
             raise stop
         run.save(self.checkpoint, step + 1)
+        if self.samples is not None:  # a due checkpoint, once committed: samples/step-N.png
+            self.samples.after_save(step + 1, self.checkpoint)
         run.profiler.step()
         return result
 

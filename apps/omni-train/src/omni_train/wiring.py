@@ -74,7 +74,7 @@ from omni_train.data_pipeline import build_step_stream
 from omni_train.encoders import Encoders
 from omni_train.launch import report_dir, restart_count
 from omni_train.models import LLMConfig
-from omni_train.models.llm import moe_forwards_per_step, set_moe_loss_scale
+from omni_train.models.llm import moe_forwards_per_step, set_moe_loss_scale, set_moe_pack_group
 from omni_train.optim import build_optimizer
 from omni_train.parallelize import parallelize
 from omni_train.pipeline import RankStages, build_rank_stages, llm_shape, planner_spec, stage_split
@@ -211,9 +211,17 @@ def build_model(
         num_stages=schedule.num_stages,
         device=device,
     )
-    # [model.llm] moe: aux / z losses as coef x their mean over the step's forwards and MoE layers
+    # [model.llm] moe: aux / z losses and loads of whole packs (reduced over the ranks sharing one: the
+    # Ulysses or CP group, the dp_cp group under hybrid DP/CP), as coef x their mean over the step's packs
+    # and MoE layers
+    pack = "dp_cp" if cfg.parallel.hybrid_cp else ("cp" if ps.size("cp") > 1 else "ulysses")
+    set_moe_pack_group(stage, ps.group(pack) if ps.size(pack) > 1 else None)
     forwards = moe_forwards_per_step(
-        cfg.data.microbatches, world=ps.world_size, pp=ps.size("pp"), tp=ps.size("tp")
+        cfg.data.microbatches,
+        world=ps.world_size,
+        pp=ps.size("pp"),
+        tp=ps.size("tp"),
+        pack_ranks=ps.size(pack),
     )
     set_moe_loss_scale(stage, llm_cfg, forwards)
     model = nn.ModuleDict({"llm": stage, "encoders": encoders})
@@ -342,6 +350,10 @@ def step_stream(
         dp_group=ps.loader_dp_group,  # the loader's thread has a DP group of its own
         consumes=consumes,
         read_text=pp_rank == 0 or pp_rank == pp - 1,
+        # an undecodable generation image is counted once: by the last stage (its labels), CP rank 0
+        # unless hybrid DP/CP ranks read text shares of their own
+        count_text_skips=pp_rank == pp - 1
+        and (ps.local_rank("cp") == 0 or (sharding is not None and sharding.hybrid)),
         tp_group=ps.group(peers) if ps.size(peers) > 1 else None,
         background=True,  # the next step's metadata (and plan) is made while this one trains,
         # from when this step's inputs are built (the trainer's step): both are Python, and a second

@@ -5,6 +5,7 @@ give every rank of a DP rank the same step *metadata*; :class:`ZeroRedundancyFil
 only the payloads this pipeline rank encodes, and :class:`GroupedReorderer` balances them across a group.
 """
 
+from omni_data.image_generation import GenerationVocab, ImageCodeEncoder, ImageCodes, generation_targets
 from omni_data.join import JoinDocuments, document_part, text_members
 from omni_data.loader import LoaderSnapshot, PackedLoader, StepBatch, snapshot_async
 from omni_data.media_checks import DEFAULT_MAX_IMAGE_PIXELS, MediaRefusedError
@@ -61,8 +62,11 @@ __all__ = [
     "EmptySourceError",
     "EncoderCost",
     "FilteredStep",
+    "GenerationVocab",
     "GroupedReorderer",
     "HybridPacker",
+    "ImageCodeEncoder",
+    "ImageCodes",
     "ImageTokens",
     "JoinDocuments",
     "LayoutMismatchError",
@@ -106,6 +110,7 @@ __all__ = [
     "encoder_flops",
     "encoder_microbatch_id",
     "encoder_microbatch_ids",
+    "generation_targets",
     "hand_over_replicas",
     "merge_skip_reports",
     "replica_ids",
@@ -117,4 +122,4 @@ __all__ = [
     "text_members",
     "to_rgb",
 ]
-__version__ = "0.6.0"
+__version__ = "0.7.0"

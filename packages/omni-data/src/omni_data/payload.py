@@ -23,6 +23,7 @@ from fsspec.implementations.local import LocalFileSystem
 from PIL import Image
 
 from omni_data.compressed import compression_of
+from omni_data.image_generation import ImageCodes, generation_targets
 from omni_data.join import text_members
 from omni_data.media_checks import DEFAULT_MAX_IMAGE_PIXELS, MediaRefusedError, open_image, waveform_problem
 from omni_data.sample import MemberRef, Modality, SampleMeta
@@ -99,7 +100,8 @@ class Payload:
             (:func:`omni_data.tokens.sampled_frame_indices`) of a video, each resized to ``meta.shape[2:]``
             as images are.
         text_ids: ``[meta.text_tokens]`` int64 token ids (text, or caption/transcript when a tokenizer
-            is given), else ``None``.
+            is given; a generation sample's caption, ``boi``, codes and ``eoi``,
+            :class:`~omni_data.image_generation.GenerationVocab`), else ``None``.
         error: ``None`` for a decoded payload; for a sample whose image/audio could not be read or
             decoded, why, and ``pixels``/``waveform``/``frames`` are zeros of the metadata's shape (a
             placeholder that keeps the pack layout; mask the sample's loss). Set by
@@ -179,6 +181,10 @@ class PayloadReader:
             more is not kept); 0 turns the cache off.
         max_image_pixels: the most ``width * height`` an image may declare (>= 1); checked on the header
             before decoding (:func:`omni_data.media_checks.open_image`).
+        image_codes: turns a generation sample's decoded image into its code tokens
+            (:class:`~omni_data.image_generation.ImageCodes`: the token layout and a frozen image
+            tokenizer); required to read the ids of generation samples. Their images are decoded at
+            their own size (RGB as images are) and handed to ``image_codes.to_input``.
 
     Counters (:attr:`stats`, thread-safe): ``bytes``, ``retries``, ``batched_calls``, ``batched_ranges``,
     ``split_text_hits``; for video, ``videos`` (decoded), ``video_frames`` (sampled frames returned) and
@@ -199,6 +205,7 @@ class PayloadReader:
         batched: str = "auto",
         split_cache_tokens: int = 1 << 20,
         max_image_pixels: int = DEFAULT_MAX_IMAGE_PIXELS,
+        image_codes: ImageCodes | None = None,
     ) -> None:
         if retries < 0 or backoff_s < 0:
             raise ValueError(f"PayloadReader: retries ({retries}) and backoff_s ({backoff_s}) must be >= 0")
@@ -209,6 +216,7 @@ class PayloadReader:
         if batched not in ("auto", "always", "never"):
             raise ValueError(f"PayloadReader: batched must be 'auto', 'always' or 'never', got {batched!r}")
         self.tokenizer = tokenizer
+        self.image_codes = image_codes
         self.max_open_files = max_open_files
         self.max_image_pixels = max_image_pixels
         self.retries, self.backoff_s, self.batched = retries, backoff_s, batched
@@ -380,9 +388,14 @@ class PayloadReader:
     def refs(self, meta: SampleMeta, *, media: bool = True, text: bool = True) -> list[MemberRef]:
         """The members :meth:`read` reads for ``meta`` (its image, video or audio member, its ``txt``): the
         ``txt`` of a split document whose ids are cached is left out (:meth:`fetch` would read it again;
-        if it is evicted before the read, :meth:`read_bytes` reads it then)."""
+        if it is evicted before the read, :meth:`read_bytes` reads it then). A generation sample's image
+        belongs to its ids (``text``), not to ``media``."""
         out = []
-        if media and meta.modality is not Modality.TEXT:
+        if text and meta.modality is Modality.GENERATION:
+            ext = next((e for e in IMAGE_EXTS if e in meta.members), None)
+            if ext is not None:
+                out.append(meta.members[ext])
+        if media and meta.modality.encoded:
             exts = {Modality.IMAGE: IMAGE_EXTS, Modality.VIDEO: VIDEO_EXTS}.get(meta.modality, AUDIO_EXTS)
             ext = next((e for e in exts if e in meta.members), None)
             if ext is not None:
@@ -428,12 +441,18 @@ class PayloadReader:
     ) -> torch.Tensor | None:
         """``[meta.text_tokens]`` int64 ids of the sample's text (caption, transcript or text), or ``None``
         when it has none (``meta.text_tokens == 0``) or there is no tokenizer. Reads only the ``txt`` member
-        (every part of a joined document, :func:`omni_data.join.text_members`).
+        (every part of a joined document, :func:`omni_data.join.text_members`); for a generation sample
+        also its image, decoded and turned into codes by ``image_codes`` (caption, ``boi``, codes, ``eoi``).
 
         Raises:
-            PayloadError: the member cannot be read or decoded, or gives another token count than ``meta``.
+            RefusedPayloadError, UndecodablePayloadError: a generation sample's image is refused or does
+                not decode (as :meth:`read` for an image).
+            PayloadError: the member cannot be read or decoded, or gives another token count than ``meta``;
+                a generation sample without ``image_codes``, or whose code grid differs from its metadata.
         """
         try:
+            if meta.modality is Modality.GENERATION:
+                return self._generation_ids(meta, fetched)
             return self._ids(meta, fetched)
         except PayloadError:
             raise
@@ -454,6 +473,49 @@ class PayloadReader:
                 "(was the metadata built with another tokenizer?)"
             )
         return ids
+
+    def _generation_ids(
+        self, meta: SampleMeta, fetched: Mapping[tuple[str, int], bytes] | None
+    ) -> torch.Tensor | None:
+        where = f"sample {meta.source}/{meta.key}"
+        codes = self.image_codes
+        if codes is None or self.tokenizer is None:
+            raise PayloadError(f"{where}: reading a generation sample needs a tokenizer and image_codes")
+        first, _ = generation_targets(meta)
+        if tuple(meta.shape) != tuple(codes.vocab.grid):
+            raise PayloadError(
+                f"{where}: metadata grid {tuple(meta.shape)}, the image tokenizer's is {codes.vocab.grid} "
+                "(was the metadata built with another image tokenizer?)"
+            )
+        caption = self._tokenize(meta, fetched)
+        if len(caption) != first:
+            raise PayloadError(
+                f"{where}: caption gives {len(caption)} tokens, metadata says {first} "
+                "(was the metadata built with another tokenizer?)"
+            )
+        ref = self.refs(meta, media=False)[0]
+        pixels = self._decode_image(self.read_bytes(ref, fetched), f"{where} in {ref.url}", None)
+        try:
+            grid = codes.codes(pixels)
+        except ValueError as e:
+            raise PayloadError(f"{where}: {e}") from e
+        return codes.vocab.sample_ids(caption, grid)
+
+    def _decode_image(self, data: bytes, where: str, size: tuple[int, int] | None) -> torch.Tensor:
+        """float32 ``[3, H, W]`` RGB in ``[0, 1]`` of an image member, resized to ``size = (H, W)`` (bicubic)
+        or at its own size (``None``)."""
+        try:
+            with open_image(data, self.max_image_pixels) as im:  # header only, then the size check
+                rgb = to_rgb(im)
+                if size is not None:
+                    rgb = rgb.resize((size[1], size[0]), Image.Resampling.BICUBIC)
+        except MediaRefusedError as e:
+            raise RefusedPayloadError(f"{where}: {e}", e.reason) from e
+        except Exception as e:  # PIL raises many types for a damaged body
+            raise UndecodablePayloadError(f"{where}: undecodable image: {type(e).__name__}: {e}") from e
+        # HWC -> CHW in numpy on uint8: a torch permute-copy of float32 spins up intra-op threads
+        chw = np.ascontiguousarray(np.asarray(rgb, dtype=np.uint8).transpose(2, 0, 1))
+        return torch.from_numpy(chw.astype(np.float32) * np.float32(1.0 / 255.0))
 
     def _tokenize(self, meta: SampleMeta, fetched: Mapping[tuple[str, int], bytes] | None) -> torch.Tensor:
         tokenizer = self.tokenizer
@@ -487,6 +549,9 @@ class PayloadReader:
 
     def _read(self, meta: SampleMeta, fetched: Mapping[tuple[str, int], bytes] | None) -> Payload:
         out = Payload(meta)
+        if meta.modality is Modality.GENERATION:  # its payload is token ids: caption, boi, codes, eoi
+            out.text_ids = self._generation_ids(meta, fetched)
+            return out
         if meta.modality is Modality.TEXT:
             if self.tokenizer is None:
                 raise PayloadError(f"sample {meta.source}/{meta.key}: reading text needs a tokenizer")
@@ -498,16 +563,7 @@ class PayloadReader:
         data = self.read_bytes(ref, fetched)
         where = f"sample {meta.source}/{meta.key} in {ref.url}"
         if meta.modality is Modality.IMAGE:
-            try:
-                with open_image(data, self.max_image_pixels) as im:  # header only, then the size check
-                    rgb = to_rgb(im).resize((meta.shape[2], meta.shape[1]), Image.Resampling.BICUBIC)
-            except MediaRefusedError as e:
-                raise RefusedPayloadError(f"{where}: {e}", e.reason) from e
-            except Exception as e:  # PIL raises many types for a damaged body
-                raise UndecodablePayloadError(f"{where}: undecodable image: {type(e).__name__}: {e}") from e
-            # HWC -> CHW in numpy on uint8: a torch permute-copy of float32 spins up intra-op threads
-            chw = np.ascontiguousarray(np.asarray(rgb, dtype=np.uint8).transpose(2, 0, 1))
-            out.pixels = torch.from_numpy(chw.astype(np.float32) * np.float32(1.0 / 255.0))
+            out.pixels = self._decode_image(data, where, (meta.shape[1], meta.shape[2]))
             return out
         if meta.modality is Modality.VIDEO:
             if meta.frames is None or len(meta.shape) != 4:

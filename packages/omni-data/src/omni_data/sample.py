@@ -17,12 +17,20 @@ __all__ = ["MemberRef", "Modality", "SampleMeta"]
 
 
 class Modality(StrEnum):
-    """What the encoder of a sample is; text samples have no encoder (only LLM tokens)."""
+    """What the encoder of a sample is; text samples have no encoder (only LLM tokens), nor do
+    generation samples (a caption, then an image as discrete code tokens the LLM predicts:
+    :mod:`omni_data.image_generation`)."""
 
     IMAGE = "image"
     AUDIO = "audio"
     TEXT = "text"
     VIDEO = "video"
+    GENERATION = "generation"
+
+    @property
+    def encoded(self) -> bool:
+        """Whether samples of this modality have encoder work (image, audio, video)."""
+        return self not in (Modality.TEXT, Modality.GENERATION)
 
 
 @dataclass(frozen=True, slots=True)
@@ -56,11 +64,12 @@ class SampleMeta:
         source: name of the source that produced it.
         modality: the sample's :class:`Modality`.
         media_tokens: expanded encoder tokens (0 for text).
-        text_tokens: LLM text tokens of this piece.
+        text_tokens: LLM text tokens of this piece (a generation sample's caption, ``boi``, ``h*w`` codes
+            and ``eoi``: :mod:`omni_data.image_generation`).
         encoder_flops: forward FLOPs of the encoder for this sample (0 for text); see :mod:`omni_data.tokens`.
         shape: payload shape after decoding: ``(3, H, W)`` resized pixels, ``(T, 3, H, W)`` sampled and
             resized video frames, ``(num_samples,)`` mono waveform at the source sample rate,
-            ``(text_tokens,)`` for text.
+            ``(text_tokens,)`` for text, the ``(h, w)`` code grid of a generation sample's image.
         members: byte ranges of the sample's tar members, by extension.
         text_range: ``(start, end)`` token slice for split text, else ``None``.
         epoch: the source epoch the sample was read in.

@@ -58,6 +58,7 @@ from webdataset.shardlists import expand_urls
 from webdataset.tariterators import base_plus_ext
 
 from omni_data.compressed import GzipShard, UnsupportedCompressionError, wrap_compressed
+from omni_data.image_generation import GenerationVocab
 from omni_data.media_checks import DEFAULT_MAX_IMAGE_PIXELS, MediaRefusedError, open_image
 from omni_data.node import LayoutMismatchError, StatefulNode
 from omni_data.sample import MemberRef, Modality, SampleMeta
@@ -158,6 +159,11 @@ class WebDatasetSource(StatefulNode[SampleMeta]):
         image_tokens, audio_tokens, video_tokens: token accounting (:mod:`omni_data.tokens`); a video's
             frames are sampled by ``video_tokens`` (``fps``, ``min_frames``, ``max_frames``) from the
             ``frames`` and ``fps`` its ``key.json`` gives, so no payload is read to plan.
+        generation: generation sources (``modality="generation"``, on image shards with captions): the
+            token layout (:class:`~omni_data.image_generation.GenerationVocab`), whose grid gives each
+            sample ``caption + 2 + h*w`` tokens and ``shape = (h, w)``; the image's header is checked as
+            an image source's, its pixels are decoded and tokenized only where ids are read
+            (:class:`~omni_data.payload.PayloadReader` with ``image_codes``).
         encoder_cost: FLOPs model of this modality's encoder (image and video: over ViT patches; audio:
             over subsampled frames).
         sample_rate: audio only: the rate (Hz) the encoder takes. Clips at another rate are described as
@@ -184,7 +190,8 @@ class WebDatasetSource(StatefulNode[SampleMeta]):
             frame (``"video over the pixel limit"``).
 
     Raises:
-        ValueError: no URLs, an unknown modality, a text source without a tokenizer, or a bad split.
+        ValueError: no URLs, an unknown modality, a text source without a tokenizer, a generation source
+            without a tokenizer or ``generation``, or a bad split.
         UnsupportedCompressionError: (from ``next``) a shard is zstd, bzip2 or xz compressed; the
             message names the file.
     """
@@ -201,6 +208,7 @@ class WebDatasetSource(StatefulNode[SampleMeta]):
         encoder_cost: EncoderCost | None = None,
         sample_rate: int | None = None,
         video_tokens: VideoTokens | None = None,
+        generation: GenerationVocab | None = None,
         rank: int = 0,
         world_size: int = 1,
         worker: int = 0,
@@ -223,6 +231,12 @@ class WebDatasetSource(StatefulNode[SampleMeta]):
         self.name = name if name is not None else self.urls[0]
         if self.modality is Modality.TEXT and tokenizer is None:
             raise ValueError(f"WebDatasetSource {self.name!r}: a text source needs a tokenizer")
+        if self.modality is Modality.GENERATION and (tokenizer is None or generation is None):
+            raise ValueError(
+                f"WebDatasetSource {self.name!r}: a generation source needs a tokenizer (captions) and a "
+                "GenerationVocab (its code grid)"
+            )
+        self.generation = generation
         if not (0 <= rank < world_size and 0 <= worker < num_workers):
             raise ValueError(f"bad split: rank {rank} of {world_size}, worker {worker} of {num_workers}")
         if sample_rate is not None and sample_rate < 1:
@@ -600,6 +614,17 @@ class WebDatasetSource(StatefulNode[SampleMeta]):
             if text_tokens == 0:
                 raise _SkipSample("empty text")
             return SampleMeta(key, self.name, m, 0, text_tokens, 0.0, (text_tokens,), refs, None, epoch)
+        if m is Modality.GENERATION:  # caption then the image's codes: text-like, planned from metadata
+            ext = next((e for e in IMAGE_EXTS if e in refs), None)
+            if ext is None:
+                raise _SkipSample("missing image member")
+            if "txt" not in refs:
+                raise _SkipSample("missing .txt")
+            self._image_size(info, refs[ext], f)  # the header checks an image sample gets
+            assert self.generation is not None  # __init__ refuses a generation source without one
+            g = self.generation
+            n = g.tokens(text_tokens)
+            return SampleMeta(key, self.name, m, 0, n, 0.0, tuple(g.grid), refs, None, epoch)
         if m is Modality.IMAGE:
             ext = next((e for e in IMAGE_EXTS if e in refs), None)
             if ext is None:

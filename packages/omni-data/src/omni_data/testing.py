@@ -499,11 +499,12 @@ def merge_replica_steps(parts: Sequence[FilteredStep], microbatches: int) -> Fil
     """
     if not parts:
         raise ValueError("merge_replica_steps: no replica steps to merge")
-    packs, mbs, payloads, text = [], {}, {}, []
+    packs, mbs, payloads, text, text_errors = [], {}, {}, [], {}
     for d, fs in enumerate(parts):
         base = len(packs)
         packs.extend(fs.packs)
         text.extend(fs.text_ids)
+        text_errors.update({(p + base, i): why for (p, i), why in fs.text_errors.items()})
         for e, items in fs.microbatches.items():
             if not 1 <= e <= microbatches:
                 raise ValueError(
@@ -511,4 +512,4 @@ def merge_replica_steps(parts: Sequence[FilteredStep], microbatches: int) -> Fil
                 )
             mbs[d * microbatches + e] = [(p + base, i) for p, i in items]
             payloads[d * microbatches + e] = fs.payloads[e]
-    return FilteredStep(parts[0].step, packs, mbs, payloads, text, frozenset(payloads))
+    return FilteredStep(parts[0].step, packs, mbs, payloads, text, frozenset(payloads), text_errors)

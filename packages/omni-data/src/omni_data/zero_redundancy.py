@@ -57,7 +57,7 @@ import weakref
 from collections import deque
 from collections.abc import Callable, Collection, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import msgpack
@@ -129,8 +129,8 @@ def split_encoder_microbatches(
     LLM microbatch ``k`` (1-based, DESIGN.md §Glossary) holds packs ``[(k-1)*B, k*B)`` with
     ``B = len(packs) // microbatches``. Its media samples (image and audio, in pack order) are split into
     ``slices`` parts; part ``j`` is encoder microbatch ``e = (k-1)*slices + j + 1``. With ``slices`` = PP
-    size this is the uniform split of the paper's on-demand insertion (§4.2). Text-only samples have no
-    encoder work and appear in none.
+    size this is the uniform split of the paper's on-demand insertion (§4.2). Text-only and generation
+    samples have no encoder work and appear in none.
 
     Args:
         packs: the step's packs (metadata only).
@@ -157,7 +157,7 @@ def split_encoder_microbatches(
             (p, i)
             for p in range(k * per, (k + 1) * per)
             for i, s in enumerate(packs[p].samples)
-            if s.modality is not Modality.TEXT
+            if s.modality.encoded  # text and generation samples have no encoder work
         ]
         if balance:
             parts = karmarkar_karp([packs[p].samples[i].encoder_flops for p, i in media], slices)
@@ -186,6 +186,9 @@ class FilteredStep:
             pack ``p`` (``None`` without text); else empty.
         consumes: the encoder microbatch ids this rank runs in this step (the filter's ``consumes``, or
             what its ``consumes`` function returned for this step).
+        text_errors: with ``read_text``: ``{(pack, sample): why}`` of the generation samples whose image did
+            not decode (their ``text_ids`` are zeros of their token count: a placeholder that keeps the
+            pack layout; mask their targets, as for a ``Payload.error``).
     """
 
     step: int
@@ -194,6 +197,7 @@ class FilteredStep:
     payloads: dict[int, list[Payload]]
     text_ids: list[list[torch.Tensor | None]]
     consumes: frozenset[int] = frozenset()
+    text_errors: dict[SampleIndex, str] = field(default_factory=dict)
 
 
 class ZeroRedundancyFilter(StatefulNode[FilteredStep]):
@@ -219,7 +223,12 @@ class ZeroRedundancyFilter(StatefulNode[FilteredStep]):
         decode_workers: threads that read and decode payloads (>= 1).
         read_text: this rank builds LLM inputs or labels (the first stage, and the last stage for its
             labels): also read the token ids of every sample of the step (``FilteredStep.text_ids``);
-            only ``txt`` members are read for that.
+            only ``txt`` members are read for that (and a generation sample's image, turned into code
+            tokens in the decode workers: :class:`~omni_data.payload.PayloadReader` ``image_codes``). A
+            generation sample whose image is refused or does not decode keeps its place as zeros
+            (``FilteredStep.text_errors``), and is counted in :attr:`ledger` when ``count_text_skips``.
+        count_text_skips: count those generation samples in :attr:`ledger` on this rank (give it to one
+            of the ranks that read the same text, e.g. the last stage, so each is counted once).
         max_skipped_keys: how many placeholder sample keys to keep by name (counts are always complete).
         share: narrows every encoder microbatch to the samples *this rank* encodes, when several ranks of
             one pipeline rank split its encoder microbatches (context-parallel ranks each encoding part
@@ -269,6 +278,7 @@ class ZeroRedundancyFilter(StatefulNode[FilteredStep]):
         | None = None,
         text_share: Callable[[list[Pack]], Collection[SampleIndex]] | None = None,
         snapshots: bool | Callable[[int], bool] = False,
+        count_text_skips: bool = True,
     ) -> None:
         super().__init__()
         if microbatches < 1 or slices < 1:
@@ -288,6 +298,7 @@ class ZeroRedundancyFilter(StatefulNode[FilteredStep]):
         self.tp_group = tp_group
         self.prefetch = max(0, prefetch)
         self.read_text = read_text
+        self.count_text_skips = count_text_skips
         self.share, self.text_share = share, text_share
         self.decode_workers = decode_workers
         self._pending: deque[_Pending] = deque()
@@ -462,9 +473,19 @@ class ZeroRedundancyFilter(StatefulNode[FilteredStep]):
 
     def _read_text(
         self, samples: list[SampleMeta], wanted: list[bool], fetched: Future[_Fetched] | None
-    ) -> list[Any]:
+    ) -> tuple[list[Any], dict[int, str]]:
         data = None if fetched is None else fetched.result()
-        return [self.reader.read_text_ids(s, data) if w else None for s, w in zip(samples, wanted)]
+        ids: list[Any] = []
+        errors: dict[int, str] = {}
+        for i, (s, w) in enumerate(zip(samples, wanted)):
+            try:
+                ids.append(self.reader.read_text_ids(s, data) if w else None)
+            except SkippedPayloadError as e:  # a generation sample's image: bad data, not a bad setup
+                if s.modality is not Modality.GENERATION:
+                    raise
+                ids.append(torch.zeros(s.text_tokens, dtype=torch.int64))
+                errors[i] = f"{e.skip_reason(Modality.IMAGE)}: {e}"
+        return ids, errors
 
     def _skip(self, p: Payload) -> None:
         self.ledger.add(p.meta.source, p.meta.uid, (p.error or "").split(":", 1)[0])
@@ -636,12 +657,15 @@ class ZeroRedundancyFilter(StatefulNode[FilteredStep]):
         item = self._pending.popleft()
         batch, mbs, consumes = item.batch, item.mbs, item.consumes
         metas = self._mine(batch, mbs, consumes)
-        payloads, text_ids = self._broadcast(batch, metas, item.reads)
+        payloads, text_ids, text_errors = self._broadcast(batch, metas, item.reads)
         if self._reads:
             self.samples_read += len(metas)
             for p in payloads:
                 if p.error is not None:
                     self._skip(p)
+            if self.count_text_skips:
+                for (k, i), why in sorted(text_errors.items()):
+                    self._skip(Payload(batch.packs[k].samples[i], error=why))
         out: dict[int, list[Payload]] = {}
         at = 0
         for e in sorted(consumes & set(mbs)):
@@ -658,7 +682,7 @@ class ZeroRedundancyFilter(StatefulNode[FilteredStep]):
                 self._prepared = self._compose(self._epoch, self._next_step, joined=False)
             if not self.prepare_on_request:
                 self.prepare()
-        return FilteredStep(batch.step, batch.packs, mbs, out, text_ids, consumes)
+        return FilteredStep(batch.step, batch.packs, mbs, out, text_ids, consumes, text_errors)
 
     def prepare(self) -> None:
         """Start preparing the next steps on the background thread (with ``background``; a no-op when
@@ -680,25 +704,31 @@ class ZeroRedundancyFilter(StatefulNode[FilteredStep]):
 
     def _broadcast(
         self, batch: StepBatch, metas: list[SampleMeta], reads: _Reads | None
-    ) -> tuple[list[Payload], list[list[torch.Tensor | None]]]:
+    ) -> tuple[list[Payload], list[list[torch.Tensor | None]], dict[SampleIndex, str]]:
         error = ""
         payloads: list[Payload] = []
         text: list[list[torch.Tensor | None]] = []
+        text_errors: dict[SampleIndex, str] = {}
         if reads is not None:
             try:
-                payloads, text = reads.result()
+                payloads, text, text_errors = reads.result()
             except PayloadError as e:
                 error = str(e)
         if self.tp_group is None:
             if error:
                 raise PayloadError(error)
-            return payloads, text
+            return payloads, text, text_errors
         src = dist.get_global_rank(self.tp_group, 0)
-        status: list[Any] = [error, {i: p.error for i, p in enumerate(payloads) if p.error is not None}]
+        status: list[Any] = [
+            error,
+            {i: p.error for i, p in enumerate(payloads) if p.error is not None},
+            sorted(text_errors.items()),
+        ]
         dist.broadcast_object_list(status, src=src, group=self.tp_group)
         if status[0]:
             raise PayloadError(f"TP rank 0 failed to read: {status[0]}")
         errors: dict[int, str] = status[1]
+        text_errors = {(int(k[0]), int(k[1])): str(why) for k, why in status[2]}
         texted = self._texted(batch.packs)
         all_samples = [batch.packs[p].samples[i] for p, i in texted]
         # buffer sizes follow from metadata alone, so every TP rank allocates the same
@@ -720,7 +750,7 @@ class ZeroRedundancyFilter(StatefulNode[FilteredStep]):
         dist.broadcast(fbuf, src=src, group=self.tp_group)
         dist.broadcast(ibuf, src=src, group=self.tp_group)
         if self._reads:
-            return payloads, text
+            return payloads, text, text_errors
         out, fa, ia = [], 0, 0
         for j, m in enumerate(metas):
             p = Payload(m, error=errors.get(j))
@@ -738,7 +768,7 @@ class ZeroRedundancyFilter(StatefulNode[FilteredStep]):
         text = [[None] * len(p.samples) for p in batch.packs] if self.read_text else []
         for s, (p, i) in zip(all_samples, texted):
             text[p][i], ia = _get_ids(ibuf, ia, s.text_tokens)
-        return out, text
+        return out, text, text_errors
 
 
 _Fetched = dict[tuple[str, int], bytes]
@@ -776,7 +806,7 @@ class _Reads:
     """The decode pool's futures of one step: one per payload, one per pack's text ids."""
 
     payloads: list[Future[Payload]]
-    text: list[Future[list[torch.Tensor | None]]]
+    text: list[Future[tuple[list[torch.Tensor | None], dict[int, str]]]]
     fetched: Future[_Fetched] | None
 
     def _all(self) -> list[Future[Any]]:
@@ -791,10 +821,20 @@ class _Reads:
             if not f.cancelled():
                 f.exception()
 
-    def result(self) -> tuple[list[Payload], list[list[torch.Tensor | None]]]:
-        """Results in order; the first error (in order) is raised after every read finished."""
+    def result(
+        self,
+    ) -> tuple[list[Payload], list[list[torch.Tensor | None]], dict[SampleIndex, str]]:
+        """Results in order (and the generation samples whose image did not decode, by ``(pack,
+        sample)``); the first error (in order) is raised after every read finished."""
         self.wait()
-        return [f.result() for f in self.payloads], [f.result() for f in self.text]
+        payloads = [f.result() for f in self.payloads]
+        text: list[list[torch.Tensor | None]] = []
+        errors: dict[SampleIndex, str] = {}
+        for k, f in enumerate(self.text):
+            ids, errs = f.result()
+            text.append(ids)
+            errors.update({(k, i): why for i, why in errs.items()})
+        return payloads, text, errors
 
 
 def _put_ids(buf: torch.Tensor, at: int, ids: torch.Tensor | None, n: int) -> int:
@@ -810,7 +850,7 @@ def _get_ids(buf: torch.Tensor, at: int, n: int) -> tuple[torch.Tensor | None, i
 
 
 def _float_numel(m: SampleMeta) -> int:
-    if m.modality is Modality.TEXT:
+    if not m.modality.encoded:
         return 0
     n = 1
     for d in m.shape:

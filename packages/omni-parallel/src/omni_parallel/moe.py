@@ -37,6 +37,15 @@ optimizer step :func:`update_expert_bias` moves it by ``b_e += rate * sign(mean_
 that route the layer's tokens (so every rank applies the same update). torchtitan calls the rate
 ``load_balance_coeff``, Megatron-Core ``moe_router_bias_update_rate``.
 
+A pack sharded over ranks (context parallelism, Ulysses, hybrid DP/CP; :class:`PackShard`): both losses
+and the loads are those of the whole pack, as one process computes them. Padding rows (CP's per-document
+padding to ``2 cp`` chunks, Ulysses' padding to a multiple of ``sp``) are routed nowhere and counted in
+nothing; ``T``, the counts ``C_e`` and the probability sums ``S_e`` are summed over the ranks holding the
+pack (one ``all_reduce`` of ``2 E + 2`` numbers per forward; Megatron-Core likewise reduces
+``tokens_per_expert`` over its TP x CP group); each rank backpropagates its own rows' share of the loss
+(``E * sum_e C_e S^r_e / T^2``, ``sum_{t in r} lse_t^2 / T``), and those shares' gradients, summed over the
+group by the data-parallel gradient sync, are one process's.
+
 Capacity (:attr:`MoEConfig.capacity_factor`) is enforced per forward on the forward's own ``T`` tokens:
 under expert parallelism, per *sending* rank, so an expert may receive up to ``ep x capacity`` rows from
 the EP group (not GShard's capacity per expert over the group).
@@ -49,7 +58,7 @@ parallelism (experts sharded over an EP group, tokens exchanged with all-to-alls
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -67,6 +76,7 @@ __all__ = [
     "MoE",
     "MoEConfig",
     "MoEOutput",
+    "PackShard",
     "RouterOutput",
     "TopKRouter",
     "attach_aux_loss",
@@ -325,10 +335,12 @@ class _SharedSwiGLU(nn.Module):
 
 class MoEOutput(NamedTuple):
     """One forward of :class:`MoE`: ``out [T, dim]``; ``aux`` and ``z`` the unscaled losses (scalars,
-    differentiable); ``tokens_per_expert [E]`` int64 (this forward's (token, slot) assignments per global
-    expert, before any capacity); ``computed`` int (rows sent to the experts on this rank's behalf, after
-    capacity drops: ``T * top_k`` when dropless); ``received`` int (rows this rank's experts computed,
-    from every rank of the EP group; summed over the group it equals the sum of ``computed``);
+    differentiable; with a :class:`PackShard` the whole pack's values, gradients of this rank's share);
+    ``tokens_per_expert [E]`` int64 (this forward's (token, slot) assignments per global expert, before any
+    capacity, padding rows excluded); ``computed`` int (rows sent to the experts on this rank's behalf,
+    after capacity drops: ``T * top_k`` when dropless, ``T`` the valid rows); ``received`` int (rows this
+    rank's experts computed, from every rank of the EP group; summed over the group it equals the sum of
+    ``computed``);
     ``routed`` int (the (token, slot) assignments before any capacity drop: ``T * top_k``; dropped rows
     are ``routed - computed``)."""
 
@@ -339,6 +351,90 @@ class MoEOutput(NamedTuple):
     computed: int
     received: int
     routed: int
+
+
+@dataclass(frozen=True)
+class PackShard:
+    """Which rows of one :class:`MoE` forward are tokens of the pack, and which ranks hold the rest of it.
+
+    Under context parallelism (head-tail CP, hybrid DP/CP) or Ulysses a pack's tokens are spread over
+    several ranks, each forward holding its share plus padding rows (CP pads every document to a multiple
+    of ``2 cp``, Ulysses pads the pack to a multiple of ``sp``). The load-balancing loss, the z-loss and the
+    expert loads of one process are statistics of the whole pack; :class:`MoE` computes them from the
+    ``valid`` rows only and sums the per-expert statistics over ``group``, so every rank of the group gets
+    the pack's values (and the gradients of its own rows' share).
+
+    Attributes:
+        valid: ``[T]`` bool, the forward's rows that are tokens (False: padding; routed nowhere, in no
+            statistic, output zero apart from the shared expert); ``None``: every row.
+        tokens: the number of True rows of ``valid`` (``T`` when ``valid`` is ``None``); given on the
+            host so no device sync reads it.
+        group: the ranks holding the other rows of the same pack (the Ulysses group, the CP group, or a
+            stage's ``dp_cp`` group under hybrid DP/CP); ``None``: the pack is whole here. Collective: every
+            member runs the same forwards in the same order.
+
+    Raises:
+        ValueError: ``valid`` not 1-D bool, or ``tokens`` outside ``[0, T]``.
+    """
+
+    valid: torch.Tensor | None = None
+    tokens: int | None = None
+    group: dist.ProcessGroup | None = None
+
+    def __post_init__(self) -> None:
+        if self.valid is not None and (self.valid.dim() != 1 or self.valid.dtype != torch.bool):
+            raise ValueError(
+                f"PackShard.valid must be a 1-D bool tensor, got {self.valid.dtype} {tuple(self.valid.shape)}"
+            )
+        if self.valid is not None and self.tokens is None:
+            raise ValueError("PackShard.tokens: give the number of valid rows with PackShard.valid")
+        if self.tokens is not None and self.valid is not None and not 0 <= self.tokens <= self.valid.numel():
+            raise ValueError(f"PackShard.tokens = {self.tokens} outside [0, {self.valid.numel()}]")
+
+    @classmethod
+    def from_rows(
+        cls, valid: Sequence[bool], group: dist.ProcessGroup | None, device: torch.device | str = "cpu"
+    ) -> PackShard:
+        """A shard from a host-side ``[T]`` list of valid flags (``valid`` all True: ``valid = None``)."""
+        n = sum(bool(v) for v in valid)
+        if n == len(valid):
+            return cls(None, n, group)
+        return cls(torch.tensor(list(valid), dtype=torch.bool, device=device), n, group)
+
+
+def _pack_statistics(
+    probs: torch.Tensor, logits: torch.Tensor, indices: torch.Tensor, experts: int, shard: PackShard | None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The pack's load-balancing loss and z-loss, and this forward's valid (token, slot) counts per expert.
+
+    ``aux = E * sum_e (C_e / T) * (S_e / T)`` and ``z = sum_t lse_t^2 / T`` with ``T`` the pack's tokens,
+    ``C_e`` its (token, slot) assignments to ``e`` and ``S_e`` its summed router probabilities, all over the
+    valid rows of every rank of ``shard.group`` (one ``all_reduce`` of ``[2 E + 2]`` float64-or-float32
+    values). Returned values are the pack's; their gradients are those of this rank's rows' share, the
+    partial sums ``E * sum_e (C_e / T) * (S^r_e / T)`` and ``sum_{t in r} lse_t^2 / T`` (the shares of the
+    group sum to the pack's loss, so the gradients summed over the group, as the data-parallel sync does,
+    are one process's). ``C`` and ``T`` carry no gradient (counts), as in Switch.
+    """
+    valid = shard.valid if shard is not None else None
+    if valid is not None:
+        probs, logits, indices = probs[valid], logits[valid], indices[valid]
+    counts = torch.bincount(indices.reshape(-1), minlength=experts)
+    wide = logits.double() if logits.dtype == torch.float64 else logits.float()
+    lse2 = torch.logsumexp(wide, dim=-1).square()
+    psum, zsum = probs.sum(0), lse2.sum()
+    rows = psum.new_full((1,), float(indices.shape[0]))
+    stats = torch.cat([counts.to(psum.dtype), psum.detach(), zsum.detach().to(psum.dtype).view(1), rows])
+    group = shard.group if shard is not None else None
+    if group is not None and dist.get_world_size(group) > 1:
+        dist.all_reduce(stats, group=group)
+    c, s, z_all = stats[:experts], stats[experts : 2 * experts], stats[2 * experts]
+    t = stats[2 * experts + 1].clamp(min=1.0)  # a pack without tokens: every sum is 0, so are the losses
+    f = c / t
+    aux_part = experts * (f * psum).sum() / t
+    aux_pack = experts * (f * s).sum() / t
+    z_part = zsum / t
+    z_pack = z_all.to(z_part.dtype) / t
+    return aux_part + (aux_pack - aux_part).detach(), z_part + (z_pack - z_part).detach(), counts
 
 
 class _AttachAux(torch.autograd.Function):
@@ -378,7 +474,10 @@ class MoE(nn.Module):
             :func:`omni_parallel.expert_parallel.dispatch` / :func:`~omni_parallel.expert_parallel.combine`;
             every rank of the group must call forward the same number of times. ``None``: all experts here.
 
-    Forward: ``x [T, dim]`` -> :class:`MoEOutput`. The aux losses are attached to ``out`` with
+    Forward: ``x [T, dim]``, ``shard`` (:class:`PackShard`, optional: the rows that are tokens and the ranks
+    holding the rest of the pack under CP / Ulysses / hybrid DP/CP; default: ``x`` is a whole pack) ->
+    :class:`MoEOutput`, the losses and loads those of the whole pack's tokens (padding rows excluded, the
+    per-expert statistics summed over ``shard.group``). The aux losses are attached to ``out`` with
     :func:`attach_aux_loss` with weights ``loss_scale * coef`` (:attr:`loss_scale`, default 1: the caller's
     normalisation, e.g. ``1 / (forwards of the layer per step x MoE layers)``; module docstring).
 
@@ -391,7 +490,8 @@ class MoE(nn.Module):
     sizes; none on the ``torch._grouped_mm`` path); with a capacity, one more for the kept row count.
 
     Raises:
-        ValueError: ``ep`` does not divide ``cfg.experts``.
+        ValueError: ``ep`` does not divide ``cfg.experts``; (forward) ``shard.valid`` not of ``T`` rows, or
+            ``shard.tokens`` not ``T`` without ``shard.valid``.
     """
 
     def __init__(self, cfg: MoEConfig, ep_group: dist.ProcessGroup | None = None) -> None:
@@ -452,24 +552,30 @@ class MoE(nn.Module):
         if self.shared_expert_gate is not None:
             self.shared_expert_gate.weight.copy_(draw(tuple(self.shared_expert_gate.weight.shape), std))
 
-    def forward(self, x: torch.Tensor) -> MoEOutput:
+    def forward(self, x: torch.Tensor, shard: PackShard | None = None) -> MoEOutput:
         cfg = self.cfg
-        t = x.shape[0]
+        if shard is not None and shard.valid is not None and shard.valid.numel() != x.shape[0]:
+            raise ValueError(f"PackShard.valid has {shard.valid.numel()} rows, x has {x.shape[0]}")
+        if shard is not None and shard.valid is None and shard.tokens not in (None, x.shape[0]):
+            raise ValueError(
+                f"PackShard.tokens = {shard.tokens} without PackShard.valid, x has {x.shape[0]} rows"
+            )
+        t = x.shape[0] if shard is None or shard.tokens is None else shard.tokens  # valid tokens
         r = self.router(x)
-        aux = load_balancing_loss(r.probs, r.indices, cfg.experts)
-        z = router_z_loss(r.logits)
+        aux, z, counts = _pack_statistics(r.probs, r.logits, r.indices, cfg.experts, shard)
         flat = r.indices.reshape(-1)  # [T*k], slot j of token i at i*k + j
-        counts = torch.bincount(flat, minlength=cfg.experts)
+        if shard is not None and shard.valid is not None:  # padding rows sort last and are not sent
+            flat = torch.where(shard.valid.repeat_interleave(cfg.top_k), flat, cfg.experts)
         if self.router.expert_bias is not None and _counts_toward_load():
             self.pending_load = counts if self.pending_load is None else self.pending_load + counts
         weights = r.weights.reshape(-1)
-        n = t * cfg.top_k  # dropless: every (token, slot) row is sent, no host sync
+        n = t * cfg.top_k  # dropless: every valid (token, slot) row is sent, no host sync
         routed = counts
         if cfg.capacity_factor is not None:
             keep = _within_capacity(flat, cfg.experts, cfg.capacity_factor, t * cfg.top_k)
             flat = torch.where(keep, flat, cfg.experts)  # dropped slots sort last and are not sent
             routed = torch.bincount(flat, minlength=cfg.experts + 1)[: cfg.experts]
-            n = int(keep.sum())  # the one extra host sync of a capacity: the kept row count
+            n = int((flat < cfg.experts).sum())  # the one extra host sync of a capacity: the kept rows
         # Stable sort by expert: the rows for expert e are contiguous, in token order.
         order = torch.argsort(flat, stable=True)[:n]
         rows = x[order // cfg.top_k]  # [n, dim]
@@ -493,11 +599,11 @@ class MoE(nn.Module):
 
 def _within_capacity(flat: torch.Tensor, experts: int, factor: float, slots: int) -> torch.Tensor:
     """``[T*k]`` bool: the assignment fits its expert's capacity ``ceil(factor * slots / E)`` (first come,
-    first served in (token, slot) order)."""
+    first served in (token, slot) order); a padding row (id ``experts``) counts toward none."""
     import math
 
     cap = math.ceil(factor * slots / experts)
-    one_hot = F.one_hot(flat, experts)
+    one_hot = F.one_hot(flat, experts + 1)[:, :experts]  # id ``experts``: a padding row, in no expert
     rank_in_expert = (torch.cumsum(one_hot, 0) * one_hot).sum(-1) - 1
     return rank_in_expert < cap
 

@@ -5,6 +5,9 @@ Token layout of a pack (omni-data's :class:`~omni_data.packing.Pack`): sample af
 encoder embeddings on stage 0) then its text token ids. The training target is next-token prediction
 inside each sample: the token at position ``t`` is predicted from positions ``<= t - 1`` of the same
 sample, and only text tokens are targets (the first caption token is predicted from the image embeddings: the captioning loss).
+A generation sample (caption, ``boi``, an image's code tokens, ``eoi``: :mod:`omni_data.image_generation`)
+has targets on its codes and ``eoi`` only (the caption is the prompt), and its statistics are its own
+(``generation`` in :data:`MODALITIES`): the generation loss, apart from the understanding and text losses.
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from omni_data.image_generation import generation_targets
 from omni_data.packing import ModalitySpan, Pack
 from omni_data.sample import Modality, SampleMeta
 
@@ -28,8 +32,8 @@ __all__ = [
 ]
 
 IGNORE = -100  # label of a position with no target (``torch.nn.functional.cross_entropy``'s ignore_index)
-# the order of per-modality statistics (video last: the indices of the others are what they were)
-MODALITIES = (Modality.IMAGE, Modality.AUDIO, Modality.TEXT, Modality.VIDEO)
+# the order of per-modality statistics (added ones last: the indices of the others are what they were)
+MODALITIES = (Modality.IMAGE, Modality.AUDIO, Modality.TEXT, Modality.VIDEO, Modality.GENERATION)
 
 
 @dataclass
@@ -91,7 +95,11 @@ def build_llm_microbatch(
         media = torch.full((s.media_tokens,), placeholder_ids.get(s.modality, 0), dtype=torch.int64)
         seq = torch.cat([media, t.to(torch.int64)])
         lab = torch.full_like(seq, IGNORE)
-        if seq.numel() > 1 and j not in masked:
+        if s.modality is Modality.GENERATION:
+            if j not in masked:  # positions boi .. last code predict the codes and eoi
+                first, count = generation_targets(s)
+                lab[first : first + count] = seq[first + 1 : first + count + 1]
+        elif seq.numel() > 1 and j not in masked:
             # position p predicts token p + 1 when that token is text (not a media slot)
             is_text = torch.arange(1, seq.numel()) >= s.media_tokens
             lab[:-1] = torch.where(is_text, seq[1:], IGNORE)
@@ -114,11 +122,16 @@ def build_llm_microbatch(
 def step_targets(packs: list[Pack], masked: Collection[tuple[int, int]] = ()) -> int:
     """Target tokens of a step from metadata alone (the labels :func:`build_llm_microbatch` sets): every
     text token of a sample with media (the first is predicted from the media embeddings), every text
-    token but the first of a text-only sample; none for a ``masked`` ``(pack, sample)``."""
+    token but the first of a text-only sample, the ``h*w`` codes and ``eoi`` of a generation sample;
+    none for a ``masked`` ``(pack, sample)``."""
     n = 0
     for p, pack in enumerate(packs):
         for i, s in enumerate(pack.samples):
-            if (p, i) not in masked:
+            if (p, i) in masked:
+                continue
+            if s.modality is Modality.GENERATION:
+                n += generation_targets(s)[1]
+            else:
                 n += s.text_tokens if s.media_tokens else max(s.text_tokens - 1, 0)
     return n
 

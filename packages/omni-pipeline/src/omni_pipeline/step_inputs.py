@@ -324,9 +324,11 @@ class StepBuilder:
             return mb.input_ids.to(dev), mb.position_ids.to(dev), mb.cu_seqlens.to(dev), media, pos
 
         def stage_kwargs(stage: int, k: int) -> dict[str, Any]:
-            if stage == 0:
-                return {}
             pack = inputs.packs[k - 1]
+            # Ulysses: the unpadded pack's tokens (the chunks' rows past it are padding; MoE statistics)
+            extra = {"pack_tokens": pack.num_tokens} if self.sp > 1 else {}
+            if stage == 0:
+                return extra
             if self.cp is not None:
                 pos = torch.tensor(self.cp.local(pack).position, dtype=torch.int64, device=self.device)
                 return {"position_ids": pos, "cu_seqlens": self.cp.sequence(pack)}
@@ -335,7 +337,7 @@ class StepBuilder:
             pos = self.positions(pack)
             if self.multiple > 1:
                 pos, cu, _, _ = ulysses_layout(pos, cu, self.sp, self.sp_rank, self.multiple)
-            return {"position_ids": pos.to(self.device), "cu_seqlens": cu.to(self.device)}
+            return {"position_ids": pos.to(self.device), "cu_seqlens": cu.to(self.device), **extra}
 
         def loss(k: int, logits: torch.Tensor):
             value, stats = microbatch_loss(logits, _to(inputs.microbatches[k], self.device), inputs.targets)
@@ -396,13 +398,18 @@ def undecodable_samples(fs: FilteredStep) -> list[SampleIndex]:
     omni-data's :class:`~omni_data.ZeroRedundancyFilter` keeps such a sample in its pack (every rank
     planned the pack from metadata) with zeros of the metadata's shape and ``Payload.error`` set; it must
     not be trained on (its caption/transcript targets are masked). Only the rank that ran the sample's
-    encoder microbatch knows; :meth:`StepBuilder.build` shares the result over the pipeline group.
+    encoder microbatch knows; :meth:`StepBuilder.build` shares the result over the pipeline group. Also
+    the generation samples whose image did not decode where their ids were read
+    (``FilteredStep.text_errors``: their code targets are masked).
     """
     return sorted(
-        idx
-        for e, payloads in fs.payloads.items()
-        for idx, p in zip(fs.microbatches[e], payloads)
-        if p.error is not None
+        {
+            idx
+            for e, payloads in fs.payloads.items()
+            for idx, p in zip(fs.microbatches[e], payloads)
+            if p.error is not None
+        }
+        | set(fs.text_errors)
     )
 
 

@@ -1,8 +1,8 @@
 """The whole training step of one layout: the pipeline simulated action by action, plus every collective of
 the step over a two-tier network, the optimizer, and per-rank memory with an OOM verdict.
 
-A :class:`Layout` (pp, dp, tp with Megatron SP, CP ring / all-gather, Ulysses, EP, LLM and encoder ZeRO,
-recompute, placement, reordering group) of a :class:`~omni_pipeline.workload.Workload` on a
+A :class:`Layout` (pp with virtual stages, dp, tp with Megatron SP, CP ring / all-gather, Ulysses, EP, LLM
+and encoder ZeRO, recompute, placement, reordering group) of a :class:`~omni_pipeline.workload.Workload` on a
 :class:`Device` and a :class:`~omni_pipeline.cost.Network` is predicted by :func:`predict_step`:
 
 * **Compute**: modelled FLOPs (:func:`omni_pipeline.modelled_step_costs`) at ``peak_flops * efficiency``
@@ -67,8 +67,24 @@ recompute, placement, reordering group) of a :class:`~omni_pipeline.workload.Wor
   the simulator holds them. OOM when a rank's peak (``total``: state + in-step + activations) exceeds
   ``Device.memory_bytes``.
 
-Not modelled: data loading, expert load imbalance, offload, virtual stages, compute-communication overlap
-inside an action, link contention between groups.
+* **Virtual stages** (``Layout.virtual_stages = v > 1``): the layers split over ``pp * v`` stages
+  (:func:`even_stage_layers`), rank ``r`` holding stages ``r, r + pp, ...``, run by the trainer's
+  interleaved 1F1B (:class:`~omni_pipeline.schedules.ScheduleInterleaved1F1B`, Narayanan et al. 2021
+  §2.2): each stage's actions take its layers' share of the microbatch's seconds (and of the per-layer
+  collectives), every one of the ``pp * v - 1`` stage boundaries is a P2P of the boundary activation
+  between neighbouring ranks (the last stage of a round wrapping from rank ``pp - 1`` to rank 0), so a
+  microbatch crosses ``v`` times as many boundaries as under 1F1B; the smaller bubble and the extra
+  transfers both come out of the simulation. Memory per rank sums its stages' state (the embedding on
+  stage 0, the LM head on the last) and holds the activations its program keeps in flight (rank 0 warms
+  up with ``(v - 1) * m' + 2 * (pp - 1)`` forwards of one-``v``-th stages, ``m'`` microbatches per
+  round, against 1F1B's ``pp - 1`` whole ones). The encoder
+  microbatches stay one slice per pipeline rank. ``megatron_dist`` runs under 1F1B only. Per-step ZeRO
+  gathers and reductions are timed as one collective per rank over its stages' bytes (one per stage in
+  the trainer: ``v - 1`` more latencies, left out).
+
+Not modelled: data loading, expert load imbalance, imbalance between DP replicas (every replica runs
+the simulated one's step), offload, compute-communication overlap inside an action, link contention
+between groups.
 """
 
 from __future__ import annotations
@@ -80,7 +96,7 @@ from dataclasses import dataclass, field
 from omni_data import Pack, encoder_microbatch_ids, split_encoder_microbatches
 from omni_parallel.flops import TransformerShape, attention_flops, model_flops
 from omni_parallel.memory import analytic_state_bytes, block_activation_bytes
-from omni_pipeline.actions import Action, ActionKind
+from omni_pipeline.actions import Action, ActionKind, ScheduleError
 from omni_pipeline.cost import (
     CostModel,
     Network,
@@ -90,7 +106,7 @@ from omni_pipeline.cost import (
     reduce_scatter_s,
 )
 from omni_pipeline.placement import encoder_ranks_for, simulate_disaggregated
-from omni_pipeline.schedules import Schedule1F1B
+from omni_pipeline.schedules import Schedule, Schedule1F1B, ScheduleInterleaved1F1B
 from omni_pipeline.simulator import SimulationResult, simulate
 from omni_pipeline.step_costs import modelled_step_costs, sample_encoder_flops
 from omni_pipeline.workload import MoEShape, Workload
@@ -106,6 +122,7 @@ __all__ = [
     "rank_memory",
     "stage_expert_params",
     "step_collectives",
+    "step_time_lower_bound",
 ]
 
 # placements predict_step runs (omni_pipeline.place policies, the Megatron-Dist / DistTrain and Optimus baselines)
@@ -163,6 +180,11 @@ class Layout:
             ``pp > 1`` and more than one microbatch, :func:`omni_parallel.llm_zero.reshard_after_forward`),
             ``"always"`` (each block gathered per microbatch in forward and again in backward) or
             ``"never"`` (the stage gathered once per step and held through it).
+        virtual_stages: LLM stages per pipeline rank (``parallel.virtual_stages``): 1 runs 1F1B
+            (:class:`~omni_pipeline.schedules.Schedule1F1B`); ``v > 1`` splits the layers over
+            ``pp * v`` stages, rank ``r`` holding stages ``r, r + pp, ...``, under interleaved 1F1B
+            (:class:`~omni_pipeline.schedules.ScheduleInterleaved1F1B`, the trainer's
+            ``parallel.schedule = "interleaved"``; Narayanan et al. 2021 §2.2).
 
     Raises:
         ValueError: a size < 1, ``sequence_parallel`` without ``tp > 1``, an unknown ``cp_attention``,
@@ -183,10 +205,11 @@ class Layout:
     reorder_group: int = 1
     ep: int = 1
     llm_reshard: str = "auto"
+    virtual_stages: int = 1
 
     def __post_init__(self) -> None:
         errors = [f"{k} must be an int >= 1, got {getattr(self, k)!r}" for k in
-                  ("pp", "dp", "tp", "cp", "ulysses", "reorder_group", "ep")
+                  ("pp", "dp", "tp", "cp", "ulysses", "reorder_group", "ep", "virtual_stages")
                   if not (isinstance(getattr(self, k), int) and getattr(self, k) >= 1)]  # fmt: skip
         if self.sequence_parallel and self.tp < 2:
             errors.append("sequence_parallel needs tp > 1")
@@ -210,6 +233,35 @@ class Layout:
             errors.append(f"ep {self.ep} must divide dp {self.dp} (EP is carved out of DP)")
         if errors:
             raise ValueError("Layout: " + "; ".join(errors))
+
+    @property
+    def stages(self) -> int:
+        """LLM stages of the pipeline: ``pp * virtual_stages``."""
+        return self.pp * self.virtual_stages
+
+    def rank_stages(self, rank: int) -> list[int]:
+        """The LLM stages pipeline rank ``rank`` holds: ``rank, rank + pp, ...`` (round-robin, as
+        :meth:`omni_pipeline.schedules.Schedule.rank_stages`)."""
+        return [rank + v * self.pp for v in range(self.virtual_stages)]
+
+    def stage_to_rank(self, stage: int) -> int:
+        """The pipeline rank holding LLM stage ``stage``: ``stage % pp``."""
+        return stage % self.pp
+
+    def schedule(self, microbatches: int) -> Schedule:
+        """The LLM schedule the trainer runs for this layout: 1F1B, or interleaved 1F1B over
+        ``virtual_stages`` stages per rank.
+
+        Raises:
+            ValueError: interleaved 1F1B with ``microbatches`` not a multiple of its rounds
+                (``max(1, microbatches // pp)``, the trainer's preflight rule), or ``microbatches`` < 1.
+        """
+        try:
+            if self.virtual_stages == 1:
+                return Schedule1F1B(self.pp, microbatches)
+            return ScheduleInterleaved1F1B(self.pp, microbatches, self.virtual_stages)
+        except ScheduleError as exc:
+            raise ValueError(f"Layout.virtual_stages: {exc}") from None
 
     @property
     def model_parallel(self) -> int:
@@ -304,6 +356,69 @@ def _layer_offsets(layers: Sequence[int]) -> list[int]:
     return [sum(layers[:s]) for s in range(len(layers))]
 
 
+def _stage_layers(shape: TransformerShape, layout: Layout, stage_layers: Sequence[int] | None) -> list[int]:
+    """Layers of each of the layout's ``pp * virtual_stages`` stages (default :func:`even_stage_layers`).
+
+    Raises:
+        ValueError: fewer layers than stages, or ``stage_layers`` not one count per stage.
+    """
+    if stage_layers is None:
+        return even_stage_layers(shape.n_layers, layout.stages)
+    layers = list(stage_layers)
+    if len(layers) != layout.stages:
+        raise ValueError(
+            f"stage_layers: {len(layers)} counts {layers}, need one per stage: pp * virtual_stages = "
+            f"{layout.pp} * {layout.virtual_stages} = {layout.stages}"
+        )
+    return layers
+
+
+def _rank_llm_params(
+    shape: TransformerShape,
+    vocab: int,
+    layers: Sequence[int],
+    layout: Layout,
+    moe: MoEShape | None,
+    rank: int,
+) -> tuple[float, int, float, int, list[float]]:
+    """What pipeline rank ``rank`` holds of the LLM, summed over its stages (:meth:`Layout.rank_stages`;
+    the embedding on stage 0, the final norm and LM head on the last stage): ``(parameters, tensors,
+    expert parameters, expert tensors, [each block's non-expert parameters] (ZeRO-3 only, else
+    empty))`` per TP rank (:func:`llm_stage_params`, :func:`stage_expert_params`)."""
+    offsets = _layer_offsets(layers)
+    last = len(layers) - 1
+    p = xp = 0.0
+    t = xt = 0
+    blocks: list[float] = []
+    for s in layout.rank_stages(rank):
+        sp, st = llm_stage_params(
+            shape, vocab, layers[s], first=s == 0, last=s == last, tp=layout.tp, moe=moe,
+            first_layer=offsets[s],
+        )  # fmt: skip
+        ep_, et = stage_expert_params(shape, moe, layers[s], first_layer=offsets[s], ep=layout.ep)
+        p, t, xp, xt = p + sp, t + st, xp + ep_, xt + et
+        if layout.llm_zero == 3:  # only ZeRO-3's per-block gathers need them
+            blocks += [
+                llm_stage_params(shape, vocab, 1, first=False, last=False, tp=layout.tp, moe=moe,
+                                 first_layer=offsets[s] + i)[0]
+                for i in range(layers[s])
+            ]  # fmt: skip
+    return p, t, xp, xt, blocks
+
+
+def _in_flight_activations(schedule: Schedule, rank: int, stage_bytes: Sequence[float]) -> float:
+    """Peak over ``rank``'s program of the LLM activations it holds: each microbatch forwarded and not
+    yet backwarded holds its stage's ``stage_bytes`` (``omni_train.memory_plan``'s count)."""
+    live = peak = 0.0
+    for a in schedule.program_view[rank]:
+        if a.kind == ActionKind.FORWARD:
+            live += stage_bytes[a.stage]
+        elif a.kind == ActionKind.BACKWARD:
+            live -= stage_bytes[a.stage]
+        peak = max(peak, live)
+    return peak
+
+
 def _encoder_params(shapes: Mapping[str, TransformerShape]) -> tuple[float, int]:
     """``(parameters, tensors)`` of the encoder towers: blocks' matmul weights and two LayerNorms (weight
     and bias) per block (patch / frame embeddings left out: under 1%)."""
@@ -364,6 +479,7 @@ def rank_memory(
     activations: Mapping[int, float] | None = None,
     state: Mapping[int, Mapping[str, float]] | None = None,
     microbatches: int | None = None,
+    cache: dict | None = None,
 ) -> dict[int, dict[str, float]]:
     """Bytes per pipeline rank: LLM and encoder state by kind held between steps (``llm_parameters`` ...
     ``enc_optimizer``, kinds of :data:`omni_parallel.memory.KINDS`), the bytes held only inside a step
@@ -386,14 +502,19 @@ def rank_memory(
     Args:
         workload: gives the shapes (``workload.shapes``) and the pack length.
         vocab: the LLM's vocabulary (LLaMA-2: 32000).
-        stage_layers: layers per stage (default :func:`even_stage_layers`).
-        activations: ``{pp rank: peak activation bytes}`` from a simulation; default: 1F1B's in-flight
-            LLM activations (stage ``s`` holds ``min(pp - s, microbatches)`` microbatches).
+        stage_layers: layers per stage, ``pp * virtual_stages`` counts (default :func:`even_stage_layers`).
+        activations: ``{pp rank: peak activation bytes}`` from a simulation; default: the schedule's
+            in-flight LLM activations (1F1B: stage ``s`` holds ``min(pp - s, microbatches)`` microbatches;
+            interleaved 1F1B: the peak over the rank's program of its stages' stored bytes, as
+            ``omni-train memory`` counts them).
         state: ``{pp rank: {"llm": {kind: bytes}, "encoders": {kind: bytes}, "in_step": {"llm" |
             "encoders": {"gradients", "gathered"}}}}`` measured from a build (``omni-train memory``;
             ``in_step`` optional: analytic when absent); default:
             :func:`omni_parallel.memory.analytic_state_bytes` per stage.
         microbatches: per replica and step (default the workload's): decides ``llm_reshard = "auto"``.
+        cache: a dict kept between calls of one search: interleaved 1F1B's schedules and in-flight
+            peaks (read from its programs) are reused across layouts of the same ``pp``, virtual stages,
+            microbatches and stage bytes.
 
     Raises:
         ValueError: the workload has no LLM shape, or the layers do not fill the stages.
@@ -403,18 +524,19 @@ def rank_memory(
     llm = workload.shapes["llm"]
     moe = workload.moe
     _check_ep(workload, layout)
-    layers = list(stage_layers) if stage_layers is not None else even_stage_layers(llm.n_layers, layout.pp)
+    layers = _stage_layers(llm, layout, stage_layers)
     offsets = _layer_offsets(layers)
     enc_p, enc_t = _encoder_params(workload.shapes)
     m = workload.microbatches if microbatches is None else microbatches
+    cache = {} if cache is None else cache
+    sk = ("schedule", layout.pp, m, layout.virtual_stages)
+    if activations is None and layout.virtual_stages > 1 and sk not in cache:
+        cache[sk] = layout.schedule(m)
     out: dict[int, dict[str, float]] = {}
     for r in range(layout.pp):
-        p, t = llm_stage_params(
-            llm, vocab, layers[r], first=r == 0, last=r == layout.pp - 1, tp=layout.tp, moe=moe,
-            first_layer=offsets[r],
-        )  # fmt: skip
+        p, t, xp, xt, blocks = _rank_llm_params(llm, vocab, layers, layout, moe, r)
         in_step = (state[r].get("in_step") if state is not None else None) or {
-            "llm": _llm_in_step(llm, vocab, layers[r], offsets[r], r, layout, moe, p, m),
+            "llm": _llm_in_step(layout, p, blocks, m),
             "encoders": _encoder_in_step(enc_p, layout),
         }
         if state is not None:
@@ -426,7 +548,6 @@ def rank_memory(
             )  # fmt: skip
             if layout.llm_zero == 1 and layout.data_group > 1:  # ZeRO-1 all-reduces whole gradients
                 llm_state = dict(llm_state, gradients=p * MASTER_BYTES)
-            xp, xt = stage_expert_params(llm, moe, layers[r], first_layer=offsets[r], ep=layout.ep)
             if xp:  # routed experts: 1/ep per rank, further sharded over edp at ZeRO 1-3 (llm_zero)
                 xs = analytic_state_bytes(
                     0, bytes_per=MASTER_BYTES, zero=layout.llm_zero, shards=layout.data_group, tensors=xt,
@@ -439,19 +560,19 @@ def rank_memory(
         if activations is not None:
             act = float(activations[r])
         else:
-            act = float(
-                min(layout.pp - r, workload.microbatches)
-                * _stage_activation_bytes(
-                    llm,
-                    vocab,
-                    layers[r],
-                    workload.max_seq_len,
-                    layout,
-                    last=r == layout.pp - 1,
-                    moe=moe,
-                    first_layer=offsets[r],
-                )
-            )
+            stage_bytes = [
+                _stage_activation_bytes(llm, vocab, layers[s], workload.max_seq_len, layout,
+                                        last=s == layout.stages - 1, moe=moe, first_layer=offsets[s])
+                if layout.stage_to_rank(s) == r else 0
+                for s in range(layout.stages)
+            ]  # fmt: skip
+            if layout.virtual_stages == 1:  # 1F1B: stage r holds min(pp - r, microbatches) microbatches
+                act = float(min(layout.pp - r, m) * stage_bytes[r])
+            else:
+                key = (*sk, r, tuple(stage_bytes))
+                if key not in cache:
+                    cache[key] = float(_in_flight_activations(cache[sk], r, stage_bytes))
+                act = cache[key]
         row = {f"llm_{k}": float(v) for k, v in llm_state.items()}
         row |= {f"enc_{k}": float(v) for k, v in enc_state.items()}
         row["between_steps"] = sum(row.values())
@@ -469,18 +590,10 @@ def rank_memory(
 
 
 def _llm_in_step(
-    llm: TransformerShape,
-    vocab: int,
-    layers: int,
-    first_layer: int,
-    r: int,
-    layout: Layout,
-    moe: MoEShape | None,
-    params: float,
-    microbatches: int,
+    layout: Layout, params: float, blocks: Sequence[float], microbatches: int
 ) -> dict[str, float]:
-    """An LLM stage's in-step bytes (:func:`rank_memory`): ``params`` = its non-expert parameters per
-    TP rank (:func:`llm_stage_params`)."""
+    """A pipeline rank's LLM in-step bytes (:func:`rank_memory`): ``params`` = its non-expert parameters
+    per TP rank over its stages, ``blocks`` each of its blocks' (:func:`_rank_llm_params`)."""
     if layout.llm_zero < 2 or layout.data_group == 1:
         return {"gradients": 0.0, "gathered": 0.0}
     grads = params * MASTER_BYTES
@@ -488,13 +601,7 @@ def _llm_in_step(
         return {"gradients": grads, "gathered": 0.0}
     if not layout.reshards(microbatches):
         return {"gradients": grads, "gathered": params * GATHER_BYTES}
-    blocks = [
-        llm_stage_params(
-            llm, vocab, 1, first=False, last=False, tp=layout.tp, moe=moe, first_layer=first_layer + i
-        )[0]
-        for i in range(layers)
-    ]
-    roots = params - sum(blocks)
+    roots = params - sum(blocks)  # each stage's root unit: embedding / final norm / LM head
     return {"gradients": grads, "gathered": (roots + sum(sorted(blocks)[-2:])) * GATHER_BYTES}
 
 
@@ -585,19 +692,11 @@ def step_collectives(
         bw, lat = network.link(L.ep, L.model_parallel)
         one = all_to_all_s(ACT_BYTES * t_rank * moe.top_k * llm.dim, L.ep, bw, lat)
         per["ep_fwd"], per["ep_bwd"] = 2 * one, (2 + 2 * redo) * one
-    layers = list(stage_layers) if stage_layers is not None else even_stage_layers(llm.n_layers, L.pp)
-    offsets = _layer_offsets(layers)
-    stages = [
-        (
-            llm_stage_params(llm, vocab, layers[r], first=r == 0, last=r == L.pp - 1, tp=L.tp, moe=moe,
-                             first_layer=offsets[r])[0],
-            stage_expert_params(llm, moe, layers[r], first_layer=offsets[r], ep=L.ep)[0],
-        )
-        for r in range(L.pp)
-    ]  # fmt: skip
+    layers = _stage_layers(llm, L, stage_layers)
+    ranks = [_rank_llm_params(llm, vocab, layers, L, moe, r) for r in range(L.pp)]  # over virtual stages
     zero_shards = L.data_group if L.llm_zero >= 1 else 1
-    busy = max(range(L.pp), key=lambda r: stages[r][0] / zero_shards + stages[r][1])
-    big, experts = stages[busy]
+    busy = max(range(L.pp), key=lambda r: ranks[r][0] / zero_shards + ranks[r][2])
+    big, _, experts, _, blocks = ranks[busy]
     step: dict[str, float] = {}
     nbytes = MASTER_BYTES * big  # float32 gradient reductions (reduce_dtype)
     gbytes = GATHER_BYTES * big  # bf16 gathers (MixedPrecisionPolicy.param_dtype)
@@ -609,11 +708,6 @@ def step_collectives(
         step["llm_all_reduce"] = all_reduce_s(nbytes, L.data_group, bw, lat)
     else:
         if L.reshards(microbatches):  # roots once per step; every block per microbatch, forward and backward
-            blocks = [
-                llm_stage_params(llm, vocab, 1, first=False, last=False, tp=L.tp, moe=moe,
-                                 first_layer=offsets[busy] + i)[0]
-                for i in range(layers[busy])
-            ]  # fmt: skip
             roots = big - sum(blocks)
             step["llm_all_gather"] = all_gather_s(
                 GATHER_BYTES * roots, L.data_group, bw, lat
@@ -753,11 +847,17 @@ def predict_step(
     if m < L.pp:
         raise ValueError(f"predict_step: {m} microbatches cannot fill {L.pp} stages")
     llm = workload.shapes["llm"]
-    layers = list(stage_layers) if stage_layers is not None else even_stage_layers(llm.n_layers, L.pp)
+    layers = _stage_layers(llm, L, stage_layers)
     if packs is not None:
         m = len(packs)
     if m < L.pp:
         raise ValueError(f"predict_step: {m} microbatches cannot fill {L.pp} stages")
+    L.schedule(m)  # interleaved 1F1B: m a multiple of its rounds (raises ValueError)
+    if L.virtual_stages > 1 and L.placement == "megatron_dist":
+        raise ValueError(
+            "predict_step: placement 'megatron_dist' is modelled under 1F1B only (its encoder ranks run "
+            f"1F1B as the first of pp + 1 stages), not with virtual_stages = {L.virtual_stages}"
+        )
     opts = (None if packs is None else id(packs), balance, encoder_sp, encoder_ranks)
     key = ("pipe", dataclasses.replace(L, llm_zero=0, encoder_zero=0), m, step, opts)
     if key not in cache:
@@ -775,22 +875,22 @@ def predict_step(
         microbatches=m,
     )
     step_s = sim.makespan_s + sum(per_step.values())
-    # where the time goes on the busiest rank (1F1B: pipeline rank r runs stage r)
+    # where the time goes on the busiest rank (it runs F and B of each of its stages for every microbatch)
     busiest = max(range(L.pp), key=lambda r: sum(ev.end_s - ev.start_s for ev in sim.timelines[r]))
-    llm_c = enc_c = n_f = n_b = 0.0
+    llm_c = enc_c = 0.0
     for ev in sim.timelines[busiest]:
         d = ev.end_s - ev.start_s
         if ev.is_encoder:
             enc_c += d
         else:
             llm_c += d
-            n_f += ev.kind == ActionKind.FORWARD.value
-            n_b += ev.kind == ActionKind.BACKWARD.value
+    own = L.rank_stages(busiest)
+    n_layers = sum(layers[s] for s in own)
     time_s = {"llm_compute": 0.0, "encoder_compute": enc_c}
     for k in ("tp", "cp", "ulysses"):
-        time_s[k] = layers[busiest] * (n_f * per[f"{k}_fwd"] + n_b * per[f"{k}_bwd"])
-    n_moe = _moe_layers(workload, layers)[busiest]
-    time_s["ep"] = n_moe * (n_f * per["ep_fwd"] + n_b * per["ep_bwd"])
+        time_s[k] = m * n_layers * (per[f"{k}_fwd"] + per[f"{k}_bwd"])
+    n_moe = sum(_moe_layers(workload, layers)[s] for s in own)
+    time_s["ep"] = m * n_moe * (per["ep_fwd"] + per["ep_bwd"])
     time_s["llm_compute"] = llm_c - time_s["tp"] - time_s["cp"] - time_s["ulysses"] - time_s["ep"]
     time_s["pipeline_idle"] = sim.makespan_s - llm_c - enc_c
     time_s |= per_step
@@ -804,6 +904,54 @@ def predict_step(
     )  # fmt: skip
     oom = [r for r, row in memory.items() if row["total"] > device.memory_bytes]
     return StepPrediction(L, step_s, tokens_per_s, mfu, time_s, memory, oom, sim, er)
+
+
+def step_time_lower_bound(
+    workload: Workload,
+    layout: Layout,
+    sibling: StepPrediction,
+    *,
+    device: Device | None = None,
+    network: Network | None = None,
+    microbatches: int | None = None,
+    vocab: int = 32000,
+) -> float:
+    """A lower bound of ``predict_step(workload, layout, ...).step_time_s`` (same step, microbatches and
+    vocabulary, default stage split) from ``sibling``, the prediction of a layout that differs from
+    ``layout`` only in ``virtual_stages``, ``llm_zero``, ``encoder_zero`` or the placement (not
+    ``megatron_dist``), without simulating ``layout``'s pipeline.
+
+    Every split of the layers over ``pp * virtual_stages`` stages and every colocated placement runs the
+    same LLM and encoder work on the replica's ``pp`` ranks (each stage's seconds are proportional to its
+    layers; the per-layer collectives and recompute likewise; the encoder microbatches are the same), so
+    the pipeline's makespan is at least that total busy time over ``pp`` (a rank can do no better than the
+    mean); the step adds the per-step collectives and optimizer of ``layout``
+    (:func:`step_collectives`), the reordering all-to-all taken from ``sibling``.
+
+    Raises:
+        ValueError: ``sibling`` has no simulation, is a ``megatron_dist`` prediction, or differs from
+            ``layout`` in anything else.
+    """
+    keep = {"virtual_stages": 1, "llm_zero": 0, "encoder_zero": 0, "placement": "uniform_on_demand"}
+    if (
+        sibling.simulation is None
+        or sibling.layout.placement == "megatron_dist"
+        or layout.placement == "megatron_dist"
+        or dataclasses.replace(sibling.layout, **keep) != dataclasses.replace(layout, **keep)
+    ):
+        raise ValueError(
+            f"step_time_lower_bound: {sibling.layout} is not a simulated colocated sibling of {layout}"
+        )
+    device = device or Device()
+    network = network or Network()
+    m = workload.microbatches if microbatches is None else microbatches
+    sim = sibling.simulation
+    busy = sum(ev.end_s - ev.start_s for r in range(layout.pp) for ev in sim.timelines[r])
+    _, per_step = step_collectives(
+        workload, layout, network, device, tokens=1.0, vocab=vocab, microbatches=m
+    )  # fmt: skip
+    per_step.pop("reorder_all_to_all", None)  # needs the encoder output bytes: the sibling's (the same)
+    return busy / layout.pp + sum(per_step.values()) + sibling.time_s.get("reorder_all_to_all", 0.0)
 
 
 def _pipeline(
@@ -839,8 +987,9 @@ def _pipeline(
     packs, mbs, fwd_flops = cache[pk]
     rate = device.peak_flops * device.efficiency
     mp = L.model_parallel
-    weights = [n * L.pp / llm.n_layers for n in layers]
-    costs = modelled_step_costs(workload.model, packs, mbs, L.pp, rate * mp, L.dp, stage_weights=weights)
+    S = L.stages  # pp * virtual_stages LLM stages; encoder slices stay one per pipeline rank
+    weights = [n * S / llm.n_layers for n in layers]
+    costs = modelled_step_costs(workload.model, packs, mbs, S, rate * mp, L.dp, stage_weights=weights)
     if not encoder_sp:  # one rank of the position runs each encoder microbatch whole
         costs = dataclasses.replace(
             costs, encoder_forward_s={e: v * mp for e, v in costs.encoder_forward_s.items()}
@@ -863,7 +1012,7 @@ def _pipeline(
     n_moe = _moe_layers(workload, layers)
     llm_s: dict[Action, float] = {}
     for k in range(m):
-        for s in range(L.pp):
+        for s in range(S):
             f = costs.duration(Action(F, k, s))
             llm_s[Action(F, k, s)] = f + layers[s] * comm_f + n_moe[s] * per["ep_fwd"]
             llm_s[Action(B, k, s)] = (
@@ -872,9 +1021,9 @@ def _pipeline(
     enc_b = {e: (3.0 if L.recompute else 2.0) * v for e, v in costs.encoder_forward_s.items()}
     offsets = _layer_offsets(layers)
     act = [
-        _stage_activation_bytes(llm, vocab, layers[s], workload.max_seq_len, L, last=s == L.pp - 1,
+        _stage_activation_bytes(llm, vocab, layers[s], workload.max_seq_len, L, last=s == S - 1,
                                 moe=workload.moe, first_layer=offsets[s])
-        for s in range(L.pp)
+        for s in range(S)
     ]  # fmt: skip
     enc_scale = (1.0 / 17.0 if L.recompute else 1.0) / mp  # recompute keeps each block's input only
     costs = dataclasses.replace(
@@ -888,8 +1037,8 @@ def _pipeline(
         llm_activation_bytes=costs.llm_activation_bytes
         / (L.cp * L.ulysses * (L.tp if L.sequence_parallel else 1)),
     )
-    schedule = Schedule1F1B(L.pp, m)
-    encoder_inputs = encoder_microbatch_ids(m, L.pp)
+    schedule = L.schedule(m)  # 1F1B, or interleaved 1F1B: every stage boundary a P2P (stage s -> s + 1
+    encoder_inputs = encoder_microbatch_ids(m, L.pp)  # on the next rank, the last of a round wrapping to 0)
     er = 0
     if L.placement == "megatron_dist":
         er = encoder_ranks if encoder_ranks is not None else encoder_ranks_for(costs, schedule)

@@ -3,28 +3,44 @@
 predicted tokens/s (the paper tunes parallelism per workload, MegaScale-Omni §5 / Figure 18).
 
 Search space (:func:`candidate_layouts`): ``pp`` (a divisor of ``gpus`` up to the LLM's layers, with at
-least ``pp`` microbatches per replica at the fixed global batch), ``tp`` (1 .. ``gpus_per_node``, dividing
-the heads; Megatron SP on whenever ``tp > 1``: the same ring time as plain TP and less memory), CP (ring
-or all-gather) or Ulysses (1 .. 8), ``dp`` = what is left, ``ep`` (an MoE LLM only: powers of two dividing
-``dp`` and the experts, up to ``max_ep``), ``llm_zero`` 0-3, recompute on / off, and a placement (``uniform_on_demand`` in the search; ``isolated`` and ``planned`` for the best layouts). The global batch (packs per step, all replicas) is fixed, so each replica runs
-``global_batch / dp`` microbatches. Fixed, not searched: ``encoder_zero = 0`` (the encoders replicated:
-their state counts whole on every rank), ``llm_reshard = "auto"`` (ZeRO-3 re-gathers every block per
-microbatch at ``pp = 1``, holds the gathered stage through the step at ``pp > 1``; the step model times
-and sizes the policy it resolves to, and ``omni_train.simulate.workload_config`` writes it explicitly),
-virtual stages, offload and the reordering group. ZeRO all-gathers are timed at bf16 bytes and
-reductions at float32 (:mod:`omni_pipeline.step_model`).
+least ``pp`` microbatches per replica at the fixed global batch), virtual stages per rank (1, 2, 4 up to
+``max_virtual``, at ``pp > 1``: interleaved 1F1B, Narayanan et al. 2021 §2.2, where ``pp * v`` stages
+fit the layers and the microbatches are a multiple of its rounds ``max(1, m // pp)``), ``tp`` (1 ..
+``gpus_per_node``, dividing the heads; Megatron SP on whenever ``tp > 1``: the same ring time as plain TP
+and less memory), CP (ring or all-gather) or Ulysses (1 .. 8), ``dp`` = what is left, ``ep`` (an MoE LLM
+only: powers of two dividing ``dp`` and the experts, up to ``max_ep``), ``llm_zero`` 0-3,
+``encoder_zero`` 0 / 2 / 3 (with encoders; their state, gradient reduction and optimizer step sharded
+over every rank), recompute on / off, and a placement (``uniform_on_demand`` in the search;
+``isolated`` and ``planned`` for the best layouts). The global batch (packs per step, all replicas) is
+fixed, so each replica runs ``global_batch / dp`` microbatches. Fixed, not searched: ``llm_reshard =
+"auto"`` (ZeRO-3 re-gathers every block per microbatch at ``pp = 1``, holds the gathered stage through
+the step at ``pp > 1``; the step model times and sizes the policy it resolves to, and
+``omni_train.simulate.workload_config`` writes it explicitly), offload, and the reordering group
+(``reorder_group = 1``): the step model simulates one replica and takes every replica to be like it,
+so it prices the reordering all-to-all but not the imbalance between replicas that reordering across
+DP removes; a larger group could only lose in it (``benchmarks/paper_scale.py`` prices both by dealing
+several replicas' packs). ZeRO all-gathers are timed at bf16 bytes and reductions at float32
+(:mod:`omni_pipeline.step_model`).
 
 Memory: a plan fits when every pipeline rank's step peak (:func:`~omni_pipeline.step_model.rank_memory`'s
 ``total``: state + ZeRO-2/3's in-step whole gradients and ZeRO-3's gathered parameters + activations) is
 within ``Device.memory_bytes``.
 
-Cost: pipeline simulations are shared by layouts differing only in their ZeRO stage
-(``predict_step(cache=...)``); a layout's memory is first bounded without simulating (state plus 1F1B's
-in-flight LLM activations, a lower bound of the simulated peak), and OOM layouts are never simulated.
-The ``planned`` placement (a search of its own) is run only for the ``refine`` best layouts of the cheap
-placements. ``check`` (e.g. the trainer's preflight) refuses layouts the trainer cannot run, and
-``exact_state`` (e.g. ``omni-train memory``'s build) replaces the analytic state of the best plans, which
-are then dropped if that makes them OOM.
+Cost: pipeline simulations are shared by layouts differing only in their ZeRO stages
+(``predict_step(cache=...)``); a layout's memory is first bounded without simulating (state plus the
+schedule's in-flight LLM activations, a lower bound of the simulated peak), and OOM layouts are never
+simulated. Virtual-stage layouts are simulated after every 1F1B one, best bound first, and only while
+their step-time lower bound (:func:`~omni_pipeline.step_model.step_time_lower_bound`: the 1F1B sibling's
+busy time over ``pp`` ranks plus their per-step collectives) beats the ``max(top, refine)``-th best plan
+so far; one whose 1F1B sibling runs out of memory is dropped (interleaving holds more activations, never
+fewer). The ``planned`` placement (a search of its own) is run only for the ``refine`` best layouts of
+the cheap placements. ``check`` (e.g. the trainer's preflight) refuses layouts the trainer cannot run
+(asked once per shape; a shape's 1F1B, encoder-ZeRO-0 form first: when that is refused, so are its
+variants), and ``exact_state`` (e.g. ``omni-train memory``'s build) replaces the analytic state of the
+best plans, which are then dropped if that makes them OOM.
+
+Time: ``omni-train tune --workload paper-vlm --gpus 512`` searches 5,832 layouts in about 30-50 s on a
+shared 2-core CPU (apps/omni-train/README.md, "Planning at scale").
 """
 
 from __future__ import annotations
@@ -35,7 +51,14 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from omni_pipeline.cost import Network
-from omni_pipeline.step_model import Device, Layout, StepPrediction, predict_step, rank_memory
+from omni_pipeline.step_model import (
+    Device,
+    Layout,
+    StepPrediction,
+    predict_step,
+    rank_memory,
+    step_time_lower_bound,
+)
 from omni_pipeline.workload import Workload
 
 __all__ = ["TuneResult", "candidate_layouts", "tune"]
@@ -51,9 +74,13 @@ class TuneResult:
     Attributes:
         plans: the best feasible plans, fastest first, one per layout (its fastest placement;
             ``StepPrediction``, exact state where given).
-        considered: layouts enumerated (before any filter). refused: layouts ``check`` refused.
+        considered: layouts enumerated (before any filter). refused: layouts ``check`` refused (a
+            virtual-stage or encoder-ZeRO variant of an accepted shape is checked after its memory
+            bound, so one out of memory counts there).
         oom: layouts dropped for memory. simulated: pipeline simulations run. wall_s: seconds taken.
         global_batch: packs per step over all replicas.
+        bounded: virtual-stage layouts not simulated: their step-time lower bound
+            (:func:`~omni_pipeline.step_model.step_time_lower_bound`) could not beat the best plans.
     """
 
     plans: list[StepPrediction]
@@ -63,7 +90,14 @@ class TuneResult:
     simulated: int = 0
     wall_s: float = 0.0
     global_batch: int = 0
+    bounded: int = 0
     refusals: dict[str, int] = field(default_factory=dict)
+
+
+def _sibling_key(layout: Layout) -> Layout:
+    """A layout's 1F1B sibling shape: what :func:`~omni_pipeline.step_model.step_time_lower_bound` may
+    bound from (virtual stages and ZeRO stages aside)."""
+    return dataclasses.replace(layout, virtual_stages=1, llm_zero=0, encoder_zero=0)
 
 
 def _divisors(n: int) -> list[int]:
@@ -80,8 +114,12 @@ def candidate_layouts(
     max_microbatches: int = 128,
     placements: Sequence[str] = CHEAP_PLACEMENTS,
     max_ep: int = 64,
+    max_virtual: int = 4,
 ) -> Iterator[tuple[Layout, int]]:
     """Every ``(layout, microbatches per replica)`` of the search space (module docstring).
+
+    Args:
+        max_virtual: the most virtual stages per pipeline rank tried (powers of two; 1 turns them off).
 
     Raises:
         ValueError: ``gpus`` or ``global_batch`` < 1, or a workload without an LLM shape.
@@ -94,6 +132,8 @@ def candidate_layouts(
     seqs = [("cp", c, a) for c in (2, 4, 8) if c <= max_sp for a in ("allgather", "ring")]
     seqs += [("ulysses", u, "allgather") for u in (2, 4, 8) if u <= max_sp and heads % u == 0 and kv % u == 0]
     seqs = [("none", 1, "allgather"), *seqs]
+    # encoder ZeRO only matters with encoders (their state sharded over every rank)
+    enc_zeros = (0, 2, 3) if any(k != "llm" for k in workload.shapes) else (0,)
     for pp in (d for d in _divisors(gpus) if d <= llm.n_layers):
         for tp in tps:
             for kind, n, attn in seqs:
@@ -109,7 +149,12 @@ def candidate_layouts(
                     for e in (1, 2, 4, 8, 16, 32, 64, 128)
                     if e <= max_ep and dp % e == 0 and experts % e == 0
                 ]
-                for ep, zero in ((e, z) for e in eps for z in (0, 1, 2, 3)):
+                m = global_batch // dp
+                # interleaved 1F1B: pp * v stages of >= 1 layer, m a multiple of its rounds max(1, m // pp)
+                virtuals = [v for v in (1, 2, 4, 8) if v == 1 or (
+                    v <= max_virtual and pp > 1 and pp * v <= llm.n_layers and m % max(1, m // pp) == 0)]  # fmt: skip
+                for ep, zero, v, ez in ((e, z, v, ez) for e in eps for z in (0, 1, 2, 3) for v in virtuals
+                                        for ez in enc_zeros):  # fmt: skip
                     for recompute in (False, True):
                         for placement in placements:
                             yield (
@@ -118,8 +163,9 @@ def candidate_layouts(
                                     cp=n if kind == "cp" else 1, cp_attention=attn,
                                     ulysses=n if kind == "ulysses" else 1, llm_zero=zero,
                                     recompute=recompute, placement=placement, ep=ep,
+                                    virtual_stages=v, encoder_zero=ez,
                                 ),
-                                global_batch // dp,
+                                m,
                             )  # fmt: skip
 
 
@@ -137,6 +183,7 @@ def tune(
     vocab: int = 32000,
     max_sp: int = 8,
     max_microbatches: int = 128,
+    max_virtual: int = 4,
 ) -> TuneResult:
     """The ``top`` fastest layouts of ``gpus`` GPUs for ``workload`` that fit in memory.
 
@@ -148,6 +195,7 @@ def tune(
         max_microbatches: layouts whose replicas would run more microbatches per step are skipped
             (their simulation grows with ``pp * microbatches``; their 1F1B bubble is already below
             ``(pp - 1) / max_microbatches``).
+        max_virtual: the most virtual stages per pipeline rank searched (1, 2, 4, ...; 1: 1F1B only).
         check: ``layout -> None`` (accepted) or a one-line reason (refused); called once per layout
             shape (placement and recompute aside).
         exact_state: ``(layout, microbatches) -> {pp rank: {"llm": {kind: bytes}, "encoders": ...}}``
@@ -168,6 +216,32 @@ def tune(
     verdicts: dict[Layout, str | None] = {}
     scored: list[StepPrediction] = []
     micro: dict[Layout, int] = {}
+
+    def _refused(shape: Layout) -> bool:
+        """Whether ``check`` refuses ``shape`` (asked once per shape); counts the refusal."""
+        if shape not in verdicts:
+            verdicts[shape] = check(shape) if check is not None else None
+        if verdicts[shape] is None:
+            return False
+        res.refused += 1
+        reason = verdicts[shape].split(":")[0]
+        res.refusals[reason] = res.refusals.get(reason, 0) + 1
+        return True
+
+    def _predict(layout: Layout, m: int) -> StepPrediction | None:
+        """Simulate ``layout`` (sharing pipelines through ``cache``); keep it when it fits."""
+        before = len(cache)
+        p = predict_step(
+            workload, layout, device=device, network=network, microbatches=m, vocab=vocab, cache=cache
+        )
+        res.simulated += sum(1 for key in list(cache)[before:] if key[0] == "pipe")
+        if p.oom:
+            res.oom += 1
+            return None
+        micro[layout] = m
+        scored.append(p)
+        return p
+
     layouts = candidate_layouts(
         workload,
         gpus,
@@ -175,31 +249,51 @@ def tune(
         gpus_per_node=network.gpus_per_node,
         max_sp=max_sp,
         max_microbatches=max_microbatches,
+        max_virtual=max_virtual,
     )
+    bounds: dict = {}  # interleaved schedules and in-flight peaks, shared by the memory bounds
+    deferred: list[tuple[Layout, int]] = []  # virtual-stage layouts: after every 1F1B one is scored
+    siblings: dict[Layout, StepPrediction] = {}  # 1F1B prediction per layout shape (zero stages aside)
     for layout, m in layouts:
         res.considered += 1
         shape = dataclasses.replace(layout, recompute=False, placement="uniform_on_demand")
-        if shape not in verdicts:
-            verdicts[shape] = check(shape) if check is not None else None
-        if verdicts[shape] is not None:
-            res.refused += 1
-            reason = verdicts[shape].split(":")[0]
-            res.refusals[reason] = res.refusals.get(reason, 0) + 1
+        # its 1F1B, encoder-ZeRO-0 shape first: refused, so is every variant (the trainer's virtual
+        # stages and encoder ZeRO only add conditions); a variant itself once it fits in memory
+        base = dataclasses.replace(shape, virtual_stages=1, encoder_zero=0)
+        if _refused(base):
             continue
-        bound = rank_memory(dataclasses.replace(workload, microbatches=m), layout, vocab=vocab)
+        bound = rank_memory(dataclasses.replace(workload, microbatches=m), layout, vocab=vocab, cache=bounds)
         if max(r["total"] for r in bound.values()) > device.memory_bytes:
             res.oom += 1
             continue
-        before = len(cache)
-        p = predict_step(
-            workload, layout, device=device, network=network, microbatches=m, vocab=vocab, cache=cache
-        )
-        res.simulated += sum(1 for k in list(cache)[before:] if k[0] == "pipe")
-        if p.oom:
+        if shape != base and _refused(shape):
+            continue
+        if layout.virtual_stages > 1:
+            deferred.append((layout, m))
+            continue
+        p = _predict(layout, m)
+        if p is not None:
+            siblings.setdefault(_sibling_key(layout), p)
+    # virtual stages: simulated only when their step-time lower bound (the 1F1B sibling's busy time over
+    # pp ranks + their per-step collectives) can beat the k-th best plan so far
+    k = max(top, refine)
+    hopeful = []
+    for layout, m in deferred:
+        sib = siblings.get(_sibling_key(layout))
+        if sib is None:  # the 1F1B sibling did not fit: interleaving holds more activations, not fewer
             res.oom += 1
             continue
-        micro[layout] = m
-        scored.append(p)
+        lb = step_time_lower_bound(
+            workload, layout, sib, device=device, network=network, microbatches=m, vocab=vocab
+        )
+        hopeful.append((sib.tokens_per_s * sib.step_time_s / lb, layout, m))
+    hopeful.sort(key=lambda x: -x[0])
+    for i, (ub, layout, m) in enumerate(hopeful):
+        best = sorted((p.tokens_per_s for p in scored), reverse=True)
+        if len(best) >= k and ub <= best[k - 1]:
+            res.bounded += len(hopeful) - i
+            break
+        _predict(layout, m)
     scored.sort(key=lambda p: -p.tokens_per_s)
     # the other placements for the best layouts
     for p in scored[:refine]:

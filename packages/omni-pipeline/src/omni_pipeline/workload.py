@@ -517,6 +517,12 @@ class _Reader:
         if mod not in {str(m) for m in Modality}:
             self.fail(f"{key}.modality", f"must be one of {[str(m) for m in Modality]}, got {mod!r}")
         modality = Modality(mod)
+        if modality is Modality.GENERATION:  # no encoder work: only its LLM tokens cost
+            self.fail(
+                f"{key}.modality",
+                "a generation source (caption + image codes) costs what a text source of as many tokens "
+                'costs: give it as modality = "text"',
+            )
         text = self.integer(raw, "text_tokens", 0, max_seq_len, default=0, prefix=key)
         if modality is Modality.TEXT and text:
             self.fail(

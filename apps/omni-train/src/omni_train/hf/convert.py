@@ -31,9 +31,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from omni_ckpt import CheckpointManager, load, read_manifest, save_ranks
-from omni_ckpt.layout import dtype_from_name
-from omni_train.binder import config_from_dict
+from omni_ckpt import save_ranks
+from omni_train.checkpointing import committed_step_url, read_model_tensors, run_config
 from omni_train.config import ConfigError, RunConfig
 from omni_train.data_files import load_tokenizer, tokenizer_path
 from omni_train.encoders import Encoders
@@ -88,7 +87,9 @@ class ExportReport:
 
 
 def _vocab_size(cfg: RunConfig) -> int:
-    return load_tokenizer(cfg.data).get_vocab_size()
+    from omni_train.data_pipeline import llm_vocab_size  # + boi, eoi and the codes of an image tokenizer
+
+    return llm_vocab_size(cfg, load_tokenizer(cfg.data).get_vocab_size())
 
 
 def build_model(cfg: RunConfig, vocab_size: int) -> nn.ModuleDict:
@@ -239,25 +240,6 @@ def import_hf(dirs: list[str | Path], cfg: RunConfig, out: str | Path) -> Import
     return ImportReport(Path(url), {f: found[f][0] for f in adapters}, ignored, kept, untied)
 
 
-def _read_model(run_dir: Path, step: int | None) -> tuple[int, dict[str, torch.Tensor]]:
-    mgr = CheckpointManager(str(run_dir / "checkpoints"), keep_last=None, async_save=False)
-    steps = mgr.steps()
-    if not steps:
-        raise ConfigError(f"export-hf: {run_dir} holds no committed checkpoint")
-    step = steps[-1] if step is None else step
-    if step not in steps:
-        raise ConfigError(f"--step: {step} is not a committed step of {run_dir} (have {steps})")
-    url = mgr.step_url(step)
-    saved = read_manifest(url)["tensors"]
-    tensors = {
-        n.removeprefix("model."): torch.empty(tuple(shape), dtype=dtype_from_name(dt))
-        for n, (dt, shape, _) in saved.items()
-        if n.startswith("model.")
-    }
-    load({"model": tensors}, url, process_group=None)
-    return step, tensors
-
-
 def export_hf(
     run_dir: str | Path,
     out: str | Path,
@@ -279,13 +261,9 @@ def export_hf(
             raised by ``read_manifest`` before any tensor is allocated from the manifest.
     """
     run_dir, out = Path(run_dir), Path(out)
-    if not (run_dir / "config.json").is_file():
-        raise ConfigError(f"export-hf: {run_dir} has no config.json (not a run directory)")
-    try:
-        cfg = config_from_dict(json.loads((run_dir / "config.json").read_text()))
-    except (ValueError, ConfigError) as exc:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
-        raise ConfigError(f"export-hf: {run_dir / 'config.json'} is not a run config ({exc})") from None
-    step, tensors = _read_model(run_dir, step)
+    cfg = run_config(run_dir, "export-hf")
+    step, url = committed_step_url(run_dir / "checkpoints", step, "export-hf")
+    tensors = read_model_tensors(url)
     llm = {k.removeprefix("llm."): v for k, v in tensors.items() if k.startswith("llm.")}
     llm_cfg = cfg.model.llm_config(int(llm["tok_embeddings.weight"].shape[0]))
     tok_file = tokenizer_path(cfg.data)

