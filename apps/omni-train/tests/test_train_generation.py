@@ -149,11 +149,15 @@ def test_generation_with_understanding_at_pp2_matches_one_process(gen_cfg, tmp_p
         assert row["targets_per_modality"]["image"] > 0 and n > 0
         assert row["targets_per_modality"]["generation"] == n
         assert row["samples_per_modality"]["generation"] == samples
+        # both stages read the generation samples' ids, so both encode their images (counted per rank)
+        assert row["image_code_encodes_per_rank"] == [samples, samples], row
+        assert row["image_code_encodes"] == 2 * samples and ref_row["image_code_encodes"] == samples
         # the generation loss apart from the others, equal to the brute force over the code targets
         assert abs(ref_row["loss_per_modality"]["generation"] - loss) <= 1e-10, (ref_row, loss)
         assert abs(row["loss_per_modality"]["generation"] - loss) <= 1e-10, (row, loss)
     summary = json.loads((tmp_path / "pp2" / "summary.json").read_text())
     assert summary["samples_per_modality"]["generation"] == sum(s for *_, s in seen)
+    assert summary["image_code_encodes_per_rank"] == [sum(s for *_, s in seen)] * 2
     assert summary["first_mean_loss_per_modality"]["generation"] == pytest.approx(seen[0][0], abs=1e-10)
     assert summary["last_mean_loss_per_modality"]["generation"] == pytest.approx(seen[-1][0], abs=1e-10)
 
@@ -214,3 +218,17 @@ def test_preflight_names_the_image_tokenizer_and_the_generation_source(gen_cfg, 
     )
     with pytest.raises(ConfigError, match=r"^data.sources\[3\].modality: 'generate' is not"):
         validate(dataclasses.replace(cfg, data=typo), 2)
+    audio = next(s.urls for s in cfg.data.sources if s.modality == "audio")
+    on_audio = dataclasses.replace(
+        cfg.data, sources=[*cfg.data.sources[:3], dataclasses.replace(cfg.data.sources[3], urls=audio)]
+    )
+    with pytest.raises(
+        ConfigError,
+        match=r"^data.sources\[3\].urls: .*audio.*tar holds \.\w+ members and no image .* a "
+        r"generation source reads image shards \(source 'gen'\)",
+    ):
+        validate(dataclasses.replace(cfg, data=on_audio), 2)
+    # the LLM's vocabulary is V + 2 + K: a model.llm.vocab_size of V is refused, saying so
+    text_only = dataclasses.replace(cfg.model.llm, vocab_size=300)
+    with pytest.raises(ConfigError, match=r"^model.llm.vocab_size: 300 differs from the vocabulary the run "):
+        validate(dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, llm=text_only)), 2)

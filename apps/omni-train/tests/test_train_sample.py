@@ -6,6 +6,8 @@ checkpoint and ``omni-train sample`` draws the same pixels from the same step.""
 
 from __future__ import annotations
 
+import dataclasses
+import json
 from pathlib import Path
 
 import pytest
@@ -17,6 +19,7 @@ from omni_ckpt import save_ranks
 from omni_parallel.testing import run_world
 from omni_train.binder import load_config
 from omni_train.cli import main
+from omni_train.config import ConfigError
 from omni_train.generate import (
     GridRow,
     SampleSettings,
@@ -98,6 +101,29 @@ def test_sampled_codes_stay_in_the_code_range_and_follow_the_seed(tmp_path):
         llm, prompts, first_code=FIRST_CODE, num_codes=K, length=L, settings=SampleSettings(seed=1)
     )
     assert torch.equal(again, runs[0])
+    # top-k: each code drawn with top_k=3 is among the 3 largest code logits at its position (brute force:
+    # one caption alone, a full forward of its prefix); at temperature 2 over 12 codes a broken mask
+    # would draw outside them in nearly every one of the 18 draws
+    with torch.no_grad():
+        for p, got in zip(prompts, runs[1]):
+            for i in range(L):
+                seq = torch.cat([p, FIRST_CODE + got[:i]])
+                n = seq.numel()
+                logits = llm(seq, torch.arange(n), torch.tensor([0, n]))[-1, FIRST_CODE:]
+                top3 = sorted(range(K), key=lambda c: -float(logits[c]))[:3]
+                assert int(got[i]) in top3, (p.tolist(), i, int(got[i]), top3)
+
+
+def test_one_process_llm_refuses_a_checkpoint_that_does_not_fit_the_config():
+    state = LLMStage(LLM, 0, 1, seed=3).state_dict()
+    assert isinstance(one_process_llm(_Cfg, dict(state)), LLMStage)
+    wrong = {**state, "layers.1.mlp.w1.weight": torch.zeros(65, LLM.dim)}  # ffn_dim 65, not 64
+    with pytest.raises(ConfigError, match=r"llm\.layers\.1\.mlp\.w1\.weight is \[65, 32\].*\[64, 32\]"):
+        one_process_llm(_Cfg, wrong)
+    with pytest.raises(ConfigError, match=r"no 2-D model\.llm\.tok_embeddings\.weight"):
+        one_process_llm(_Cfg, {k: v for k, v in state.items() if k != "tok_embeddings.weight"})
+    with pytest.raises(ConfigError, match=r"missing \['layers.0.attn"):
+        one_process_llm(_Cfg, {k: v for k, v in state.items() if not k.startswith("layers.0.attn")})
 
 
 def test_grid_png_has_the_layout_size(tmp_path):
@@ -135,10 +161,16 @@ def test_omni_gen_recipe_passes_preflight_with_the_committed_image_tokenizer():
     assert llm_vocab_size(cfg, 4096) == 4096 + 2 + 512  # text, boi, eoi, the codebook
 
 
-def _train(rank, world_size, cfg, out):
+def _train(rank, world_size, runs):
     from omni_train.trainer import Trainer
 
-    Trainer(cfg, Path(out), resume=False).run()
+    for cfg, out in runs:  # the variants one after the other in one world
+        Trainer(cfg, Path(out), resume=False).run()
+
+
+def _losses(run: Path) -> list[tuple]:
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    return [(r["step"], r["loss"], json.dumps(r.get("loss_per_modality"), sort_keys=True)) for r in rows]
 
 
 @pytest.mark.slow
@@ -163,10 +195,20 @@ urls = "{data["image"]}"
     )
     config.write_text(text + f'\n[model.image_tokenizer]\npath = "{vq}"\n')
     cfg = load_config(str(config))
-    out = tmp_path / "run"
-    run_world(_train, 2, timeout_s=300, args=(cfg, str(out)))
-    written = sorted(p.name for p in (out / "samples").iterdir())
-    assert written == ["step-1.png", "step-2.png"]
+    assert cfg.checkpoint.sample_rows == 4
+    off = dataclasses.replace(cfg, checkpoint=dataclasses.replace(cfg.checkpoint, sample_rows=0))
+    out, out_off = tmp_path / "run", tmp_path / "run-off"
+    run_world(_train, 2, timeout_s=300, args=([(cfg, str(out)), (off, str(out_off))],))
+    # the grids' child processes touch no training state: the same losses, bit for bit, without them
+    assert _losses(out) == _losses(out_off) and len(_losses(out)) == 2
+    assert not (out_off / "samples").exists()  # sample_rows = 0: no grids
+    # one child at a time: step 1's grid, unless step 2 was committed before step 1's child could start
+    report = json.loads((out / "summary.json").read_text())["samples"]
+    assert report["failed"] == []
+    drawn = sorted(Path(p).name for p in report["written"])
+    assert drawn in (["step-1.png", "step-2.png"], ["step-2.png"]) and report["superseded"] == (
+        [] if len(drawn) == 2 else [1]
+    )
     hook = out / "samples" / "step-2.png"
     with Image.open(hook) as im:  # 4 captions of the 6 images, 2 drawn each
         assert im.size == grid_size(4, 2)
@@ -177,6 +219,23 @@ urls = "{data["image"]}"
     with Image.open(again) as im:
         assert im.tobytes() == hook_pixels
     assert main(["sample", "--run", str(out), "--caption", "a red circle", "--per-caption", "3"]) == 0
-    with Image.open(out / "samples" / "step-2.png") as im:
+    with Image.open(out / "samples" / "step-2-sample.png") as im:  # the run's own grid left alone
         assert im.size == grid_size(1, 3)
+    with Image.open(hook) as im:
+        assert im.tobytes() == hook_pixels
     assert main(["sample", "--run", str(out), "--step", "7"]) == 2  # not a committed step: refused
+
+
+def test_sample_and_export_hf_find_the_checkpoints_where_the_run_put_them(tmp_path):
+    from omni_train.checkpointing import checkpoints_root
+    from omni_train.generate import sample_run
+
+    cfg = load_config("omni-gen")
+    assert checkpoints_root(cfg, tmp_path) == tmp_path / "checkpoints"
+    elsewhere = dataclasses.replace(cfg, checkpoint=dataclasses.replace(cfg.checkpoint, url="memory://c/k"))
+    assert checkpoints_root(elsewhere, tmp_path) == "memory://c/k"
+    # a run that does not generate is refused before any checkpoint is looked for (there is none here)
+    plain = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, image_tokenizer=None))
+    (tmp_path / "config.json").write_text(json.dumps(plain.to_dict()))
+    with pytest.raises(ConfigError, match=r"no \[model.image_tokenizer\]"):
+        sample_run(tmp_path)

@@ -80,3 +80,12 @@ def test_tune_picks_interleaved_sharded_encoders_and_writes_a_config_preflight_a
         best["llm_zero"],
     )
     assert cfg.data.reorder_group_size == best["reorder_group"] == 1
+
+
+def test_tune_help_says_out_is_a_directory(capsys):
+    """``--out`` names the directory ``tune.json`` is written in (a file name is not what it takes)."""
+    with pytest.raises(SystemExit) as exc:
+        main(["tune", "--help"])
+    assert exc.value.code == 0
+    text = " ".join(capsys.readouterr().out.split())
+    assert "--out DIR" in text and "a directory, created; tune.json is written in it" in text, text

@@ -175,6 +175,11 @@ class MergedStream(StatefulNode[FilteredStep]):
     def next(self) -> FilteredStep:
         return merge_replica_steps([next(s) for s in self.streams], self.m)
 
+    @property
+    def image_code_encodes(self) -> int:
+        """The replicas' image-code encodes (``ZeroRedundancyFilter.image_code_encodes``), summed."""
+        return sum(s.image_code_encodes for s in self.streams)
+
 
 class ResplitStream(StatefulNode[FilteredStep]):
     """The one-process loader of ``cfg`` (``pp = 1``, ``dp = 1``, ``data.microbatches`` packs per step)
@@ -221,6 +226,10 @@ class ResplitStream(StatefulNode[FilteredStep]):
 
     def prepare(self) -> None:
         self.inner.prepare()
+
+    @property
+    def image_code_encodes(self) -> int:
+        return self.inner.image_code_encodes
 
     def next(self) -> FilteredStep:
         return next(self.inner)

@@ -123,6 +123,8 @@ def test_metadata_then_ids_equal_brute_force(shards, tok):
         assert torch.equal(reader.read(m).text_ids, ids)
         assert [r.ext for r in reader.refs(m, media=False)] == ["png", "txt"]  # the image is part of its ids
         assert reader.refs(m, text=False) == []
+    # each read of a generation sample's ids encodes its image once: counted where it happens
+    assert reader.stats["image_code_encodes"] == 2 * len(metas)
 
 
 def test_generation_samples_are_text_for_the_loader(tmp_path, tok):
@@ -175,6 +177,7 @@ def test_generation_samples_are_text_for_the_loader(tmp_path, tok):
                         assert torch.equal(ids, f.reader.read_text_ids(s))
                         seen += 1
         assert seen > 0 and bad > 0
+        assert f.image_code_encodes == seen  # the images turned into codes, the undecodable one not
         assert f.ledger.counts["gen"] == {"undecodable image payload": bad}  # the image source counts its own
 
 
@@ -193,3 +196,27 @@ def test_a_generation_source_or_reader_without_its_parts_is_refused(shards, tok)
     other = ImageCodes(GenerationVocab(tok.get_vocab_size(), K, (2, 2)), BlockGrey(), _to_input)
     with pytest.raises(PayloadError, match=r"metadata grid \(4, 4\), the image tokenizer's is \(2, 2\)"):
         PayloadReader(tok, image_codes=other).read_text_ids(meta)
+
+
+def test_a_generation_source_on_video_shards_says_what_it_found(tmp_path, tok):
+    """Finding: a generation source pointed at video shards skips every sample; the skip reason and the
+    error name the source, the shard, what the samples hold and what a generation sample needs."""
+    samples = [{"__key__": f"v{i}", "mp4": b"not read", "txt": "a clip"} for i in range(3)]
+    write_shards(f"{tmp_path}/video-%03d.tar", samples, per_shard=3)
+    vocab = GenerationVocab(tok.get_vocab_size(), K, (4, 4))
+    src = WebDatasetSource(
+        f"{tmp_path}/video-000.tar",
+        modality="generation",
+        name="gen",
+        tokenizer=tok,
+        generation=vocab,
+        epochs=None,  # cycling: a whole epoch without a usable sample is an error
+    )
+    src.reset()
+    from omni_data import EmptySourceError
+
+    with pytest.raises(EmptySourceError) as e:
+        next(iter(src))
+    msg = str(e.value)
+    assert "source 'gen'" in msg and f"{tmp_path}/video-000.tar" in msg, msg
+    assert "{'missing image member, has video': 3}" in msg and "and a .txt caption: image shards" in msg, msg

@@ -97,6 +97,12 @@ def run_config(run_dir: str | Path, command: str) -> RunConfig:
         raise ConfigError(f"{command}: {path} is not a run config ({exc})") from None
 
 
+def checkpoints_root(cfg: RunConfig, run_dir: str | Path) -> str | Path:
+    """Where the run in ``run_dir`` keeps its checkpoints: ``cfg.checkpoint.url`` when set, else
+    ``run_dir/checkpoints`` (the trainer's choice; read back by ``export-hf`` and ``sample``)."""
+    return cfg.checkpoint.url or Path(run_dir) / "checkpoints"
+
+
 def committed_step_url(checkpoints: str | Path, step: int | None, command: str) -> tuple[int, str]:
     """``(step, url)`` of committed ``step`` (default: the latest) under ``checkpoints`` (a run's
     ``checkpoints/``), read outside any process group (the CLI's ``export-hf`` and ``sample``).

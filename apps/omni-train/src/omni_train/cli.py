@@ -171,7 +171,10 @@ def build_parser() -> argparse.ArgumentParser:
     tun.add_argument(
         "--write-config", default=None, metavar="PATH", help="write the best plan as a trainer config (TOML)"
     )
-    tun.add_argument("--out", default="runs/tune")
+    tun.add_argument(
+        "--out", default="runs/tune", metavar="DIR",
+        help="a directory, created; tune.json is written in it (default runs/tune). The config: --write-config",
+    )  # fmt: skip
     _device_args(tun)
 
     mem = sub.add_parser(
@@ -215,11 +218,16 @@ def build_parser() -> argparse.ArgumentParser:
     )
 
     smp = sub.add_parser(
-        "sample", help="draw images for captions from a run's checkpoint: RUN/samples/step-N.png"
+        "sample", help="draw images for captions from a run's checkpoint: RUN/samples/step-N-sample.png"
     )
     smp.add_argument("--run", required=True, metavar="DIR", help="the run directory")
     smp.add_argument("--step", type=int, default=None, help="committed step (default: the latest)")
-    smp.add_argument("--out", default=None, metavar="PNG", help="default: DIR/samples/step-N.png")
+    smp.add_argument(
+        "--out",
+        default=None,
+        metavar="PNG",
+        help="default: DIR/samples/step-N-sample.png (the run's own samples/step-N.png is left alone)",
+    )
     smp.add_argument(
         "--caption", action="append", default=[], help="a caption to draw for (repeatable; default: "
         "the first --rows samples of the run's generation source, with their real images)"

@@ -92,15 +92,23 @@ class ModelConfig:
     image_tokenizer: ImageTokenizerSection | None = None
 
     def llm_config(self, vocab_size: int) -> LLMConfig:
-        """``[model.llm]`` with the tokenizer's vocabulary size.
+        """``[model.llm]`` with the vocabulary the run needs, ``vocab_size``: the text tokenizer's ``V``, or
+        ``V + 2 + K`` with ``[model.image_tokenizer]`` (``boi``, ``eoi`` and ``K`` image codes:
+        ``omni_data.GenerationVocab``).
 
         Raises:
-            ConfigError: ``model.llm.vocab_size`` is set and differs from the tokenizer's.
+            ConfigError: ``model.llm.vocab_size`` is set and differs from ``vocab_size``.
         """
         if self.llm.vocab_size not in (None, vocab_size):
+            needs = (
+                f"the vocabulary the run needs ({vocab_size} = data.tokenizer's ids + boi, eoi + the image "
+                "codes of [model.image_tokenizer])"
+                if self.image_tokenizer is not None
+                else f"the tokenizer's {vocab_size}"
+            )
             raise ConfigError(
-                f"model.llm.vocab_size: {self.llm.vocab_size} differs from the tokenizer's {vocab_size}; "
-                "leave it out (it comes from data.tokenizer)"
+                f"model.llm.vocab_size: {self.llm.vocab_size} differs from {needs}; leave it out (it comes "
+                "from data.tokenizer" + (" and [model.image_tokenizer])" if self.image_tokenizer else ")")
             )
         return dataclasses.replace(self.llm, vocab_size=vocab_size)
 
@@ -329,12 +337,17 @@ class CheckpointConfig:
     ``url``: where the steps go, any fsspec URL (``s3://bucket/run-1/checkpoints``; s3fs installed, its
     endpoint and credentials from the environment s3fs reads: ``AWS_ENDPOINT_URL``, ``AWS_ACCESS_KEY_ID``,
     ``AWS_SECRET_ACCESS_KEY``, ``AWS_DEFAULT_REGION``); empty: ``<out>/checkpoints``.
+
+    ``sample_rows``: with ``[model.image_tokenizer]``, captions (rows) of the ``samples/step-N.png`` grid
+    that rank 0 has a child process (``omni-train sample``, :class:`omni_train.generate.SampleWriter`)
+    draw after each committed checkpoint, off the training thread; 0: no grids.
     """
 
     every: int = 20
     keep_last: int = 2
     async_save: bool = True
     url: str = ""
+    sample_rows: int = 4
 
 
 class DType(StrEnum):
@@ -577,6 +590,7 @@ FIELD_BOUNDS: dict[str, Bounds] = {
     "optim.grad_clip": Bounds(0, 1e12),  # 0: measure the norm only
     "checkpoint.every": _STEPS,
     "checkpoint.keep_last": _COUNT,
+    "checkpoint.sample_rows": Bounds(0, 64),
     "train.steps": Bounds(1, 2**40),
     "train.seed": _SEED,
     "train.profile_steps": Bounds(0, 2**20),

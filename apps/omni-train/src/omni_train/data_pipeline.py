@@ -163,18 +163,19 @@ def generation_vocab(cfg: RunConfig, text_vocab: int, image_tokenizer=None) -> G
     return GenerationVocab(text_vocab, int(tok.codebook_size), tuple(tok.grid))
 
 
-def llm_vocab_size(cfg: RunConfig, text_vocab: int) -> int:
+def llm_vocab_size(cfg: RunConfig, text_vocab: int, image_tokenizer=None) -> int:
     """The LLM's vocabulary: the text tokenizer's ``V``, or ``V + 2 + K`` with ``[model.image_tokenizer]``
-    (``boi``, ``eoi`` and its ``K`` codes)."""
-    vocab = generation_vocab(cfg, text_vocab)
+    (``boi``, ``eoi`` and its ``K`` codes). ``image_tokenizer``: the loaded one (default: loaded here)."""
+    vocab = generation_vocab(cfg, text_vocab, image_tokenizer)
     return text_vocab if vocab is None else vocab.size
 
 
-def image_codes(cfg: RunConfig, text_vocab: int) -> ImageCodes | None:
+def image_codes(cfg: RunConfig, text_vocab: int, image_tokenizer=None) -> ImageCodes | None:
     """What the loader's decode workers turn a generation sample's image into code tokens with: the
     frozen image tokenizer and its input (:func:`omni_train.models.image_tokenizer.letterbox` to
-    ``S x S``); ``None`` without ``[model.image_tokenizer]``."""
-    tok = load_image_tokenizer(cfg)
+    ``S x S``); ``None`` without ``[model.image_tokenizer]``. ``image_tokenizer``: the loaded one
+    (default: loaded here)."""
+    tok = image_tokenizer if image_tokenizer is not None else load_image_tokenizer(cfg)
     if tok is None:
         return None
     from omni_train.models.image_tokenizer import letterbox
@@ -190,14 +191,15 @@ def image_codes(cfg: RunConfig, text_vocab: int) -> ImageCodes | None:
 
 
 def build_sources(
-    cfg: RunConfig, tokenizer: Tokenizer, *, dp_rank: int, dp_size: int
+    cfg: RunConfig, tokenizer: Tokenizer, *, dp_rank: int, dp_size: int, image_tokenizer=None
 ) -> dict[str, BaseNode[SampleMeta]]:
     """One :class:`WebDatasetSource` per ``[[data.sources]]`` entry, split over ``dp_size`` DP ranks, with
     the encoders' token accounting and FLOP costs and, for audio, the encoder's sample rate; a text source
     with ``join_tokens`` is wrapped in :class:`~omni_data.JoinDocuments`. A video source is encoded by the
     ViT (Qwen2-VL): :class:`~omni_data.VideoTokens` with ``model.vit``'s ``temporal_patch`` and each frame
     resized as the source's images would be (``[model.vit]`` or the source's ``min_pixels`` /
-    ``max_pixels``); frames sampled at omni-data's defaults (2 per second, at least 4)."""
+    ``max_pixels``); frames sampled at omni-data's defaults (2 per second, at least 4). A generation
+    source gets the token layout of ``image_tokenizer`` (the loaded one; default: loaded here)."""
     m = cfg.model
     vit, aud = m.vit, m.audio
     image_tokens = (
@@ -211,7 +213,7 @@ def build_sources(
     root = data_root(cfg)
     sources = {}
     gen = (
-        generation_vocab(cfg, tokenizer.get_vocab_size())
+        generation_vocab(cfg, tokenizer.get_vocab_size(), image_tokenizer)
         if any(s.modality == Modality.GENERATION for s in cfg.data.sources)
         else None
     )
@@ -275,6 +277,7 @@ def build_step_stream(
     background: bool = False,
     prepare_on_request: bool = False,
     count_text_skips: bool = True,
+    image_tokenizer=None,
 ) -> ZeroRedundancyFilter:
     """The per-step stream of this rank (see the module docstring); call ``reset()`` or
     ``reset(state)`` before use, ``close()`` after (it owns decode threads).
@@ -296,10 +299,14 @@ def build_step_stream(
             (the trainer calls it once the step's inputs are built), not when ``next`` returns.
         count_text_skips: this rank counts the generation samples whose image did not decode (one of
             the ranks that read the same text: ``ZeroRedundancyFilter(count_text_skips=...)``).
+        image_tokenizer: the run's loaded image tokenizer (:func:`load_image_tokenizer`; default: loaded
+            here, once, for every source and the reader).
     """
     schedule = mixture_schedule(cfg.data)
     d = cfg.data
     capacity = pack_tokens or d.max_seq_len
+    if image_tokenizer is None:  # loaded (and its sha256 checked) once for the sources and the reader
+        image_tokenizer = load_image_tokenizer(cfg)
 
     def packed(sources: Mapping[str, BaseNode[SampleMeta]], group) -> PackedLoader:
         if d.packing is Packing.HYBRID:
@@ -320,7 +327,12 @@ def build_step_stream(
             raise ValueError("build_step_stream: sources replace one DP rank's shards, not data.replicas'")
         loader = ReplicaMerge(
             {
-                r: packed(build_sources(cfg, tokenizer, dp_rank=r, dp_size=d.replicas), None)
+                r: packed(
+                    build_sources(
+                        cfg, tokenizer, dp_rank=r, dp_size=d.replicas, image_tokenizer=image_tokenizer
+                    ),
+                    None,
+                )
                 for r in replica_ids(d.replicas, dp_rank, dp_size)
             },
             d.replicas,
@@ -328,7 +340,9 @@ def build_step_stream(
         )
     else:
         if sources is None:
-            sources = build_sources(cfg, tokenizer, dp_rank=dp_rank, dp_size=dp_size)
+            sources = build_sources(
+                cfg, tokenizer, dp_rank=dp_rank, dp_size=dp_size, image_tokenizer=image_tokenizer
+            )
         loader = packed(sources, dp_group if dp_size > 1 else None)
     return ZeroRedundancyFilter(
         loader,  # a ReplicaMerge is a step stream as a PackedLoader is
@@ -339,7 +353,7 @@ def build_step_stream(
         reader=PayloadReader(
             tokenizer,
             max_image_pixels=d.max_image_pixels,
-            image_codes=image_codes(cfg, tokenizer.get_vocab_size()) if read_text else None,
+            image_codes=image_codes(cfg, tokenizer.get_vocab_size(), image_tokenizer) if read_text else None,
         ),
         tp_group=tp_group,
         prefetch=1,

@@ -22,13 +22,18 @@ a time in float64).
 
 ``samples/step-N.png`` (:func:`write_grid`): one row per caption, the caption's text, the real image
 (the image tokenizer's ``S x S`` input), its reconstruction through the tokenizer and the generated
-image(s). :class:`SampleWriter` writes it on
-rank 0 after each checkpoint save of a run with ``[model.image_tokenizer]``; ``omni-train sample --run
-DIR [--step N]`` writes it for any committed step.
+image(s). In a run with ``[model.image_tokenizer]`` and ``checkpoint.sample_rows > 0``,
+:class:`SampleWriter` has a child process on rank 0 write it after each committed checkpoint;
+``omni-train sample --run DIR [--step N]`` draws one for any committed step (default
+``samples/step-N-sample.png``). The rows are the first samples of the run's generation source: training
+captions, so the grid shows fit, not generalisation.
 """
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
 import textwrap
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -39,7 +44,7 @@ import numpy as np
 import torch
 from PIL import Image, ImageDraw, ImageFont
 
-from omni_train.checkpointing import committed_step_url, read_model_tensors, run_config
+from omni_train.checkpointing import checkpoints_root, committed_step_url, read_model_tensors, run_config
 from omni_train.config import ConfigError, RunConfig
 from omni_train.models.llm import LLMStage
 
@@ -201,19 +206,40 @@ def read_llm_step(url: str) -> dict[str, torch.Tensor]:
 
 def one_process_llm(cfg: RunConfig, state: dict[str, torch.Tensor]) -> LLMStage:
     """A float32 :class:`LLMStage` holding every layer, loaded from ``state`` (:func:`read_llm_state`);
-    its vocabulary is the checkpoint's (``tok_embeddings.weight`` rows).
+    its vocabulary is the checkpoint's (``tok_embeddings.weight`` rows). The stage is built on the
+    ``meta`` device and takes ``state``'s tensors (``load_state_dict(assign=True)``): no random init, no
+    second copy of the weights.
 
     Raises:
-        ConfigError: ``state`` does not fit the config's LLM (missing or unexpected tensors named).
+        ConfigError: ``state`` holds no 2-D ``tok_embeddings.weight`` (no LLM in the checkpoint), or does
+            not fit the config's LLM: missing or unexpected tensors, or the first tensor whose shape
+            differs (named, with both shapes).
     """
-    vocab = int(state["tok_embeddings.weight"].shape[0])
-    llm = LLMStage(cfg.model.llm_config(vocab), 0, 1, seed=cfg.model.seed)
-    missing, unexpected = llm.load_state_dict(state, strict=False)
+    emb = state.get("tok_embeddings.weight")
+    if emb is None or emb.dim() != 2:
+        raise ConfigError(
+            "sample: the checkpoint holds no 2-D model.llm.tok_embeddings.weight (no LLM tensors to sample "
+            "from)"
+        )
+    with torch.device("meta"):  # shapes only: the values all come from the checkpoint
+        llm = LLMStage(cfg.model.llm_config(int(emb.shape[0])), 0, 1, seed=cfg.model.seed)
+    want = llm.state_dict()
+    missing, unexpected = sorted(set(want) - set(state)), sorted(set(state) - set(want))
     if missing or unexpected:
         raise ConfigError(
             f"sample: the checkpoint's LLM does not fit the run config (missing {missing[:3]}, "
             f"unexpected {unexpected[:3]})"
         )
+    for name, t in want.items():
+        if tuple(state[name].shape) != tuple(t.shape):
+            raise ConfigError(
+                f"sample: the checkpoint's llm.{name} is {list(state[name].shape)}, the run config's LLM "
+                f"(config.json) needs {list(t.shape)}"
+            )
+    llm.load_state_dict(state, assign=True)
+    left = [n for n, t in [*llm.named_parameters(), *llm.named_buffers()] if t.is_meta]
+    if left:  # a tensor outside the state dict (none today): it would have no values
+        raise ConfigError(f"sample: the LLM's {left[:3]} are not in the checkpoint")
     return llm.float().eval()
 
 
@@ -480,9 +506,11 @@ def sample_run(
     """``omni-train sample``: write the grid of committed ``step`` (default: the latest) of ``run_dir``.
 
     Args:
-        run_dir: a run directory (``config.json``, checkpoints under ``checkpoints/`` or ``checkpoint.url``).
+        run_dir: a run directory (``config.json``, checkpoints under ``checkpoints/`` or ``checkpoint.url``:
+            :func:`omni_train.checkpointing.checkpoints_root`).
         step: the committed step.
-        out: the PNG (default ``run_dir/samples/step-N.png``).
+        out: the PNG (default ``run_dir/samples/step-N-sample.png``; the run's own ``step-N.png`` is its
+            :class:`SampleWriter`'s and is not overwritten unless named here).
         captions: captions to draw for (no real image); default: the first ``rows`` samples of the run's
             generation source, with their real images.
         rows: captions taken from the source when none are given.
@@ -495,9 +523,9 @@ def sample_run(
     """
     run_dir = Path(run_dir)
     cfg = load_run_config(run_dir)
-    root = cfg.checkpoint.url or run_dir / "checkpoints"
-    step, state = read_llm_state(root, step)
-    sampler = build_sampler(cfg, state, settings)
+    image_tokenizer = load_image_tokenizer(cfg)  # first: a run that does not generate reads no checkpoint
+    step, state = read_llm_state(checkpoints_root(cfg, run_dir), step)
+    sampler = build_sampler(cfg, state, settings, image_tokenizer)
     examples = (
         [Example(c) for c in captions]
         if captions
@@ -505,18 +533,25 @@ def sample_run(
     )
     if not examples:
         raise ConfigError("sample: no captions: give --caption TEXT (the run has no generation source)")
-    path = Path(out) if out is not None else run_dir / "samples" / f"step-{step}.png"
+    path = Path(out) if out is not None else run_dir / "samples" / f"step-{step}-sample.png"
     return write_grid(path, sampler.rows(examples), title=f"step {step}")
 
 
 class SampleWriter:
-    """Rank 0's hook: after each checkpoint save of a run with ``[model.image_tokenizer]``, wait for the
-    step to commit, build the one-process LLM from it and write ``<out>/samples/step-N.png``
-    (:func:`write_grid`; the first :data:`DEFAULT_ROWS` samples of the generation source).
+    """Rank 0's hook: after each checkpoint save of a run with ``[model.image_tokenizer]`` and
+    ``checkpoint.sample_rows > 0``, once the step is committed, a child process
+    ``python -m omni_train.cli sample --run OUT --step N --rows ROWS --out OUT/samples/step-N.png`` draws
+    the grid (:func:`sample_run`: the first ``sample_rows`` samples of the generation source, which the
+    run trains on) and logs to ``OUT/samples/step-N.log``.
 
-    It draws from its own seeded generator, builds its modules with torch's global generator state saved
-    and restored (``torch.random.fork_rng``) and touches no training state, so the run's losses are the
-    same with or without it; its seconds count in the next step's ``other`` time.
+    Off the training thread: the trainer never waits for the async save's commit nor for the sampler
+    (which reads the whole LLM into host memory and runs ``h*w`` full forwards on the CPU); it only polls
+    (a checkpoint listing per step while a saved step awaits its grid). One child at a time: when several
+    saved steps await, the newest committed one is drawn and the older ones are reported as
+    ``superseded``. :meth:`finish` (rank 0, after the run's last barrier) draws the last step, waits for
+    the child and adds ``samples`` (``written``, ``failed`` with exit status and log, ``superseded``) to
+    ``summary.json``; a failure is printed to stderr, never dropped. The child touches no training
+    state, so the run's losses are the same with or without it (``tests/test_train_sample.py``).
 
     Args:
         cfg: the run config.
@@ -524,31 +559,92 @@ class SampleWriter:
     """
 
     def __init__(self, cfg: RunConfig, out: Path) -> None:
-        self.cfg, self.out = cfg, Path(out)
-        with torch.random.fork_rng(devices=[]):  # module construction draws from torch's global generator
-            self.image_tokenizer = load_image_tokenizer(cfg)
-        self.examples = source_examples(cfg, DEFAULT_ROWS, self.image_tokenizer.config.image_size)
-        self.settings = SampleSettings()
+        self.cfg, self.out, self.rows = cfg, Path(out), cfg.checkpoint.sample_rows
+        self.pending: list[int] = []  # saved steps that await their grid
+        self.child: subprocess.Popen[bytes] | None = None
+        self.child_step = 0
         self.written: list[Path] = []
+        self.failed: list[dict[str, object]] = []
+        self.superseded: list[int] = []
 
     @classmethod
     def for_rank(cls, cfg: RunConfig, out: Path, rank: int) -> SampleWriter | None:
-        """The writer of global rank 0 of a run with ``[model.image_tokenizer]``; ``None`` elsewhere."""
-        if rank != 0 or cfg.model.image_tokenizer is None:
+        """The writer of global rank 0 of a run with ``[model.image_tokenizer]`` and
+        ``checkpoint.sample_rows > 0``; ``None`` elsewhere."""
+        if rank != 0 or cfg.model.image_tokenizer is None or cfg.checkpoint.sample_rows == 0:
             return None
         return cls(cfg, out)
 
-    def after_save(self, step: int, checkpoint: TrainCheckpoint) -> Path | None:
-        """After the trainer's save of ``step``: if ``checkpoint`` saved it (``checkpoint.due(step)``),
-        wait until it is committed (its async write), then write ``samples/step-<step>.png``; nothing
-        otherwise or without captions. Returns the PNG written."""
-        if not self.examples or not checkpoint.due(step):
-            return None
-        checkpoint.manager.wait()  # committed (this rank's wait; the commit is the save's own thread's)
-        state = read_llm_step(checkpoint.manager.step_url(step))
-        with torch.random.fork_rng(devices=[]):  # the LLM's construction draws from the global generator
-            sampler = build_sampler(self.cfg, state, self.settings, self.image_tokenizer)
-            rows = sampler.rows(self.examples)
-        path = write_grid(self.out / "samples" / f"step-{step}.png", rows, title=f"step {step}")
-        self.written.append(path)
-        return path
+    def command(self, step: int) -> list[str]:
+        """The child's command line for ``step``."""
+        png = self.out / "samples" / f"step-{step}.png"
+        return [
+            sys.executable, "-m", "omni_train.cli", "sample", "--run", str(self.out), "--step", str(step),
+            "--rows", str(self.rows), "--out", str(png),
+        ]  # fmt: skip
+
+    def _reap(self, block: bool) -> bool:
+        """Whether no child runs (after waiting for it with ``block``); a finished child's result kept."""
+        if self.child is None:
+            return True
+        rc = self.child.wait() if block else self.child.poll()
+        if rc is None:
+            return False
+        step, self.child = self.child_step, None
+        png, log = self.out / "samples" / f"step-{step}.png", self.out / "samples" / f"step-{step}.log"
+        if rc == 0 and png.is_file():
+            self.written.append(png)
+        else:
+            self.failed.append({"step": step, "exit_status": rc, "log": str(log)})
+            tail = log.read_text(errors="replace").strip().splitlines()[-1:] if log.is_file() else []
+            print(
+                f"omni-train: samples/step-{step}.png failed (exit status {rc}, {log}): {' '.join(tail)}",
+                file=sys.stderr,
+            )
+        return True
+
+    def _launch(self, committed: list[int]) -> None:
+        ready = [s for s in self.pending if s in committed]
+        if not ready:
+            return
+        step = ready[-1]
+        self.superseded += ready[:-1]
+        self.pending = [s for s in self.pending if s > step]
+        (self.out / "samples").mkdir(parents=True, exist_ok=True)
+        with open(self.out / "samples" / f"step-{step}.log", "wb") as log:
+            self.child = subprocess.Popen(self.command(step), stdout=log, stderr=subprocess.STDOUT)
+        self.child_step = step
+
+    def after_save(self, step: int, checkpoint: TrainCheckpoint) -> None:
+        """After the trainer's step ``step`` (its save, if due, started): note a saved step; if no child
+        runs and a noted step is committed, start the child for the newest such. Never blocks."""
+        if checkpoint.due(step):
+            self.pending.append(step)
+        if self.pending and self._reap(block=False):
+            self._launch(checkpoint.manager.steps())
+
+    def finish(self, checkpoint: TrainCheckpoint, summary: dict) -> dict:
+        """Rank 0 at the end of the run (every step committed): draw the newest noted step, wait for the
+        child and add ``samples`` to ``summary`` and ``OUT/summary.json`` (when it exists); returns it."""
+        self._reap(block=True)
+        if self.pending:
+            self._launch(checkpoint.manager.steps())
+            self._reap(block=True)
+        self.superseded += self.pending  # not committed: none after a clean close
+        report = {
+            "written": [str(p) for p in self.written],
+            "failed": self.failed,
+            "superseded": self.superseded,
+        }
+        summary = {**summary, "samples": report}
+        path = self.out / "summary.json"
+        if path.is_file():
+            path.write_text(json.dumps(summary, indent=2))
+        return summary
+
+    def close(self) -> None:
+        """On an error: stop a child still drawing (its grid is not reported)."""
+        if self.child is not None and self.child.poll() is None:
+            self.child.terminate()
+            self.child.wait()
+        self.child = None

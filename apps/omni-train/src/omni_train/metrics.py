@@ -185,7 +185,9 @@ def finish_run(
     summed wall time of its steps (:func:`tokens_per_s`), each modality's first/last mean loss
     (``first_mean_loss_per_modality``, ``last_mean_loss_per_modality``: the generation loss apart from
     the others), skipped payloads, ``samples_per_modality``
-    (the packs' samples by modality over the run) and ``video_frames`` (their videos' sampled frames), each
+    (the packs' samples by modality over the run) and ``video_frames`` (their videos' sampled frames),
+    ``image_code_encodes`` / ``image_code_encodes_per_rank`` (generation samples' images the loaders
+    turned into code tokens, summed over the run's steps), each
     ``*_per_rank`` peak of the steps as its per-rank maximum over the steps, the last step's
     ``llm_state_bytes_per_rank`` / ``encoder_state_bytes_per_rank``, and ``skipped``: every skip
     of the run by scope, source and reason with the first keys, from
@@ -216,6 +218,10 @@ def finish_run(
         # samples of the run's packs by modality (all DP replicas) and the sampled frames of its videos
         "samples_per_modality": _summed(metrics, "samples_per_modality"),
         "video_frames": sum(m.get("video_frames", 0) for m in metrics),
+        # generation samples' images turned into codes by the loaders, all ranks and per rank (first and
+        # last stage each encode the samples whose ids they read)
+        "image_code_encodes": sum(m.get("image_code_encodes", 0) for m in metrics),
+        "image_code_encodes_per_rank": _summed_per_rank(metrics, "image_code_encodes_per_rank"),
         "checkpoints": checkpoints,
         **_peaks_per_rank(metrics),
         # bytes held between steps (omni_parallel.memory.state_bytes), at the last step's layout
@@ -254,6 +260,16 @@ def _summed(metrics: list[dict[str, Any]], key: str) -> dict[str, int]:
         for k, v in m.get(key, {}).items():
             out[k] = out.get(k, 0) + v
     return out
+
+
+def _summed_per_rank(metrics: list[dict[str, Any]], key: str) -> list[int]:
+    """``key``'s per-rank lists summed over the steps that have the last step's number of ranks (a run
+    resumed under another world size: the layout it finished in); ``[]`` when no step has it."""
+    lists = [m[key] for m in metrics if isinstance(m.get(key), list)]
+    if not lists:
+        return []
+    n = len(lists[-1])
+    return [sum(v[r] for v in lists if len(v) == n) for r in range(n)]
 
 
 def _peaks_per_rank(metrics: list[dict[str, Any]]) -> dict[str, list[int]]:

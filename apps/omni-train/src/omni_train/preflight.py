@@ -9,6 +9,7 @@ configuration error, not a traceback from every rank).
 
 from __future__ import annotations
 
+import itertools
 import math
 import os
 from pathlib import Path
@@ -194,6 +195,9 @@ def validate(cfg: RunConfig, nproc: int) -> None:
         missing = _missing_shards(src.urls, data_root(cfg))
         if missing:
             raise ConfigError(f"data.sources[{i}].urls: {missing} (source {src.name!r})")
+        wrong = _wrong_media(src.modality, src.urls, data_root(cfg))
+        if wrong:
+            raise ConfigError(f"data.sources[{i}].urls: {wrong} (source {src.name!r})")
     if names.count(names[0]) != 1 or len(set(names)) != len(names):
         raise ConfigError(f"data.sources: source names must be unique, got {names}")
     if not data.mixture:
@@ -224,6 +228,10 @@ def validate(cfg: RunConfig, nproc: int) -> None:
         raise ConfigError(
             f"data.tokenizer: {data.tokenizer!r} not found; looked in {', '.join(str(p) for p in looked)}"
         )
+    if cfg.model.llm.vocab_size is not None:  # V, or V + 2 + K with [model.image_tokenizer] (checked above)
+        from omni_train.data_pipeline import llm_vocab_size
+
+        cfg.model.llm_config(llm_vocab_size(cfg, load_tokenizer(data).get_vocab_size()))
     if cfg.train.steps < 1:
         raise ConfigError(f"train.steps: must be >= 1, got {cfg.train.steps}")
     unknown = sorted(set(cfg.train.recompute) - set(RECOMPUTE))
@@ -347,6 +355,34 @@ def _check_image_tokenizer(cfg: RunConfig) -> None:
         load_image_tokenizer(cfg)
     except ValueError as exc:  # ImageTokenizerFileError names the file and the fault
         raise ConfigError(f"model.image_tokenizer.path: {exc}") from None
+
+
+def _wrong_media(modality: str, pattern: str, root: Path, members: int = 64) -> str | None:
+    """Why an image or generation source's first local shard holds no image but another medium (e.g.
+    ``urls`` naming video shards), from its first ``members`` tar members; None otherwise (and for
+    remote or compressed shards, which the loader's skip counts cover)."""
+    if modality not in ("image", "generation"):
+        return None
+    from omni_data.source import AUDIO_EXTS, IMAGE_EXTS, VIDEO_EXTS
+    from omni_data.tar_index import TarMember, iter_members
+
+    urls = [u.removeprefix("file://") for u in expand_urls(pattern, root)]
+    if not urls or "://" in urls[0] or not urls[0].endswith(".tar") or not os.path.isfile(urls[0]):
+        return None
+    exts = set()
+    with open(urls[0], "rb") as f:
+        for m in itertools.islice(iter_members(f, 0, os.path.getsize(urls[0])), members):
+            if isinstance(m, TarMember):
+                exts.add(m.name.rsplit("/", 1)[-1].split(".", 1)[-1].lower())
+    if exts & set(IMAGE_EXTS):
+        return None
+    other = sorted(exts & set(VIDEO_EXTS + AUDIO_EXTS))
+    if not other:
+        return None
+    return (
+        f"{urls[0]} holds .{', .'.join(other)} members and no image (.{', .'.join(IMAGE_EXTS)}); a "
+        f"{modality} source reads image shards"
+    )
 
 
 def _check_generation_source(cfg: RunConfig, i: int) -> None:

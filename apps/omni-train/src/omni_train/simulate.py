@@ -697,8 +697,11 @@ def tune_workload(
 ) -> str:
     """``omni-train tune``: :func:`omni_pipeline.tune.tune` over the layouts the trainer's preflight
     accepts (:func:`layout_check`), the best plans' state exact from ``omni-train memory``'s build
-    (:func:`exact_state`). Writes ``tune.json`` under ``out_dir`` and, with ``write_config``, the best plan
-    as a trainer config (:func:`workload_config`, TOML via :func:`omni_train.binder.to_toml`).
+    (:func:`exact_state`). Writes ``tune.json`` under ``out_dir`` (a directory) and, with ``write_config``,
+    the best plan as a trainer config (:func:`workload_config`, TOML via :func:`omni_train.binder.to_toml`).
+    Plans are ranked by :func:`omni_pipeline.tune.rank_plans` (equal predictions: lower ``llm_zero``, then
+    ``encoder_zero``, then fewer virtual stages first); a row predicting the same step as an earlier one
+    is marked ``(ties #k)``.
 
     Returns:
         the report (text).
@@ -730,16 +733,24 @@ def tune_workload(
         f"{'#':>2} {'pp':>3}{'v':>3}{'dp':>5}{'tp':>4}{'sp':>4}{'cp':>4}{'uly':>5}{'ep':>4}{'zero':>5}{'ez':>3}{'rc':>4} {'placement':<18}"
         f"{'tokens/s':>11}{'MFU':>7}{'peak GB':>9}  top time",
     ]
+    head = 1  # the first row of a run of equal predictions
     for i, p in enumerate(res.plans, 1):
         L = p.layout
         cp = f"{L.cp}{'r' if L.cp > 1 and L.cp_attention == 'ring' else ''}"
         where = sorted(p.time_s.items(), key=lambda kv: -kv[1])[:3]
+        head = head if i > 1 and p.tokens_per_s == res.plans[i - 2].tokens_per_s else i
         lines.append(
             f"{i:>2} {L.pp:>3}{L.virtual_stages:>3}{L.dp:>5}{L.tp:>4}{'y' if L.sequence_parallel else 'n':>4}{cp:>4}"
             f"{L.ulysses:>5}{L.ep:>4}{L.llm_zero:>5}{L.encoder_zero:>3}{'y' if L.recompute else 'n':>4} "
             f"{L.placement:<18}{p.tokens_per_s:>11.4g}"
             f"{p.mfu:>7.3f}{_gb(p.peak_memory_bytes):>9}  "
             + ", ".join(f"{k} {100 * v / p.step_time_s:.0f}%" for k, v in where)
+            + (f"  (ties #{head})" if head != i else "")
+        )
+    if any(a.tokens_per_s == b.tokens_per_s for a, b in zip(res.plans, res.plans[1:])):
+        lines.append(
+            "(ties #k): the same predicted step as row k; equal predictions list lower zero, then lower "
+            "ez, then fewer virtual stages first"
         )
     best = res.plans[0]
     lines.append("best plan:")

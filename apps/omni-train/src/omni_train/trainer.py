@@ -45,7 +45,7 @@ from omni_pipeline import StepInputs, StepResult, build_schedule
 from omni_train import wiring
 from omni_train.config import RunConfig
 from omni_train.data_files import load_tokenizer
-from omni_train.data_pipeline import llm_vocab_size, step_config
+from omni_train.data_pipeline import llm_vocab_size, load_image_tokenizer, step_config
 from omni_train.generate import SampleWriter
 from omni_train.launch import StopReport, restart_count
 from omni_train.models.llm import moe_step_metrics
@@ -94,7 +94,8 @@ class Trainer:
         self.tokenizer = load_tokenizer(cfg.data)
         par = cfg.parallel
         self.schedule = build_schedule(par.schedule, par.pp, cfg.data.microbatches, par.virtual_stages)
-        vocab = llm_vocab_size(cfg, self.tokenizer.get_vocab_size())  # + boi, eoi, codes: image_tokenizer
+        self.image_tokenizer = load_image_tokenizer(cfg)  # [model.image_tokenizer]: loaded once, passed down
+        vocab = llm_vocab_size(cfg, self.tokenizer.get_vocab_size(), self.image_tokenizer)  # + boi, eoi, K
         parts = wiring.build_model(cfg, self.ps, self.schedule, vocab, self.device)
         self.llm_cfg, self.split = parts.llm_cfg, parts.split
         self.stage, self.encoders = parts.stage, parts.encoders
@@ -104,7 +105,9 @@ class Trainer:
         self.sharding = wiring.cp_sharding(cfg, self.ps, self.llm_cfg)
         flow = wiring.data_flow(cfg, self.ps, self.schedule, self.llm_cfg, self.split, self.sharding)
         self.flow, self.planner = flow.flow, flow.planner
-        self.stream = wiring.step_stream(self.cfg, self.tokenizer, self.ps, flow.consumes, self.sharding)
+        self.stream = wiring.step_stream(
+            self.cfg, self.tokenizer, self.ps, flow.consumes, self.sharding, self.image_tokenizer
+        )
         self.builder = wiring.step_builder(
             cfg, self.ps, self.tokenizer, parts, self.schedule, self.flow, self.sharding, self.device
         )
@@ -116,7 +119,8 @@ class Trainer:
         self.metrics = wiring.step_metrics(cfg, self.ps, parts, self.device)
         self.skips = wiring.skip_metrics(self.ps, self.stream)
         self.guard = numerics_guard(cfg.train, self.ps, dict(self.encoders.towers.items()), self.device)
-        # [model.image_tokenizer]: rank 0 writes samples/step-N.png after each checkpoint (omni_train.generate)
+        # [model.image_tokenizer], checkpoint.sample_rows > 0: rank 0 has a child process draw
+        # samples/step-N.png after each committed checkpoint (omni_train.generate.SampleWriter)
         self.samples = SampleWriter.for_rank(cfg, self.out, self.rank)
 
     # -- the loop -----------------------------------------------------------------------------------------
@@ -135,6 +139,8 @@ class Trainer:
             if self.watchdog is not None:
                 self.watchdog.stop()
             self.stream.close()
+            if self.samples is not None:  # a sample child still drawing after an error is stopped
+                self.samples.close()
 
     def _run(self, after_backward: Callable[[int, StepInputs, StepResult], None] | None) -> dict[str, Any]:
         total = self.cfg.train.steps
@@ -182,6 +188,8 @@ class Trainer:
                 numerics=self.guard.summary(),
             )
         dist.barrier()
+        if self.samples is not None:  # after the barrier: the other ranks never wait for the last grid
+            summary = self.samples.finish(self.checkpoint, summary)
         return summary
 
     def _train_step(
@@ -221,9 +229,15 @@ class Trainer:
         self.stream.wait_prepared()  # skips found preparing step + 1 count in this step, as without it
         wall = time.perf_counter() - run.clock
         phases = {"data": data_s, "optimizer": optimizer_s, "checkpoint": run.checkpoint_s}
-        # one collective for the step's numbers, memory peaks and skip count (step_metrics)
+        # one collective for the step's numbers, memory peaks, skip and image-code encode counts (step_metrics)
         row = self.metrics.reduce(
-            inputs, result, wall, phases, peaks=self.memory.peaks(), skip_total=self.skips.local_total()
+            inputs,
+            result,
+            wall,
+            phases,
+            peaks=self.memory.peaks(),
+            skip_total=self.skips.local_total(),
+            image_code_encodes=self.stream.image_code_encodes,
         )
         # [model.llm] moe: aux / z losses and expert load (one all-reduce over the world; {} without MoE)
         moe = moe_step_metrics(self.stage, self.llm_cfg, dist.group.WORLD)
@@ -242,7 +256,7 @@ class Trainer:
             self.checkpoint.close()  # the save in flight commits: a resume starts from it
             raise stop
         run.save(self.checkpoint, step + 1)
-        if self.samples is not None:  # a due checkpoint, once committed: samples/step-N.png
+        if self.samples is not None:  # notes a due checkpoint; starts the grid's child once committed
             self.samples.after_save(step + 1, self.checkpoint)
         run.profiler.step()
         return result

@@ -336,10 +336,16 @@ def _cp_stream_options(cfg: RunConfig, ps: ParallelState, sharding: CPSharding |
 
 
 def step_stream(
-    cfg: RunConfig, tokenizer: Tokenizer, ps: ParallelState, consumes: Any, sharding: CPSharding | None
+    cfg: RunConfig,
+    tokenizer: Tokenizer,
+    ps: ParallelState,
+    consumes: Any,
+    sharding: CPSharding | None,
+    image_tokenizer: Any = None,
 ) -> ZeroRedundancyFilter:
     """This rank's loader (:func:`omni_train.data_pipeline.build_step_stream`), reading only what
-    ``consumes`` runs on this pipeline rank, text only on the first and last stage."""
+    ``consumes`` runs on this pipeline rank, text only on the first and last stage; ``image_tokenizer``:
+    the run's loaded one (default: loaded there)."""
     pp_rank, pp = ps.local_rank("pp"), ps.size("pp")
     # TP and Ulysses peers need identical packs: rank 0 of the TP x Ulysses group (tp_cp) reads, the
     # others get a broadcast; CP ranks read shares of their own, so under CP only TP peers share
@@ -360,6 +366,7 @@ def step_stream(
         # thread running then takes turns at the GIL with the input building instead of with the compute
         prepare_on_request=True,
     )
+    options["image_tokenizer"] = image_tokenizer
     return build_step_stream(cfg, tokenizer, **(options | _cp_stream_options(cfg, ps, sharding)))
 
 

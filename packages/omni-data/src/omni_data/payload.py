@@ -188,7 +188,10 @@ class PayloadReader:
 
     Counters (:attr:`stats`, thread-safe): ``bytes``, ``retries``, ``batched_calls``, ``batched_ranges``,
     ``split_text_hits``; for video, ``videos`` (decoded), ``video_frames`` (sampled frames returned) and
-    ``video_frames_decoded`` (frames the codec produced to reach them).
+    ``video_frames_decoded`` (frames the codec produced to reach them); for generation samples,
+    ``image_code_encodes`` (images this reader turned into codes with ``image_codes``: every reader that
+    reads a generation sample's ids encodes its image, i.e. the first and the last pipeline stage, as
+    both tokenize its caption).
 
     Raises:
         ValueError: ``retries``, ``backoff_s`` or ``split_cache_tokens`` < 0, ``max_image_pixels`` < 1, or
@@ -232,6 +235,7 @@ class PayloadReader:
             "videos": 0,
             "video_frames": 0,
             "video_frames_decoded": 0,
+            "image_code_encodes": 0,
         }
         self.split_cache_tokens = split_cache_tokens
         # split document (its txt members' url, offset, size) -> all its ids, least recently used first
@@ -499,6 +503,7 @@ class PayloadReader:
             grid = codes.codes(pixels)
         except ValueError as e:
             raise PayloadError(f"{where}: {e}") from e
+        self._count(image_code_encodes=1)
         return codes.vocab.sample_ids(caption, grid)
 
     def _decode_image(self, data: bytes, where: str, size: tuple[int, int] | None) -> torch.Tensor:

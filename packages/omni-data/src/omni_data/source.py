@@ -47,7 +47,7 @@ import itertools
 import json
 import random
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -87,6 +87,20 @@ __all__ = [
 
 IMAGE_EXTS = ("jpg", "jpeg", "png", "webp")
 AUDIO_EXTS = ("flac", "wav", "ogg")
+# member extension -> media kind, to say what a sample holds when it lacks the member its source reads
+_MEDIA_KINDS = {
+    **dict.fromkeys(IMAGE_EXTS, "image"),
+    **dict.fromkeys(VIDEO_EXTS, "video"),
+    **dict.fromkeys(AUDIO_EXTS, "audio"),
+}
+# what one sample of each modality needs (EmptySourceError names it)
+_NEEDS = {
+    "text": "a .txt member",
+    "image": "an image member (.jpg/.jpeg/.png/.webp)",
+    "video": "a video member (.mp4/.webm/.mkv/.mov/.avi/.ogv)",
+    "audio": "an audio member (.flac/.wav/.ogg)",
+    "generation": "an image member (.jpg/.jpeg/.png/.webp) and a .txt caption: image shards",
+}
 _IMAGE_HEADER_BYTES = 1 << 16  # enough for PNG IHDR and JPEG SOF behind typical EXIF blocks
 _AUDIO_HEADER_BYTES = 1 << 12  # FLAC STREAMINFO (and any leading metadata blocks of test files)
 _INLINE_BYTES = 1 << 13  # json/txt and small members come with the header walk, no seek back
@@ -435,9 +449,11 @@ class WebDatasetSource(StatefulNode[SampleMeta]):
                 kept += 1
                 yield meta
             if self.epochs is None and whole_epoch and kept == 0:
+                first = f", the first {self.urls[own.shards[0]]}" if own.shards else ""
                 raise EmptySourceError(
                     f"source {self.name!r}: reader {self.reader} of {self.num_readers} found no usable sample in "
-                    f"a whole epoch ({len(own.shards)} shards); skipped: {self.skipped}"
+                    f"a whole epoch ({len(own.shards)} shards{first}); skipped: {self.skipped}; a "
+                    f"{self.modality.value} sample needs {_NEEDS.get(self.modality.value, '?')}"
                 )
             self._epoch += 1
             self._own = self._plan(self._epoch, self.num_readers, self.reader)
@@ -617,7 +633,7 @@ class WebDatasetSource(StatefulNode[SampleMeta]):
         if m is Modality.GENERATION:  # caption then the image's codes: text-like, planned from metadata
             ext = next((e for e in IMAGE_EXTS if e in refs), None)
             if ext is None:
-                raise _SkipSample("missing image member")
+                raise _missing_member("image", refs)
             if "txt" not in refs:
                 raise _SkipSample("missing .txt")
             self._image_size(info, refs[ext], f)  # the header checks an image sample gets
@@ -628,7 +644,7 @@ class WebDatasetSource(StatefulNode[SampleMeta]):
         if m is Modality.IMAGE:
             ext = next((e for e in IMAGE_EXTS if e in refs), None)
             if ext is None:
-                raise _SkipSample("missing image member")
+                raise _missing_member("image", refs)
             h, w = self._image_size(info, refs[ext], f)
             rh, rw = self.image_tokens.resize(h, w)
             tokens = self.image_tokens.tokens(h, w)
@@ -637,7 +653,7 @@ class WebDatasetSource(StatefulNode[SampleMeta]):
         if m is Modality.VIDEO:
             ext = next((e for e in VIDEO_EXTS if e in refs), None)
             if ext is None:
-                raise _SkipSample("missing video member")
+                raise _missing_member("video", refs)
             v = self._video_info(info, refs[ext], f)
             vt = self.video_tokens
             n = vt.num_sampled(v.frames, v.fps)
@@ -661,7 +677,7 @@ class WebDatasetSource(StatefulNode[SampleMeta]):
             )
         ext = next((e for e in AUDIO_EXTS if e in refs), None)
         if ext is None:
-            raise _SkipSample("missing audio member")
+            raise _missing_member("audio", refs)
         num_samples, rate = self._audio_len(info, refs[ext], f)
         if self.sample_rate is not None and rate != self.sample_rate:
             num_samples, rate = resampled_length(num_samples, rate, self.sample_rate), self.sample_rate
@@ -786,6 +802,14 @@ class _SideFile:
     def close(self) -> None:
         if self._f is not None:
             self._f.close()
+
+
+def _missing_member(kind: str, refs: Mapping[str, Any]) -> _SkipSample:
+    """The skip of a sample without the ``kind`` member its source reads; when it holds another medium
+    (a generation or image source on video shards) the reason says which, e.g. ``"missing image member,
+    has video"`` (a few fixed reasons, so the skip counts stay grouped)."""
+    other = sorted({_MEDIA_KINDS[e] for e in refs if _MEDIA_KINDS.get(e, kind) != kind})
+    return _SkipSample(f"missing {kind} member" + (f", has {' and '.join(other)}" if other else ""))
 
 
 class _SkipSample(Exception):

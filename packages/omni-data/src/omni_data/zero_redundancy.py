@@ -245,6 +245,10 @@ class ZeroRedundancyFilter(StatefulNode[FilteredStep]):
     Counters: :attr:`ledger` (:class:`~omni_data.skips.SkipLedger`, scope ``"payload"``: per source,
     reason and key, samples whose payload was replaced by a placeholder), on the rank that read them (TP
     rank 0); part of the state. :attr:`skipped` / :attr:`skipped_keys` are its flat views.
+    :attr:`image_code_encodes` (not part of the state: a running count of this filter): the generation
+    samples whose image this rank's reader turned into code tokens in the steps :meth:`next` handed out
+    (with ``read_text``, on the rank that reads: the first and the last pipeline stage each encode the
+    samples whose ids they read, as each tokenizes their captions; read-ahead counts in its own step).
     :func:`omni_data.skips.skip_report` on the filter gathers these and every upstream node's skips.
 
     Owns its decode threads: :meth:`close` (or leaving a ``with`` block) stops them; ``reset`` /
@@ -313,6 +317,7 @@ class ZeroRedundancyFilter(StatefulNode[FilteredStep]):
         # the pools' threads stop even if the filter is dropped without close()
         self._finalizer = weakref.finalize(self, _shutdown, self._pool, self._prep)
         self.samples_read = 0
+        self.image_code_encodes = 0
         self.ledger = SkipLedger("ZeroRedundancyFilter", scope="payload", max_keys=max_skipped_keys)
         self.snapshots = snapshots
         # Snapshot bookkeeping. ``_epoch`` changes only on the caller's thread (next, reset, load_resplit);
@@ -660,6 +665,14 @@ class ZeroRedundancyFilter(StatefulNode[FilteredStep]):
         payloads, text_ids, text_errors = self._broadcast(batch, metas, item.reads)
         if self._reads:
             self.samples_read += len(metas)
+            self.image_code_encodes += sum(
+                1
+                for k, row in enumerate(text_ids)
+                for i, ids in enumerate(row)
+                if ids is not None
+                and batch.packs[k].samples[i].modality is Modality.GENERATION
+                and (k, i) not in text_errors
+            )
             for p in payloads:
                 if p.error is not None:
                     self._skip(p)

@@ -192,6 +192,7 @@ class StepMetrics:
         self.counts_packs = ps.local_rank("dp_cp" if hybrid else "cp") == 0
         self.replicas = 1 if hybrid else self.dp
         self.pack_tokens = spec.max_seq_len * (ps.size("dp_cp") if hybrid else 1)
+        self._encodes_seen = 0  # this rank's image-code encodes counted by earlier steps (reduce)
 
     def reduce(
         self,
@@ -202,14 +203,18 @@ class StepMetrics:
         *,
         peaks: StepPeaks | None = None,
         skip_total: int = 0,
+        image_code_encodes: int | None = None,
     ) -> dict[str, Any]:
         """One all-reduce over the world (collective): per-rank wall/busy seconds and the step's time per
         :data:`PHASES` (``phases`` gives ``data``, ``optimizer``, ``checkpoint``; the rest comes from the
         executor's result; ``other`` is the wall time left), and (from pipeline rank 0 of each DP
         replica, which holds the broadcast losses) loss and per-modality sums, tokens, samples, skipped
         payloads, and in the same all-reduce the encoder numbers of :meth:`_encoder_vector`, this rank's
-        memory ``peaks`` (``"memory"``: :data:`MEMORY_METRICS` -> bytes per global rank) and its count of
-        skipped items ``skip_total`` (``"skip_total"``: the sum over the world)."""
+        memory ``peaks`` (``"memory"``: :data:`MEMORY_METRICS` -> bytes per global rank), its count of
+        skipped items ``skip_total`` (``"skip_total"``: the sum over the world) and its loader's image-code
+        encodes so far, ``image_code_encodes`` (``omni_data.ZeroRedundancyFilter.image_code_encodes``, a
+        running count: the step's share is its growth since the last call; ``"image_code_encodes"``:
+        per global rank)."""
         n, packs = self.world, inputs.packs
         times = step_phases(result, wall, phases or {})
         vec = torch.zeros(2 * n + 1 + 2 * len(MODALITIES) + 3 + len(PHASES) * n, dtype=torch.float64)
@@ -232,8 +237,12 @@ class StepMetrics:
         enc = self._encoder_vector(inputs, result)
         mem = _memory_vector(peaks, self.rank, n)
         skips = torch.tensor([float(skip_total)], dtype=torch.float64)
+        encodes = torch.zeros(n, dtype=torch.float64)
+        if image_code_encodes is not None:
+            encodes[self.rank] = image_code_encodes - self._encodes_seen
+            self._encodes_seen = image_code_encodes
         counts = self._sample_counts(packs, inputs.masked)
-        vec = torch.cat([vec, enc, mem, counts, skips])
+        vec = torch.cat([vec, enc, mem, counts, encodes, skips])
         if dist.is_initialized() and n > 1:
             dist.all_reduce(vec)
         v = vec.tolist()
@@ -244,6 +253,7 @@ class StepMetrics:
             "memory": _memory_numbers(v[at_mem:at_counts], n, cuda),
             "samples_per_modality": [int(x) for x in v[at_counts : at_counts + len(MODALITIES)]],
             "video_frames": int(v[at_counts + len(MODALITIES)]),
+            "image_code_encodes": [int(x) for x in v[at_counts + len(MODALITIES) + 1 : -1]],
             "skip_total": int(v[-1]),
             "wall": v[:n],
             "busy": v[n : 2 * n],
@@ -335,6 +345,10 @@ class StepMetrics:
                 str(mod): row["samples_per_modality"][i] for i, mod in enumerate(MODALITIES)
             },
             "video_frames": row["video_frames"],
+            # generation samples' images the loaders turned into codes in the step (first and last stage
+            # each encode the samples whose ids they read, as both tokenize text), all ranks / per rank
+            "image_code_encodes": sum(row["image_code_encodes"]),
+            "image_code_encodes_per_rank": row["image_code_encodes"],
             "tokens": row["tokens"],
             "tokens_per_s": row["tokens"] / step_s,
             "samples_per_s": row["samples"] / step_s,

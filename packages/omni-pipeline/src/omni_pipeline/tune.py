@@ -39,6 +39,12 @@ the cheap placements. ``check`` (e.g. the trainer's preflight) refuses layouts t
 variants), and ``exact_state`` (e.g. ``omni-train memory``'s build) replaces the analytic state of the
 best plans, which are then dropped if that makes them OOM.
 
+Ranking (:func:`rank_plans`): fastest predicted tokens/s first. Plans predicting exactly the same
+tokens/s (layouts differing only in ZeRO stages the step model prices the same, e.g. ZeRO-2 and ZeRO-3
+gathering the stage once per step at ``pp > 1``) are listed simpler first: lower ``llm_zero``, then lower
+``encoder_zero`` (fewer collectives, a simpler resume), then fewer virtual stages (a plain 1F1B
+schedule), then in search order; so a search always ranks the same way.
+
 Time: ``omni-train tune --workload paper-vlm --gpus 512`` searches 5,832 layouts in about 30-50 s on a
 shared 2-core CPU (apps/omni-train/README.md, "Planning at scale").
 """
@@ -47,7 +53,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from omni_pipeline.cost import Network
@@ -61,7 +67,7 @@ from omni_pipeline.step_model import (
 )
 from omni_pipeline.workload import Workload
 
-__all__ = ["TuneResult", "candidate_layouts", "tune"]
+__all__ = ["TuneResult", "candidate_layouts", "rank_plans", "tune"]
 
 CHEAP_PLACEMENTS = ("uniform_on_demand",)
 REFINE_PLACEMENTS = ("isolated", "planned")
@@ -72,8 +78,8 @@ class TuneResult:
     """Outcome of :func:`tune`.
 
     Attributes:
-        plans: the best feasible plans, fastest first, one per layout (its fastest placement;
-            ``StepPrediction``, exact state where given).
+        plans: the best feasible plans, fastest first (ties simpler first: :func:`rank_plans`), one per
+            layout (its fastest placement; ``StepPrediction``, exact state where given).
         considered: layouts enumerated (before any filter). refused: layouts ``check`` refused (a
             virtual-stage or encoder-ZeRO variant of an accepted shape is checked after its memory
             bound, so one out of memory counts there).
@@ -98,6 +104,17 @@ def _sibling_key(layout: Layout) -> Layout:
     """A layout's 1F1B sibling shape: what :func:`~omni_pipeline.step_model.step_time_lower_bound` may
     bound from (virtual stages and ZeRO stages aside)."""
     return dataclasses.replace(layout, virtual_stages=1, llm_zero=0, encoder_zero=0)
+
+
+def rank_plans(plans: Iterable[StepPrediction]) -> list[StepPrediction]:
+    """``plans`` fastest first (predicted tokens/s); exactly equal predictions simpler first: lower
+    ``layout.llm_zero``, then lower ``layout.encoder_zero``, then fewer ``layout.virtual_stages``; plans
+    equal in all of these keep their order in ``plans`` (a stable sort). :func:`tune` ranks with it.
+    """
+    return sorted(
+        plans,
+        key=lambda p: (-p.tokens_per_s, p.layout.llm_zero, p.layout.encoder_zero, p.layout.virtual_stages),
+    )
 
 
 def _divisors(n: int) -> list[int]:
@@ -290,11 +307,11 @@ def tune(
     hopeful.sort(key=lambda x: -x[0])
     for i, (ub, layout, m) in enumerate(hopeful):
         best = sorted((p.tokens_per_s for p in scored), reverse=True)
-        if len(best) >= k and ub <= best[k - 1]:
+        if len(best) >= k and ub < best[k - 1]:  # a tie could still rank above (simpler first)
             res.bounded += len(hopeful) - i
             break
         _predict(layout, m)
-    scored.sort(key=lambda p: -p.tokens_per_s)
+    scored[:] = rank_plans(scored)
     # the other placements for the best layouts
     for p in scored[:refine]:
         for placement in REFINE_PLACEMENTS:
@@ -307,7 +324,7 @@ def tune(
             if not q.oom:
                 micro[other] = micro[p.layout]
                 scored.append(q)
-    scored.sort(key=lambda p: -p.tokens_per_s)
+    scored[:] = rank_plans(scored)
     listed: set[Layout] = set()  # one plan per layout: its fastest placement
     for p in scored:
         if len(res.plans) >= top:

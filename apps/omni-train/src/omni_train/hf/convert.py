@@ -32,7 +32,7 @@ import torch
 from torch import nn
 
 from omni_ckpt import save_ranks
-from omni_train.checkpointing import committed_step_url, read_model_tensors, run_config
+from omni_train.checkpointing import checkpoints_root, committed_step_url, read_model_tensors, run_config
 from omni_train.config import ConfigError, RunConfig
 from omni_train.data_files import load_tokenizer, tokenizer_path
 from omni_train.encoders import Encoders
@@ -262,7 +262,7 @@ def export_hf(
     """
     run_dir, out = Path(run_dir), Path(out)
     cfg = run_config(run_dir, "export-hf")
-    step, url = committed_step_url(run_dir / "checkpoints", step, "export-hf")
+    step, url = committed_step_url(checkpoints_root(cfg, run_dir), step, "export-hf")
     tensors = read_model_tensors(url)
     llm = {k.removeprefix("llm."): v for k, v in tensors.items() if k.startswith("llm.")}
     llm_cfg = cfg.model.llm_config(int(llm["tok_embeddings.weight"].shape[0]))
