@@ -4,7 +4,8 @@ A tiny run over image captioning (ViT, understanding), text and text-to-image ge
 image shards read by a ``modality = "generation"`` source: caption, ``boi``, the image's codes from a
 frozen VQ image tokenizer, ``eoi``; ``omni_data.image_generation``), float64, 3 steps:
 
-* pp = 2 (1F1B) and pp = 2 under GPipe with the ``planned`` placement, each on 2 gloo processes, against the one-process reference over
+* pp = 2 (1F1B), pp = 2 under GPipe with the ``planned`` placement and pp = 2 under interleaved 1F1B (2
+  virtual stages per rank, 4 LLM layers), each on 2 gloo processes, against the one-process reference over
   the same packs (``train_reference``, <= 1e-10): every loss and every gradient, the LM head's rows of
   the image codes included (the LLM's vocabulary is ``V + 2 + K``).
 * The generation loss is reported apart from the others (``loss_per_modality["generation"]`` in
@@ -32,7 +33,7 @@ import torch
 import torch.nn.functional as F
 from PIL import Image
 from train_fixtures import make_dataset, write_config
-from train_reference import assert_runs_match, capture_run, reference_run, with_parallel
+from train_reference import assert_runs_match, capture_run, reference_run, with_llm_layers, with_parallel
 
 from omni_data import Modality, generation_targets
 from omni_data.payload import to_rgb
@@ -124,23 +125,29 @@ def _parallel(rank, world_size, cfg, root):
     gpipe = capture_run(
         with_parallel(cfg, pp=2, schedule="gpipe", placement=PlacementPolicy.PLANNED), Path(root) / "gpipe"
     )
-    return pp2, gpipe
+    # interleaved 1F1B over 2 virtual stages per rank (4 LLM layers: one per virtual stage)
+    inter = capture_run(
+        with_parallel(with_llm_layers(cfg, 4), pp=2, schedule="interleaved", virtual_stages=2),
+        Path(root) / "inter",
+    )
+    return pp2, gpipe, inter
 
 
 def _reference(rank, world_size, cfg, root):
     seen: list = []
     ref = reference_run(cfg, Path(root) / "ref", 1, on_inputs=_brute_force(cfg, seen))
-    return ref, seen
+    return ref, seen, reference_run(with_llm_layers(cfg, 4), Path(root) / "ref-4l", 1)
 
 
 @pytest.mark.slow
 def test_generation_with_understanding_at_pp2_matches_one_process(gen_cfg, tmp_path):
     cfg = gen_cfg
     validate(with_parallel(cfg, pp=2), 2)
-    pp2, gpipe = run_world(_parallel, 2, args=(cfg, str(tmp_path)), timeout_s=300)[0]
-    ref, seen = run_world(_reference, 1, args=(cfg, str(tmp_path)), timeout_s=300)[0]
+    pp2, gpipe, inter = run_world(_parallel, 2, args=(cfg, str(tmp_path)), timeout_s=300)[0]
+    ref, seen, ref_4l = run_world(_reference, 1, args=(cfg, str(tmp_path)), timeout_s=300)[0]
     assert_runs_match(pp2, ref, "pp=2 with generation and understanding")
     assert_runs_match(gpipe, ref, "pp=2, GPipe, planned placement, with generation and understanding")
+    assert_runs_match(inter, ref_4l, "pp=2, interleaved 1F1B (2 virtual stages), with generation")
     rows = [json.loads(x) for x in (tmp_path / "pp2" / "metrics.jsonl").read_text().splitlines()]
     ref_rows = [json.loads(x) for x in (tmp_path / "ref" / "metrics.jsonl").read_text().splitlines()]
     assert len(seen) == len(rows) == 3

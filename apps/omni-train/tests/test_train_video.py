@@ -35,7 +35,7 @@ from pathlib import Path
 import pytest
 import torch
 from train_fixtures import make_dataset, write_config
-from train_reference import assert_runs_match, capture_run, reference_run, with_parallel
+from train_reference import assert_runs_match, capture_run, reference_run, with_llm_layers, with_parallel
 
 from omni_data import Modality
 from omni_parallel.testing import run_world
@@ -97,12 +97,6 @@ def _record(seen: list):
     return on_inputs
 
 
-def _four_layers(cfg):
-    """``cfg`` with 4 LLM layers: one per stage of 2 ranks x 2 virtual stages (interleaved 1F1B)."""
-    llm = dataclasses.replace(cfg.model.llm, n_layers=4)
-    return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, llm=llm))
-
-
 def _no_mrope(cfg):
     llm = dataclasses.replace(cfg.model.llm, mrope_section=None)
     return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, llm=llm))
@@ -138,7 +132,8 @@ def _pp2(rank, world_size, cfg, root):
     # the other schedules: GPipe, and interleaved 1F1B over 2 virtual stages per rank (each builds M-RoPE)
     gpipe = capture_run(with_parallel(cfg, pp=2, schedule="gpipe"), Path(root) / "gpipe")
     inter = capture_run(
-        with_parallel(_four_layers(cfg), pp=2, schedule="interleaved", virtual_stages=2), Path(root) / "inter"
+        with_parallel(with_llm_layers(cfg, 4), pp=2, schedule="interleaved", virtual_stages=2),
+        Path(root) / "inter",
     )
     return got, seen, tp2, planned, dp2, sp2, longs, cp2, cp_longs, gpipe, inter
 
@@ -148,7 +143,7 @@ def _reference(rank, world_size, cfg, root):
         reference_run(cfg, Path(root) / "ref", 1),
         reference_run(cfg, Path(root) / "ref-dp2", 2),
         reference_run(_no_mrope(cfg), Path(root) / "ref-nomrope", 1),
-        reference_run(_four_layers(cfg), Path(root) / "ref-4l", 1),
+        reference_run(with_llm_layers(cfg, 4), Path(root) / "ref-4l", 1),
     )
 
 

@@ -33,8 +33,16 @@ __all__ = [
     "reference_resplit_run",
     "reference_run",
     "relayout_run",
+    "with_llm_layers",
     "with_parallel",
 ]
+
+
+def with_llm_layers(cfg, n_layers: int):
+    """``cfg`` with ``n_layers`` LLM layers (e.g. 4: one per stage of 2 ranks x 2 virtual stages under
+    interleaved 1F1B)."""
+    llm = dataclasses.replace(cfg.model.llm, n_layers=n_layers)
+    return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, llm=llm))
 
 
 def with_parallel(cfg, **par):
