@@ -22,7 +22,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -44,6 +44,9 @@ from omni_train.config import RunConfig
 from omni_train.metrics import MetricsLogger, finish_run
 from omni_train.profiling import StepProfiler
 from omni_train.run_writes import RunWrites
+
+if TYPE_CHECKING:
+    from omni_train.generate import SampleWriter
 
 __all__ = ["RunOutputs", "record_writer"]
 
@@ -176,15 +179,18 @@ class RunOutputs:
         """Queue the step's ``metrics.jsonl`` row (rank 0)."""
         self.writes.submit(f"{self.logger.path}, step {step}", self.logger.log, step, metrics)
 
-    def save(self, checkpoint: TrainCheckpoint, next_step: int) -> None:
+    def save(self, checkpoint: TrainCheckpoint, next_step: int, samples: SampleWriter | None = None) -> None:
         """Commit the checkpoint of ``next_step`` if it is due, after the steps before it are on disk;
-        its seconds go in the next step's time breakdown (``checkpoint_s``)."""
+        its seconds go in the next step's time breakdown (``checkpoint_s``). Then ``samples`` (rank 0's
+        omni-gen grid writer) notes a due checkpoint and starts a grid's child once one is committed."""
         self.checkpoint_s = 0.0
         if checkpoint.due(next_step):
             t = time.perf_counter()
             self.writes.drain()  # the steps before the checkpoint are on disk before it commits
             checkpoint.save(next_step)
             self.checkpoint_s = time.perf_counter() - t
+        if samples is not None:
+            samples.after_save(next_step, checkpoint)
 
     def cp_metrics(self, sharding: CPSharding | None) -> dict[str, int]:
         """Hybrid DP/CP: ``hybrid_cp_raised_caps``, the packs so far planned above ``data.max_seq_len``

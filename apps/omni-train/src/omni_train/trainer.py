@@ -94,8 +94,8 @@ class Trainer:
         self.tokenizer = load_tokenizer(cfg.data)
         par = cfg.parallel
         self.schedule = build_schedule(par.schedule, par.pp, cfg.data.microbatches, par.virtual_stages)
-        self.image_tokenizer = load_image_tokenizer(cfg)  # [model.image_tokenizer]: loaded once, passed down
-        vocab = llm_vocab_size(cfg, self.tokenizer.get_vocab_size(), self.image_tokenizer)  # + boi, eoi, K
+        vq = load_image_tokenizer(cfg)  # [model.image_tokenizer], loaded once: the LLM's vocab + boi, eoi, K
+        vocab = llm_vocab_size(cfg, self.tokenizer.get_vocab_size(), vq)
         parts = wiring.build_model(cfg, self.ps, self.schedule, vocab, self.device)
         self.llm_cfg, self.split = parts.llm_cfg, parts.split
         self.stage, self.encoders = parts.stage, parts.encoders
@@ -105,9 +105,7 @@ class Trainer:
         self.sharding = wiring.cp_sharding(cfg, self.ps, self.llm_cfg)
         flow = wiring.data_flow(cfg, self.ps, self.schedule, self.llm_cfg, self.split, self.sharding)
         self.flow, self.planner = flow.flow, flow.planner
-        self.stream = wiring.step_stream(
-            self.cfg, self.tokenizer, self.ps, flow.consumes, self.sharding, self.image_tokenizer
-        )
+        self.stream = wiring.step_stream(self.cfg, self.tokenizer, self.ps, flow.consumes, self.sharding, vq)
         self.builder = wiring.step_builder(
             cfg, self.ps, self.tokenizer, parts, self.schedule, self.flow, self.sharding, self.device
         )
@@ -119,8 +117,7 @@ class Trainer:
         self.metrics = wiring.step_metrics(cfg, self.ps, parts, self.device)
         self.skips = wiring.skip_metrics(self.ps, self.stream)
         self.guard = numerics_guard(cfg.train, self.ps, dict(self.encoders.towers.items()), self.device)
-        # [model.image_tokenizer], checkpoint.sample_rows > 0: rank 0 has a child process draw
-        # samples/step-N.png after each committed checkpoint (omni_train.generate.SampleWriter)
+        # rank 0 with [model.image_tokenizer]: a child draws samples/step-N.png per committed checkpoint
         self.samples = SampleWriter.for_rank(cfg, self.out, self.rank)
 
     # -- the loop -----------------------------------------------------------------------------------------
@@ -139,8 +136,8 @@ class Trainer:
             if self.watchdog is not None:
                 self.watchdog.stop()
             self.stream.close()
-            if self.samples is not None:  # a sample child still drawing after an error is stopped
-                self.samples.close()
+            if self.samples is not None:
+                self.samples.close()  # a grid's child still drawing after an error is stopped
 
     def _run(self, after_backward: Callable[[int, StepInputs, StepResult], None] | None) -> dict[str, Any]:
         total = self.cfg.train.steps
@@ -177,15 +174,9 @@ class Trainer:
         run.close()
         elapsed, summary = time.perf_counter() - t_run, {}
         if self.rank == 0:
-            done, skipped = self.checkpoint.steps(), self.skips.summary()
+            done, skipped, numerics = self.checkpoint.steps(), self.skips.summary(), self.guard.summary()
             summary = run.summary(
-                self.cfg,
-                last,
-                elapsed,
-                start,
-                checkpoints=done,
-                skipped=skipped,
-                numerics=self.guard.summary(),
+                self.cfg, last, elapsed, start, checkpoints=done, skipped=skipped, numerics=numerics
             )
         dist.barrier()
         if self.samples is not None:  # after the barrier: the other ranks never wait for the last grid
@@ -193,10 +184,7 @@ class Trainer:
         return summary
 
     def _train_step(
-        self,
-        step: int,
-        run: RunOutputs,
-        after_backward: Callable[[int, StepInputs, StepResult], None] | None,
+        self, step: int, run: RunOutputs, after_backward: Callable[[int, StepInputs, StepResult], None] | None
     ) -> StepResult:
         """One optimizer step: inputs, the pipeline step, clipping and AdamW, metrics, records, checkpoint."""
         # before the loader's thread starts on step + 1 below: zeroing and re-attaching the gradients is
@@ -229,15 +217,10 @@ class Trainer:
         self.stream.wait_prepared()  # skips found preparing step + 1 count in this step, as without it
         wall = time.perf_counter() - run.clock
         phases = {"data": data_s, "optimizer": optimizer_s, "checkpoint": run.checkpoint_s}
-        # one collective for the step's numbers, memory peaks, skip and image-code encode counts (step_metrics)
+        # one collective for the step's numbers, memory peaks, skip and image-code counts (step_metrics)
+        codes, skips, peaks = self.stream.image_code_encodes, self.skips.local_total(), self.memory.peaks()
         row = self.metrics.reduce(
-            inputs,
-            result,
-            wall,
-            phases,
-            peaks=self.memory.peaks(),
-            skip_total=self.skips.local_total(),
-            image_code_encodes=self.stream.image_code_encodes,
+            inputs, result, wall, phases, peaks=peaks, skip_total=skips, image_code_encodes=codes
         )
         # [model.llm] moe: aux / z losses and expert load (one all-reduce over the world; {} without MoE)
         moe = moe_step_metrics(self.stage, self.llm_cfg, dist.group.WORLD)
@@ -255,9 +238,7 @@ class Trainer:
         if stop is not None:  # after the step's metrics, before its checkpoint
             self.checkpoint.close()  # the save in flight commits: a resume starts from it
             raise stop
-        run.save(self.checkpoint, step + 1)
-        if self.samples is not None:  # notes a due checkpoint; starts the grid's child once committed
-            self.samples.after_save(step + 1, self.checkpoint)
+        run.save(self.checkpoint, step + 1, self.samples)  # and the omni-gen grids' child, once committed
         run.profiler.step()
         return result
 
