@@ -18,8 +18,25 @@ Assumptions (every one ours unless cited; the workloads' own are in their files,
 * Rows: Megatron-LM = ``prepend_first_stage``; Megatron-Dist / DistTrain = ``megatron_dist`` (encoders on
   ranks of their own, sized from the 5:5 step and kept, the paper's "statically allocated encoder
   resources"; its throughput counts those GPUs); Optimus = ``optimus_static`` (static bubble filling);
-  ours = ``isolated``, ``uniform_on_demand``, ``planned``. The Alpa-style AutoParallel baseline is not
-  modelled.
+  ours = ``isolated``, ``uniform_on_demand``, ``planned``.
+* Alpa-style AutoParallel (:func:`alpa`; Zheng et al., "Alpa", OSDI 2022), at 512 GPUs for 1:9, 5:5, 9:1
+  and at 256 GPUs for the triple-modality 1:1:8 and 4:4:2: a planner that does not know the modalities
+  apart. Assumptions: the encoders stay in the first stage's graph (``prepend_first_stage``); its
+  inter-operator pass profiles that pipeline (even split, one simulation) and splits the layers so that
+  no stage is busier than needed with stage 0's encoder seconds counted
+  (:func:`omni_pipeline.step_model.encoder_aware_stage_layers`: fewer LLM layers on stage 0); its
+  intra-operator pass is modelled as a search over tp (+ SP) x dp, LLM ZeRO 0-3 and encoder ZeRO 0/2/3
+  (Alpa's sharding of optimizer state), and rematerialisation (none, whole blocks, or one residual branch:
+  the trainer's forms), under 1F1B (no virtual stages, no CP / Ulysses: Alpa has neither), keeping the
+  fastest layout the trainer's preflight accepts that fits in 80 GB, at the hand-picked layout's global
+  batch (32 packs x GPUs / 16). Alpa itself plans one graph with an ILP and a DP over stage slicings
+  (not our enumeration), and does not run our trainer; what is kept is what matters here: a balanced
+  but modality-unaware split and a searched layout.
+* Tuned plans of ours at 512 GPUs (1:9, 5:5, 9:1): :func:`omni_pipeline.tune.tune` with the trainer's
+  preflight as its check (``omni_train.simulate.layout_check``), virtual stages, encoder ZeRO and
+  selective recompute (``train.recompute_modules``) searched, ``max_sp = 4``, at the same global batch;
+  and ours (the best of our placements) on Alpa's layout and uneven split (``ours_on_alpa_split``: a
+  split ``tune`` does not search). Each with :func:`breakdown` (where the step goes, shares of it).
 * Compute bound: the step's model FLOPs (3 x forward, no recompute) at ``peak x efficiency`` on every GPU
   with no bubble, no collective and no recompute; ``bound`` = that time / the predicted step time
   (= MFU / efficiency).
@@ -30,12 +47,17 @@ Assumptions (every one ours unless cited; the workloads' own are in their files,
   at 256 takes minutes).
 * Figure 20 (reordering group size): ``REPLICAS`` DP replicas each draw their own packs (steps 0, 1, ...
   of the workload stand for different replicas' data); DP is synchronous, so the step takes the slowest
-  replica's time. A group of ``g`` replicas pools its ``g x 32`` packs and deals them back greedily by
-  modelled FLOPs (largest first to the least-loaded replica: whole packs move, samples never split), and
-  pays the reordering all-to-all of :func:`omni_pipeline.step_model.step_collectives` over ``g`` replicas.
+  replica's time. A group of ``g`` replicas reorders its encoder samples as the trainer does: for each
+  encoder microbatch (slice ``j`` of LLM microbatch ``k``, the same on every replica) the group's samples
+  of it go where the trainer's partition sends them (``omni_data.reorder_destinations``: Karmarkar-Karp
+  by encoder FLOPs, each part to the replica holding most of it; samples never split), every pack's LLM
+  tokens stay home, and the group pays the reordering all-to-all of
+  :func:`omni_pipeline.step_model.step_collectives` over ``g`` replicas:
+  :func:`omni_pipeline.replica_balance.price_group`, which ``omni-train tune`` searches with.
 
-Run: ``uv run python benchmarks/paper_scale.py`` (about a minute or two on 2 cores); writes
-``benchmarks/results/paper_scale.json``.
+Run: ``uv run python benchmarks/paper_scale.py`` (about three minutes on 2 cores); writes
+``benchmarks/results/paper_scale.json``. ``--zero-with-tp``: only :func:`zero_with_tp` (the what-if of LLM
+ZeRO with TP), writing ``benchmarks/results/paper_scale_zero_tp.json``.
 """
 
 from __future__ import annotations
@@ -43,15 +65,22 @@ from __future__ import annotations
 import dataclasses
 import json
 import subprocess
+import sys
 import time
 from datetime import UTC, datetime
 from pathlib import Path
 
-from omni_parallel.flops import attention_flops, model_flops
-from omni_pipeline import encoder_forward_flops
 from omni_pipeline.cost import Network
-from omni_pipeline.step_model import Device, Layout, StepPrediction, predict_step
-from omni_pipeline.tune import tune
+from omni_pipeline.replica_balance import price_group
+from omni_pipeline.step_model import (
+    Device,
+    Layout,
+    StepPrediction,
+    encoder_aware_stage_layers,
+    predict_step,
+    rank_memory,
+)
+from omni_pipeline.tune import candidate_layouts, tune
 from omni_pipeline.workload import Workload, load_workload
 from omni_train.simulate import layout_check
 
@@ -94,6 +123,7 @@ def row(p: StepPrediction) -> dict:
         "step_time_s": p.step_time_s,
         "stage0_gb": p.memory[0]["total"] / 1e9,
         "last_stage_gb": p.memory[last]["total"] / 1e9,
+        "peak_gb": p.peak_memory_bytes / 1e9,
         "stage0_activations_gb": p.memory[0]["activations"] / 1e9,
         "oom": bool(p.oom),
         "encoder_ranks": p.encoder_ranks,
@@ -113,44 +143,137 @@ def sweep(make, mixes, gpus: int, rows=ROWS, encoder_ranks: int | None = None) -
     return out
 
 
-def pack_flops(w: Workload, p) -> float:
-    llm = model_flops(
-        w.model.llm_params,
-        p.num_tokens,
-        attention_flops(p.seqlens, w.model.llm_dim, w.model.llm_layers, causal=True),
-        training=False,
-    )
-    return llm + sum(encoder_forward_flops(w.model, s.modality, s.media_tokens) for s in p.samples)  # fmt: skip
+def alpa_stage_layers(w: Workload, lay: Layout, m: int) -> list[int]:
+    """Alpa's inter-operator pass for ``lay`` (module docstring): profile the prepend pipeline with the
+    even split (one simulation), then split the layers by :func:`encoder_aware_stage_layers` of stage 0's
+    encoder seconds (forward, backward and recompute of every microbatch's encoders, TP-split as the step
+    model runs them) and the LLM's seconds per layer (busy seconds of every LLM action of the replica over
+    the layers: compute, recompute and the collectives inside them)."""
+    even = predict_step(w, dataclasses.replace(lay, llm_zero=0, encoder_zero=0), device=DEVICE, network=NETWORK,
+                        microbatches=m)  # fmt: skip
+    tl = even.simulation.timelines
+    enc = sum(ev.end_s - ev.start_s for ev in tl[0] if ev.is_encoder)
+    llm = sum(ev.end_s - ev.start_s for r in range(lay.pp) for ev in tl[r] if not ev.is_encoder)
+    n = w.shapes["llm"].n_layers
+    return encoder_aware_stage_layers(n, lay.pp, enc, llm / n)
+
+
+def alpa(w: Workload, gpus: int, global_batch: int, check) -> tuple[StepPrediction, dict]:
+    """The Alpa-style AutoParallel baseline (module docstring): the encoders prepended to stage 0, the
+    layers split by :func:`alpa_stage_layers`, the best of pp x tp x dp x LLM ZeRO x encoder ZeRO x
+    recompute (whole blocks or one branch) under 1F1B that the trainer's preflight accepts and that fits
+    in memory, at ``global_batch`` packs per step. Returns the best prediction and its row (with its
+    layout, stage split and search counts)."""
+    t0 = time.perf_counter()
+    splits: dict = {}
+    caches: dict = {}
+    best: StepPrediction | None = None
+    tried = fits = 0
+    verdicts: dict = {}
+    for lay, m in candidate_layouts(w, gpus, global_batch, max_sp=1, max_virtual=1,
+                                    placements=("prepend_first_stage",)):  # fmt: skip
+        shape = dataclasses.replace(lay, recompute=False, recompute_modules=())
+        if shape not in verdicts:
+            verdicts[shape] = check(shape)
+        if verdicts[shape] is not None:
+            continue
+        tried += 1
+        key = dataclasses.replace(lay, llm_zero=0, encoder_zero=0)
+        if key not in splits:
+            splits[key] = alpa_stage_layers(w, lay, m)
+        layers = splits[key]
+        wm = dataclasses.replace(w, microbatches=m)
+        if max(r["total"] for r in rank_memory(wm, lay, stage_layers=layers).values()) > DEVICE.memory_bytes:
+            continue  # a lower bound of the simulated peak
+        p = predict_step(w, lay, device=DEVICE, network=NETWORK, microbatches=m, stage_layers=layers,
+                         cache=caches.setdefault(tuple(layers), {}))  # fmt: skip
+        if p.oom:
+            continue
+        fits += 1
+        if best is None or p.tokens_per_s > best.tokens_per_s:
+            best = p
+    if best is None:
+        raise ValueError(f"alpa: no layout of {gpus} GPUs fits ({tried} accepted by preflight)")
+    out = row(best)
+    key = dataclasses.replace(best.layout, llm_zero=0, encoder_zero=0)
+    out |= {"layout": dataclasses.asdict(best.layout), "stage_layers": splits[key], "layouts_accepted": tried,
+            "layouts_fit": fits, "search_s": time.perf_counter() - t0}  # fmt: skip
+    out["breakdown"] = breakdown(w, best, global_batch // best.layout.dp, stage_layers=splits[key])
+    return best, out
+
+
+def breakdown(w: Workload, p: StepPrediction, m: int, stage_layers=None) -> dict:
+    """Where the step of ``p`` goes, as shares of its step time (busiest pipeline rank): ``model_compute``
+    (the compute bound's seconds: model FLOPs over every GPU at ``peak x efficiency``, = ``bound``),
+    ``rank_excess`` (the busiest rank's model compute above the mean: encoder work or layers unevenly
+    spread), ``recompute`` (its compute less the same layout's without recompute), ``tp`` / ``cp`` /
+    ``ulysses`` / ``ep`` (inside its actions), ``pipeline_idle`` (bubble and P2P waits), the once-per-step
+    ``llm_sync`` / ``encoder_sync`` (ZeRO or DP gradient collectives, after the last backward),
+    ``reorder`` and ``optimizer``. They sum to 1."""
+    t = p.time_s
+    base = predict_step(w, dataclasses.replace(p.layout, recompute=False, recompute_modules=()), device=DEVICE,
+                        network=NETWORK, microbatches=m, stage_layers=stage_layers)  # fmt: skip
+    compute = t["llm_compute"] + t["encoder_compute"]
+    plain = base.time_s["llm_compute"] + base.time_s["encoder_compute"]
+    bound = p.mfu / DEVICE.efficiency
+    step = p.step_time_s
+    out = {
+        "model_compute": bound,
+        "rank_excess": plain / step - bound,
+        "recompute": (compute - plain) / step,
+        **{k: t[k] / step for k in ("tp", "cp", "ulysses", "ep", "pipeline_idle")},
+        "llm_sync": sum(v for k, v in t.items() if k.startswith(("llm_all", "llm_reduce", "expert_"))) / step,
+        "encoder_sync": sum(v for k, v in t.items() if k.startswith(("encoder_all", "encoder_reduce")))
+        / step,
+        "reorder": t.get("reorder_all_to_all", 0.0) / step,
+        "optimizer": t["optimizer"] / step,
+    }
+    if abs(sum(out.values()) - 1) > 1e-9:
+        raise AssertionError(f"breakdown: shares sum to {sum(out.values())}, not 1: {out}")
+    return out
+
+
+def best_plans(make, mix, gpus: int) -> dict:
+    """At one mix: the tuned plan of ours (:func:`omni_pipeline.tune.tune` with the trainer's preflight as
+    its check; virtual stages, encoder ZeRO and selective recompute searched) and the Alpa-style
+    baseline (:func:`alpa`), both at the hand-picked layout's global batch (32 packs x GPUs / 16), each
+    with its :func:`breakdown`."""
+    w = make(*mix)
+    gb = w.microbatches * gpus // 16
+    check = layout_check(w)
+    t0 = time.perf_counter()
+    res = tune(w, gpus, device=DEVICE, network=NETWORK, global_batch=gb, top=1, max_sp=4, check=check)
+    wall = time.perf_counter() - t0
+    best = res.plans[0]
+    tuned = row(best) | {"layout": dataclasses.asdict(best.layout), "tune_s": wall,
+                         "layouts_considered": res.considered,
+                         "breakdown": breakdown(w, best, gb // best.layout.dp)}  # fmt: skip
+    a, alp = alpa(w, gpus, gb, check)
+    # ours on Alpa's layout and uneven split (a search tune does not make: it keeps the even split)
+    split = alp["stage_layers"]
+    m = gb // a.layout.dp
+    ours = [predict_step(w, dataclasses.replace(a.layout, placement=pl), device=DEVICE, network=NETWORK,
+                         microbatches=m, stage_layers=split) for pl in OURS]  # fmt: skip
+    fit = [q for q in ours if not q.oom] or ours
+    q = max(fit, key=lambda q: q.tokens_per_s)
+    on_alpa = row(q) | {"layout": dataclasses.asdict(q.layout), "stage_layers": split,
+                        "breakdown": breakdown(w, q, m, stage_layers=split)}  # fmt: skip
+    return {"tuned": tuned, "alpa": alp, "ours_on_alpa_split": on_alpa}
 
 
 def reorder_groups(w: Workload, gpus: int) -> dict:
-    """Figure 20 (module docstring): step time of REPLICAS synchronous replicas per group size."""
-    replicas = [w.step_packs(r, w.microbatches) for r in range(REPLICAS)]
+    """Figure 20 (module docstring): step time of REPLICAS synchronous replicas per group size, priced by
+    :func:`omni_pipeline.replica_balance.price_group` (the pricing ``omni-train tune`` searches with)."""
     out = {}
+    cache: dict = {}  # the replicas' packs, drawn once for every group size
     for g in (1, 2, 4, 8, 16):
-        dealt: list[list] = []
-        for start in range(0, REPLICAS, g):
-            pool = sorted(
-                (p for rep in replicas[start : start + g] for p in rep), key=lambda p: -pack_flops(w, p)
-            )
-            bins: list[list] = [[] for _ in range(g)]
-            load = [0.0] * g
-            for p in pool:  # largest first to the least-loaded replica that still has room
-                j = min((i for i in range(g) if len(bins[i]) < w.microbatches), key=lambda i: load[i])
-                bins[j].append(p)
-                load[j] += pack_flops(w, p)
-            dealt += bins
-        lay = layout(gpus, reorder_group=g)
-        preds = [predict_step(w, lay, device=DEVICE, network=NETWORK, packs=packs) for packs in dealt]
-        slow = max(preds, key=lambda p: p.step_time_s)
-        tokens = sum(sum(p.num_tokens for p in packs) for packs in dealt) / REPLICAS
-        step = slow.step_time_s
+        r = price_group(w, layout(gpus), g, device=DEVICE, network=NETWORK, replicas=REPLICAS, cache=cache)
         out[str(g)] = {
-            "step_time_s": step,
-            "tokens_per_s": tokens * lay.dp / step,
-            "bound": slow.mfu / DEVICE.efficiency,
-            "reorder_all_to_all_ms": 1e3 * slow.time_s.get("reorder_all_to_all", 0.0),
-            "replica_step_spread": max(p.step_time_s for p in preds) / min(p.step_time_s for p in preds),
+            "step_time_s": r.step_time_s,
+            "tokens_per_s": r.tokens_per_s,
+            "bound": r.mfu / DEVICE.efficiency,
+            "reorder_all_to_all_ms": 1e3 * r.reorder_all_to_all_s,
+            "replica_step_spread": r.spread,
         }
     return out
 
@@ -197,7 +320,34 @@ def tuning(gpus: int = 64) -> dict:
     }
 
 
+def zero_with_tp(gpus: int = 512) -> dict:
+    """What-if (``--zero-with-tp``): the tuned plans at 1:9, 5:5, 9:1 if the trainer accepted LLM ZeRO with
+    TP (FSDP2 over a 2-D data x tp mesh; its preflight refuses it today): the same search as
+    :func:`best_plans`, the preflight asked about each layout at ``llm_zero = 0`` when ``tp > 1``. Writes
+    ``benchmarks/results/paper_scale_zero_tp.json``."""
+    out = {}
+    for mix in ((1, 9), (5, 5), (9, 1)):
+        w = vlm(*mix)
+        chk = layout_check(w)
+
+        def check(lay: Layout, chk=chk) -> str | None:
+            return chk(dataclasses.replace(lay, llm_zero=0) if lay.tp > 1 and lay.llm_zero else lay)
+
+        gb = w.microbatches * gpus // 16
+        res = tune(w, gpus, device=DEVICE, network=NETWORK, global_batch=gb, top=1, max_sp=4, check=check)
+        b = res.plans[0]
+        r = row(b) | {"layout": dataclasses.asdict(b.layout), "breakdown": breakdown(w, b, gb // b.layout.dp)}
+        out[":".join(map(str, mix))] = r
+        print(f"  {mix} {r['tokens_per_s'] / 1e6:.2f} [{r['bound']:.3f}] {r['layout']}")
+        print("        " + ", ".join(f"{k} {v:.3f}" for k, v in r["breakdown"].items() if abs(v) > 5e-4))
+    (OUT.parent / "paper_scale_zero_tp.json").write_text(json.dumps(out, indent=2))
+    return out
+
+
 def main() -> None:
+    if "--zero-with-tp" in sys.argv[1:]:
+        zero_with_tp()
+        return
     t0 = time.perf_counter()
     # Megatron-Dist's encoder ranks: sized once from the 5:5 step at pp 8 (kept for every ratio)
     probe = predict_step(vlm(5, 5), layout(64, "megatron_dist"), device=DEVICE, network=NETWORK)
@@ -212,6 +362,11 @@ def main() -> None:
     fig18 = ablation(256)
     fig20 = reorder_groups(vlm(7, 3), 256)
     tuned = tuning(64)
+    best13 = {":".join(map(str, mix)): best_plans(vlm, mix, 512) for mix in ((1, 9), (5, 5), (9, 1))}
+    alpa17 = {}
+    for mix in ((1, 1, 8), (4, 4, 2)):
+        w = omni(*mix)
+        alpa17[":".join(map(str, mix))] = alpa(w, 256, w.microbatches * 256 // 16, layout_check(w))[1]
     try:
         commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
                                 text=True, check=True).stdout.strip()  # fmt: skip
@@ -229,7 +384,9 @@ def main() -> None:
             k: {n: {m: v[m] for m in ("stage0_gb", "last_stage_gb", "oom")} for n, v in r.items()}
             for k, r in fig13["256"].items()
         },
+        "fig13_best_512": best13,
         "fig17_triple": fig17,
+        "fig17_alpa": alpa17,
         "fig18_ablation": fig18,
         "fig18_tuning": tuned,
         "fig20_reorder_group": fig20,
@@ -246,6 +403,17 @@ def print_tables(res: dict) -> None:
         for ratio, rows in by_ratio.items():
             print(f"  {ratio:>5} " + "  ".join(f"{n[:10]:>10} {r['tokens_per_s'] / 1e6:6.2f} [{r['bound']:.2f}]"
                                              f"{'*' if r['oom'] else ''}" for n, r in rows.items()))  # fmt: skip
+    print(
+        "Figure 13, 512 GPUs: tuned plan of ours and the Alpa-style baseline (searched), fraction of the bound"
+    )
+    for ratio, b in res["fig13_best_512"].items():
+        for name, r in b.items():
+            lay = r["layout"]
+            print(f"  {ratio:>5} {name:<6} {r['tokens_per_s'] / 1e6:6.2f} [{r['bound']:.2f}] pp {lay['pp']} x v "
+                  f"{lay['virtual_stages']} tp {lay['tp']} cp {lay['cp']} u {lay['ulysses']} z {lay['llm_zero']}/"
+                  f"{lay['encoder_zero']} rc {lay['recompute']}{lay['recompute_modules']} {lay['placement']} "
+                  f"peak {r['peak_gb']:.1f} GB")  # fmt: skip
+            print("        " + ", ".join(f"{k} {v:.3f}" for k, v in r["breakdown"].items() if abs(v) > 5e-4))
     print("Figure 15 (256 GPUs): stage-0 / last-stage GB")
     for ratio, rows in res["fig15_memory"].items():
         print(f"  {ratio:>5} " + "  ".join(f"{n[:10]:>10} {r['stage0_gb']:5.1f}/{r['last_stage_gb']:5.1f}"
@@ -259,6 +427,11 @@ def print_tables(res: dict) -> None:
         print(
             f"  {name:<28} {r['tokens_per_s'] / 1e6:6.2f} M tokens/s  x{r['vs_full']:.3f}  [{r['bound']:.2f}]"
         )
+    for mix, r in res["fig17_alpa"].items():
+        lay = r["layout"]
+        print(f"  {mix:>9} alpa {r['tokens_per_s'] / 1e6:6.2f} [{r['bound']:.2f}] pp {lay['pp']} tp {lay['tp']} "
+              f"z {lay['llm_zero']}/{lay['encoder_zero']} rc {lay['recompute']}{lay['recompute_modules']} "
+              f"split {r['stage_layers']}")  # fmt: skip
     t = res["fig18_tuning"]
     print(f"  tuned vs hand-picked at {t['gpus']} GPUs: x{t['tuned_over_hand']:.3f} ({t['tune_wall_s']:.1f} s, "
           f"{t['tuned_layout']})")  # fmt: skip

@@ -23,7 +23,7 @@ from omni_train.simulate import exact_state, resolve_workload, workload_config
 LAYOUTS = [
     Layout(pp=2, dp=4, llm_zero=1),
     Layout(pp=4, dp=2, ulysses=2, llm_zero=3, recompute=True),
-    Layout(pp=2, dp=2, tp=2, sequence_parallel=True, recompute=True),
+    Layout(pp=2, dp=2, tp=2, sequence_parallel=True, recompute=True, recompute_modules=("attention",)),
     Layout(pp=2, dp=4, llm_zero=2, encoder_zero=3),
 ]
 

@@ -1,12 +1,13 @@
 """GroupedReorderer on gloo (2 and 4 ranks): bit-exact round trip vs a single-process float64 reference,
-gradients included; 1 sample vs 0 samples; plan hash mismatch raises on every rank."""
+gradients included; 1 sample vs 0 samples; plan hash mismatch raises on every rank; the plan equals
+``reorder_destinations`` of the same costs (the partition ``omni_pipeline.replica_balance`` prices with)."""
 
 import random
 
 import torch
 import torch.distributed as dist
 
-from omni_data import GroupedReorderer, Modality, PlanMismatchError, SampleMeta
+from omni_data import GroupedReorderer, Modality, PlanMismatchError, SampleMeta, reorder_destinations
 from omni_parallel import karmarkar_karp
 from omni_parallel.testing import run_world
 
@@ -71,7 +72,14 @@ def _world(rank, world_size, cases):
         (y * _weights(rank, y.shape[0])).sum().backward()
         # numpy, not tensors: torch shares tensors between processes by fd, which dies with the rank
         results.append(
-            (y.detach().numpy(), [x.grad.numpy() for x in xs], plan.load, plan.digest, len(plan.received))
+            (
+                y.detach().numpy(),
+                [x.grad.numpy() for x in xs],
+                plan.load,
+                plan.digest,
+                len(plan.received),
+                plan.dest,
+            )
         )
     return results
 
@@ -107,7 +115,7 @@ def _check(per_rank, world_size, cases):
         digests = {per_rank[r][c][3] for r in range(world_size)}
         assert len(digests) == 1
         for r in range(world_size):
-            y, grads, _load, _, _ = per_rank[r][c]
+            y, grads = per_rank[r][c][:2]
             assert torch.equal(torch.from_numpy(y), ref[r][0]), (counts, r)
             assert len(grads) == len(ref[r][1])
             for g, gr in zip(grads, ref[r][1]):
@@ -117,6 +125,9 @@ def _check(per_rank, world_size, cases):
         kk = sorted(sum(costs[i] for i in part) for part in karmarkar_karp(costs, world_size))
         assert sorted(per_rank[0][c][2]) == kk
         assert sum(per_rank[r][c][4] for r in range(world_size)) == sum(counts)
+        # the plan is the pure partition omni_pipeline.replica_balance prices with
+        dest = reorder_destinations([[m.encoder_flops for m, _ in rank] for rank in _samples(counts)])
+        assert all(per_rank[r][c][5] == dest for r in range(world_size)), counts
 
 
 def test_reorder_two_ranks_round_trip_mismatch_and_shape_errors():

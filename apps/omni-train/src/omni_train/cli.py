@@ -110,7 +110,7 @@ def build_parser() -> argparse.ArgumentParser:
     prep.add_argument("args", nargs=argparse.REMAINDER)
 
     sim = sub.add_parser("simulate", help="simulate the config's pipeline on a modelled large cluster")
-    sim.add_argument("--config", default="omni-tiny")
+    sim.add_argument("--config", default=None, help="default omni-tiny (--measured: that run's config.json)")
     sim.add_argument("--gpus", type=int, default=None, help="default 1024 (a calibration: the run's pp*dp)")
     sim.add_argument("--pp", type=int, default=None, help="default 8 (a calibration: the config's)")
     sim.add_argument(
@@ -125,6 +125,24 @@ def build_parser() -> argparse.ArgumentParser:
         "--calibration",
         default=None,
         help="run directory whose actions.jsonl fits the cost model (the config's models, measured)",
+    )
+    sim.add_argument(
+        "--measured",
+        default=None,
+        help="out of sample: predict THIS run directory's recorded steps (its config.json) from the "
+        "--calibration run's fit; prints predicted vs measured s/step",
+    )
+    sim.add_argument(
+        "--skip-steps",
+        type=int,
+        default=None,
+        help="--calibration: warm-up steps left out of the fit (and, with --measured, the prediction); default 1",
+    )
+    sim.add_argument(
+        "--host-cores",
+        type=float,
+        default=None,
+        help="--calibration: the ranks share this many cores of one host (CPU runs); default a core per rank",
     )
     sim.add_argument(
         "--workload",
@@ -627,9 +645,9 @@ def _simulate(args: argparse.Namespace) -> int:
     from omni_train.simulate import resolve_workload, simulate_config, simulate_workload
 
     if args.workload is not None:
-        if args.scale is not None or args.calibration is not None:
+        if args.scale is not None or args.calibration is not None or args.measured is not None:
             raise ConfigError(
-                "--workload: the workload gives the model sizes; drop --scale and --calibration"
+                "--workload: the workload gives the model sizes; drop --scale, --calibration and --measured"
             )
         from omni_pipeline.step_model import Layout
 
@@ -663,7 +681,20 @@ def _simulate(args: argparse.Namespace) -> int:
         )
         print(table)
         return 0
-    cfg = load_config(args.config)
+    measured = Path(args.measured) if args.measured else None
+    if measured is not None:
+        if args.config is not None:
+            raise ConfigError("--measured: the config is the measured run's config.json; drop --config")
+        from omni_train.binder import config_from_dict
+
+        try:
+            cfg = config_from_dict(json.loads((measured / "config.json").read_text()))
+        except (OSError, ValueError) as exc:  # JSONDecodeError is a ValueError
+            raise ConfigError(
+                f"--measured: {measured / 'config.json'}: no readable run config ({exc})"
+            ) from None
+    else:
+        cfg = load_config(args.config or "omni-tiny")
     table = simulate_config(
         cfg,
         gpus=args.gpus,
@@ -674,6 +705,9 @@ def _simulate(args: argparse.Namespace) -> int:
         calibration=Path(args.calibration) if args.calibration else None,
         steps=args.steps,
         first_step=args.first_step,
+        measured=measured,
+        skip_steps=args.skip_steps,
+        host_cores=args.host_cores,
     )
     print(table)
     return 0

@@ -13,6 +13,14 @@ the same embedding / LM head) share one build (``same_pp_ranks``), of their firs
 coordinate 0: the largest FSDP2 shards) and their last (the smallest); a 1F1B pipeline of equal stages
 needs 6 builds whatever its size. Ranks of one stage differ only in the size of their last shards.
 
+Encoder ZeRO 2/3 shards every tower over the whole world; FSDP2 cuts each parameter into one chunk per
+rank when it shards, which at thousands of ranks dominates a build (ViT-1B over 4,096 fake ranks: 46 of
+the 53 s of a 4-rank plan on an idle 2-core CPU). The towers are therefore built whole and each planned
+rank's shards computed from their shapes by FSDP2's own rule
+(:func:`omni_parallel.memory.planned_fsdp_bytes`: ``torch.chunk``'s rows, every shard padded to the
+first's); ``shard_encoders=True`` builds them sharded instead, and the two agree byte for byte
+(apps/omni-train/tests/test_train_memory_shapes.py).
+
 ``scale="paper"``: LLaMA-12B + ViT-1B + USM-2B (``omni_pipeline.step_costs.MODEL_SHAPES``; the app's
 encoders take whole-number MLP ratios: ViT ``round(6144 / 1408) = 4``, audio ``round(9.5) = 10``) at the
 ``paper-omni`` workload's pack length and microbatches, LLaMA-2's 32000-token vocabulary, bfloat16
@@ -28,7 +36,7 @@ from typing import Any
 import torch
 
 from omni_parallel.llm_zero import reshard_after_forward
-from omni_parallel.memory import KINDS, block_activation_bytes, planned_state_bytes
+from omni_parallel.memory import KINDS, block_activation_bytes, planned_fsdp_bytes, planned_state_bytes
 from omni_parallel.parallelize import training_dtypes
 from omni_parallel.testing import fake_world
 from omni_pipeline import ActionKind, build_schedule
@@ -60,10 +68,11 @@ def paper_config(cfg: RunConfig) -> RunConfig:
         m,
         llm=dataclasses.replace(m.llm, dim=llm.dim, n_layers=llm.n_layers, n_heads=llm.n_heads,
                                 n_kv_heads=llm.n_kv_heads or llm.n_heads, ffn_dim=int(llm.ffn_dim), vocab_size=None),
-        vit=dataclasses.replace(m.vit, dim=vit.dim, n_layers=vit.n_layers, n_heads=vit.n_heads,
-                                mlp_ratio=round(vit.ffn_dim / vit.dim)),
-        audio=dataclasses.replace(m.audio, dim=audio.dim, n_layers=audio.n_layers, n_heads=audio.n_heads,
-                                  mlp_ratio=round(audio.ffn_dim / audio.dim)),
+        # a tower the config lacks (vlm-tiny: no audio) stays absent
+        vit=m.vit and dataclasses.replace(m.vit, dim=vit.dim, n_layers=vit.n_layers, n_heads=vit.n_heads,
+                                          mlp_ratio=round(vit.ffn_dim / vit.dim)),
+        audio=m.audio and dataclasses.replace(m.audio, dim=audio.dim, n_layers=audio.n_layers,
+                                              n_heads=audio.n_heads, mlp_ratio=round(audio.ffn_dim / audio.dim)),
     )  # fmt: skip
     data = dataclasses.replace(cfg.data, max_seq_len=work.max_seq_len, microbatches=work.microbatches)
     train = dataclasses.replace(cfg.train, dtype="bfloat16")  # float32 masters, bf16 compute
@@ -140,17 +149,47 @@ def _in_flight_bytes(schedule: Any, pp_rank: int, stage_bytes: dict[int, int]) -
     return peak
 
 
-def _rank_plan(cfg: RunConfig, gpus: int, rank: int, vocab: int) -> dict[str, Any]:
+def _encoders_from_shapes(cfg: RunConfig, shard_encoders: bool) -> bool:
+    """Whether :func:`_rank_plan` computes the encoders' ZeRO-2/3 shards from their shapes
+    (:func:`omni_parallel.memory.planned_fsdp_bytes`) instead of building them sharded over the world."""
+    # the one difference of the two builds: the optimizer over FSDP2's DTensors runs unfused
+    # (omni_train.optim), whose AdamW step tensor is 8 bytes under a float64 default dtype, not 4
+    return (
+        cfg.parallel.encoder_zero in (2, 3)
+        and not shard_encoders
+        and torch.get_default_dtype() != torch.float64
+    )
+
+
+def _rank_plan(
+    cfg: RunConfig, gpus: int, rank: int, vocab: int, *, shard_encoders: bool = False
+) -> dict[str, Any]:
     par, train = cfg.parallel, cfg.train
+    shapes = _encoders_from_shapes(cfg, shard_encoders)
+    # encoder ZeRO 2/3 shards every tower over the whole world (omni_parallel.parallelize's
+    # apply_encoder_zero): FSDP2 cuts each parameter into `gpus` chunks at build, ~12 s a rank at 4,096
+    # ranks for ViT-1B; the towers are built whole instead and their shards computed from the shapes,
+    # byte for byte the same (tested)
+    build = dataclasses.replace(cfg, parallel=dataclasses.replace(par, encoder_zero=0)) if shapes else cfg
     with fake_world(gpus, rank=rank):
-        ps = wiring.parallel_state(cfg, checkpoint_group=False)
+        ps = wiring.parallel_state(build, checkpoint_group=False)
         schedule = build_schedule(par.schedule, par.pp, cfg.data.microbatches, par.virtual_stages)
-        parts = wiring.build_model(cfg, ps, schedule, vocab, torch.device("meta"))
+        parts = wiring.build_model(build, ps, schedule, vocab, torch.device("meta"))
         whole = getattr(par, "llm_zero", 0) == 1 and ps.size("dp_cp") > 1  # ZeRO-1: gradients whole
         # the stage modules, not the RankStages holding their submodules: each stage module is an FSDP2
         # root unit (embedding, final norm, LM head) that RankStages does not register
         llm = planned_state_bytes(parts.stage.chunks.values(), parts.optimizer, whole_gradients=whole)
-        enc = planned_state_bytes(parts.encoders.towers.values(), parts.optimizer)
+        towers = list(parts.encoders.towers.values())
+        if shapes:  # EncoderState.shard: one mesh over every rank, no mixed-precision gather
+            enc, unsharded = planned_fsdp_bytes(
+                towers, parts.optimizer, world=gpus, rank=rank, keep_gathered=par.encoder_zero == 2
+            )
+            enc_in_step = {"gradients": unsharded["gradients"], "gathered": 0}
+            if par.encoder_zero == 3:  # in_step_bytes, reshard_after_forward False: every unit gathered
+                enc_in_step["gathered"] = unsharded["gathered"]
+        else:
+            enc = planned_state_bytes(towers, parts.optimizer)
+            enc_in_step = in_step_bytes(towers, zero=par.encoder_zero)
         lazy = reshard_after_forward(
             getattr(par, "llm_reshard_after_forward", "never"), pp=par.pp, microbatches=cfg.data.microbatches
         )
@@ -160,7 +199,7 @@ def _rank_plan(cfg: RunConfig, gpus: int, rank: int, vocab: int) -> dict[str, An
                 zero=getattr(par, "llm_zero", 0),
                 reshard_after_forward=lazy,
             ),
-            "encoders": in_step_bytes(list(parts.encoders.towers.values()), zero=par.encoder_zero),
+            "encoders": enc_in_step,
         }
         pp_rank = ps.local_rank("pp")
         c = parts.llm_cfg
@@ -195,7 +234,12 @@ def _rank_plan(cfg: RunConfig, gpus: int, rank: int, vocab: int) -> dict[str, An
 
 
 def memory_plan(
-    cfg: RunConfig, gpus: int, *, scale: str | None = None, vocab: int | None = None
+    cfg: RunConfig,
+    gpus: int,
+    *,
+    scale: str | None = None,
+    vocab: int | None = None,
+    shard_encoders: bool = False,
 ) -> dict[str, Any]:
     """Per-rank bytes of ``cfg``'s layout on ``gpus`` ranks (``parallel.dp`` = what the other sizes leave).
 
@@ -204,6 +248,12 @@ def memory_plan(
         gpus: world size.
         scale: ``None`` (the config's model) or ``"paper"``.
         vocab: the LLM's vocabulary (default: the config's tokenizer's; paper: :data:`PAPER_VOCAB`).
+        shard_encoders: under encoder ZeRO 2/3, build the towers FSDP2-sharded over the ``gpus`` fake
+            ranks (about 12 s per planned rank at 4,096 ranks for ViT-1B) instead of building them whole and
+            computing each rank's shards from their shapes
+            (:func:`omni_parallel.memory.planned_fsdp_bytes`, milliseconds); both give the same bytes
+            (apps/omni-train/tests/test_train_memory_shapes.py). Under a float64 default dtype the towers
+            are always built sharded.
 
     Returns:
         ``{"gpus", "layout", "ranks": [{"rank", "pp_rank", "same_pp_ranks", "llm": {kind: bytes},
@@ -255,7 +305,7 @@ def memory_plan(
     plans = []
     for same in alike.values():
         for r in sorted({same[0] * per_stage, (same[0] + 1) * per_stage - 1}):
-            row = _rank_plan(cfg, gpus, r, vocab) | {"same_pp_ranks": same}
+            row = _rank_plan(cfg, gpus, r, vocab, shard_encoders=shard_encoders) | {"same_pp_ranks": same}
             plans.append(row | {"step_peak": step_peak(row)})
     layout = {k: getattr(cfg.parallel, k) for k in ("pp", "tp", "cp", "ulysses", "dp", "encoder_zero")}
     for k in ("llm_zero", "sequence_parallel"):

@@ -13,7 +13,11 @@ simulator then times a 1F1B step under each placement policy, and the table comp
   dispatch gaps and the time outside the pipeline included. The run's first recorded step is dropped
   (warm-up). When the run directory also holds ``metrics.jsonl`` and the run's flow (``dataflow.json``,
   or each step's ``"flow"`` record when ``planned`` planned it per step), the flow the run used is
-  simulated on the same steps and printed beside the measured step time.
+  simulated on the same steps and printed beside the measured step time. Out of sample
+  (``measured=RUN_B``, ``omni-train simulate --calibration RUN_A --measured RUN_B``): RUN_B's recorded
+  steps are predicted from RUN_A's fit, RUN_B giving only its config, flows and measured step times
+  (another pipeline size or layer split re-staged: :func:`omni_pipeline.calibrate.restage_cost_model`;
+  ranks sharing a host's cores: ``host_cores``, :func:`omni_pipeline.calibrate.host_step_s`).
 * **modelled FLOPs** at a modelled device rate, for models of the paper's sizes (``scale="paper"``:
   LLaMA-12B backbone, ViT-1B image encoder, USM-2B audio encoder; Table 1 and §2.2) or of the config's own
   tiny sizes (``scale="config"``).
@@ -62,13 +66,15 @@ from omni_pipeline import (
     simulate,
     simulate_disaggregated,
 )
-from omni_pipeline.cost import Network
+from omni_pipeline.calibrate import host_step_s
+from omni_pipeline.cost import CostModel, Network
+from omni_pipeline.records import RunRecords, read_records
 from omni_pipeline.step_model import PLACEMENTS, Device, Layout, StepPrediction, predict_step
 from omni_pipeline.tune import tune
 from omni_train.config import ConfigError, RunConfig
 from omni_train.data_files import load_tokenizer
 from omni_train.data_pipeline import build_step_stream
-from omni_train.pipeline import config_scale, image_merge
+from omni_train.pipeline import config_scale, image_merge, llm_shape
 
 __all__ = [
     "WORKLOAD_ROWS",
@@ -89,6 +95,30 @@ def _measured_step_times(run_dir: Path, steps: list[int]) -> dict[int, float]:
         return {}
     rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
     return {int(r["step"]): float(r["step_time_s"]) for r in rows if r.get("step") in steps}
+
+
+def _recorded_steps(run_dir: Path) -> list[int]:
+    """The steps ``run_dir/metrics.jsonl`` records (sorted).
+
+    Raises:
+        ConfigError: no readable metrics file, or a line without an integer ``step`` (names the line).
+    """
+    path = run_dir / "metrics.jsonl"
+    try:
+        lines = path.read_text().splitlines()
+    except OSError as exc:
+        raise ConfigError(f"--measured: {path}: no measured steps ({exc})") from None
+    steps = []
+    for n, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            steps.append(int(json.loads(line)["step"]))
+        except (ValueError, KeyError, TypeError):
+            raise ConfigError(
+                f"--measured: {path}:{n}: not a metrics record with an integer 'step'"
+            ) from None
+    return sorted(steps)
 
 
 def _check_shape(gpus: int, pp: int, microbatches: int, steps: int, first_step: int) -> None:
@@ -128,6 +158,126 @@ def _mean_results(acc: dict[str, dict[str, float]], steps: int) -> dict[str, dic
     }
 
 
+_SAME_FOR_A_FIT = (  # what a fit carries to another run only when equal: the models, the arithmetic, the
+    # parallel layout within a stage (CP, TP, ...) the per-stage coefficients measured
+    "model",
+    "train.dtype",
+    "data.tokenizer",
+    "parallel.dp",
+    "parallel.tp",
+    "parallel.sequence_parallel",
+    "parallel.cp",
+    "parallel.cp_attention",
+    "parallel.ulysses",
+    "parallel.ep",
+    "parallel.encoder_sp",
+    "parallel.virtual_stages",
+    "parallel.schedule",
+)
+
+
+def _field(cfg: RunConfig, dotted: str):
+    obj = cfg
+    for part in dotted.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def _differences(a, b, prefix: str) -> list[str]:
+    """Dotted names of the leaf fields where dataclasses ``a`` and ``b`` differ."""
+    if dataclasses.is_dataclass(a) and dataclasses.is_dataclass(b) and type(a) is type(b):
+        return [
+            d for f in dataclasses.fields(a)
+            for d in _differences(getattr(a, f.name), getattr(b, f.name), f"{prefix}.{f.name}")
+        ]  # fmt: skip
+    return [] if a == b else [prefix]
+
+
+def _rank_params(cfg: RunConfig, split: list[range], vocab: int) -> float:
+    """The largest parameter count one pipeline rank holds: its LLM stage
+    (:func:`omni_pipeline.step_model.llm_stage_params`) plus the encoder towers (blocks' matmuls and
+    norms), held by every rank unless the placement prepends them to stage 0."""
+    from omni_pipeline.step_model import llm_stage_params
+
+    ms = config_scale(cfg)
+    shape = llm_shape(cfg.model.llm).blocks
+    towers = sum(ms.encoder_params.values())
+    prepend = cfg.parallel.placement == PlacementPolicy.PREPEND_FIRST_STAGE
+    last = len(split) - 1
+    return max(
+        llm_stage_params(shape, vocab, len(r), first=s == 0, last=s == last)[0]
+        + (towers if s == 0 or not prepend else 0.0)
+        for s, r in enumerate(split)
+    )
+
+
+def _out_of_sample_fit(
+    cfg: RunConfig, fit_dir: Path, skip_steps: int | None
+) -> tuple[RunRecords, CostModel, dict]:
+    """The cost model fitted on run ``fit_dir`` for the run of ``cfg`` (another run): its records,
+    the model and what was re-staged (:func:`simulate_config` with ``measured``).
+
+    Same layers per stage: the run's per-stage fit as it is. Another split (pipeline size or layers per
+    stage): :func:`omni_pipeline.calibrate.restage_cost_model` of the joint per-block fit
+    (:func:`omni_pipeline.calibrate.fit_layer_model`, the embedding as its modelled FLOPs share of a
+    block, :func:`omni_pipeline.layer_costs`), the step overhead scaled by the largest rank's parameters.
+
+    Raises:
+        ConfigError: no readable ``config.json`` or records in ``fit_dir``, or runs that differ in a field
+            of :data:`_SAME_FOR_A_FIT` (named), or a fit of one stage to re-stage.
+    """
+    from omni_pipeline.calibrate import fit_layer_model, restage_cost_model
+    from omni_pipeline.split import layer_costs
+    from omni_train.binder import config_from_dict
+    from omni_train.pipeline import stage_split
+
+    where = f"--calibration: {fit_dir}"
+    try:
+        fit_cfg = config_from_dict(json.loads((fit_dir / "config.json").read_text()))
+    except (OSError, ValueError, ConfigError) as exc:
+        raise ConfigError(f"{where}: no readable run config config.json ({exc})") from None
+    differ = [d for f in _SAME_FOR_A_FIT for d in _differences(_field(fit_cfg, f), _field(cfg, f), f)]
+    if differ:
+        raise ConfigError(
+            f"{where}: the fitted run and the predicted run differ in {', '.join(differ)}; a fit predicts runs "
+            "of the same models, dtype, tokenizer and in-stage parallelism (pipeline size, layers per stage, "
+            "mixture, pack length, microbatches and placement may differ)"
+        )
+    try:
+        records, fitted, _ = fit_run(fit_dir, skip_steps=skip_steps)
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"{where}: {fit_dir / RECORDS_FILE}: {exc}") from None
+    vocab = load_tokenizer(cfg.data).get_vocab_size()
+    llm = dataclasses.replace(cfg.model.llm, vocab_size=vocab)
+    src = stage_split(fit_cfg.parallel, llm, fit_cfg.data.max_seq_len)
+    dst = stage_split(cfg.parallel, llm, cfg.data.max_seq_len)
+    counts = ([len(r) for r in src], [len(r) for r in dst])
+    info = {
+        "fit_layers_per_stage": counts[0],
+        "layers_per_stage": counts[1],
+        "restaged": counts[0] != counts[1],
+    }
+    if counts[0] == counts[1]:
+        return records, fitted, info
+    if len(src) < 2:
+        raise ConfigError(
+            f"{where}: fitted on {len(src)} LLM stage (layers {counts[0]}), whose block and LM head costs "
+            f"cannot be told apart; fit on a run of >= 2 stages to predict the split {counts[1]}"
+        )
+    block_flops, embedding_flops, _ = layer_costs(llm_shape(llm), fit_cfg.data.max_seq_len)
+    skip = 1 if skip_steps is None and len(records.step_ids) > 1 else (skip_steps or 0)
+    try:
+        layers = fit_layer_model(records, src, skip_steps=skip, embedding_share=embedding_flops / block_flops)
+        params = (_rank_params(fit_cfg, src, vocab), _rank_params(cfg, dst, vocab))
+        fitted = restage_cost_model(
+            fitted, layers, src, dst, from_rank_params=params[0], to_rank_params=params[1]
+        )
+    except ValueError as exc:
+        raise ConfigError(f"{where}: {exc}") from None
+    info["rank_params"] = list(params)
+    return records, fitted, info
+
+
 def simulate_config(
     cfg: RunConfig,
     *,
@@ -142,6 +292,9 @@ def simulate_config(
     steps: int = 1,
     first_step: int = 0,
     plots: bool = True,
+    measured: Path | None = None,
+    skip_steps: int | None = None,
+    host_cores: float | None = None,
 ) -> str:
     """Simulate every placement policy on ``steps`` steps of the recipe from ``first_step``.
 
@@ -152,6 +305,18 @@ def simulate_config(
         calibration: a run directory holding ``actions.jsonl`` (see the module docstring).
         steps, first_step: which steps of the recipe to simulate (their mean is reported).
         plots: write the timeline PNGs (off: only ``simulate.json``, e.g. for benchmarks).
+        measured: out of sample: another run directory, of ``cfg`` (its ``config.json``), whose recorded
+            steps are predicted from the fit of ``calibration`` (:func:`_out_of_sample_fit`: another
+            pipeline size, layers per stage, mixture, pack length, microbatches or placement; the same
+            models and in-stage parallelism). It contributes only its steps (the config's stream), its
+            flows (``dataflow.json`` / flow records) and its measured step times (``metrics.jsonl``),
+            never records to the fit. ``steps`` / ``first_step`` are then its recorded steps from
+            ``skip_steps``.
+        skip_steps: warm-up steps dropped from the fit and (with ``measured``) from the prediction
+            (default: the fit drops the first recorded step).
+        host_cores: the ranks share this many cores of one host (CPU runs; a machine parameter, e.g.
+            ``os.cpu_count()``): every step's time is :func:`omni_pipeline.calibrate.host_step_s` of the
+            config's ``parallel.world_size`` processes. ``None``: a processor per rank.
 
     Writes ``timeline-<placement>.png`` (of the first simulated step; with ``plots``) and ``simulate.json`` under
     ``out_dir``.
@@ -162,16 +327,42 @@ def simulate_config(
     Raises:
         ConfigError: ``gpus`` not a multiple of ``pp``, fewer microbatches than stages, unknown scale,
             ``steps < 1``, a calibration whose stages are not the config's ``pp`` or that lacks records.
-            Also a missing or malformed records file (names the file, line and field).
+            Also a missing or malformed records file (names the file, line and field). With ``measured``:
+            no calibration, no metrics in ``measured``, runs that cannot share a fit (named fields), or
+            ``--pp`` / ``--gpus`` / ``--microbatches`` other than the measured run's.
     """
     fitted = None
+    oos: dict = {}
+    if measured is not None:
+        measured = Path(measured)
+        if calibration is None:
+            raise ConfigError("--measured: needs --calibration, the run whose records fit the cost model")
+        if Path(calibration).resolve() == measured.resolve():
+            raise ConfigError(f"--measured: {measured} is the calibration run itself; name another run")
+        if (pp, gpus, microbatches) != (None, None, None):
+            raise ConfigError("--measured: the measured run gives --pp, --gpus and --microbatches; drop them")
+        recorded = _recorded_steps(measured)
+        warmup = skip_steps if skip_steps is not None else 1  # as the fit's default
+        kept = [s for s in recorded if s >= warmup]
+        if not kept:
+            raise ConfigError(
+                f"--measured: {measured / 'metrics.jsonl'} holds no step after the {warmup} warm-up steps "
+                f"(recorded: {recorded})"
+            )
+        if kept != list(range(kept[0], kept[-1] + 1)):
+            raise ConfigError(f"--measured: {measured / 'metrics.jsonl'}: steps {kept} are not consecutive")
+        first_step, steps = kept[0], len(kept)
     if calibration is not None:
         if scale not in (None, "config"):
             raise ConfigError(f"--scale: a calibration times the config's own models, not scale {scale!r}")
-        try:
-            records, fitted, fit_stages = fit_run(Path(calibration))
-        except (OSError, ValueError) as exc:  # RecordError is a ValueError
-            raise ConfigError(f"--calibration: {Path(calibration) / RECORDS_FILE}: {exc}") from None
+        if measured is not None:
+            records, fitted, oos = _out_of_sample_fit(cfg, Path(calibration), skip_steps)
+            fit_stages = cfg.parallel.pp
+        else:
+            try:
+                records, fitted, fit_stages = fit_run(Path(calibration), skip_steps=skip_steps)
+            except (OSError, ValueError) as exc:  # RecordError is a ValueError
+                raise ConfigError(f"--calibration: {Path(calibration) / RECORDS_FILE}: {exc}") from None
         pp = cfg.parallel.pp if pp is None else pp
         if fit_stages != pp or pp != cfg.parallel.pp:
             raise ConfigError(
@@ -207,8 +398,15 @@ def simulate_config(
     rate = peak_flops * efficiency
     dtype_bytes = 8.0 if str(cfg.train.dtype) == "float64" else 4.0  # a calibrated run's activations
     run_flow = None
-    if fitted is not None and (Path(calibration) / "dataflow.json").is_file():
-        run_flow = DataFlow.from_json((Path(calibration) / "dataflow.json").read_text())
+    run_dir = measured if measured is not None else (Path(calibration) if fitted is not None else None)
+    if run_dir is not None and (run_dir / "dataflow.json").is_file():
+        run_flow = DataFlow.from_json((run_dir / "dataflow.json").read_text())
+    flow_records = records if fitted is not None else None
+    if measured is not None:  # the predicted run's own flows (per step when planned), never its actions
+        try:
+            flow_records = read_records(measured)
+        except (OSError, ValueError):
+            flow_records = None
     out_dir.mkdir(parents=True, exist_ok=True)
     acc: dict[str, dict[str, float]] = {}
     llm_only_bubble = mb_tokens = 0.0
@@ -231,11 +429,17 @@ def simulate_config(
                 str(policy): place(policy, schedule, encoder_inputs, costs, fixed_ranks=fitted is not None)
                 for policy in PlacementPolicy
             }
-            as_run = records.flow(fs.step) if fitted is not None else None  # a flow planned per step
+            as_run = flow_records.flow(fs.step) if flow_records is not None else None  # planned per step
             if as_run is not None or run_flow is not None:
                 flows["as run"] = as_run or run_flow
             for name, flow in flows.items():
                 res = simulate(schedule, flow, costs)
+                if host_cores is not None:
+                    step_s = host_step_s(res, costs, cfg.parallel.world_size, host_cores)
+                    tokens = res.throughput_tokens_per_s * res.step_time_s
+                    res = dataclasses.replace(
+                        res, step_time_s=step_s, throughput_tokens_per_s=tokens / step_s
+                    )
                 if plots and n == 0 and name != "as run":
                     res.plot(
                         out_dir / f"timeline-{name}.png",
@@ -244,9 +448,9 @@ def simulate_config(
                 _accumulate(acc, name, res, steps)
             llm_only_bubble += simulate(schedule, None, costs).mean_bubble_fraction / steps
     results = _mean_results(acc, steps)
-    measured = _measured_step_times(Path(calibration), simulated) if fitted is not None else {}
-    if "as run" in results and len(measured) == len(simulated):
-        results["as run"]["measured_step_time_s"] = sum(measured.values()) / len(measured)
+    times = _measured_step_times(run_dir, simulated) if run_dir is not None else {}
+    if "as run" in results and len(times) == len(simulated):
+        results["as run"]["measured_step_time_s"] = sum(times.values()) / len(times)
     base = results[str(PlacementPolicy.PREPEND_FIRST_STAGE)]
     span = f"step {simulated[0]}" if steps == 1 else f"steps {simulated[0]}-{simulated[-1]} (mean)"
     lines = [
@@ -262,9 +466,16 @@ def simulate_config(
         )
     if "measured_step_time_s" in results.get("as run", {}):
         r = results["as run"]
+        source = f" (run {measured}, fitted on run {calibration})" if measured is not None else ""
+        if oos.get("restaged"):
+            source += (
+                f"; layers per stage {oos['fit_layers_per_stage']} re-staged to {oos['layers_per_stage']}"
+            )
+        if host_cores is not None:
+            source += f"; {cfg.parallel.world_size} processes on {host_cores:g} cores"
         lines.append(
-            f"as run: predicted {r['step_time_s']:.4g} s per step, measured {r['measured_step_time_s']:.4g} s "
-            f"({100 * (r['step_time_s'] / r['measured_step_time_s'] - 1):+.1f} %)"
+            f"as run{source}: predicted {r['step_time_s']:.4g} s per step, measured "
+            f"{r['measured_step_time_s']:.4g} s ({100 * (r['step_time_s'] / r['measured_step_time_s'] - 1):+.1f} %)"
         )
     (out_dir / "simulate.json").write_text(
         json.dumps(
@@ -275,6 +486,9 @@ def simulate_config(
                 "scale": scale,
                 "steps": simulated,
                 "calibration": str(calibration) if calibration is not None else None,
+                "measured": str(measured) if measured is not None else None,
+                "host_cores": host_cores,
+                **oos,
                 "results": results,
                 "llm_only_bubble": llm_only_bubble,
             },
@@ -287,6 +501,8 @@ def simulate_config(
 # the rows of a workload simulation: the paper's baselines (Megatron-LM, Megatron-Dist, Optimus) and ours,
 # the placements the whole-step model runs
 WORKLOAD_ROWS = PLACEMENTS
+# omni-train tune: the largest reordering group across DP it searches for its best plans (omni_pipeline.tune)
+TUNE_MAX_REORDER_GROUP = 16
 
 
 def resolve_workload(name_or_path: str) -> Workload:
@@ -460,7 +676,8 @@ def workload_config(
     ``omni-tiny`` when the workload has an audio tower, else ``vlm-tiny``: its data and recipe) with the
     workload's LLM (with its ``[model] moe`` as ``[model.llm] moe``) / ViT / audio shapes (as :func:`omni_train.memory_plan.paper_config` maps them: whole
     MLP ratios for the encoders), its pack length, ``microbatches`` per replica (default the workload's),
-    bfloat16, ``train.recompute`` of every family when ``layout.recompute``, and ``[parallel]`` from the
+    bfloat16, ``train.recompute`` of every family when ``layout.recompute`` (``train.recompute_modules`` =
+    ``layout.recompute_modules``), and ``[parallel]`` from the
     layout (ZeRO-3: ``llm_reshard_after_forward`` written as ``always`` / ``never``, what
     :meth:`~omni_pipeline.step_model.Layout.reshards` resolves; ``virtual_stages > 1`` as
     ``schedule = "interleaved"`` with the layers split evenly; ``data.reorder_group_size`` =
@@ -499,7 +716,10 @@ def workload_config(
         microbatches=workload.microbatches if microbatches is None else microbatches,
     )
     families = ["llm"] + [f for f, t in (("image", model.vit), ("audio", model.audio)) if t is not None]
-    train = dataclasses.replace(cfg.train, dtype="bfloat16", recompute=families if layout.recompute else [])
+    train = dataclasses.replace(
+        cfg.train, dtype="bfloat16", recompute=families if layout.recompute else [],
+        recompute_modules=list(layout.recompute_modules) if layout.recompute else [],
+    )  # fmt: skip
     placement = (
         "uniform_on_demand" if layout.placement in ("optimus_static", "megatron_dist") else layout.placement
     )
@@ -637,7 +857,7 @@ def whole_step(
     lines = [
         f"whole step at pp={L.pp}{f' x {L.virtual_stages} virtual' if L.virtual_stages > 1 else ''}, dp={L.dp}, tp={L.tp}{' +SP' if L.sequence_parallel else ''}, cp={L.cp} "
         f"({L.cp_attention}), ulysses={L.ulysses}, llm_zero={L.llm_zero}, encoder_zero={L.encoder_zero}, "
-        f"ep={L.ep}, recompute={'on' if L.recompute else 'off'}, reorder group {L.reorder_group}; "
+        f"ep={L.ep}, recompute={('+'.join(L.recompute_modules) or 'on') if L.recompute else 'off'}, reorder group {L.reorder_group}; "
         f"{network.gpus_per_node} GPUs/node, state {'exact (omni-train memory)' if exact_memory else 'analytic'}",
         f"{'placement':<22}{'step s':>10}{'tokens/s':>12}{'MFU':>7}{'peak GB':>10}{'verdict':>9}",
     ]
@@ -699,6 +919,10 @@ def tune_workload(
     accepts (:func:`layout_check`), the best plans' state exact from ``omni-train memory``'s build
     (:func:`exact_state`). Writes ``tune.json`` under ``out_dir`` (a directory) and, with ``write_config``,
     the best plan as a trainer config (:func:`workload_config`, TOML via :func:`omni_train.binder.to_toml`).
+    The best plans' reordering group across DP (up to :data:`TUNE_MAX_REORDER_GROUP` replicas) is searched
+    over several replicas' packs (:mod:`omni_pipeline.replica_balance`), printed (column ``rg``, the best
+    plan's curve), written to ``tune.json`` (``reorder_groups``) and to the config
+    (``data.reorder_group_size``).
     Plans are ranked by :func:`omni_pipeline.tune.rank_plans` (equal predictions: lower ``llm_zero``, then
     ``encoder_zero``, then fewer virtual stages first); a row predicting the same step as an earlier one
     is marked ``(ties #k)``.
@@ -720,6 +944,7 @@ def tune_workload(
             workload, gpus, device=device, network=network, global_batch=global_batch, top=top,
             check=layout_check(workload),
             exact_state=lambda layout, m: exact_state(workload, layout, m),
+            max_reorder_group=TUNE_MAX_REORDER_GROUP,
         )  # fmt: skip
     except ValueError as exc:
         raise ConfigError(f"--gpus: {exc}") from None
@@ -730,7 +955,7 @@ def tune_workload(
         f"{res.refused} refused by preflight, {res.oom} out of memory, {res.simulated} simulated, "
         f"{res.bounded} virtual-stage layouts bounded out; "
         f"{res.wall_s:.1f} s",
-        f"{'#':>2} {'pp':>3}{'v':>3}{'dp':>5}{'tp':>4}{'sp':>4}{'cp':>4}{'uly':>5}{'ep':>4}{'zero':>5}{'ez':>3}{'rc':>4} {'placement':<18}"
+        f"{'#':>2} {'pp':>3}{'v':>3}{'dp':>5}{'tp':>4}{'sp':>4}{'cp':>4}{'uly':>5}{'ep':>4}{'zero':>5}{'ez':>3}{'rc':>5}{'rg':>4} {'placement':<18}"
         f"{'tokens/s':>11}{'MFU':>7}{'peak GB':>9}  top time",
     ]
     head = 1  # the first row of a run of equal predictions
@@ -741,8 +966,8 @@ def tune_workload(
         head = head if i > 1 and p.tokens_per_s == res.plans[i - 2].tokens_per_s else i
         lines.append(
             f"{i:>2} {L.pp:>3}{L.virtual_stages:>3}{L.dp:>5}{L.tp:>4}{'y' if L.sequence_parallel else 'n':>4}{cp:>4}"
-            f"{L.ulysses:>5}{L.ep:>4}{L.llm_zero:>5}{L.encoder_zero:>3}{'y' if L.recompute else 'n':>4} "
-            f"{L.placement:<18}{p.tokens_per_s:>11.4g}"
+            f"{L.ulysses:>5}{L.ep:>4}{L.llm_zero:>5}{L.encoder_zero:>3}{(L.recompute_modules[0][:4] if L.recompute_modules else 'y') if L.recompute else 'n':>5}"
+            f"{L.reorder_group:>4} {L.placement:<18}{p.tokens_per_s:>11.4g}"
             f"{p.mfu:>7.3f}{_gb(p.peak_memory_bytes):>9}  "
             + ", ".join(f"{k} {100 * v / p.step_time_s:.0f}%" for k, v in where)
             + (f"  (ties #{head})" if head != i else "")
@@ -753,6 +978,18 @@ def tune_workload(
             "ez, then fewer virtual stages first"
         )
     best = res.plans[0]
+    if res.groups:  # omni_pipeline.replica_balance: replicas' own packs, encoder samples reordered
+        curve = res.groups[0]
+        lines.append(
+            f"rg: reordering group (data.reorder_group_size), priced for these plans over {curve[0].replicas} "
+            f"of {best.layout.dp} DP replicas (own packs, encoder samples reordered per group as the trainer "
+            f"does, slowest replica + all-to-all; "
+            f"{res.reorder_s:.1f} s); best plan: "
+            + ", ".join(
+                f"{c.group}: {c.tokens_per_s:.4g} tokens/s (a2a {1e3 * c.reorder_all_to_all_s:.2g} ms)"
+                for c in curve
+            )
+        )
     lines.append("best plan:")
     lines += format_prediction(best, device)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -769,6 +1006,22 @@ def tune_workload(
                 "bounded": res.bounded,
                 "wall_s": res.wall_s,
                 "plans": [_prediction_json(p) for p in res.plans],
+                "reorder_groups": [
+                    [
+                        {
+                            "group": c.group,
+                            "replicas": c.replicas,
+                            "tokens_per_s": c.tokens_per_s,
+                            "step_time_s": c.step_time_s,
+                            "reorder_all_to_all_s": c.reorder_all_to_all_s,
+                            "replica_step_spread": c.spread,
+                            "oom": bool(c.prediction.oom),
+                        }
+                        for c in curve
+                    ]
+                    for curve in res.groups
+                ],
+                "reorder_search_s": res.reorder_s,
             },
             indent=2,
         )

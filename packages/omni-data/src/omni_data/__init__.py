@@ -22,7 +22,13 @@ from omni_data.payload import (
     UnreadablePayloadError,
     to_rgb,
 )
-from omni_data.reorder import GroupedReorderer, PlanMismatchError, ReorderPlan, encoder_flops
+from omni_data.reorder import (
+    GroupedReorderer,
+    PlanMismatchError,
+    ReorderPlan,
+    encoder_flops,
+    reorder_destinations,
+)
 from omni_data.replicas import ReplicaMerge, hand_over_replicas, replica_ids
 from omni_data.sample import MemberRef, Modality, SampleMeta
 from omni_data.skip_metrics import SkipMetrics, merge_skip_reports
@@ -113,6 +119,7 @@ __all__ = [
     "generation_targets",
     "hand_over_replicas",
     "merge_skip_reports",
+    "reorder_destinations",
     "replica_ids",
     "resampled_length",
     "sampled_frame_indices",
@@ -122,4 +129,4 @@ __all__ = [
     "text_members",
     "to_rgb",
 ]
-__version__ = "0.7.0"
+__version__ = "0.8.0"

@@ -27,7 +27,7 @@ from omni_data.sample import SampleMeta
 from omni_parallel import karmarkar_karp
 from omni_parallel.comm import all_to_all_dim0
 
-__all__ = ["GroupedReorderer", "PlanMismatchError", "ReorderPlan", "encoder_flops"]
+__all__ = ["GroupedReorderer", "PlanMismatchError", "ReorderPlan", "encoder_flops", "reorder_destinations"]
 
 _MAX_DIMS = 4
 
@@ -272,14 +272,7 @@ class GroupedReorderer:
         ]
         rows = [g[:, 1].tolist() for g in gathered]
         shapes = [[tuple(row[4 : 4 + row[3]]) for row in g.tolist()] for g in gathered]
-        flat = [(r, i) for r in range(size) for i in range(len(costs[r]))]
-        parts = karmarkar_karp([costs[r][i] for r, i in flat], size)
-        owner = _match_parts(parts, flat, [costs[r][i] for r, i in flat], size)
-        dest = [[0] * len(c) for c in costs]
-        for part, d in zip(parts, owner):
-            for g in part:
-                r, i = flat[g]
-                dest[r][i] = d
+        dest = reorder_destinations(costs)
         received = [(r, i) for r in range(size) for i in range(len(dest[r])) if dest[r][i] == rank]
         keys = [[m.uid for m in ms] for ms in metas]
         h = hashlib.sha256(
@@ -295,6 +288,39 @@ class GroupedReorderer:
                 f"reordering plan differs between group ranks: rank {rank} disagrees with {bad}"
             )
         return ReorderPlan(rank, self.group, dest, shapes, rows, costs, received, digest, metas)
+
+
+def reorder_destinations(costs: Sequence[Sequence[float]]) -> list[list[int]]:
+    """Where a reordering group sends its samples: the partition :meth:`GroupedReorderer.plan` computes
+    on every rank, without the collectives (paper §5.1).
+
+    The group's samples, flattened rank by rank in local order, are partitioned by
+    ``omni_parallel.karmarkar_karp`` into one part per rank by cost; each part goes to the rank that
+    already holds most of its cost (fewest payload bytes moved; ties to the lowest rank).
+
+    Args:
+        costs: ``costs[r][i]`` the cost of sample ``i`` of group rank ``r`` (``len(costs)`` = group size;
+            a rank may hold none).
+
+    Returns:
+        ``dest[r][i]``: the group rank that encodes sample ``i`` of rank ``r``.
+
+    Raises:
+        ValueError: an empty group.
+    """
+    size = len(costs)
+    if size < 1:
+        raise ValueError("reorder_destinations: the group has no ranks")
+    flat = [(r, i) for r in range(size) for i in range(len(costs[r]))]
+    cost = [float(costs[r][i]) for r, i in flat]
+    parts = karmarkar_karp(cost, size)
+    owner = _match_parts(parts, flat, cost, size)
+    dest = [[0] * len(c) for c in costs]
+    for part, d in zip(parts, owner):
+        for g in part:
+            r, i = flat[g]
+            dest[r][i] = d
+    return dest
 
 
 def _match_parts(

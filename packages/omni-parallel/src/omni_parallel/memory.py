@@ -17,6 +17,9 @@ process group (:func:`omni_parallel.testing.fake_world`): parameters and FSDP2's
 read from the model as built; gradients and AdamW state, which appear only at the first backward and
 step, are computed from each parameter's local shard exactly as torch allocates them
 (``torch.optim.AdamW._init_group``; FSDP2's ``FSDPParam.init_all_gather_outputs``).
+:func:`planned_fsdp_bytes` gives the same numbers for modules FSDP2 would shard over a 1-D mesh of any
+size, from their unsharded shapes by FSDP2's chunk-and-pad rule, without building that world (FSDP2 cuts
+every parameter into one chunk per rank as it shards: minutes at thousands of fake ranks).
 :func:`analytic_state_bytes` is the formula (per rank, ``S = P_tp / tp + P_rep`` parameters of a
 pipeline stage: ``P_tp`` the ones TP splits, the blocks' projections, counted before TP, ``P_rep`` the
 ones every TP rank holds whole, norms, embedding and LM head; ``b`` bytes per element, ``W`` ranks of the
@@ -47,6 +50,7 @@ including ``meta``.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
@@ -54,7 +58,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from omni_parallel.encoder_zero import sharded_units
+from omni_parallel.encoder_zero import shard_rows, sharded_units
 
 __all__ = [
     "ATTENTION_KERNELS",
@@ -62,6 +66,7 @@ __all__ = [
     "adamw_state_bytes",
     "analytic_state_bytes",
     "block_activation_bytes",
+    "planned_fsdp_bytes",
     "planned_state_bytes",
     "saved_activation_bytes",
     "state_bytes",
@@ -243,6 +248,94 @@ def planned_state_bytes(
         "gradients": grads,
         "optimizer": 0 if optimizer is None else adamw_state_bytes(optimizer, params),
     }
+
+
+def planned_fsdp_bytes(
+    modules: Iterable[nn.Module],
+    optimizer: torch.optim.Optimizer | None = None,
+    *,
+    world: int,
+    rank: int,
+    keep_gathered: bool,
+    param_dtype: torch.dtype | None = None,
+) -> tuple[dict[str, int], dict[str, int]]:
+    """What ``fully_shard`` over a 1-D mesh of ``world`` ranks (FSDP2's default ``Shard(0)``; every
+    unit on the same mesh, as :meth:`omni_parallel.EncoderState.shard` does for encoder ZeRO 2/3) gives
+    rank ``rank`` for ``modules``, computed from the unsharded modules' parameter shapes (any device,
+    ``meta`` included) without building the world: the bytes :func:`planned_state_bytes` would read from
+    the sharded build, and what the units hold whole inside a step.
+
+    FSDP2's rule (``FSDPParam._init_sharded_param``, ``_chunk_with_empty``): a parameter of shape
+    ``[rows, *rest]`` is cut as ``torch.chunk`` cuts dim 0, chunks of ``c = ceil(rows / world)`` rows, the
+    trailing ones short or empty (:func:`omni_parallel.encoder_zero.shard_rows`); every rank's shard
+    lives in a zero-padded storage of ``c`` rows (an empty shard too), its parameter a view of its own
+    rows. Per trainable parameter, ``e`` its element size, ``n`` the rank's rows times ``prod(rest)``::
+
+        parameters = c prod(rest) e                      (the padded storage)
+        gathered   = c world prod(rest) g   if keep_gathered (every managed parameter, frozen included)
+        gradients  = n e
+        optimizer  = moments n e + s                     (AdamW's exp_avg, exp_avg_sq; step of s bytes)
+
+    ``g`` is the element size of ``param_dtype`` (FSDP2's ``MixedPrecisionPolicy.param_dtype``), else of
+    the parameter's dtype.
+
+    Args:
+        modules: the modules as they will be sharded (unsharded; their parameters, each once).
+        optimizer: an Adam/AdamW holding these parameters (unsharded): its groups give ``amsgrad``'s third
+            moment and the step tensor's bytes (:func:`adamw_state_bytes`); ``None``: ``optimizer`` 0.
+            An optimizer over the sharded parameters may differ only in ``fused`` (torch's fused kernel
+            takes no DTensor), which changes the step's bytes only under a float64 default dtype.
+        world: ranks of the FSDP2 mesh. rank: this rank's index in it.
+        keep_gathered: the units keep their gathered storage between steps (ZeRO-2,
+            ``set_keep_unsharded_storage(True)``); False: ZeRO-3.
+        param_dtype: FSDP2's mixed-precision gather dtype; ``None``: none.
+
+    Returns:
+        ``(state, unsharded)``: ``state`` as :func:`planned_state_bytes` (:data:`KINDS`); ``unsharded`` =
+        ``{"gradients": whole gradients in the shards' dtype, "gathered": the all-gather outputs (padded
+        shard x world, in ``g``)}`` over every managed parameter, frozen ones included: what
+        ``omni_train.memory_plan.in_step_bytes`` reads from the units.
+
+    Raises:
+        ValueError: ``world`` < 1, ``rank`` outside ``[0, world)``, or a 0-dim parameter (FSDP2 shards
+            dim 0; names the parameter).
+    """
+    if isinstance(world, bool) or not isinstance(world, int) or world < 1:
+        raise ValueError(f"planned_fsdp_bytes: world must be an int >= 1, got {world!r}")
+    if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < world:
+        raise ValueError(f"planned_fsdp_bytes: rank must be in [0, {world}), got {rank!r}")
+    groups = {}
+    if optimizer is not None:
+        if not isinstance(optimizer, torch.optim.Adam | torch.optim.AdamW):
+            raise TypeError(f"planned_fsdp_bytes: Adam/AdamW only, got {type(optimizer).__name__}")
+        groups = {id(p): g for g in optimizer.param_groups for p in g["params"]}
+    gathered_size = None if param_dtype is None else torch.empty((), dtype=param_dtype).element_size()
+    state = dict.fromkeys(KINDS, 0)
+    whole = {"gradients": 0, "gathered": 0}
+    seen: set[int] = set()
+    for root in modules:
+        for name, p in root.named_parameters():
+            if id(p) in seen:
+                continue
+            seen.add(id(p))
+            if p.dim() == 0:
+                raise ValueError(f"planned_fsdp_bytes: {name} is 0-dim; FSDP2 shards dim 0")
+            rows, rest, size = p.shape[0], math.prod(p.shape[1:]), p.element_size()
+            chunk = -(-rows // world)
+            gathered = chunk * world * rest * (size if gathered_size is None else gathered_size)
+            whole["gradients"] += p.numel() * size
+            whole["gathered"] += gathered
+            if keep_gathered:
+                state["gathered"] += gathered
+            if not p.requires_grad:
+                continue
+            local = shard_rows(rows, world, rank)[1] * rest
+            state["parameters"] += chunk * rest * size
+            state["gradients"] += local * size
+            g = groups.get(id(p))
+            if g is not None:
+                state["optimizer"] += (3 if g.get("amsgrad") else 2) * local * size + _step_bytes(g)
+    return state, whole
 
 
 def analytic_state_bytes(

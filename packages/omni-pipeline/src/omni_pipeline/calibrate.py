@@ -5,7 +5,10 @@ a sum over the modules it ran of ``base + per_token * tokens + per_token_sq * to
 (:class:`~omni_pipeline.cost.TokenCost`), fitted by non-negative least squares over every record of that
 kind and stage (``torch.linalg.lstsq`` in float64 on max-scaled columns; a column whose coefficient comes
 out negative is dropped and the rest refitted, until none is: Lawson & Hanson's active-set idea in its
-simplest form). P2P: ``transfer_s = latency + bytes / bandwidth`` over the messages whose receiver blocked
+simplest form). So that a fit extrapolates to other runs: each rank's first action of each kind, stage and
+module is left out (one-time costs, :func:`fit_cost_model`), and a term the records cannot tell apart is
+left out (fewer than 3 distinct sizes: no quadratic term; fewer than 2, or sizes spanning less than
+:data:`BASE_SPREAD`: no fixed cost). P2P: ``transfer_s = latency + bytes / bandwidth`` over the messages whose receiver blocked
 (the only ones whose arrival was observed). Dispatch: the mean gap between consecutive actions of a rank
 not spent waiting on a receive. Step overhead: the mean over steps of the slowest rank's step wall time
 minus the latest end of a pipeline action.
@@ -14,29 +17,46 @@ Also from the records: :func:`fit_run` (a run directory's fit, its warm-up step 
 :func:`fitted_cost_model` (that fit checked against the pipeline it will time) and
 :func:`calibrated_layer_costs` (per-layer and LM head + loss seconds for the ``"auto"`` layer split,
 :func:`omni_pipeline.split.split_layers`).
+
+Out of sample, on another pipeline layout (:func:`fit_layer_model`, :func:`restage_cost_model`): the LLM
+records of every stage are fitted jointly to one stage-independent model, a decoder block's
+:class:`~omni_pipeline.cost.TokenCost` times the stage's layers plus the final norm + LM head + loss on the
+last stage (and the embedding, a given share of a block, on the first), then re-staged onto another layer
+split; encoder, P2P and dispatch terms carry over (same machine, same models); the time outside the
+pipeline is scaled by the largest parameter count a rank holds (the optimizer's and the gradient
+clipping's work, :func:`restage_cost_model`). :func:`host_step_s` bounds a simulated step by the busy
+seconds of all ranks over the cores they share (more processes than cores on one host, e.g. CPU ranks).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import math
 from collections import defaultdict
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from omni_pipeline.cost import CostModel, TokenCost, cost_key
 from omni_pipeline.records import ActionRecord, RunRecords, read_records
+from omni_pipeline.simulator import SimulationResult
 from omni_pipeline.split import LLMShape, layer_costs
 from omni_pipeline.stage_balance import fit_layer_costs
 
 __all__ = [
+    "BASE_SPREAD",
+    "LayerCostModel",
     "calibrated_layer_costs",
     "fit_cost_model",
+    "fit_layer_model",
     "fit_run",
     "fitted_cost_model",
+    "host_step_s",
     "nonnegative_lstsq",
+    "restage_cost_model",
 ]
 
 
@@ -68,10 +88,39 @@ def nonnegative_lstsq(rows: Sequence[Sequence[float]], y: Sequence[float]) -> li
     return x
 
 
-def _fit_actions(actions: Sequence[ActionRecord]) -> dict[str, TokenCost]:
+BASE_SPREAD = 2.0
+"""A module's fixed cost per action (``TokenCost.base_s``) is fitted only when its records' token counts
+span at least this factor (largest / smallest); below it the per-token terms carry the whole cost, so
+that a fit on nearly equal sizes (e.g. packs filled to one length) extrapolates with the tokens instead of
+staying flat."""
+
+
+def _first_calls(actions: Sequence[ActionRecord]) -> set[tuple[int, int, str, int]]:
+    """``(step, rank, kind, microbatch)`` of each rank's first action of each kind, stage and module in
+    ``actions``: one-time costs (lazy initialisation, the allocator's first growth) land there, whatever
+    the step (a tower first run after the warm-up steps, e.g. a rare modality)."""
+    seen: set[tuple[int, str, int | None, str]] = set()
+    first: set[tuple[int, int, str, int]] = set()
+    for a in sorted(actions, key=lambda a: (a.step, a.start_s)):
+        for m, n in a.tokens.items():
+            key = (a.rank, a.kind, a.stage, m)
+            if n > 0 and key not in seen:
+                seen.add(key)
+                first.add((a.step, a.rank, a.kind, a.microbatch))
+    return first
+
+
+def _fit_actions(
+    actions: Sequence[ActionRecord], first_calls: set[tuple[int, int, str, int]] | None = None
+) -> dict[str, TokenCost]:
     groups: dict[tuple[str, int | None], list[ActionRecord]] = defaultdict(list)
+    dropped: dict[tuple[str, int | None], list[ActionRecord]] = defaultdict(list)
     for r in actions:
-        groups[(r.kind, r.stage)].append(r)
+        first = first_calls and (r.step, r.rank, r.kind, r.microbatch) in first_calls
+        (dropped if first else groups)[(r.kind, r.stage)].append(r)
+    for key, recs in dropped.items():  # a module seen only in first calls: fit those rather than nothing
+        kept = {m for r in groups.get(key, []) for m, n in r.tokens.items() if n > 0}
+        groups[key] += [r for r in recs if any(n > 0 and m not in kept for m, n in r.tokens.items())]
     out: dict[str, TokenCost] = {}
     for (kind, stage), recs in sorted(groups.items(), key=lambda kv: (kv[0][0], kv[0][1] or 0)):
         modules = sorted({m for r in recs for m, n in r.tokens.items() if n > 0})
@@ -84,18 +133,30 @@ def _fit_actions(actions: Sequence[ActionRecord]) -> dict[str, TokenCost]:
                 n = r.tokens.get(m, 0)
                 row += [1.0 if n > 0 else 0.0, float(n), float(r.tokens_sq.get(m, 0)) if n > 0 else 0.0]
             rows.append(row)
+        for j, m in enumerate(modules):  # terms the records cannot tell apart are left out (set to 0)
+            distinct = {(r.tokens.get(m, 0), r.tokens_sq.get(m, 0)) for r in recs if r.tokens.get(m, 0) > 0}
+            if len(distinct) < 3:  # two sizes fix a line, not its curvature
+                for row in rows:
+                    row[3 * j + 2] = 0.0
+            sizes = [n for n, _ in distinct]
+            if len(distinct) < 2 or max(sizes) < BASE_SPREAD * min(sizes):  # one size fixes a proportion;
+                for row in rows:  # sizes this close fit a fixed cost and a per-token cost alike
+                    row[3 * j] = 0.0
         x = nonnegative_lstsq(rows, [r.seconds for r in recs])
         for i, m in enumerate(modules):
             out[cost_key(kind, stage, m)] = TokenCost(*x[3 * i : 3 * i + 3])
     return out
 
 
-def fit_cost_model(records: RunRecords, *, skip_steps: int = 0) -> CostModel:
+def fit_cost_model(records: RunRecords, *, skip_steps: int = 0, drop_first_calls: bool = True) -> CostModel:
     """A :class:`CostModel` fitted from a run's records.
 
     Args:
         records: from :func:`omni_pipeline.records.read_records`.
         skip_steps: ignore the first ``skip_steps`` recorded steps (warm-up: allocator, caches).
+        drop_first_calls: also leave out each rank's first action of each kind, stage and module after
+            the skipped steps (one-time costs of a tower first run late, e.g. the rare modality of a
+            mixture), unless a module has no other record there.
 
     Returns:
         a model with ``coefficients`` (use :meth:`CostModel.for_step` for a step's durations),
@@ -107,13 +168,14 @@ def fit_cost_model(records: RunRecords, *, skip_steps: int = 0) -> CostModel:
         ValueError: no action records (after skipping), or LLM records of some stage missing.
     """
     ids = records.step_ids
+    first_calls = _first_calls(records.actions) if drop_first_calls else None
     if skip_steps:
         records = records.from_step(ids[skip_steps] if skip_steps < len(ids) else math.inf)
     if not records.actions:
         raise ValueError(
             f"fit_cost_model: no action records to fit (steps recorded: {len(ids)}, skipped {skip_steps})"
         )
-    coefficients = _fit_actions(records.actions)
+    coefficients = _fit_actions(records.actions, first_calls)
     llm = [r for r in records.actions if r.stage is not None]
     stages = sorted({r.stage for r in llm})
     if stages != list(range(len(stages))):
@@ -159,16 +221,19 @@ def fit_cost_model(records: RunRecords, *, skip_steps: int = 0) -> CostModel:
     )
 
 
-def fit_run(run: str | Path) -> tuple[RunRecords, CostModel, int]:
-    """A run's records, the cost model fitted from them (:func:`fit_cost_model`, the first recorded
-    step dropped as warm-up when there are more) and the number of pipeline stages it fitted.
+def fit_run(run: str | Path, *, skip_steps: int | None = None) -> tuple[RunRecords, CostModel, int]:
+    """A run's records, the cost model fitted from them (:func:`fit_cost_model`, the first
+    ``skip_steps`` recorded steps dropped as warm-up; default: the first when there are more) and the
+    number of pipeline stages it fitted.
 
     Raises:
         OSError: no records file in ``run``. ValueError: malformed records (``RecordError``) or too few
             to fit.
     """
     records = read_records(run)
-    fitted = fit_cost_model(records, skip_steps=1 if len(records.step_ids) > 1 else 0)
+    if skip_steps is None:
+        skip_steps = 1 if len(records.step_ids) > 1 else 0
+    fitted = fit_cost_model(records, skip_steps=skip_steps)
     stages = len(fitted.llm_forward_s) if isinstance(fitted.llm_forward_s, list) else 0
     return records, fitted, stages
 
@@ -243,3 +308,211 @@ def calibrated_layer_costs(
             f"the recorded stage times {per_mb} s per microbatch fit no positive seconds per layer"
         )
     return block, block * first_flops / block_flops, head
+
+
+@dataclass(frozen=True)
+class LayerCostModel:
+    """LLM action costs independent of the stage split: what a stage of any split costs.
+
+    A stage holding ``n`` decoder blocks, first and/or last, costs per action of kind ``k`` (``"F"``,
+    ``"B"``) ``(n + [first] * embedding_share) * block[k] + [last] * head[k]`` in base and per-token
+    seconds, and ``n * block[k]`` in the quadratic (attention) term (the embedding and the head attend to
+    nothing): :meth:`stage_cost`.
+
+    Attributes:
+        block: ``{kind: TokenCost}`` of one decoder block (identical blocks assumed).
+        head: ``{kind: TokenCost}`` of the final norm + LM head + loss (``per_token_sq_s`` 0).
+        embedding_share: the token embedding's cost as a share of one block's (a row gather that one
+            split cannot tell apart from the layers; given, e.g. modelled FLOPs
+            :func:`~omni_pipeline.split.layer_costs`; 0 ignores it).
+        mean_tokens, mean_tokens_sq: the fitted records' mean LLM tokens and quadratic-term tokens per
+            action (:meth:`stage_mean_s` times an average microbatch with them).
+    """
+
+    block: Mapping[str, TokenCost]
+    head: Mapping[str, TokenCost]
+    embedding_share: float = 0.0
+    mean_tokens: float = 0.0
+    mean_tokens_sq: float = 0.0
+
+    def stage_cost(self, kind: str, layers: int, *, first: bool, last: bool) -> TokenCost:
+        """The :class:`TokenCost` of an LLM action of ``kind`` on a stage of ``layers`` blocks."""
+        b, h = self.block[kind], self.head[kind]
+        n = layers + (self.embedding_share if first else 0.0)
+        return TokenCost(
+            n * b.base_s + (h.base_s if last else 0.0),
+            n * b.per_token_s + (h.per_token_s if last else 0.0),
+            layers * b.per_token_sq_s,
+        )
+
+    def coefficients(self, split: Sequence[range | int]) -> dict[str, TokenCost]:
+        """``{cost_key(kind, stage, "llm"): TokenCost}`` for every stage of ``split`` (layers or counts)."""
+        counts = [c if isinstance(c, int) else len(c) for c in split]
+        return {
+            cost_key(kind, s, "llm"): self.stage_cost(kind, n, first=s == 0, last=s == len(counts) - 1)
+            for kind in ("F", "B")
+            for s, n in enumerate(counts)
+        }
+
+    def stage_mean_s(self, kind: str, split: Sequence[range | int]) -> list[float]:
+        """Per stage of ``split``, the seconds of an action of ``kind`` at the fitted mean token counts."""
+        counts = [c if isinstance(c, int) else len(c) for c in split]
+        return [
+            self.stage_cost(kind, n, first=s == 0, last=s == len(counts) - 1).seconds(
+                self.mean_tokens, self.mean_tokens_sq
+            )
+            for s, n in enumerate(counts)
+        ]
+
+
+def fit_layer_model(
+    records: RunRecords,
+    split: Sequence[range | int],
+    *,
+    skip_steps: int = 0,
+    embedding_share: float = 0.0,
+) -> LayerCostModel:
+    """A :class:`LayerCostModel` fitted jointly from the LLM action records of every stage of a run whose
+    layers were split as ``split``.
+
+    Per kind (``F``, ``B``), one non-negative least squares (:func:`nonnegative_lstsq`) over every LLM
+    record ``r`` on stage ``s`` of ``n_s`` blocks: ``seconds = nf * (b0 + b1 * T) + l * (h0 + h1 * T) +
+    n_s * b2 * T2`` with ``nf = n_s + [s == 0] * embedding_share``, ``l = [s == last]``, ``T`` / ``T2``
+    the record's LLM tokens / quadratic-term tokens. The block's terms ``(b0, b1, b2)`` and the head's
+    ``(h0, h1)`` are told apart by the stages' different layer counts and head: with one stage they are
+    not (the least-norm solution is returned; re-staging it onto another split is then meaningless,
+    :func:`restage_cost_model` refuses).
+
+    Args:
+        records: the run's (:func:`~omni_pipeline.records.read_records`).
+        split: the layers (or layer counts) of each of the run's LLM stages.
+        skip_steps: the first recorded steps left out (warm-up).
+        embedding_share: see :class:`LayerCostModel`.
+
+    Raises:
+        ValueError: a recorded LLM stage outside ``split``, a stage of ``split`` or a kind without
+            records, a stage of no layers, or a negative ``embedding_share``.
+    """
+    counts = [c if isinstance(c, int) else len(c) for c in split]
+    if not counts or any(c < 1 for c in counts):
+        raise ValueError(f"fit_layer_model: every stage needs >= 1 layer, split {counts}")
+    if not embedding_share >= 0:
+        raise ValueError(f"fit_layer_model: embedding_share must be >= 0, got {embedding_share!r}")
+    ids = records.step_ids
+    first = ids[skip_steps] if skip_steps < len(ids) else math.inf
+    llm = [r for r in records.actions if r.stage is not None and r.step >= first]
+    bad = sorted({r.stage for r in llm if not 0 <= r.stage < len(counts)})
+    if bad:
+        raise ValueError(
+            f"fit_layer_model: records of LLM stages {bad}, the split has {len(counts)} stages {counts}; "
+            "are the records another layout's?"
+        )
+    missing = sorted(set(range(len(counts))) - {r.stage for r in llm})
+    if missing:
+        raise ValueError(f"fit_layer_model: no LLM records of stages {missing} (split {counts})")
+    block: dict[str, TokenCost] = {}
+    head: dict[str, TokenCost] = {}
+    last = len(counts) - 1
+    for kind in ("F", "B"):
+        recs = [r for r in llm if r.kind == kind]
+        if not recs:
+            raise ValueError(f"fit_layer_model: no LLM {kind} records to fit")
+        rows = []
+        for r in recs:
+            n = counts[r.stage]
+            nf = n + (embedding_share if r.stage == 0 else 0.0)
+            lst = 1.0 if r.stage == last else 0.0
+            t, t2 = float(r.tokens.get("llm", 0)), float(r.tokens_sq.get("llm", 0))
+            rows.append([nf, lst, nf * t, lst * t, n * t2])
+        x = nonnegative_lstsq(rows, [r.seconds for r in recs])
+        block[kind] = TokenCost(x[0], x[2], x[4])
+        head[kind] = TokenCost(x[1], x[3], 0.0)
+    return LayerCostModel(
+        block,
+        head,
+        embedding_share,
+        mean_tokens=sum(r.tokens.get("llm", 0) for r in llm) / len(llm),
+        mean_tokens_sq=sum(r.tokens_sq.get("llm", 0) for r in llm) / len(llm),
+    )
+
+
+def restage_cost_model(
+    fitted: CostModel,
+    layers: LayerCostModel,
+    from_split: Sequence[range | int],
+    to_split: Sequence[range | int],
+    *,
+    from_rank_params: float = 1.0,
+    to_rank_params: float = 1.0,
+) -> CostModel:
+    """``fitted`` (:func:`fit_cost_model` of a run split as ``from_split``) for a pipeline split as
+    ``to_split`` (other stage count or layers per stage), same models on the same machine.
+
+    * LLM F/B: ``layers.coefficients(to_split)`` (the joint per-block fit, :func:`fit_layer_model`)
+      replaces the per-stage coefficients; ``llm_forward_s`` / ``llm_backward_s`` become its per-stage
+      seconds at the fitted mean tokens.
+    * Encoder coefficients, P2P latency and bandwidth, dispatch gap, activation size: carried over (the
+      towers, the transport and the per-action Python work do not depend on the split).
+    * Step overhead (time outside the pipeline: gradient reduction and clipping, optimizer, data not
+      overlapped): scaled by ``to_rank_params / from_rank_params``, the largest parameter count one rank
+      holds in each layout (the optimizer's elementwise work and the gradient norm grow with it, and the
+      slowest rank gates the step).
+
+    Raises:
+        ValueError: ``from_split`` of one stage (the block and the head were not told apart), a split
+            with a stage of no layers, or a parameter count <= 0.
+    """
+    src = [c if isinstance(c, int) else len(c) for c in from_split]
+    dst = [c if isinstance(c, int) else len(c) for c in to_split]
+    if len(src) < 2 and src != dst:
+        raise ValueError(
+            f"restage_cost_model: fitted on {len(src)} LLM stage, whose block and head costs cannot be told "
+            f"apart; fit on a run of >= 2 stages to time the split {dst}"
+        )
+    if any(c < 1 for c in src + dst):
+        raise ValueError(f"restage_cost_model: every stage needs >= 1 layer, got {src} -> {dst}")
+    if not (from_rank_params > 0 and to_rank_params > 0):
+        raise ValueError(
+            f"restage_cost_model: rank parameter counts must be > 0, got {from_rank_params!r} -> {to_rank_params!r}"
+        )
+    others = {k: c for k, c in fitted.coefficients.items() if not k.endswith(":llm")}
+    return dataclasses.replace(
+        fitted,
+        coefficients={**others, **layers.coefficients(dst)},
+        llm_forward_s=layers.stage_mean_s("F", dst),
+        llm_backward_s=layers.stage_mean_s("B", dst),
+        step_overhead_s=fitted.step_overhead_s * to_rank_params / from_rank_params,
+    )
+
+
+def host_step_s(result: SimulationResult, costs: CostModel, processes: int, cores: float) -> float:
+    """A simulated step's wall seconds when ``processes`` ranks share ``cores`` cores of one host.
+
+    The simulator gives every rank a processor of its own; sharing fewer, a step lasts at least the
+    compute of all ranks over the cores::
+
+        max(step_time_s, busy / cores)    # step_time_s = makespan + step_overhead_s
+
+    ``busy``: every action's compute seconds on every rank plus ``costs.dispatch_s`` per action (Python
+    work between actions). The time outside the pipeline is not counted in ``busy``: it is the slowest
+    rank's (waits on the gradient collectives included), and the other ranks' share of it runs while that
+    rank still computes. Equals ``result.step_time_s`` when ``processes <= cores`` (no rank computes longer
+    than the makespan). A bound, not processor sharing: ranks runnable together beyond the cores in one
+    part of the step and idle in another are not stretched (exact when the cores stay busy throughout,
+    as in a pipeline of more ranks than cores whose bubbles absorb the excess).
+
+    Args:
+        result: :func:`~omni_pipeline.simulator.simulate`'s, of ``costs``.
+        processes: ranks on the host (the world size of one host); cores: cores they share (a machine
+            parameter, e.g. ``os.cpu_count()``; never fitted).
+
+    Raises:
+        ValueError: ``processes < 1`` or ``cores <= 0``.
+    """
+    if processes < 1 or not cores > 0:
+        raise ValueError(f"host_step_s: need processes >= 1 and cores > 0, got {processes} and {cores}")
+    if processes <= cores:
+        return result.step_time_s
+    events = [e for evs in result.timelines.values() for e in evs]
+    busy = sum(e.end_s - e.start_s for e in events) + costs.dispatch_s * len(events)
+    return max(result.step_time_s, busy / cores)

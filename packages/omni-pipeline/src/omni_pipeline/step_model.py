@@ -8,7 +8,12 @@ and encoder ZeRO, recompute, placement, reordering group) of a :class:`~omni_pip
 * **Compute**: modelled FLOPs (:func:`omni_pipeline.modelled_step_costs`) at ``peak_flops * efficiency``
   per GPU; a pipeline position's ``tp * cp * ulysses`` ranks split its LLM and encoder work evenly
   (assumption: the encoders' share is split over the same ranks, as ``encoder_sp`` / the CP delivery
-  spread samples). Recompute adds one forward to each backward (Chen et al. 2016; Korthikanti et al. 2022).
+  spread samples). Recompute adds one forward to each backward (Chen et al. 2016; Korthikanti et al. 2022);
+  selective recompute (``Layout.recompute_modules``, the trainer's ``train.recompute_modules``) adds the
+  recomputed residual branches' share of it (:func:`recompute_fraction`, :func:`branch_forward_flops`:
+  attention = Q/K/V/O matmuls + scores and values, MLP = the rest; per encoder microbatch likewise from
+  its samples' towers) and repeats only those branches' collectives (TP: one of the two per layer per
+  branch; CP and Ulysses: attention; EP: MLP).
 * **Collectives inside each LLM forward / backward** (added to the action's seconds: they sit on its
   critical path; per layer of the stage, bf16 activations of ``T' = T / (cp * ulysses)`` tokens):
 
@@ -50,7 +55,9 @@ and encoder ZeRO, recompute, placement, reordering group) of a :class:`~omni_pip
   over every rank (``encoder_zero``, :mod:`omni_parallel.encoder_zero`) the same way, once per step at
   float32 (no mixed-precision policy on the encoder units). The reordering
   all-to-all (paper §4.2, Figure 20) over ``reorder_group`` DP replicas: each rank sends
-  ``(g - 1) / g`` of its share of the step's encoder outputs. The AdamW step: memory-bound, 28 bytes per
+  ``(g - 1) / g`` of its share of the step's encoder outputs; the balance it buys needs several replicas
+  (``predict_step(encoder_microbatches=...)``: the encoder samples a replica was dealt,
+  :mod:`omni_pipeline.replica_balance`). The AdamW step: memory-bound, 28 bytes per
   local parameter element (read parameter, gradient, two moments; write parameter, two moments; float32)
   over the device's HBM bandwidth.
 * **Memory** per pipeline rank (:func:`rank_memory`): parameters, gradients and AdamW state per ZeRO stage
@@ -60,12 +67,20 @@ and encoder ZeRO, recompute, placement, reordering group) of a :class:`~omni_pip
   them), plus what ZeRO-2/3 hold only inside a step (the whole
   float32 gradients until the sync, ZeRO-3's gathered parameters: :func:`rank_memory`), plus the peak over the simulated timeline of stored activations: per LLM
   stage and microbatch :func:`omni_parallel.memory.block_activation_bytes` (bf16, after the CP / Ulysses
-  split, TP / SP / recompute honoured) times its layers (an MoE layer counted as a SwiGLU of
+  split, TP / SP / recompute, whole-block or selective, honoured) times its layers (an MoE layer
+  counted as a SwiGLU of
   ``top_k * expert_ffn_dim + shared`` features: the rows its experts compute per token; the router's
   and the all-to-alls' buffers left out), and on the last stage the loss's float32
   log-softmax over the vocabulary (what ``omni-train memory`` counts); encoder activations and outputs as
-  the simulator holds them. OOM when a rank's peak (``total``: state + in-step + activations) exceeds
+  the simulator holds them (whole-block recompute: each block's input, 1/17 of them; selective: the
+  share :func:`omni_parallel.memory.block_activation_bytes` keeps of the tower's block, an assumption
+  for the ViT's LayerNorm / GELU block, which ``omni-train memory`` does not count). OOM when a rank's
+  peak (``total``: state + in-step + activations) exceeds
   ``Device.memory_bytes``.
+
+* **Uneven stage splits** (``stage_layers``, the trainer's ``parallel.stage_layers``): each stage's
+  actions take its layers' share. :func:`encoder_aware_stage_layers` is the split an Alpa-style planner
+  finds for a prepended encoder (``benchmarks/paper_scale.py``'s AutoParallel baseline).
 
 * **Virtual stages** (``Layout.virtual_stages = v > 1``): the layers split over ``pp * v`` stages
   (:func:`even_stage_layers`), rank ``r`` holding stages ``r, r + pp, ...``, run by the trainer's
@@ -93,9 +108,9 @@ import dataclasses
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
-from omni_data import Pack, encoder_microbatch_ids, split_encoder_microbatches
+from omni_data import Pack, SampleMeta, encoder_microbatch_ids, split_encoder_microbatches
 from omni_parallel.flops import TransformerShape, attention_flops, model_flops
-from omni_parallel.memory import analytic_state_bytes, block_activation_bytes
+from omni_parallel.memory import BRANCHES, analytic_state_bytes, block_activation_bytes
 from omni_pipeline.actions import Action, ActionKind, ScheduleError
 from omni_pipeline.cost import (
     CostModel,
@@ -116,10 +131,13 @@ __all__ = [
     "Device",
     "Layout",
     "StepPrediction",
+    "branch_forward_flops",
+    "encoder_aware_stage_layers",
     "even_stage_layers",
     "llm_stage_params",
     "predict_step",
     "rank_memory",
+    "recompute_fraction",
     "stage_expert_params",
     "step_collectives",
     "step_time_lower_bound",
@@ -172,6 +190,13 @@ class Layout:
         cp_attention: ``"allgather"`` or ``"ring"``.
         llm_zero: 0-3 over each stage's data group. encoder_zero: 0, 2 or 3 over every rank.
         recompute: every block (LLM and encoders) recomputes its activations in backward.
+        recompute_modules: with ``recompute``, only these residual branches of each block recompute
+            (selective recompute, the trainer's ``train.recompute_modules``:
+            :func:`omni_parallel.parallelize.apply_ac`): ``"attention"`` (pre-norm, Q/K/V, attention,
+            output projection) and / or ``"mlp"``; empty: the whole block. A branch's recompute costs
+            its forward again in backward (:func:`recompute_fraction`) and keeps only its input
+            (:func:`omni_parallel.memory.block_activation_bytes`). Without ``recompute`` it changes
+            nothing (as in the trainer: no block is recomputed).
         placement: one of :data:`PLACEMENTS`.
         reorder_group: DP replicas the reordering all-to-all spans (1: reorder within the replica only).
         ep: expert-parallel size, carved out of ``dp`` (``parallel.ep``): the MoE layers' routed experts
@@ -188,7 +213,9 @@ class Layout:
 
     Raises:
         ValueError: a size < 1, ``sequence_parallel`` without ``tp > 1``, an unknown ``cp_attention``,
-            ``placement`` or ZeRO stage, or ``reorder_group`` / ``ep`` not dividing ``dp`` (named).
+            ``placement`` or ZeRO stage, ``recompute_modules`` not distinct names of
+            :data:`omni_parallel.memory.BRANCHES`, or ``reorder_group`` /
+            ``ep`` not dividing ``dp`` (named).
     """
 
     pp: int = 1
@@ -201,6 +228,7 @@ class Layout:
     llm_zero: int = 0
     encoder_zero: int = 0
     recompute: bool = False
+    recompute_modules: tuple[str, ...] = ()
     placement: str = "uniform_on_demand"
     reorder_group: int = 1
     ep: int = 1
@@ -215,6 +243,14 @@ class Layout:
             errors.append("sequence_parallel needs tp > 1")
         if self.cp_attention not in ("allgather", "ring"):
             errors.append(f"cp_attention must be 'allgather' or 'ring', got {self.cp_attention!r}")
+        if not isinstance(self.recompute_modules, tuple):
+            errors.append(f"recompute_modules must be a tuple, got {self.recompute_modules!r}")
+        elif set(self.recompute_modules) - set(BRANCHES) or len(set(self.recompute_modules)) != len(
+            self.recompute_modules
+        ):
+            errors.append(
+                f"recompute_modules must be distinct names of {BRANCHES}, got {self.recompute_modules!r}"
+            )
         if self.llm_reshard not in RESHARD_POLICIES:
             errors.append(f"llm_reshard must be one of {RESHARD_POLICIES}, got {self.llm_reshard!r}")
         if self.llm_zero not in (0, 1, 2, 3):
@@ -306,6 +342,39 @@ def even_stage_layers(n_layers: int, stages: int) -> list[int]:
         raise ValueError(f"even_stage_layers: {n_layers} layers cannot fill {stages} stages")
     q, r = divmod(n_layers, stages)
     return [q + (1 if s < r else 0) for s in range(stages)]
+
+
+def encoder_aware_stage_layers(n_layers: int, stages: int, encoder_s: float, layer_s: float) -> list[int]:
+    """Layers per stage when stage 0 also runs ``encoder_s`` seconds of encoder work per step (the
+    encoders prepended to the first stage's graph) and every LLM layer costs ``layer_s`` seconds per
+    step: the split minimising the busiest stage's seconds, ``max(encoder_s + n_0 layer_s, n_s
+    layer_s)``, the rest shared out evenly (:func:`even_stage_layers`); of equally busy splits the one
+    with the most layers on stage 0. This is the inter-operator pass of an Alpa-style automatic planner
+    (Zheng et al., "Alpa", OSDI 2022, §5: stages balanced by their profiled costs) that does not know
+    the modalities apart: it balances the encoder's seconds, it does not move them off stage 0. With
+    ``stages`` fixed, Alpa's pipeline objective ``sum_s t_s + (B - 1) max_s t_s`` has a constant sum, so
+    minimising the busiest stage is its optimum. Exact: for each ``n_0`` the even split of the rest
+    minimises the other stages' maximum.
+
+    Raises:
+        ValueError: fewer layers than stages, or a negative or non-finite ``encoder_s`` / ``layer_s``.
+    """
+    if stages < 1 or n_layers < stages:
+        raise ValueError(f"encoder_aware_stage_layers: {n_layers} layers cannot fill {stages} stages")
+    if not (0 <= encoder_s < float("inf") and 0 <= layer_s < float("inf")):
+        raise ValueError(
+            f"encoder_aware_stage_layers: encoder_s {encoder_s!r} and layer_s {layer_s!r} must be finite and >= 0"
+        )
+    if stages == 1:
+        return [n_layers]
+    best: tuple[float, int] | None = None
+    for n0 in range(1, n_layers - stages + 2):
+        rest = even_stage_layers(n_layers - n0, stages - 1)
+        busiest = max(encoder_s + n0 * layer_s, rest[0] * layer_s)
+        if best is None or busiest <= best[0]:
+            best = (busiest, n0)
+    n0 = best[1]
+    return [n0, *even_stage_layers(n_layers - n0, stages - 1)]
 
 
 def llm_stage_params(
@@ -460,6 +529,7 @@ def _stage_activation_bytes(
             bytes_per=ACT_BYTES,
             master_bytes=MASTER_BYTES,
             recompute=layout.recompute,
+            recompute_branches=layout.recompute_modules,
             kernel="flash",  # bf16 on CUDA: the fused varlen kernel (omni_parallel.varlen)
         )
 
@@ -668,7 +738,13 @@ def step_collectives(
     per: dict[str, float] = dict.fromkeys(
         ("tp_fwd", "tp_bwd", "cp_fwd", "cp_bwd", "ulysses_fwd", "ulysses_bwd", "ep_fwd", "ep_bwd"), 0.0
     )
-    redo = 1.0 if L.recompute else 0.0  # recompute repeats the forward's collectives in backward
+    # recompute repeats the forward's collectives of the recomputed branches in backward: TP's two
+    # all-reduces (SP: all-gather + reduce-scatter) per layer are one per branch; CP's and Ulysses'
+    # exchanges sit in the attention branch, EP's all-to-alls in the (MoE) MLP branch
+    mods = (L.recompute_modules or BRANCHES) if L.recompute else ()
+    redo = len(mods) / len(BRANCHES)
+    redo_attn = 1.0 if "attention" in mods else 0.0
+    redo_mlp = 1.0 if "mlp" in mods else 0.0
     if L.tp > 1:
         bw, lat = network.link(L.tp, 1)
         one = all_reduce_s(ACT_BYTES * t_rank * llm.dim, L.tp, bw, lat)  # = AG + RS of the same buffer (SP)
@@ -682,16 +758,16 @@ def step_collectives(
         else:  # ring: cp - 1 P2P steps of the local K, V; backward passes K, V and dK, dV
             step = lat + kv * t_rank / bw
             fwd, bwd = (L.cp - 1) * step, 2 * (L.cp - 1) * step
-        per["cp_fwd"], per["cp_bwd"] = fwd, bwd + redo * fwd
+        per["cp_fwd"], per["cp_bwd"] = fwd, bwd + redo_attn * fwd
     if L.ulysses > 1:
         bw, lat = network.link(L.ulysses, L.tp * L.cp)
         widths = (llm.dim, llm.kv_dim, llm.kv_dim, llm.dim)  # Q, K, V in; attention output back
         fwd = sum(all_to_all_s(ACT_BYTES * t_rank * w / L.tp, L.ulysses, bw, lat) for w in widths)
-        per["ulysses_fwd"], per["ulysses_bwd"] = fwd, fwd + redo * fwd
+        per["ulysses_fwd"], per["ulysses_bwd"] = fwd, fwd + redo_attn * fwd
     if L.ep > 1:  # dispatch + combine in forward, their adjoints in backward (module docstring)
         bw, lat = network.link(L.ep, L.model_parallel)
         one = all_to_all_s(ACT_BYTES * t_rank * moe.top_k * llm.dim, L.ep, bw, lat)
-        per["ep_fwd"], per["ep_bwd"] = 2 * one, (2 + 2 * redo) * one
+        per["ep_fwd"], per["ep_bwd"] = 2 * one, (2 + 2 * redo_mlp) * one
     layers = _stage_layers(llm, L, stage_layers)
     ranks = [_rank_llm_params(llm, vocab, layers, L, moe, r) for r in range(L.pp)]  # over virtual stages
     zero_shards = L.data_group if L.llm_zero >= 1 else 1
@@ -780,6 +856,93 @@ class StepPrediction:
         return max(m["total"] for m in self.memory.values())
 
 
+def branch_forward_flops(
+    shape: TransformerShape, doc_lengths: Sequence[int], *, causal: bool
+) -> dict[str, float]:
+    """Forward FLOPs of each residual branch of ``shape``'s blocks over documents of ``doc_lengths``
+    tokens (:mod:`omni_parallel.flops`' count: every matmul weight twice per token, plus
+    :func:`~omni_parallel.flops.attention_flops`): ``{"attention": n_layers * (2 T (2 d^2 + 2 d kv) +
+    scores and values), "mlp": n_layers * 2 T * (the block's MLP weights)}``; they sum to
+    :func:`omni_parallel.flops.forward_flops`. The branches are the trainer's
+    (``omni_train.models.llm.Block.attention_branch`` / ``mlp_branch``, :data:`omni_parallel.memory.BRANCHES`;
+    norms and RoPE left out, as the FLOP count leaves them out)."""
+    n = float(sum(doc_lengths))
+    d = float(shape.dim)
+    attn_w = 2.0 * d * d + 2.0 * d * shape.kv_dim
+    return {
+        "attention": shape.n_layers * 2.0 * n * attn_w
+        + attention_flops(doc_lengths, shape.dim, shape.n_layers, causal=causal),
+        "mlp": shape.n_layers * 2.0 * n * (shape.layer_matmul_params - attn_w),
+    }
+
+
+def recompute_fraction(workload: Workload, layout: Layout, packs: Sequence[Pack]) -> float:
+    """The share of the LLM's forward FLOPs over ``packs`` that ``layout``'s recompute runs again in
+    backward: 1 for whole blocks (``recompute_modules`` empty), the recomputed branches' share
+    (:func:`branch_forward_flops`) under selective recompute, 0 without recompute. The MLP branch's
+    FLOPs are the forward's (``workload.model.llm_params``: an MoE's active experts) less the attention
+    branch's. Every LLM action's backward adds this share of its forward (the step model times actions
+    from the step's mean pack, so one share for the step)."""
+    if not layout.recompute:
+        return 0.0
+    if not layout.recompute_modules:
+        return 1.0
+    llm = workload.shapes["llm"]
+    total = attn = 0.0
+    for p in packs:
+        core = attention_flops(p.seqlens, llm.dim, llm.n_layers, causal=True)
+        total += model_flops(workload.model.llm_params, p.num_tokens, core, training=False)
+        attn += branch_forward_flops(llm, p.seqlens, causal=True)["attention"]
+    if total <= 0:
+        return 0.0
+    share = {"attention": attn / total, "mlp": (total - attn) / total}
+    return sum(share[b] for b in layout.recompute_modules)
+
+
+def _encoder_recompute(
+    workload: Workload, layout: Layout, packs: Sequence[Pack], mbs: Mapping[int, Sequence]
+) -> tuple[dict[int, float], dict[int, float]]:
+    """Per encoder microbatch: the share of its forward FLOPs that recompute runs again (1 for whole
+    blocks, the recomputed branches' under selective recompute, 0 without) and, under selective
+    recompute, the share of its stored activations kept (each sample's tower:
+    :func:`omni_parallel.memory.block_activation_bytes` with and without the branches recomputed, at
+    the sample's encoder sequence, bf16 over float32 masters; assumption: the ViT / audio block's
+    LayerNorm and GELU MLP saved like the LLM block's RMSNorm and SwiGLU; weighted by ``_sizes``'
+    stored bytes, layers x sequence x width)."""
+    if not layout.recompute:
+        return {}, {}
+    if not layout.recompute_modules:
+        return dict.fromkeys(mbs, 1.0), {}
+    from omni_pipeline.step_costs import encoder_documents, encoder_tower, sample_frames
+
+    ms = workload.model
+    redo: dict[int, float] = {}
+    kept: dict[int, float] = {}
+    for e, items in mbs.items():
+        done = total = st_all = st_kept = 0.0
+        for pi, i in items:
+            smp = packs[pi].samples[i]
+            docs = encoder_documents(smp.modality, smp.media_tokens, ms.image_merge,
+                                     frames=sample_frames(smp), temporal_patch=ms.temporal_patch)  # fmt: skip
+            if not docs:
+                continue
+            shape = workload.shapes[encoder_tower(smp.modality)]
+            fl = branch_forward_flops(shape, docs, causal=False)
+            total += sum(fl.values())
+            done += sum(fl[b] for b in layout.recompute_modules)
+            seq = sum(docs)
+            kw = dict(heads=shape.n_heads, bytes_per=ACT_BYTES, master_bytes=MASTER_BYTES, kernel="flash")
+            full = block_activation_bytes(seq, shape.dim, shape.kv_dim, int(shape.mlp_dim), **kw)
+            sel = block_activation_bytes(seq, shape.dim, shape.kv_dim, int(shape.mlp_dim), recompute=True,
+                                         recompute_branches=layout.recompute_modules, **kw)  # fmt: skip
+            weight = shape.n_layers * seq * shape.dim
+            st_all += weight
+            st_kept += weight * sel / full
+        redo[e] = done / total if total else 0.0
+        kept[e] = st_kept / st_all if st_all else 1.0
+    return redo, kept
+
+
 def _moe_layers(workload: Workload, layers: Sequence[int]) -> list[int]:
     """MoE layers per stage (0 for a dense LLM)."""
     if workload.moe is None:
@@ -814,6 +977,7 @@ def predict_step(
     balance: bool = True,
     encoder_sp: bool = True,
     encoder_ranks: int | None = None,
+    encoder_microbatches: Mapping[int, Sequence[SampleMeta]] | None = None,
 ) -> StepPrediction:
     """Predict one step of ``workload`` (its step ``step``'s packs, ``microbatches`` per replica, default
     the workload's) under ``layout`` (module docstring).
@@ -833,10 +997,20 @@ def predict_step(
             upper bound, encoder seconds times ``tp * cp * ulysses``).
         cache: a dict kept between calls of one search (same workload, device, network, vocab and
             stage layers): packs and pipeline simulations are reused across layouts that differ only in
-            ``llm_zero`` / ``encoder_zero`` (which change neither).
+            ``llm_zero`` / ``encoder_zero`` (which change neither). ``packs`` and
+            ``encoder_microbatches`` are keyed by identity and kept alive by the cache.
+        encoder_microbatches: ``{e: [sample]}`` the samples this replica's encoder microbatch ``e`` runs
+            (for every ``e`` of :func:`omni_data.encoder_microbatch_ids` of ``microbatches`` and ``pp``),
+            instead of its own split (:func:`omni_data.split_encoder_microbatches` of its packs): what
+            the trainer's reordering across DP gives it (samples of any replica of its group,
+            :func:`omni_pipeline.replica_balance.deal_encoder_samples`). Only encoder work follows them
+            (forward and backward seconds, recompute, stored activations, ``megatron_dist``'s encoder
+            ranks); the LLM's tokens and the encoder outputs sent to stage 0 stay this replica's packs'
+            (the reordering's restore returns every row to its pack's replica before the P2P, paper §5.1).
 
     Raises:
-        ValueError: fewer microbatches than stages, a workload without an LLM shape.
+        ValueError: fewer microbatches than stages, a workload without an LLM shape,
+            ``encoder_microbatches`` not keyed by exactly the step's encoder microbatch ids.
         Deadlock: the placement's programs cannot run.
     """
     device = device or Device()
@@ -858,10 +1032,25 @@ def predict_step(
             "predict_step: placement 'megatron_dist' is modelled under 1F1B only (its encoder ranks run "
             f"1F1B as the first of pp + 1 stages), not with virtual_stages = {L.virtual_stages}"
         )
-    opts = (None if packs is None else id(packs), balance, encoder_sp, encoder_ranks)
+    if encoder_microbatches is not None:
+        want = {e for es in encoder_microbatch_ids(m, L.pp).values() for e in es}
+        if set(encoder_microbatches) != want:
+            raise ValueError(
+                f"predict_step: encoder_microbatches must be keyed by the encoder microbatch ids 1..{len(want)} "
+                f"of {m} microbatches x {L.pp} slices, got {sorted(encoder_microbatches)}"
+            )
+    opts = (
+        None if packs is None else id(packs),
+        balance,
+        encoder_sp,
+        encoder_ranks,
+        None if encoder_microbatches is None else id(encoder_microbatches),
+    )
     key = ("pipe", dataclasses.replace(L, llm_zero=0, encoder_zero=0), m, step, opts)
     if key not in cache:
-        cache[key] = _pipeline(workload, L, device, network, m, step, vocab, layers, cache, packs, opts)
+        cache[key] = _pipeline(
+            workload, L, device, network, m, step, vocab, layers, cache, packs, opts, encoder_microbatches
+        )  # fmt: skip
     sim, tokens, enc_out, per, fwd_flops, er = cache[key][:6]
     _, per_step = step_collectives(
         workload,
@@ -965,13 +1154,15 @@ def _pipeline(
     layers: list[int],
     cache: dict,
     given: Sequence[Pack] | None = None,
-    opts: tuple = (None, True, True, None),
+    opts: tuple = (None, True, True, None, None),
+    given_mbs: Mapping[int, Sequence[SampleMeta]] | None = None,
 ) -> tuple:
     """The simulated pipeline of one layout (collectives inside the actions), with the microbatch's
     tokens, the replica's encoder output bytes, the per-layer collective seconds, the forward FLOPs, the
-    encoder ranks (``megatron_dist``; else 0) and the packs (kept alive: the cache keys them by id)."""
+    encoder ranks (``megatron_dist``; else 0) and the packs. The cache keys ``given`` and ``given_mbs``
+    by id, so its entries hold them (an id is unique only while its object lives)."""
     llm = workload.shapes["llm"]
-    _, balance, encoder_sp, encoder_ranks = opts
+    _, balance, encoder_sp, encoder_ranks, _ = opts
     pk = ("packs", step, m, L.pp, opts[0], balance)
     if pk not in cache:
         packs = list(given) if given is not None else workload.step_packs(step, m)
@@ -983,13 +1174,22 @@ def _pipeline(
             + sum(sample_encoder_flops(workload.model, s) for s in p.samples)
             for p in packs
         )  # fmt: skip
-        cache[pk] = (packs, mbs, fwd)
-    packs, mbs, fwd_flops = cache[pk]
+        cache[pk] = (packs, mbs, fwd, given)
+    packs, mbs, fwd_flops = cache[pk][:3]
     rate = device.peak_flops * device.efficiency
     mp = L.model_parallel
     S = L.stages  # pp * virtual_stages LLM stages; encoder slices stay one per pipeline rank
     weights = [n * S / llm.n_layers for n in layers]
     costs = modelled_step_costs(workload.model, packs, mbs, S, rate * mp, L.dp, stage_weights=weights)
+    enc_packs, enc_mbs = packs, mbs  # the samples the encoders run: this replica's own, or given_mbs
+    if given_mbs is not None:
+        es = sorted(given_mbs)
+        enc_packs = [Pack(samples=list(given_mbs[e]), max_seq_len=workload.max_seq_len) for e in es]
+        enc_mbs = {e: [(j, i) for i in range(len(given_mbs[e]))] for j, e in enumerate(es)}
+        enc = modelled_step_costs(workload.model, enc_packs, enc_mbs, S, rate * mp, L.dp)
+        costs = dataclasses.replace(
+            costs, encoder_forward_s=enc.encoder_forward_s, encoder_stored_bytes=enc.encoder_stored_bytes
+        )
     if not encoder_sp:  # one rank of the position runs each encoder microbatch whole
         costs = dataclasses.replace(
             costs, encoder_forward_s={e: v * mp for e, v in costs.encoder_forward_s.items()}
@@ -1006,6 +1206,8 @@ def _pipeline(
         vocab=vocab,
         stage_layers=layers,
     )
+    redo = recompute_fraction(workload, L, packs) if L.recompute else 0.0
+    enc_redo, enc_kept = _encoder_recompute(workload, L, enc_packs, enc_mbs)
     F, B = ActionKind.FORWARD, ActionKind.BACKWARD
     comm_f = sum(per[f"{k}_fwd"] for k in ("tp", "cp", "ulysses"))
     comm_b = sum(per[f"{k}_bwd"] for k in ("tp", "cp", "ulysses"))
@@ -1015,23 +1217,24 @@ def _pipeline(
         for s in range(S):
             f = costs.duration(Action(F, k, s))
             llm_s[Action(F, k, s)] = f + layers[s] * comm_f + n_moe[s] * per["ep_fwd"]
-            llm_s[Action(B, k, s)] = (
-                2 * f + (f if L.recompute else 0.0) + layers[s] * comm_b + n_moe[s] * per["ep_bwd"]
-            )
-    enc_b = {e: (3.0 if L.recompute else 2.0) * v for e, v in costs.encoder_forward_s.items()}
+            llm_s[Action(B, k, s)] = 2 * f + redo * f + layers[s] * comm_b + n_moe[s] * per["ep_bwd"]
+    enc_b = {e: (2.0 + enc_redo.get(e, 0.0)) * v for e, v in costs.encoder_forward_s.items()}
     offsets = _layer_offsets(layers)
     act = [
         _stage_activation_bytes(llm, vocab, layers[s], workload.max_seq_len, L, last=s == S - 1,
                                 moe=workload.moe, first_layer=offsets[s])
         for s in range(S)
     ]  # fmt: skip
-    enc_scale = (1.0 / 17.0 if L.recompute else 1.0) / mp  # recompute keeps each block's input only
+    # whole-block recompute keeps each block's input only (1/17 of _sizes' 17 x input); selective keeps
+    # what block_activation_bytes keeps of the tower's block (enc_kept, per encoder microbatch)
+    enc_scale = {e: (1.0 / 17.0 if L.recompute and not L.recompute_modules else enc_kept.get(e, 1.0)) / mp
+                 for e in costs.encoder_stored_bytes}  # fmt: skip
     costs = dataclasses.replace(
         costs,
         llm_action_s=llm_s,
         encoder_backward_s=enc_b,
         llm_stored_bytes=act,
-        encoder_stored_bytes={e: v * enc_scale for e, v in costs.encoder_stored_bytes.items()},
+        encoder_stored_bytes={e: v * enc_scale[e] for e, v in costs.encoder_stored_bytes.items()},
         encoder_output_bytes={e: v / mp for e, v in costs.encoder_output_bytes.items()},
         # a boundary activation per rank: its CP / Ulysses tokens, and 1/tp of them under SP
         llm_activation_bytes=costs.llm_activation_bytes
@@ -1045,4 +1248,4 @@ def _pipeline(
         sim = simulate_disaggregated(schedule, encoder_inputs, costs, er)
     else:
         sim = simulate(schedule, _flow(L.placement, schedule, encoder_inputs, costs), costs)
-    return sim, tokens, enc_out, per, fwd_flops, er, packs
+    return sim, tokens, enc_out, per, fwd_flops, er, packs, given_mbs

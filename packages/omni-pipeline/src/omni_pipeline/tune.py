@@ -10,17 +10,32 @@ fit the layers and the microbatches are a multiple of its rounds ``max(1, m // p
 and less memory), CP (ring or all-gather) or Ulysses (1 .. 8), ``dp`` = what is left, ``ep`` (an MoE LLM
 only: powers of two dividing ``dp`` and the experts, up to ``max_ep``), ``llm_zero`` 0-3,
 ``encoder_zero`` 0 / 2 / 3 (with encoders; their state, gradient reduction and optimizer step sharded
-over every rank), recompute on / off, and a placement (``uniform_on_demand`` in the search;
-``isolated`` and ``planned`` for the best layouts). The global batch (packs per step, all replicas) is
-fixed, so each replica runs ``global_batch / dp`` microbatches. Fixed, not searched: ``llm_reshard =
-"auto"`` (ZeRO-3 re-gathers every block per microbatch at ``pp = 1``, holds the gathered stage through
-the step at ``pp > 1``; the step model times and sizes the policy it resolves to, and
-``omni_train.simulate.workload_config`` writes it explicitly), offload, and the reordering group
-(``reorder_group = 1``): the step model simulates one replica and takes every replica to be like it,
-so it prices the reordering all-to-all but not the imbalance between replicas that reordering across
-DP removes; a larger group could only lose in it (``benchmarks/paper_scale.py`` prices both by dealing
-several replicas' packs). ZeRO all-gathers are timed at bf16 bytes and reductions at float32
+over every rank), recompute off / whole blocks / one residual branch (``attention`` or ``mlp``:
+the trainer's ``train.recompute_modules``), and a placement (``uniform_on_demand`` in the search;
+``isolated`` and ``planned`` for the best layouts), and the reordering group across DP for the ``top``
+plans (below). The global batch (packs per step, all replicas) is fixed, so each replica runs
+``global_batch / dp`` microbatches. Fixed, not searched: ``llm_reshard = "auto"`` (ZeRO-3 re-gathers
+every block per microbatch at ``pp = 1``, holds the gathered stage through the step at ``pp > 1``; the
+step model times and sizes the policy it resolves to, and ``omni_train.simulate.workload_config`` writes
+it explicitly), offload. ZeRO all-gathers are timed at bf16 bytes and reductions at float32
 (:mod:`omni_pipeline.step_model`).
+
+Reordering group (``max_reorder_group > 1``; ``omni-train tune`` searches up to 16): the layout search
+predicts one DP replica and takes every replica to be like it (:func:`~omni_pipeline.step_model.predict_step`),
+which prices the reordering all-to-all but not the imbalance between replicas that reordering across DP
+removes, so there a larger group could only lose. After it, each of the ``top`` plans is priced over
+``min(dp, max_replicas)`` replicas drawing their own packs, for groups of 1, 2, 4, ... up to
+``max_reorder_group`` dividing ``dp`` (and accepted by ``check``): each group reorders its replicas'
+encoder samples per encoder microbatch as the trainer does (its own partition function; LLM tokens stay
+home), the step is the slowest replica's plus the all-to-all (:mod:`omni_pipeline.replica_balance`, which says what it assumes). Each plan becomes its
+fastest group (its ``tokens_per_s``, ``mfu`` and ``step_time_s`` from that pricing, ``layout.reorder_group``
+set; ``TuneResult.groups`` holds the whole curve; the memory verdict is the replica with the largest
+peak's, and a layout that runs out of memory at every group gives way to the next) and the plans are
+ranked again. Those figures are below
+the one-replica prediction even at ``g = 1`` (the slowest of several replicas, not the first one's step),
+so only the ``top`` plans are compared on them; a layout ranked below ``top`` by the one-replica
+prediction is not priced. With ``max_reorder_group = 1`` (the default of :func:`tune`) the group stays 1
+and the plans one-replica predictions.
 
 Memory: a plan fits when every pipeline rank's step peak (:func:`~omni_pipeline.step_model.rank_memory`'s
 ``total``: state + ZeRO-2/3's in-step whole gradients and ZeRO-3's gathered parameters + activations) is
@@ -46,7 +61,8 @@ gathering the stage once per step at ``pp > 1``) are listed simpler first: lower
 schedule), then in search order; so a search always ranks the same way.
 
 Time: ``omni-train tune --workload paper-vlm --gpus 512`` searches 5,832 layouts in about 30-50 s on a
-shared 2-core CPU (apps/omni-train/README.md, "Planning at scale").
+shared 2-core CPU (apps/omni-train/README.md, "Planning at scale"); the reordering group search adds
+``R`` pipeline simulations per group size and plan shape (``TuneResult.reorder_s``).
 """
 
 from __future__ import annotations
@@ -57,6 +73,7 @@ from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from omni_pipeline.cost import Network
+from omni_pipeline.replica_balance import MAX_REPLICAS, GroupPricing, group_sizes, price_group
 from omni_pipeline.step_model import (
     Device,
     Layout,
@@ -87,6 +104,10 @@ class TuneResult:
         global_batch: packs per step over all replicas.
         bounded: virtual-stage layouts not simulated: their step-time lower bound
             (:func:`~omni_pipeline.step_model.step_time_lower_bound`) could not beat the best plans.
+        groups: with ``max_reorder_group > 1``, per plan (in ``plans`` order) the reordering group sizes
+            priced over several DP replicas (:func:`omni_pipeline.replica_balance.price_group`), smallest
+            first (those ``check`` accepts); the plan is its fastest that fits. Empty otherwise.
+        reorder_s: seconds of that group search (part of ``wall_s``).
     """
 
     plans: list[StepPrediction]
@@ -98,6 +119,8 @@ class TuneResult:
     global_batch: int = 0
     bounded: int = 0
     refusals: dict[str, int] = field(default_factory=dict)
+    groups: list[list[GroupPricing]] = field(default_factory=list)
+    reorder_s: float = 0.0
 
 
 def _sibling_key(layout: Layout) -> Layout:
@@ -108,13 +131,17 @@ def _sibling_key(layout: Layout) -> Layout:
 
 def rank_plans(plans: Iterable[StepPrediction]) -> list[StepPrediction]:
     """``plans`` fastest first (predicted tokens/s); exactly equal predictions simpler first: lower
-    ``layout.llm_zero``, then lower ``layout.encoder_zero``, then fewer ``layout.virtual_stages``; plans
+    ``layout.llm_zero``, then lower ``layout.encoder_zero``, then fewer ``layout.virtual_stages``, then a
+    smaller ``layout.reorder_group``; plans
     equal in all of these keep their order in ``plans`` (a stable sort). :func:`tune` ranks with it.
     """
     return sorted(
         plans,
-        key=lambda p: (-p.tokens_per_s, p.layout.llm_zero, p.layout.encoder_zero, p.layout.virtual_stages),
-    )
+        key=lambda p: (
+            -p.tokens_per_s, p.layout.llm_zero, p.layout.encoder_zero, p.layout.virtual_stages,
+            p.layout.reorder_group,
+        ),
+    )  # fmt: skip
 
 
 def _divisors(n: int) -> list[int]:
@@ -172,14 +199,15 @@ def candidate_layouts(
                     v <= max_virtual and pp > 1 and pp * v <= llm.n_layers and m % max(1, m // pp) == 0)]  # fmt: skip
                 for ep, zero, v, ez in ((e, z, v, ez) for e in eps for z in (0, 1, 2, 3) for v in virtuals
                                         for ez in enc_zeros):  # fmt: skip
-                    for recompute in (False, True):
+                    # recompute: off, whole blocks, or one residual branch (train.recompute_modules)
+                    for recompute, mods in ((False, ()), (True, ()), (True, ("attention",)), (True, ("mlp",))):  # fmt: skip
                         for placement in placements:
                             yield (
                                 Layout(
                                     pp=pp, dp=dp, tp=tp, sequence_parallel=tp > 1,
                                     cp=n if kind == "cp" else 1, cp_attention=attn,
                                     ulysses=n if kind == "ulysses" else 1, llm_zero=zero,
-                                    recompute=recompute, placement=placement, ep=ep,
+                                    recompute=recompute, recompute_modules=mods, placement=placement, ep=ep,
                                     virtual_stages=v, encoder_zero=ez,
                                 ),
                                 m,
@@ -201,6 +229,8 @@ def tune(
     max_sp: int = 8,
     max_microbatches: int = 128,
     max_virtual: int = 4,
+    max_reorder_group: int = 1,
+    max_replicas: int = MAX_REPLICAS,
 ) -> TuneResult:
     """The ``top`` fastest layouts of ``gpus`` GPUs for ``workload`` that fit in memory.
 
@@ -217,6 +247,10 @@ def tune(
             shape (placement and recompute aside).
         exact_state: ``(layout, microbatches) -> {pp rank: {"llm": {kind: bytes}, "encoders": ...}}``
             for the best plans (see :func:`omni_pipeline.step_model.rank_memory`).
+        max_reorder_group: the largest reordering group searched for the ``top`` plans (1, 2, 4, ...
+            dividing ``dp`` and the simulated replicas; each also asked of ``check``); 1: not searched,
+            the plans stay one-replica predictions with ``reorder_group = 1`` (module docstring).
+        max_replicas: DP replicas simulated by that search (``min(dp, max_replicas)``).
 
     Returns:
         :class:`TuneResult`.
@@ -326,23 +360,45 @@ def tune(
                 scored.append(q)
     scored[:] = rank_plans(scored)
     listed: set[Layout] = set()  # one plan per layout: its fastest placement
+    t_groups = 0.0
+    rcache: dict = {}  # the group search's replicas, deals and pipelines, shared by the plans
     for p in scored:
         if len(res.plans) >= top:
             break
         shape = dataclasses.replace(p.layout, placement="uniform_on_demand")
         if shape in listed:
             continue
-        if exact_state is not None:
-            m = micro[p.layout]
+        m = micro[p.layout]
+        state = exact_state(p.layout, m) if exact_state is not None else None
+        if state is not None:
             p = predict_step(
                 workload, p.layout, device=device, network=network, microbatches=m, vocab=vocab,
-                state=exact_state(p.layout, m), cache=cache,
+                state=state, cache=cache,
             )  # fmt: skip
             if p.oom:
                 res.oom += 1
                 continue
+        if max_reorder_group > 1:
+            t1 = time.perf_counter()
+            curve = _group_curve(
+                workload, p.layout, m, device, network, state, check, vocab, max_reorder_group, max_replicas,
+                rcache,
+            )  # fmt: skip
+            t_groups += time.perf_counter() - t1
+            fits = [c for c in curve if not c.prediction.oom]
+            if not fits:  # a replica's draw runs out of memory at every group size
+                res.oom += 1
+                continue
+            p = max(fits, key=lambda c: (c.tokens_per_s, -c.group)).prediction
+            res.groups.append(curve)
         listed.add(shape)
         res.plans.append(p)
+    if res.groups:  # ranked again on the multi-replica pricing, each plan's curve kept beside it
+        order = rank_plans(res.plans)
+        at = {id(q): i for i, q in enumerate(res.plans)}
+        res.groups = [res.groups[at[id(q)]] for q in order]
+        res.plans = order
+    res.reorder_s = t_groups
     res.wall_s = time.perf_counter() - t0
     if not res.plans:
         raise ValueError(
@@ -350,3 +406,34 @@ def tune(
             f"({res.refusals}), {res.oom} out of {device.memory_bytes / 1e9:g} GB"
         )
     return res
+
+
+def _group_curve(
+    workload: Workload,
+    layout: Layout,
+    microbatches: int,
+    device: Device,
+    network: Network,
+    state: Mapping | None,
+    check: Callable[[Layout], str | None] | None,
+    vocab: int,
+    max_group: int,
+    max_replicas: int,
+    cache: dict,
+) -> list[GroupPricing]:
+    """``layout`` priced with reordering groups of 1, 2, 4, ... up to ``max_group`` dividing ``dp`` and
+    ``min(dp, max_replicas)`` simulated replicas (:func:`omni_pipeline.replica_balance.price_group`), a
+    group ``check`` refuses left out (e.g. the trainer's preflight: no reordering across DP with CP)."""
+    L = dataclasses.replace(layout, reorder_group=1)
+    R = min(L.dp, max_replicas)
+    curve = []
+    for g in (g for g in group_sizes(L.dp, R) if g <= max_group):
+        if g > 1 and check is not None and check(dataclasses.replace(L, reorder_group=g)) is not None:
+            continue
+        curve.append(
+            price_group(
+                workload, L, g, device=device, network=network, microbatches=microbatches, replicas=R,
+                vocab=vocab, state=state, cache=cache,
+            )
+        )  # fmt: skip
+    return curve
