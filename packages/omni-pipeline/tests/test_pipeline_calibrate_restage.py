@@ -18,8 +18,8 @@ from omni_pipeline.calibrate import (
     restage_cost_model,
 )
 from omni_pipeline.cost import CostModel
-from omni_pipeline.simulator import SimulationResult
-from omni_pipeline.trace import TimelineEvent
+from omni_pipeline.schedules import Schedule1F1B
+from omni_pipeline.simulator import simulate
 
 # the known per-layer model the synthetic records are drawn from (seconds, seconds/token, seconds/token^2)
 KNOWN = LayerCostModel(
@@ -90,25 +90,27 @@ def test_pp2_fit_restaged_to_pp4_is_the_known_model():
     assert len(staged.llm_forward_s) == 4
 
 
-def test_host_bound_of_four_ranks_on_two_cores():
-    ev = lambda r, a, k, t0, t1: TimelineEvent(r, a, k, t0, t1)  # noqa: E731
-    timelines = {  # 4 ranks, makespan 1.0 s, busy 0.5 + 0.75 + 0.75 + 1.0 = 3.0 s in 6 actions
-        0: [ev(0, "0F1", "F", 0.0, 0.5)],
-        1: [ev(1, "1F1", "F", 0.25, 0.5), ev(1, "1B1", "B", 0.5, 1.0)],
-        2: [ev(2, "2F1", "F", 0.0, 0.75)],
-        3: [ev(3, "3F1", "F", 0.0, 0.5), ev(3, "3B1", "B", 0.5, 1.0)],
-    }
-    res = SimulationResult(timelines, 1.0, {}, {}, 0.0, {}, step_time_s=1.1)
-    costs = CostModel(dispatch_s=0.01, step_overhead_s=0.1)
-    # max(1.0 + 0.1, (3.0 + 6 * 0.01) / 2)
-    assert host_step_s(res, costs, processes=4, cores=2) == pytest.approx(1.53)
-    # on 4 cores the busy bound (0.765 s) does not bind: the simulator's own step
-    assert host_step_s(res, costs, processes=4, cores=4) == pytest.approx(1.1)
-    # a core per rank (ranks 0 and 1 alone): the simulator's own step
-    two = SimulationResult({r: timelines[r] for r in (0, 1)}, 1.0, {}, {}, 0.0, {}, step_time_s=1.1)
-    assert host_step_s(two, costs, processes=2, cores=2) == pytest.approx(1.1)
+def test_processor_sharing_of_a_pipeline_on_too_few_cores():
+    """1F1B, pp=2, 2 microbatches, F = 1 s, B = 2 s, computed by hand.
+
+    A core per rank: the simulator's 9 s. One core for both ranks: r0 F1 alone [0, 1]; r0 F2 and r1 F1
+    share it [1, 3]; r1 B1 alone [3, 5]; r1 F2 and r0 B1 share [5, 7] (r0 B1 has 1 s left); r0 B1 and
+    r1 B2 share [7, 9]; r1 B2's last second alone [9, 10]; r0 B2 alone [10, 12]: 12 s (all 12 s of work
+    on one core, as it must be), plus the overhead both ranks run at once, stretched 2x."""
+    schedule = Schedule1F1B(2, 2)
+    costs = CostModel(llm_forward_s=1.0, llm_backward_s=2.0, step_overhead_s=0.1)
+    assert simulate(schedule, None, costs).step_time_s == pytest.approx(9.1)
+    assert host_step_s(schedule, None, costs, processes=2, cores=2) == pytest.approx(9.1)
+    assert host_step_s(schedule, None, costs, processes=2, cores=1) == pytest.approx(12.2)
+    # two DP replicas on 2 cores: each replica's pipeline gets one core's worth
+    assert host_step_s(schedule, None, costs, processes=4, cores=2) == pytest.approx(12.2)
+    # the dispatch gap is CPU work before every action but a rank's first: 3 gaps per rank
+    gaps = dataclasses.replace(costs, dispatch_s=0.5)
+    assert host_step_s(schedule, None, gaps, processes=2, cores=1) == pytest.approx(15.2)
     with pytest.raises(ValueError, match="cores > 0"):
-        host_step_s(res, costs, processes=4, cores=0)
+        host_step_s(schedule, None, costs, processes=2, cores=0)
+    with pytest.raises(ValueError, match="pipeline's 2 ranks"):
+        host_step_s(schedule, None, costs, processes=1, cores=1)
 
 
 def test_refusals_name_what_is_wrong():

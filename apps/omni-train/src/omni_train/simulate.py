@@ -435,7 +435,9 @@ def simulate_config(
             for name, flow in flows.items():
                 res = simulate(schedule, flow, costs)
                 if host_cores is not None:
-                    step_s = host_step_s(res, costs, cfg.parallel.world_size, host_cores)
+                    step_s = host_step_s(
+                        schedule, flow, costs, processes=cfg.parallel.world_size, cores=host_cores
+                    )
                     tokens = res.throughput_tokens_per_s * res.step_time_s
                     res = dataclasses.replace(
                         res, step_time_s=step_s, throughput_tokens_per_s=tokens / step_s

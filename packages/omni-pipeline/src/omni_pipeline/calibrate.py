@@ -24,8 +24,8 @@ records of every stage are fitted jointly to one stage-independent model, a deco
 last stage (and the embedding, a given share of a block, on the first), then re-staged onto another layer
 split; encoder, P2P and dispatch terms carry over (same machine, same models); the time outside the
 pipeline is scaled by the largest parameter count a rank holds (the optimizer's and the gradient
-clipping's work, :func:`restage_cost_model`). :func:`host_step_s` bounds a simulated step by the busy
-seconds of all ranks over the cores they share (more processes than cores on one host, e.g. CPU ranks).
+clipping's work, :func:`restage_cost_model`). :func:`host_step_s` simulates a step again with the ranks
+sharing a host's cores (more processes than cores on one host, e.g. CPU ranks).
 """
 
 from __future__ import annotations
@@ -40,9 +40,12 @@ from pathlib import Path
 
 import torch
 
+from omni_pipeline.actions import Action
 from omni_pipeline.cost import CostModel, TokenCost, cost_key
+from omni_pipeline.dataflow import DataFlow
+from omni_pipeline.graph import execution_order, llm_encoder_deps
 from omni_pipeline.records import ActionRecord, RunRecords, read_records
-from omni_pipeline.simulator import SimulationResult
+from omni_pipeline.schedules import Schedule
 from omni_pipeline.split import LLMShape, layer_costs
 from omni_pipeline.stage_balance import fit_layer_costs
 
@@ -485,34 +488,77 @@ def restage_cost_model(
     )
 
 
-def host_step_s(result: SimulationResult, costs: CostModel, processes: int, cores: float) -> float:
-    """A simulated step's wall seconds when ``processes`` ranks share ``cores`` cores of one host.
+def host_step_s(
+    schedule: Schedule, flow: DataFlow | None, costs: CostModel, *, processes: int, cores: float
+) -> float:
+    """A step's wall seconds when ``processes`` ranks share ``cores`` cores of one host (CPU runs).
 
-    The simulator gives every rank a processor of its own; sharing fewer, a step lasts at least the
-    compute of all ranks over the cores::
+    The simulator (:func:`~omni_pipeline.simulator.simulate`) gives every rank a processor of its own.
+    Here the step is simulated again under processor sharing (the kernel's fair scheduler in its
+    simplest form): an action is CPU work of ``costs.duration`` plus the dispatch gap before it
+    (``costs.dispatch_s``, Python work); while ``n`` of the pipeline's ranks compute, each progresses at
+    ``min(1, c / n)`` seconds of work per second, ``c = cores * ranks / processes`` (the other DP
+    replicas' and CP ranks' processes on the host take their share of the cores); transfers take wall
+    time and no core. The time outside the pipeline (``costs.step_overhead_s``: optimizer, gradient
+    collectives, metrics) runs on every process at once, so it is stretched by ``max(1, processes /
+    cores)``. With as many cores as processes this is the simulator's own step.
 
-        max(step_time_s, busy / cores)    # step_time_s = makespan + step_overhead_s
-
-    ``busy``: every action's compute seconds on every rank plus ``costs.dispatch_s`` per action (Python
-    work between actions). The time outside the pipeline is not counted in ``busy``: it is the slowest
-    rank's (waits on the gradient collectives included), and the other ranks' share of it runs while that
-    rank still computes. Equals ``result.step_time_s`` when ``processes <= cores`` (no rank computes longer
-    than the makespan). A bound, not processor sharing: ranks runnable together beyond the cores in one
-    part of the step and idle in another are not stretched (exact when the cores stay busy throughout,
-    as in a pipeline of more ranks than cores whose bubbles absorb the excess).
+    What it leaves out: work the records do not see (the loader's background decode threads, gloo's
+    threads), which runs in idle time when cores are spare and competes when they are not.
 
     Args:
-        result: :func:`~omni_pipeline.simulator.simulate`'s, of ``costs``.
-        processes: ranks on the host (the world size of one host); cores: cores they share (a machine
-            parameter, e.g. ``os.cpu_count()``; never fitted).
+        schedule, flow: as for :func:`~omni_pipeline.simulator.simulate`.
+        costs: the step's cost model (e.g. :func:`~omni_pipeline.step_costs.calibrated_step_costs`).
+        processes: ranks on the host (the run's world size on one host); cores: cores they share (a
+            machine parameter, e.g. ``os.cpu_count()``; never fitted).
 
     Raises:
-        ValueError: ``processes < 1`` or ``cores <= 0``.
+        ValueError: ``processes`` smaller than the pipeline's ranks, or ``cores <= 0``.
+        Deadlock: the programs cannot run.
     """
-    if processes < 1 or not cores > 0:
-        raise ValueError(f"host_step_s: need processes >= 1 and cores > 0, got {processes} and {cores}")
-    if processes <= cores:
-        return result.step_time_s
-    events = [e for evs in result.timelines.values() for e in evs]
-    busy = sum(e.end_s - e.start_s for e in events) + costs.dispatch_s * len(events)
-    return max(result.step_time_s, busy / cores)
+    programs = flow.programs(schedule) if flow is not None else schedule.programs()
+    if processes < len(programs) or not cores > 0:
+        raise ValueError(
+            f"host_step_s: need processes >= the pipeline's {len(programs)} ranks and cores > 0, got "
+            f"{processes} and {cores}"
+        )
+    share = cores * len(programs) / processes  # cores this replica's pipeline ranks get
+    consumer = flow.encoder_consumer if flow is not None else {}
+    deps = llm_encoder_deps(schedule.num_stages, consumer)
+    execution_order(programs, deps)  # a Deadlock names the blocked ranks before the loop below starts
+    rank_of = {a: r for r, prog in programs.items() for a in prog}
+    pos = dict.fromkeys(programs, 0)
+    free = dict.fromkeys(programs, 0.0)
+    end: dict[Action, float] = {}
+    running: dict[int, list] = {}  # rank -> [action, CPU seconds left]
+    total, t = sum(len(p) for p in programs.values()), 0.0
+    while len(end) < total:
+        next_ready = math.inf
+        for r, prog in programs.items():
+            if r in running or pos[r] >= len(prog):
+                continue
+            a, ready = prog[pos[r]], free[r]
+            ds = deps(a)
+            if any(d not in end for d in ds):
+                continue
+            for d in ds:
+                arrive = end[d]
+                if rank_of[d] != r:
+                    arrive += costs.transfer_s(costs.message_bytes(d, a))
+                ready = max(ready, arrive)
+            if ready <= t:
+                running[r] = [a, costs.duration(a) + (costs.dispatch_s if pos[r] else 0.0)]
+            else:
+                next_ready = min(next_ready, ready)
+        if not running:
+            t = next_ready
+            continue
+        rate = min(1.0, share / len(running))
+        dt = min(min(left for _, left in running.values()) / rate, next_ready - t)
+        t += dt
+        for r in list(running):
+            running[r][1] -= dt * rate
+            if running[r][1] <= 1e-12:
+                end[running.pop(r)[0]] = free[r] = t
+                pos[r] += 1
+    return t + costs.step_overhead_s * max(1.0, processes / cores)
