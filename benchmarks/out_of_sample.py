@@ -15,8 +15,9 @@ the predicted run gives only its config (hence its packs: the data stream is det
 (``dataflow.json`` or per-step flow records) and its measured step times (``metrics.jsonl``) for the
 comparison (:func:`omni_train.simulate.simulate_config` with ``measured=``). A pipeline of another layout
 is re-staged (:func:`omni_pipeline.calibrate.restage_cost_model`); the host is modelled by its core count
-(``--cores``, default ``os.cpu_count()``: ranks share that many cores, so a step lasts at least the
-busy seconds of all ranks over the cores), a machine parameter, never fitted.
+(``--cores``, default ``os.cpu_count()``: the ranks share that many cores, and the step is simulated
+again under processor sharing, :func:`omni_pipeline.calibrate.host_step_s`), a machine parameter, never
+fitted.
 
 The machine's run-to-run noise (a run of the same config measured 10-15 % apart from the next on
 the 2-core machine) is as large as the target, so every pair is repeated (``--repeats``, fresh runs
@@ -36,8 +37,10 @@ import argparse
 import dataclasses
 import json
 import os
+import subprocess
 import tempfile
 import time
+from datetime import UTC, datetime
 from pathlib import Path
 
 from omni_parallel.testing import run_world
@@ -105,6 +108,18 @@ def pairs(steps: int) -> dict[str, tuple[tuple[str, RunConfig], tuple[str, RunCo
             ("omni-long 16K packs", _long(steps, 16384)),
         ),
     }
+
+
+def _commit() -> str:
+    """The checkout's commit (``git rev-parse --short HEAD``), ``"unknown"`` outside a git checkout."""
+    try:
+        out = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True,
+            cwd=Path(__file__).resolve().parent,
+        )  # fmt: skip
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+    return out.stdout.strip()
 
 
 def _run(cfg: RunConfig, out: Path) -> float:
@@ -226,6 +241,8 @@ def main() -> None:
                 "steps": args.steps,
                 "warmup": args.warmup,
                 "host_cores": args.cores,
+                "date": datetime.now(UTC).strftime("%Y-%m-%d"),
+                "commit": _commit(),
                 "repeats": args.repeats,
                 "total_s": total,
                 "summary": summary,

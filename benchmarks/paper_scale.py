@@ -55,7 +55,7 @@ Assumptions (every one ours unless cited; the workloads' own are in their files,
   :func:`omni_pipeline.step_model.step_collectives` over ``g`` replicas:
   :func:`omni_pipeline.replica_balance.price_group`, which ``omni-train tune`` searches with.
 
-Run: ``uv run python benchmarks/paper_scale.py`` (about three minutes on 2 cores); writes
+Run: ``uv run python benchmarks/paper_scale.py`` (about two minutes on 2 cores); writes
 ``benchmarks/results/paper_scale.json``. ``--zero-with-tp``: only :func:`zero_with_tp` (the what-if of LLM
 ZeRO with TP), writing ``benchmarks/results/paper_scale_zero_tp.json``.
 """
@@ -324,7 +324,8 @@ def zero_with_tp(gpus: int = 512) -> dict:
     """What-if (``--zero-with-tp``): the tuned plans at 1:9, 5:5, 9:1 if the trainer accepted LLM ZeRO with
     TP (FSDP2 over a 2-D data x tp mesh; its preflight refuses it today): the same search as
     :func:`best_plans`, the preflight asked about each layout at ``llm_zero = 0`` when ``tp > 1``. Writes
-    ``benchmarks/results/paper_scale_zero_tp.json``."""
+    ``benchmarks/results/paper_scale_zero_tp.json``, with the run's ``date``, ``commit`` and ``wall_s``."""
+    t0 = time.perf_counter()
     out = {}
     for mix in ((1, 9), (5, 5), (9, 1)):
         w = vlm(*mix)
@@ -340,8 +341,19 @@ def zero_with_tp(gpus: int = 512) -> dict:
         out[":".join(map(str, mix))] = r
         print(f"  {mix} {r['tokens_per_s'] / 1e6:.2f} [{r['bound']:.3f}] {r['layout']}")
         print("        " + ", ".join(f"{k} {v:.3f}" for k, v in r["breakdown"].items() if abs(v) > 5e-4))
-    (OUT.parent / "paper_scale_zero_tp.json").write_text(json.dumps(out, indent=2))
+    res = {"date": datetime.now(UTC).strftime("%Y-%m-%d"), "commit": _commit()} | out
+    res["wall_s"] = time.perf_counter() - t0
+    (OUT.parent / "paper_scale_zero_tp.json").write_text(json.dumps(res, indent=2))
     return out
+
+
+def _commit() -> str:
+    """The short hash of ``HEAD`` (``unknown`` outside git)."""
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
+                              text=True, check=True).stdout.strip()  # fmt: skip
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
 
 
 def main() -> None:
@@ -367,14 +379,9 @@ def main() -> None:
     for mix in ((1, 1, 8), (4, 4, 2)):
         w = omni(*mix)
         alpa17[":".join(map(str, mix))] = alpa(w, 256, w.microbatches * 256 // 16, layout_check(w))[1]
-    try:
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
-                                text=True, check=True).stdout.strip()  # fmt: skip
-    except (OSError, subprocess.CalledProcessError):
-        commit = "unknown"
     res = {
         "date": datetime.now(UTC).strftime("%Y-%m-%d"),
-        "commit": commit,
+        "commit": _commit(),
         "device": dataclasses.asdict(DEVICE),
         "network": dataclasses.asdict(NETWORK),
         "layout": dataclasses.asdict(layout(256)),

@@ -1,6 +1,7 @@
 """GroupedReorderer on gloo (2 and 4 ranks): bit-exact round trip vs a single-process float64 reference,
 gradients included; 1 sample vs 0 samples; plan hash mismatch raises on every rank; the plan equals
-``reorder_destinations`` of the same costs (the partition ``omni_pipeline.replica_balance`` prices with)."""
+``reorder_destinations`` of the same costs (the partition ``omni_pipeline.replica_balance`` prices with);
+``reorder_destinations`` against hand-worked destinations."""
 
 import random
 
@@ -141,3 +142,33 @@ def test_reorder_two_ranks_round_trip_mismatch_and_shape_errors():
 def test_reorder_four_ranks_round_trip():
     cases = [[3, 0, 5, 1], [1, 0, 0, 0], [6, 6, 6, 6]]
     _check(run_world(_world, 4, args=(cases,), timeout_s=120), 4, cases)
+
+
+def test_reorder_destinations_hand_worked():
+    """``reorder_destinations`` against destinations worked out by hand from its rule, not from the code:
+    Karmarkar-Karp parts (parts by descending load, ties by smallest index), each part in that order to the
+    free rank holding most of its cost, ties to the lowest rank."""
+    # [5, 1] | [4, 4]: differencing 5, 4, 4, 1 -> {4, 4} (8) vs {5, 1} (6); {4, 4} is all on rank 1 and
+    # {5, 1} all on rank 0: nothing moves
+    assert reorder_destinations([[5, 1], [4, 4]]) == [[0, 0], [1, 1]]
+    # [2, 3] | [2]: differencing 3, 2, 2 -> {2, 2} (4) vs {3} (3); the heavier part holds 2 on each rank:
+    # a tie, so rank 0 takes it (rank 1's sample comes over) and the 3 goes to the free rank 1
+    assert reorder_destinations([[2, 3], [2]]) == [[0, 1], [0]]
+    # [1, 5] | [] | [3]: three samples over three ranks, one per part; 5 stays on rank 0, 3 on rank 2, and
+    # the 1, whose holder (rank 0) is taken, goes to the one free rank, the empty rank 1
+    assert reorder_destinations([[1, 5], [], [3]]) == [[1, 0], [], [2]]
+    # every sample gets one destination in the group; the loads per destination are the parts' loads
+    rng = random.Random(3)
+    for size in (1, 2, 3, 4, 8):
+        for _ in range(20):
+            costs = [[rng.randint(0, 50) for _ in range(rng.randint(0, 5))] for _ in range(size)]
+            dest = reorder_destinations(costs)
+            assert [len(d) for d in dest] == [len(c) for c in costs]
+            assert all(0 <= d < size for row in dest for d in row)
+            loads = [0] * size
+            for r, row in enumerate(dest):
+                for i, d in enumerate(row):
+                    loads[d] += costs[r][i]
+            flat = [c for row in costs for c in row]
+            parts = karmarkar_karp([float(c) for c in flat], size)
+            assert sorted(loads) == sorted(sum(flat[i] for i in part) for part in parts)

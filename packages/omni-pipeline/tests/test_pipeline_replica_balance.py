@@ -182,6 +182,10 @@ def test_pooling_unequal_replicas_wins_when_the_all_to_all_is_cheap_and_loses_wh
 
 
 def test_tune_picks_the_group_the_pricing_favours():
+    """The oracle is the UNEQUAL workload's known outcome: at a fast all-to-all ``tune`` must list a group
+    larger than 1, above its group 1; at 1 MB/s (``SLOW``) no group may win. That the listed plan's tokens/s
+    equal ``price_group`` of its group (``again``) is only a consistency check (``tune`` reports the
+    package's own pricing), not an oracle."""
     fast = tune(UNEQUAL, 4, network=FAST, global_batch=8, top=2, max_virtual=1, max_reorder_group=4)
     best = fast.plans[0]
     assert best.layout.reorder_group > 1, best.layout

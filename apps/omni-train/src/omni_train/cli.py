@@ -136,13 +136,13 @@ def build_parser() -> argparse.ArgumentParser:
         "--skip-steps",
         type=int,
         default=None,
-        help="--calibration: warm-up steps left out of the fit (and, with --measured, the prediction); default 1",
+        help="--calibration: the first recorded steps left out of the fit (and, with --measured, the prediction) as warm-up; default 1 when more than one step is recorded",
     )
     sim.add_argument(
         "--host-cores",
         type=float,
         default=None,
-        help="--calibration: the ranks share this many cores of one host (CPU runs); default a core per rank",
+        help="--calibration: the run's parallel.world_size processes share this many cores of one host (CPU runs; the step simulated again under processor sharing); default a core per rank",
     )
     sim.add_argument(
         "--workload",
@@ -167,11 +167,14 @@ def build_parser() -> argparse.ArgumentParser:
     _layout_args(sim)
     _device_args(sim)
 
-    tun = sub.add_parser(
-        "tune",
-        help="search pp, dp, llm_zero, tp(+SP), cp / ulysses, ep (MoE), recompute and placement for a workload on N GPUs; "
-        "print the fastest plans that fit in memory",
+    tune_help = (
+        "search pp (with 1, 2 or 4 virtual stages), dp, tp(+SP), cp / ulysses, ep (MoE), llm_zero, encoder_zero, "
+        "recompute (off, whole blocks, or selective: the attention or the MLP branch) and placement for a "
+        "workload on N GPUs, then the reordering group across DP of the top plans (groups up to 16, priced "
+        "over up to 16 replicas drawing their own packs; fixed, no flag); print the fastest plans that fit "
+        "in memory"
     )
+    tun = sub.add_parser("tune", help=tune_help, description=tune_help)
     tun.add_argument(
         "--workload", default="paper-vlm", help="a workload TOML or bundled name (paper-vlm, paper-omni)"
     )

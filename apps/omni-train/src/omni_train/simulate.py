@@ -66,15 +66,24 @@ from omni_pipeline import (
     simulate,
     simulate_disaggregated,
 )
-from omni_pipeline.calibrate import host_step_s
+from omni_pipeline.calibrate import fit_layer_model, host_step_s, restage_cost_model
 from omni_pipeline.cost import CostModel, Network
 from omni_pipeline.records import RunRecords, read_records
-from omni_pipeline.step_model import PLACEMENTS, Device, Layout, StepPrediction, predict_step
+from omni_pipeline.split import layer_costs
+from omni_pipeline.step_model import (
+    PLACEMENTS,
+    Device,
+    Layout,
+    StepPrediction,
+    llm_stage_params,
+    predict_step,
+)
 from omni_pipeline.tune import tune
+from omni_train.binder import config_from_dict
 from omni_train.config import ConfigError, RunConfig
 from omni_train.data_files import load_tokenizer
 from omni_train.data_pipeline import build_step_stream
-from omni_train.pipeline import config_scale, image_merge, llm_shape
+from omni_train.pipeline import config_scale, image_merge, llm_shape, stage_split
 
 __all__ = [
     "WORKLOAD_ROWS",
@@ -197,8 +206,6 @@ def _rank_params(cfg: RunConfig, split: list[range], vocab: int) -> float:
     """The largest parameter count one pipeline rank holds: its LLM stage
     (:func:`omni_pipeline.step_model.llm_stage_params`) plus the encoder towers (blocks' matmuls and
     norms), held by every rank unless the placement prepends them to stage 0."""
-    from omni_pipeline.step_model import llm_stage_params
-
     ms = config_scale(cfg)
     shape = llm_shape(cfg.model.llm).blocks
     towers = sum(ms.encoder_params.values())
@@ -226,11 +233,6 @@ def _out_of_sample_fit(
         ConfigError: no readable ``config.json`` or records in ``fit_dir``, or runs that differ in a field
             of :data:`_SAME_FOR_A_FIT` (named), or a fit of one stage to re-stage.
     """
-    from omni_pipeline.calibrate import fit_layer_model, restage_cost_model
-    from omni_pipeline.split import layer_costs
-    from omni_train.binder import config_from_dict
-    from omni_train.pipeline import stage_split
-
     where = f"--calibration: {fit_dir}"
     try:
         fit_cfg = config_from_dict(json.loads((fit_dir / "config.json").read_text()))
@@ -342,8 +344,8 @@ def simulate_config(
         if (pp, gpus, microbatches) != (None, None, None):
             raise ConfigError("--measured: the measured run gives --pp, --gpus and --microbatches; drop them")
         recorded = _recorded_steps(measured)
-        warmup = skip_steps if skip_steps is not None else 1  # as the fit's default
-        kept = [s for s in recorded if s >= warmup]
+        warmup = skip_steps if skip_steps is not None else (1 if len(recorded) > 1 else 0)  # as the fit's
+        kept = recorded[warmup:]  # by position, as the fit skips: a resumed run's steps start past 0
         if not kept:
             raise ConfigError(
                 f"--measured: {measured / 'metrics.jsonl'} holds no step after the {warmup} warm-up steps "

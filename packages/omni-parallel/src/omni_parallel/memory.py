@@ -299,6 +299,7 @@ def planned_fsdp_bytes(
     Raises:
         ValueError: ``world`` < 1, ``rank`` outside ``[0, world)``, or a 0-dim parameter (FSDP2 shards
             dim 0; names the parameter).
+        TypeError: ``optimizer`` is not Adam / AdamW (another optimizer's state is not modelled).
     """
     if isinstance(world, bool) or not isinstance(world, int) or world < 1:
         raise ValueError(f"planned_fsdp_bytes: world must be an int >= 1, got {world!r}")

@@ -98,28 +98,28 @@ that a fit on nearly equal sizes (e.g. packs filled to one length) extrapolates 
 staying flat."""
 
 
-def _first_calls(actions: Sequence[ActionRecord]) -> set[tuple[int, int, str, int]]:
-    """``(step, rank, kind, microbatch)`` of each rank's first action of each kind, stage and module in
+def _first_calls(actions: Sequence[ActionRecord]) -> set[tuple[int, int, str, int | None, int]]:
+    """``(step, rank, kind, stage, microbatch)`` of each rank's first action of each kind, stage and module in
     ``actions``: one-time costs (lazy initialisation, the allocator's first growth) land there, whatever
     the step (a tower first run after the warm-up steps, e.g. a rare modality)."""
     seen: set[tuple[int, str, int | None, str]] = set()
-    first: set[tuple[int, int, str, int]] = set()
+    first: set[tuple[int, int, str, int | None, int]] = set()
     for a in sorted(actions, key=lambda a: (a.step, a.start_s)):
         for m, n in a.tokens.items():
             key = (a.rank, a.kind, a.stage, m)
             if n > 0 and key not in seen:
                 seen.add(key)
-                first.add((a.step, a.rank, a.kind, a.microbatch))
+                first.add((a.step, a.rank, a.kind, a.stage, a.microbatch))
     return first
 
 
 def _fit_actions(
-    actions: Sequence[ActionRecord], first_calls: set[tuple[int, int, str, int]] | None = None
+    actions: Sequence[ActionRecord], first_calls: set[tuple[int, int, str, int | None, int]] | None = None
 ) -> dict[str, TokenCost]:
     groups: dict[tuple[str, int | None], list[ActionRecord]] = defaultdict(list)
     dropped: dict[tuple[str, int | None], list[ActionRecord]] = defaultdict(list)
     for r in actions:
-        first = first_calls and (r.step, r.rank, r.kind, r.microbatch) in first_calls
+        first = first_calls and (r.step, r.rank, r.kind, r.stage, r.microbatch) in first_calls
         (dropped if first else groups)[(r.kind, r.stage)].append(r)
     for key, recs in dropped.items():  # a module seen only in first calls: fit those rather than nothing
         kept = {m for r in groups.get(key, []) for m, n in r.tokens.items() if n > 0}
@@ -157,9 +157,9 @@ def fit_cost_model(records: RunRecords, *, skip_steps: int = 0, drop_first_calls
     Args:
         records: from :func:`omni_pipeline.records.read_records`.
         skip_steps: ignore the first ``skip_steps`` recorded steps (warm-up: allocator, caches).
-        drop_first_calls: also leave out each rank's first action of each kind, stage and module after
-            the skipped steps (one-time costs of a tower first run late, e.g. the rare modality of a
-            mixture), unless a module has no other record there.
+        drop_first_calls: also leave out each rank's first action of each kind, stage and module in the
+            whole run (one-time costs of a tower first run late, e.g. the rare modality of a mixture; one
+            that fell in the skipped steps is gone already), unless a module has no other record left.
 
     Returns:
         a model with ``coefficients`` (use :meth:`CostModel.for_step` for a step's durations),
@@ -495,8 +495,10 @@ def host_step_s(
 
     The simulator (:func:`~omni_pipeline.simulator.simulate`) gives every rank a processor of its own.
     Here the step is simulated again under processor sharing (the kernel's fair scheduler in its
-    simplest form): an action is CPU work of ``costs.duration`` plus the dispatch gap before it
-    (``costs.dispatch_s``, Python work); while ``n`` of the pipeline's ranks compute, each progresses at
+    simplest form): an action is CPU work of ``costs.duration``; after each action but a rank's last, the
+    rank does ``costs.dispatch_s`` of CPU work (Python work posting the next action) while it may still wait
+    for the next action's inputs, as the simulator overlaps the gap with the wait; while ``n`` of the
+    pipeline's ranks compute (an action or a dispatch gap), each progresses at
     ``min(1, c / n)`` seconds of work per second, ``c = cores * ranks / processes`` (the other DP
     replicas' and CP ranks' processes on the host take their share of the cores); transfers take wall
     time and no core. The time outside the pipeline (``costs.step_overhead_s``: optimizer, gradient
@@ -528,9 +530,9 @@ def host_step_s(
     execution_order(programs, deps)  # a Deadlock names the blocked ranks before the loop below starts
     rank_of = {a: r for r, prog in programs.items() for a in prog}
     pos = dict.fromkeys(programs, 0)
-    free = dict.fromkeys(programs, 0.0)
+    free = dict.fromkeys(programs, 0.0)  # when the rank may start its next action (its dispatch done)
     end: dict[Action, float] = {}
-    running: dict[int, list] = {}  # rank -> [action, CPU seconds left]
+    running: dict[int, list] = {}  # rank -> [action, or None for a dispatch gap; CPU seconds left]
     total, t = sum(len(p) for p in programs.values()), 0.0
     while len(end) < total:
         next_ready = math.inf
@@ -547,7 +549,7 @@ def host_step_s(
                     arrive += costs.transfer_s(costs.message_bytes(d, a))
                 ready = max(ready, arrive)
             if ready <= t:
-                running[r] = [a, costs.duration(a) + (costs.dispatch_s if pos[r] else 0.0)]
+                running[r] = [a, costs.duration(a)]
             else:
                 next_ready = min(next_ready, ready)
         if not running:
@@ -558,7 +560,14 @@ def host_step_s(
         t += dt
         for r in list(running):
             running[r][1] -= dt * rate
-            if running[r][1] <= 1e-12:
-                end[running.pop(r)[0]] = free[r] = t
-                pos[r] += 1
+            if running[r][1] > 1e-12:
+                continue
+            a = running.pop(r)[0]
+            free[r] = t
+            if a is None:  # the dispatch gap done: the rank may start its next action
+                continue
+            end[a] = t
+            pos[r] += 1
+            if pos[r] < len(programs[r]) and costs.dispatch_s > 0:
+                running[r] = [None, costs.dispatch_s]
     return t + costs.step_overhead_s * max(1.0, processes / cores)

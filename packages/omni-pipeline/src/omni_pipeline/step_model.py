@@ -357,7 +357,8 @@ def encoder_aware_stage_layers(n_layers: int, stages: int, encoder_s: float, lay
     minimises the other stages' maximum.
 
     Raises:
-        ValueError: fewer layers than stages, or a negative or non-finite ``encoder_s`` / ``layer_s``.
+        ValueError: ``stages`` < 1, fewer layers than stages, or a negative or non-finite ``encoder_s`` /
+            ``layer_s``.
     """
     if stages < 1 or n_layers < stages:
         raise ValueError(f"encoder_aware_stage_layers: {n_layers} layers cannot fill {stages} stages")

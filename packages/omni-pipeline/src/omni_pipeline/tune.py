@@ -34,8 +34,12 @@ peak's, and a layout that runs out of memory at every group gives way to the nex
 ranked again. Those figures are below
 the one-replica prediction even at ``g = 1`` (the slowest of several replicas, not the first one's step),
 so only the ``top`` plans are compared on them; a layout ranked below ``top`` by the one-replica
-prediction is not priced. With ``max_reorder_group = 1`` (the default of :func:`tune`) the group stays 1
-and the plans one-replica predictions.
+prediction is not priced. A bias of that ranking, not corrected: a plan with ``dp < max_replicas`` is
+priced over fewer replicas' draws, the slowest of fewer draws, which favours it when the plans are ranked
+again against those priced over ``max_replicas`` draws (the cap is the bias: a plan with
+``dp > max_replicas`` really waits for the slowest of all its ``dp`` replicas, which ``max_replicas``
+draws understate). With ``max_reorder_group = 1`` (the default of :func:`tune`) the group stays 1 and the
+plans one-replica predictions.
 
 Memory: a plan fits when every pipeline rank's step peak (:func:`~omni_pipeline.step_model.rank_memory`'s
 ``total``: state + ZeRO-2/3's in-step whole gradients and ZeRO-3's gathered parameters + activations) is
