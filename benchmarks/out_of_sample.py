@@ -244,6 +244,8 @@ def main() -> None:
                 "date": datetime.now(UTC).strftime("%Y-%m-%d"),
                 "commit": _commit(),
                 "repeats": args.repeats,
+                # --reuse: the runs were trained earlier (their train_s 0 here), only predicted again now
+                "runs_reused": bool(args.reuse),
                 "total_s": total,
                 "summary": summary,
                 "rows": rows,
