@@ -37,11 +37,12 @@ import argparse
 import dataclasses
 import json
 import os
-import subprocess
 import tempfile
 import time
 from datetime import UTC, datetime
 from pathlib import Path
+
+from paper_scale import _commit  # the same git lookup (benchmarks/ is on the path of a script run)
 
 from omni_parallel.testing import run_world
 from omni_train.binder import load_config
@@ -108,18 +109,6 @@ def pairs(steps: int) -> dict[str, tuple[tuple[str, RunConfig], tuple[str, RunCo
             ("omni-long 16K packs", _long(steps, 16384)),
         ),
     }
-
-
-def _commit() -> str:
-    """The checkout's commit (``git rev-parse --short HEAD``), ``"unknown"`` outside a git checkout."""
-    try:
-        out = subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True,
-            cwd=Path(__file__).resolve().parent,
-        )  # fmt: skip
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
-    return out.stdout.strip()
 
 
 def _run(cfg: RunConfig, out: Path) -> float:

@@ -123,7 +123,13 @@ from omni_pipeline.cost import (
 from omni_pipeline.placement import encoder_ranks_for, simulate_disaggregated
 from omni_pipeline.schedules import Schedule, Schedule1F1B, ScheduleInterleaved1F1B
 from omni_pipeline.simulator import SimulationResult, simulate
-from omni_pipeline.step_costs import modelled_step_costs, sample_encoder_flops
+from omni_pipeline.step_costs import (
+    encoder_documents,
+    encoder_tower,
+    modelled_step_costs,
+    sample_encoder_flops,
+    sample_frames,
+)
 from omni_pipeline.workload import MoEShape, Workload
 
 __all__ = [
@@ -914,8 +920,6 @@ def _encoder_recompute(
         return {}, {}
     if not layout.recompute_modules:
         return dict.fromkeys(mbs, 1.0), {}
-    from omni_pipeline.step_costs import encoder_documents, encoder_tower, sample_frames
-
     ms = workload.model
     redo: dict[int, float] = {}
     kept: dict[int, float] = {}
