@@ -17,7 +17,8 @@ comparison (:func:`omni_train.simulate.simulate_config` with ``measured=``). A p
 is re-staged (:func:`omni_pipeline.calibrate.restage_cost_model`); the host is modelled by its core count
 (``--cores``, default ``os.cpu_count()``: the ranks share that many cores, and the step is simulated
 again under processor sharing, :func:`omni_pipeline.calibrate.host_step_s`), a machine parameter, never
-fitted.
+fitted; each process's CPU beside its recorded actions (fitted from the fit run's step records' ``cpu_s``
+and ``pipeline_cpu_s``, :func:`omni_pipeline.calibrate.fit_process_cpu`) competes for those cores.
 
 The machine's run-to-run noise (a run of the same config measured 10-15 % apart from the next on
 the 2-core machine) is as large as the target, so every pair is repeated (``--repeats``, fresh runs
@@ -150,6 +151,8 @@ def _one(pair: str, rep: int, root: Path, args: argparse.Namespace) -> dict:
         "host_cores": args.cores,
         "layers_per_stage": [res.get("fit_layers_per_stage"), res.get("layers_per_stage")],
         "restaged": res.get("restaged"),
+        # the fit run's per-process CPU beside its actions (None: its records carry no CPU seconds)
+        "process_cpu": res.get("process_cpu"),
         "train_s": train_s,
     }
 

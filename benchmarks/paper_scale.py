@@ -35,8 +35,9 @@ Assumptions (every one ours unless cited; the workloads' own are in their files,
 * Tuned plans of ours at 512 GPUs (1:9, 5:5, 9:1): :func:`omni_pipeline.tune.tune` with the trainer's
   preflight as its check (``omni_train.simulate.layout_check``), virtual stages, encoder ZeRO and
   selective recompute (``train.recompute_modules``) searched, ``max_sp = 4``, at the same global batch;
-  and ours (the best of our placements) on Alpa's layout and uneven split (``ours_on_alpa_split``: a
-  split ``tune`` does not search). Each with :func:`breakdown` (where the step goes, shares of it).
+  uneven ``stage_layers`` searched for 1F1B layouts under ``uniform_on_demand`` only
+  (``split_placements``: ``tune`` would also try ``prepend_first_stage``, Megatron's placement, not ours);
+  and ours (the best of our placements) on Alpa's layout and uneven split (``ours_on_alpa_split``). Each with :func:`breakdown` (where the step goes, shares of it).
 * Compute bound: the step's model FLOPs (3 x forward, no recompute) at ``peak x efficiency`` on every GPU
   with no bubble, no collective and no recompute; ``bound`` = that time / the predicted step time
   (= MFU / efficiency).
@@ -56,8 +57,7 @@ Assumptions (every one ours unless cited; the workloads' own are in their files,
   :func:`omni_pipeline.replica_balance.price_group`, which ``omni-train tune`` searches with.
 
 Run: ``uv run python benchmarks/paper_scale.py`` (about two minutes on 2 cores); writes
-``benchmarks/results/paper_scale.json``. ``--zero-with-tp``: only :func:`zero_with_tp` (the what-if of LLM
-ZeRO with TP), writing ``benchmarks/results/paper_scale_zero_tp.json``.
+``benchmarks/results/paper_scale.json``.
 """
 
 from __future__ import annotations
@@ -65,7 +65,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import subprocess
-import sys
 import time
 from datetime import UTC, datetime
 from pathlib import Path
@@ -242,14 +241,15 @@ def best_plans(make, mix, gpus: int) -> dict:
     gb = w.microbatches * gpus // 16
     check = layout_check(w)
     t0 = time.perf_counter()
-    res = tune(w, gpus, device=DEVICE, network=NETWORK, global_batch=gb, top=1, max_sp=4, check=check)
+    res = tune(w, gpus, device=DEVICE, network=NETWORK, global_batch=gb, top=1, max_sp=4, check=check,
+               split_placements=("uniform_on_demand",))  # fmt: skip
     wall = time.perf_counter() - t0
     best = res.plans[0]
     tuned = row(best) | {"layout": dataclasses.asdict(best.layout), "tune_s": wall,
-                         "layouts_considered": res.considered,
-                         "breakdown": breakdown(w, best, gb // best.layout.dp)}  # fmt: skip
+                         "layouts_considered": res.considered, "stage_layers": res.stage_layers[0],
+                         "breakdown": breakdown(w, best, gb // best.layout.dp, stage_layers=res.stage_layers[0])}  # fmt: skip
     a, alp = alpa(w, gpus, gb, check)
-    # ours on Alpa's layout and uneven split (a search tune does not make: it keeps the even split)
+    # ours on Alpa's layout and uneven split
     split = alp["stage_layers"]
     m = gb // a.layout.dp
     ours = [predict_step(w, dataclasses.replace(a.layout, placement=pl), device=DEVICE, network=NETWORK,
@@ -312,39 +312,13 @@ def tuning(gpus: int = 64) -> dict:
     return {
         "gpus": gpus,
         "tuned_layout": dataclasses.asdict(best.layout),
+        "tuned_stage_layers": res.stage_layers[0],
         "tuned": row(best),
         "hand_picked": row(hand),
         "tuned_over_hand": best.tokens_per_s / hand.tokens_per_s,
         "tune_wall_s": wall,
         "layouts_considered": res.considered,
     }
-
-
-def zero_with_tp(gpus: int = 512) -> dict:
-    """What-if (``--zero-with-tp``): the tuned plans at 1:9, 5:5, 9:1 if the trainer accepted LLM ZeRO with
-    TP (FSDP2 over a 2-D data x tp mesh; its preflight refuses it today): the same search as
-    :func:`best_plans`, the preflight asked about each layout at ``llm_zero = 0`` when ``tp > 1``. Writes
-    ``benchmarks/results/paper_scale_zero_tp.json``, with the run's ``date``, ``commit`` and ``wall_s``."""
-    t0 = time.perf_counter()
-    out = {}
-    for mix in ((1, 9), (5, 5), (9, 1)):
-        w = vlm(*mix)
-        chk = layout_check(w)
-
-        def check(lay: Layout, chk=chk) -> str | None:
-            return chk(dataclasses.replace(lay, llm_zero=0) if lay.tp > 1 and lay.llm_zero else lay)
-
-        gb = w.microbatches * gpus // 16
-        res = tune(w, gpus, device=DEVICE, network=NETWORK, global_batch=gb, top=1, max_sp=4, check=check)
-        b = res.plans[0]
-        r = row(b) | {"layout": dataclasses.asdict(b.layout), "breakdown": breakdown(w, b, gb // b.layout.dp)}
-        out[":".join(map(str, mix))] = r
-        print(f"  {mix} {r['tokens_per_s'] / 1e6:.2f} [{r['bound']:.3f}] {r['layout']}")
-        print("        " + ", ".join(f"{k} {v:.3f}" for k, v in r["breakdown"].items() if abs(v) > 5e-4))
-    res = {"date": datetime.now(UTC).strftime("%Y-%m-%d"), "commit": _commit()} | out
-    res["wall_s"] = time.perf_counter() - t0
-    (OUT.parent / "paper_scale_zero_tp.json").write_text(json.dumps(res, indent=2))
-    return out
 
 
 def _commit() -> str:
@@ -357,9 +331,6 @@ def _commit() -> str:
 
 
 def main() -> None:
-    if "--zero-with-tp" in sys.argv[1:]:
-        zero_with_tp()
-        return
     t0 = time.perf_counter()
     # Megatron-Dist's encoder ranks: sized once from the 5:5 step at pp 8 (kept for every ratio)
     probe = predict_step(vlm(5, 5), layout(64, "megatron_dist"), device=DEVICE, network=NETWORK)

@@ -218,8 +218,8 @@ def test_llm_zero_preflight_names_the_field(dense):
     from omni_train.preflight import validate
 
     _, cfg = dense
-    with pytest.raises(ConfigError, match=r"^parallel\.llm_zero: 2 with parallel\.tp 2 is not supported"):
-        validate(with_parallel(cfg, pp=1, dp=2, tp=2, llm_zero=2), 4)
+    validate(with_parallel(cfg, pp=1, dp=2, tp=2, llm_zero=2), 4)  # FSDP2 over (dp, tp): test_train_zero_tp
+    validate(with_parallel(cfg, pp=1, dp=1, tp=2, cp=2, llm_zero=2), 4)  # over (dp x cp, tp)
     with pytest.raises(ConfigError, match=r"^parallel\.llm_zero"):
         validate(with_parallel(cfg, llm_zero=4), 2)
     validate(with_parallel(cfg, pp=1, llm_zero=3), 1)  # one rank per stage: nothing to shard, accepted

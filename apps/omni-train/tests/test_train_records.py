@@ -6,12 +6,15 @@
   and one step record per rank; a cost model fits it and ``omni-train simulate --calibration`` predicts
   the run's own flow from it;
 * ``time_s_per_rank``: every phase >= 0, the LLM and encoder phases equal the recorded actions' seconds,
-  and the phases of a rank sum to its recorded step wall time (the slowest rank's is ``step_time_s``).
+  and the phases of a rank sum to its recorded step wall time (the slowest rank's is ``step_time_s``);
+  each step record carries the process's CPU seconds over the step and over the executor's step within
+  it (``0 < pipeline_cpu_s <= cpu_s <= cores x step_s``).
 """
 
 from __future__ import annotations
 
 import json
+import os
 from collections import defaultdict
 from pathlib import Path
 
@@ -96,6 +99,8 @@ def test_time_breakdown_sums_to_each_ranks_step_time(run):
     for a in rec.actions:
         seconds[(a.step, a.rank, "encoder" if a.stage is None else "llm")] += a.seconds
     wall = {(s.step, s.rank): s.step_s for s in rec.steps}
+    for s in rec.steps:  # the process's CPU over the step, and over the executor's step within it
+        assert 0 < s.pipeline_cpu_s <= s.cpu_s <= s.step_s * (os.cpu_count() or 1) + 1e-3, s
     for step, row in enumerate(rows):
         phases = row["time_s_per_rank"]
         assert sorted(phases) == sorted(PHASES)

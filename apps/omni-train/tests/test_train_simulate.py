@@ -37,9 +37,11 @@ def seconds(key: str, n: int, sq: int | None = None) -> float:
     return PER_TOKEN[key] * n + SQ[key] * (n * n if sq is None else sq)
 
 
-def write_run(run, steps: int = 4) -> None:
+def write_run(run, steps: int = 4, cpu: tuple[float, float] | None = None) -> None:
     """A run directory as the trainer writes it: per-action records with exactly known per-token costs
-    (token counts varied so the fit is determined), step records, the flow it ran, metrics."""
+    (token counts varied so the fit is determined), step records, the flow it ran, metrics. ``cpu``:
+    each process's CPU seconds per step beside its actions (in the pipeline, outside it) in the step
+    records' ``pipeline_cpu_s`` / ``cpu_s``."""
     recs = []
     for step in range(steps):
         for rank in (0, 1):
@@ -56,7 +58,8 @@ def write_run(run, steps: int = 4) -> None:
                         e = 2 * i + j + 1
                         recs.append(ActionRecord(step, rank, kind, None, e, {mod: m}, {mod: m * m}, t, t + s))
                         t += s
-            recs.append(StepRecord(step, rank, t + OVERHEAD, t))
+            cpus = (t + cpu[0] + cpu[1], t + cpu[0]) if cpu is not None else (None, None)
+            recs.append(StepRecord(step, rank, t + OVERHEAD, t, *cpus))
     with RecordWriter(run / "actions.jsonl") as w:
         w.write(recs)
 
@@ -148,3 +151,52 @@ def test_calibration_errors_are_configuration_errors(tmp_path, capsys):
     assert "the run recorded 1 stages, the config has parallel.pp = 2" in capsys.readouterr().err
     assert main([*argv, str(one_stage), "--scale", "paper"]) == 2
     assert "a calibration times the config's own models" in capsys.readouterr().err
+
+
+def test_out_of_sample_simulate_predicts_another_run(tmp_path, capsys):
+    """``omni-train simulate --calibration A --measured B --host-cores 2``: B's steps (its config's stream,
+    its flow, its measured times) predicted from A's fit, against the step computed from the true costs
+    without the fit (the hand costs; ``host_step_s`` with A's per-process CPU beside the actions, 20 ms in
+    the pipeline and 4 ms outside it, written into A's step records)."""
+    from omni_pipeline.calibrate import ProcessCpu, host_step_s
+
+    data = make_dataset(tmp_path / "data", n_image=6, n_audio=4, n_text=6)
+    cfg = load_config(str(write_config(tmp_path / "c.toml", data, extra="")))
+    fit, run = tmp_path / "fit", tmp_path / "run"
+    write_run(fit, cpu=(0.02, 0.004))
+    run.mkdir()
+    for d in (fit, run):
+        (d / "config.json").write_text(json.dumps(cfg.to_dict()))
+    schedule = Schedule1F1B(2, cfg.data.microbatches)
+    enc_inputs = {k: [2 * k - 1, 2 * k] for k in range(1, cfg.data.microbatches + 1)}
+    flow = uniform_on_demand(schedule, enc_inputs, fixed_ranks=True)
+    (run / "dataflow.json").write_text(flow.to_json())
+    measured = {0: 9.0, 1: 0.5, 2: 0.7, 3: 0.6}  # step 0: warm-up, neither fitted nor predicted
+    (run / "metrics.jsonl").write_text(
+        "".join(json.dumps({"step": s, "step_time_s": t}) + "\n" for s, t in measured.items())
+    )
+    stream = build_step_stream(
+        cfg, load_tokenizer(cfg.data), dp_rank=0, dp_size=1, dp_group=None, consumes=set(), read_text=False
+    )
+    cpu = ProcessCpu(0.02, 0.004)
+    want = []
+    with stream:
+        stream.reset()
+        for _ in range(4):
+            fs = next(stream)
+            if fs.step >= 1:
+                mbs = split_encoder_microbatches(fs.packs, cfg.data.microbatches, 2)
+                costs = hand_costs(cfg, fs.packs, mbs)
+                want.append(host_step_s(schedule, flow, costs, processes=2, cores=2, process_cpu=cpu))
+    out = tmp_path / "sim"
+    argv = ["simulate", "--calibration", str(fit), "--measured", str(run), "--host-cores", "2"]
+    assert main([*argv, "--out", str(out)]) == 0
+    res = json.loads((out / "simulate.json").read_text())
+    assert res["steps"] == [1, 2, 3] and res["restaged"] is False and res["host_cores"] == 2
+    assert res["process_cpu"] == pytest.approx({"background_s": 0.02, "outside_s": 0.004})
+    as_run = res["results"]["as run"]
+    assert as_run["step_time_s"] == pytest.approx(sum(want) / 3, rel=1e-6)
+    assert as_run["measured_step_time_s"] == pytest.approx(0.6)
+    printed = capsys.readouterr().out
+    error = 100 * (sum(want) / 3 / 0.6 - 1)
+    assert f"measured 0.6 s ({error:+.1f} %)" in printed and "2 processes on 2 cores" in printed

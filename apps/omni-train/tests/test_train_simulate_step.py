@@ -172,8 +172,8 @@ def test_simulate_workload_prints_where_the_time_goes_and_the_oom_verdict(tmp_pa
     assert main([*argv, "--device-memory-gb", "10"]) == 0
     assert "OOM" in capsys.readouterr().out
     # a layout the trainer refuses is a configuration error naming the field
-    assert main([*argv[:-2], "--llm-zero", "3", "--out", str(out)]) == 2
-    assert "llm_zero" in capsys.readouterr().err
+    assert main([*argv[:-2], "--cp", "2", "--ulysses", "2", "--out", str(out)]) == 2
+    assert "parallel.cp" in capsys.readouterr().err
 
 
 def test_tune_writes_a_config_the_trainer_accepts(tmp_path, capsys):

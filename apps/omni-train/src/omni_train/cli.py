@@ -142,7 +142,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--host-cores",
         type=float,
         default=None,
-        help="--calibration: the run's parallel.world_size processes share this many cores of one host (CPU runs; the step simulated again under processor sharing); default a core per rank",
+        help="--calibration: the run's parallel.world_size processes share this many cores of one host (CPU runs; the step simulated again under processor sharing, each process's CPU beside its actions, from the calibration run's step records, competing too); default a core per rank",
     )
     sim.add_argument(
         "--workload",
@@ -169,10 +169,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     tune_help = (
         "search pp (with 1, 2 or 4 virtual stages), dp, tp(+SP), cp / ulysses, ep (MoE), llm_zero, encoder_zero, "
-        "recompute (off, whole blocks, or selective: the attention or the MLP branch) and placement for a "
-        "workload on N GPUs, then the reordering group across DP of the top plans (groups up to 16, priced "
-        "over up to 16 replicas drawing their own packs; fixed, no flag); print the fastest plans that fit "
-        "in memory"
+        "recompute (off, whole blocks, or selective: the attention or the MLP branch; --recompute), placement "
+        "and, at pp > 1 under 1F1B, uneven LLM layers per stage (parallel.stage_layers; --max-splits) for a "
+        "workload on N GPUs, then the reordering group across DP of the top plans (groups up to "
+        "--max-reorder-group, priced over up to 16 replicas drawing their own packs); print the fastest plans "
+        "that fit in memory"
     )
     tun = sub.add_parser("tune", help=tune_help, description=tune_help)
     tun.add_argument(
@@ -195,6 +196,20 @@ def build_parser() -> argparse.ArgumentParser:
     tun.add_argument(
         "--out", default="runs/tune", metavar="DIR",
         help="a directory, created; tune.json is written in it (default runs/tune). The config: --write-config",
+    )  # fmt: skip
+    tun.add_argument(
+        "--max-reorder-group", type=int, default=16, metavar="N",
+        help="the largest reordering group across DP searched for the top plans (1, 2, 4, ... N; 1: none; default 16)",
+    )  # fmt: skip
+    tun.add_argument(
+        "--recompute", default="off,block,attention,mlp", metavar="FORMS",
+        help="recompute forms searched, comma-separated: off, block (whole blocks), attention, mlp (that "
+        "residual branch, train.recompute_modules); default all four",
+    )  # fmt: skip
+    tun.add_argument(
+        "--max-splits", type=int, default=64, metavar="N",
+        help="uneven layers per stage (1F1B, pp > 1): every split while a layout has at most N, else the "
+        "modelled balanced ones; 0: the even split only (default 64)",
     )  # fmt: skip
     _device_args(tun)
 
@@ -639,6 +654,8 @@ def _tune(args: argparse.Namespace) -> int:
             resolve_workload(args.workload), args.gpus, device=device, network=network,
             global_batch=args.global_batch, top=args.top, out_dir=Path(args.out),
             write_config=Path(args.write_config) if args.write_config else None,
+            max_reorder_group=args.max_reorder_group, max_splits=args.max_splits,
+            recompute=[f.strip() for f in args.recompute.split(",") if f.strip()],
         )
     )  # fmt: skip
     return 0

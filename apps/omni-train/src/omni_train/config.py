@@ -213,7 +213,8 @@ class ParallelConfigSection:
             step as a plain sum); 0: replicated, gradients all-reduced; 1: AdamW state sharded (gradients
             all-reduced whole, each rank steps its rows); 2: gradients sharded too (one reduce-scatter per
             step; the gathered parameters stay allocated between steps); 3: parameters too (freed between
-            steps). Not with ``tp > 1``. With one rank per stage's data group nothing is sharded.
+            steps). With ``tp > 1`` (not with ``ep > 1``) each TP shard is sharded over the data group
+            (FSDP2's 2-D data x tp mesh). With one rank per stage's data group nothing is sharded.
             With ``train.dtype = "bfloat16"`` the units gather bf16 copies of the float32 shards and
             reduce the gradients in float32 (FSDP2 ``MixedPrecisionPolicy``).
         llm_reshard_after_forward: ``llm_zero = 3``'s reshard policy

@@ -30,6 +30,7 @@ encoders take whole-number MLP ratios: ViT ``round(6144 / 1408) = 4``, audio ``r
 from __future__ import annotations
 
 import dataclasses
+import math
 from pathlib import Path
 from typing import Any
 
@@ -116,7 +117,8 @@ def in_step_bytes(modules: Any, *, zero: int, reshard_after_forward: bool = Fals
     units = []
     for u in sharded_units(modules):
         fps = [fp for g in u._get_fsdp_state()._fsdp_param_groups for fp in g.fsdp_params]
-        g = sum(fp.sharded_param.numel() * size(fp.sharded_param.dtype) for fp in fps)  # global = unsharded
+        # the unsharded (gathered) numel: the whole parameter, under TP its TP-local tensor
+        g = sum(math.prod(fp._orig_size) * size(fp.sharded_param.dtype) for fp in fps)
         p = sum(  # the all-gather output: padded shard x shard ranks (FSDPParam.init_all_gather_outputs)
             fp.padded_sharded_param_size.numel()
             * fp.mesh_info.shard_mesh_size

@@ -256,12 +256,8 @@ def validate(cfg: RunConfig, nproc: int) -> None:
             f"parallel.llm_reshard_after_forward: {par.llm_reshard_after_forward!r} is not one of "
             f"{', '.join(RESHARD_POLICIES)}"
         )
-    if par.llm_zero and par.tp > 1:
-        raise ConfigError(
-            f"parallel.llm_zero: {par.llm_zero} with parallel.tp {par.tp} is not supported: the LLM's "
-            "parameters are TP DTensors, and FSDP2 over them needs a 2-D (data, tp) mesh sliced from one "
-            "device mesh, which the stage's data group (dp x ulysses / cp) is not; use llm_zero = 0 with tp"
-        )
+    # llm_zero with tp > 1 composes (FSDP2 over a 2-D (dp x cp x ulysses, tp) mesh, omni_parallel.llm_zero);
+    # not with ep > 1, which needs model.llm.moe, itself refused with tp > 1 (below)
     if not isinstance(par.sequence_parallel, bool):
         raise ConfigError(f"parallel.sequence_parallel: must be true or false, got {par.sequence_parallel!r}")
     if par.sequence_parallel and par.tp == 1:

@@ -86,6 +86,8 @@ class RunOutputs:
     Attributes:
         clock: when the current step's wall time started (``time.perf_counter``; the end of the previous
             step's metrics reduction, so its logging and checkpoint count in the next step).
+        cpu_clock: this process's CPU seconds (``time.process_time``, all its threads) at ``clock``: the
+            step records' ``cpu_s`` is counted from it.
         checkpoint_s: the previous step's checkpoint save, reported in this step's time breakdown.
         writes: rank 0's file writes, off the step.
         said_over_cap: the planner's over-cap notice was given (it is given once).
@@ -99,6 +101,7 @@ class RunOutputs:
     records: RecordWriter | None
     profiler: StepProfiler
     clock: float
+    cpu_clock: float = field(default_factory=time.process_time)
     checkpoint_s: float = 0.0
     writes: RunWrites = field(default_factory=RunWrites)
     said_over_cap: bool = False
@@ -156,11 +159,13 @@ class RunOutputs:
         *,
         image_merge: int,
         planned: bool,
+        cpu_s: tuple[float, float] | None = None,
     ) -> None:
         """This step's per-action, receive and step records of every rank of global rank 0's pipeline (the
         first DP replica's; TP/SP/CP rank 0), gathered to rank 0 over that pipeline group (collective over
         it) and queued on rank 0's writes; with ``planned``, pipeline rank 0 adds the step's flow. Other
-        ranks record nothing."""
+        ranks record nothing. ``cpu_s``: this process's CPU seconds over the step's ``wall`` and over
+        the executor's step within it (the step record's ``cpu_s`` and ``pipeline_cpu_s``)."""
         if any(ps.local_rank(a) for a in ("dp", "tp", "cp", "ulysses")):
             return
         pp_rank = ps.local_rank("pp")
@@ -170,7 +175,7 @@ class RunOutputs:
         flow = inputs.plan.flow if planned and pp_rank == 0 else None
         pp_group = ps.group("pp") if ps.size("pp") > 1 else None
         records = gather_step_records(
-            step, result, llm, enc, wall_s=wall, pp_rank=pp_rank, pp_group=pp_group, flow=flow
+            step, result, llm, enc, wall_s=wall, pp_rank=pp_rank, pp_group=pp_group, flow=flow, cpu_s=cpu_s
         )
         if self.records is not None and records is not None:
             self.writes.submit(f"{self.records.path}, step {step}", self.records.write, records)

@@ -41,7 +41,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from importlib import resources
 from pathlib import Path
 
@@ -66,7 +66,7 @@ from omni_pipeline import (
     simulate,
     simulate_disaggregated,
 )
-from omni_pipeline.calibrate import fit_layer_model, host_step_s, restage_cost_model
+from omni_pipeline.calibrate import fit_layer_model, fit_process_cpu, host_step_s, restage_cost_model
 from omni_pipeline.cost import CostModel, Network
 from omni_pipeline.records import RunRecords, read_records
 from omni_pipeline.split import layer_costs
@@ -75,10 +75,11 @@ from omni_pipeline.step_model import (
     Device,
     Layout,
     StepPrediction,
+    even_stage_layers,
     llm_stage_params,
     predict_step,
 )
-from omni_pipeline.tune import tune
+from omni_pipeline.tune import MAX_SPLITS, RECOMPUTE_CHOICES, tune
 from omni_train.binder import config_from_dict
 from omni_train.config import ConfigError, RunConfig
 from omni_train.data_files import load_tokenizer
@@ -318,7 +319,9 @@ def simulate_config(
             (default: the fit drops the first recorded step).
         host_cores: the ranks share this many cores of one host (CPU runs; a machine parameter, e.g.
             ``os.cpu_count()``): every step's time is :func:`omni_pipeline.calibrate.host_step_s` of the
-            config's ``parallel.world_size`` processes. ``None``: a processor per rank.
+            config's ``parallel.world_size`` processes, with each process's CPU outside its actions
+            (:func:`omni_pipeline.calibrate.fit_process_cpu` of the calibration run's step records, when
+            they carry ``cpu_s``) competing for them. ``None``: a processor per rank.
 
     Writes ``timeline-<placement>.png`` (of the first simulated step; with ``plots``) and ``simulate.json`` under
     ``out_dir``.
@@ -375,7 +378,11 @@ def simulate_config(
         gpus = pp * cfg.parallel.dp if gpus is None else gpus
         ms = config_scale(cfg)
         scale = "config (calibrated)"
+        # each process's CPU outside its actions (the fit run's step records), competing for the host's cores
+        warm = skip_steps if skip_steps is not None else (1 if len(records.step_ids) > 1 else 0)
+        process_cpu = fit_process_cpu(records, skip_steps=warm) if host_cores is not None else None
     else:
+        process_cpu = None
         scale = scale or "paper"
         if scale == "config":
             ms = config_scale(cfg)
@@ -438,7 +445,12 @@ def simulate_config(
                 res = simulate(schedule, flow, costs)
                 if host_cores is not None:
                     step_s = host_step_s(
-                        schedule, flow, costs, processes=cfg.parallel.world_size, cores=host_cores
+                        schedule,
+                        flow,
+                        costs,
+                        processes=cfg.parallel.world_size,
+                        cores=host_cores,
+                        process_cpu=process_cpu,
                     )
                     tokens = res.throughput_tokens_per_s * res.step_time_s
                     res = dataclasses.replace(
@@ -477,6 +489,11 @@ def simulate_config(
             )
         if host_cores is not None:
             source += f"; {cfg.parallel.world_size} processes on {host_cores:g} cores"
+            if process_cpu is not None:
+                source += (
+                    f", each with {process_cpu.background_s:.3g} + {process_cpu.outside_s:.3g} s of CPU "
+                    "beside its actions"
+                )
         lines.append(
             f"as run{source}: predicted {r['step_time_s']:.4g} s per step, measured "
             f"{r['measured_step_time_s']:.4g} s ({100 * (r['step_time_s'] / r['measured_step_time_s'] - 1):+.1f} %)"
@@ -492,6 +509,8 @@ def simulate_config(
                 "calibration": str(calibration) if calibration is not None else None,
                 "measured": str(measured) if measured is not None else None,
                 "host_cores": host_cores,
+                # per process: CPU seconds per step beside the actions (omni_pipeline.calibrate.ProcessCpu)
+                "process_cpu": dataclasses.asdict(process_cpu) if process_cpu is not None else None,
                 **oos,
                 "results": results,
                 "llm_only_bubble": llm_only_bubble,
@@ -674,17 +693,23 @@ def simulate_workload(
 
 
 def workload_config(
-    workload: Workload, layout: Layout, microbatches: int | None = None, base: RunConfig | None = None
+    workload: Workload,
+    layout: Layout,
+    microbatches: int | None = None,
+    base: RunConfig | None = None,
+    stage_layers: Sequence[int] | None = None,
 ) -> RunConfig:
     """The trainer's config of ``workload``'s models under ``layout``: ``base`` (default the bundled
     ``omni-tiny`` when the workload has an audio tower, else ``vlm-tiny``: its data and recipe) with the
     workload's LLM (with its ``[model] moe`` as ``[model.llm] moe``) / ViT / audio shapes (as :func:`omni_train.memory_plan.paper_config` maps them: whole
     MLP ratios for the encoders), its pack length, ``microbatches`` per replica (default the workload's),
     bfloat16, ``train.recompute`` of every family when ``layout.recompute`` (``train.recompute_modules`` =
-    ``layout.recompute_modules``), and ``[parallel]`` from the
+    ``layout.recompute_modules``), ``train.offload`` = ``layout.offload``'s families the model has,
+    ``data.decode_workers`` = the workload's ``loader_workers`` (at least 1), and ``[parallel]`` from the
     layout (ZeRO-3: ``llm_reshard_after_forward`` written as ``always`` / ``never``, what
     :meth:`~omni_pipeline.step_model.Layout.reshards` resolves; ``virtual_stages > 1`` as
-    ``schedule = "interleaved"`` with the layers split evenly; ``data.reorder_group_size`` =
+    ``schedule = "interleaved"``; the layers split evenly, or ``stage_layers`` as ``parallel.stage_layers``,
+    one count per stage; ``data.reorder_group_size`` =
     ``layout.reorder_group``) (``optimus_static`` and ``megatron_dist``, not trainer placements, map to ``uniform_on_demand``).
 
     Raises:
@@ -723,7 +748,10 @@ def workload_config(
     train = dataclasses.replace(
         cfg.train, dtype="bfloat16", recompute=families if layout.recompute else [],
         recompute_modules=list(layout.recompute_modules) if layout.recompute else [],
+        offload=[f for f in families if f in layout.offload],
     )  # fmt: skip
+    # the loader's decode workers the step model timed (the trainer runs at least one)
+    data = dataclasses.replace(data, decode_workers=max(1, workload.loader_workers))
     placement = (
         "uniform_on_demand" if layout.placement in ("optimus_static", "megatron_dist") else layout.placement
     )
@@ -731,7 +759,7 @@ def workload_config(
         cfg.parallel, pp=layout.pp, dp=layout.dp, tp=layout.tp, sequence_parallel=layout.sequence_parallel,
         cp=layout.cp, cp_attention=layout.cp_attention, ulysses=layout.ulysses, llm_zero=layout.llm_zero,
         encoder_zero=layout.encoder_zero, placement=PlacementPolicy(placement), ep=layout.ep,
-        virtual_stages=layout.virtual_stages, stage_layers=None,
+        virtual_stages=layout.virtual_stages, stage_layers=None if stage_layers is None else list(stage_layers),
         schedule=ScheduleKind.INTERLEAVED if layout.virtual_stages > 1 else ScheduleKind.ONE_F_ONE_B,
     )  # fmt: skip
     # the reordering group the step model timed (its all-to-all), not the trainer's node-wide default
@@ -757,20 +785,27 @@ def _moe_spec(workload: Workload):
 
 
 def exact_state(
-    workload: Workload, layout: Layout, microbatches: int | None = None, *, vocab: int = 32000
+    workload: Workload,
+    layout: Layout,
+    microbatches: int | None = None,
+    *,
+    vocab: int = 32000,
+    stage_layers: Sequence[int] | None = None,
 ) -> dict[int, dict[str, dict[str, int]]]:
     """Per pipeline rank, the state bytes ``omni-train memory`` plans for this layout
     (:func:`omni_train.memory_plan.memory_plan` of :func:`workload_config`: the model built on the meta
     device, ``planned_state_bytes``): ``{pp rank: {"llm": {kind: bytes}, "encoders": {kind: bytes},
     "in_step": {"llm" | "encoders": {"gradients", "gathered"}}}}`` (``omni_train.memory_plan.in_step_bytes``),
     each pipeline rank's largest planned rank (its stage's first: the largest FSDP2 shards).
+    ``stage_layers``: layers per LLM stage (``parallel.stage_layers``; default the even split).
 
     Raises:
         ConfigError: the trainer refuses the layout (preflight; one line naming the field).
     """
     from omni_train.memory_plan import memory_plan
 
-    plan = memory_plan(workload_config(workload, layout, microbatches), layout.gpus, vocab=vocab)
+    cfg = workload_config(workload, layout, microbatches, stage_layers=stage_layers)
+    plan = memory_plan(cfg, layout.gpus, vocab=vocab)
     out: dict[int, dict[str, dict[str, int]]] = {}
     for r in plan["ranks"]:
         total = sum(r["llm"].values()) + sum(r["encoders"].values())
@@ -918,6 +953,9 @@ def tune_workload(
     top: int = 5,
     out_dir: Path,
     write_config: Path | None = None,
+    max_reorder_group: int = TUNE_MAX_REORDER_GROUP,
+    recompute: Sequence[str] | None = None,
+    max_splits: int = MAX_SPLITS,
 ) -> str:
     """``omni-train tune``: :func:`omni_pipeline.tune.tune` over the layouts the trainer's preflight
     accepts (:func:`layout_check`), the best plans' state exact from ``omni-train memory``'s build
@@ -929,13 +967,22 @@ def tune_workload(
     (``data.reorder_group_size``).
     Plans are ranked by :func:`omni_pipeline.tune.rank_plans` (equal predictions: lower ``llm_zero``, then
     ``encoder_zero``, then fewer virtual stages first); a row predicting the same step as an earlier one
-    is marked ``(ties #k)``.
+    is marked ``(ties #k)``. Each plan's LLM layers per stage (column ``layers``: ``even`` or the uneven
+    split the search found, ``stage_layers`` in ``tune.json``) go to the config as
+    ``parallel.stage_layers`` when uneven.
+
+    Args:
+        max_reorder_group: the largest reordering group searched (``--max-reorder-group``; 1: none).
+        recompute: the recompute forms searched (``--recompute``: names of
+            :data:`omni_pipeline.tune.RECOMPUTE_CHOICES`; default all).
+        max_splits: ``--max-splits`` (:func:`omni_pipeline.tune.tune`'s; 0: the even split only).
 
     Returns:
         the report (text).
 
     Raises:
-        ConfigError: ``gpus`` < 1, ``top`` < 1, or no layout fits (one line).
+        ConfigError: ``gpus`` < 1, ``top`` < 1, ``max_reorder_group`` < 1, ``max_splits`` < 0, unknown
+            ``recompute`` forms, or no layout fits (one line).
     """
     from omni_train.binder import to_toml
 
@@ -943,12 +990,21 @@ def tune_workload(
         raise ConfigError(f"--gpus / --top: need >= 1, got {gpus}, {top}")
     if global_batch is not None and global_batch < 1:
         raise ConfigError(f"--global-batch: need >= 1 packs per step, got {global_batch}")
+    if max_reorder_group < 1 or max_splits < 0:
+        raise ConfigError(
+            f"--max-reorder-group / --max-splits: need >= 1 and >= 0, got {max_reorder_group}, {max_splits}"
+        )
+    forms = tuple(RECOMPUTE_CHOICES) if recompute is None else tuple(recompute)
+    if not forms or set(forms) - set(RECOMPUTE_CHOICES):
+        raise ConfigError(
+            f"--recompute: name some of {', '.join(RECOMPUTE_CHOICES)}, got {', '.join(forms)!r}"
+        )
     try:
         res = tune(
             workload, gpus, device=device, network=network, global_batch=global_batch, top=top,
             check=layout_check(workload),
-            exact_state=lambda layout, m: exact_state(workload, layout, m),
-            max_reorder_group=TUNE_MAX_REORDER_GROUP,
+            exact_state=lambda layout, m, split: exact_state(workload, layout, m, stage_layers=split),
+            max_reorder_group=max_reorder_group, max_splits=max_splits, recompute=forms,
         )  # fmt: skip
     except ValueError as exc:
         raise ConfigError(f"--gpus: {exc}") from None
@@ -957,14 +1013,17 @@ def tune_workload(
         f"{res.global_batch} packs of {workload.max_seq_len}; device {_gb(device.memory_bytes)} GB, "
         f"{device.peak_flops / 1e12:g} TFLOP/s x {device.efficiency}; {res.considered} layouts, "
         f"{res.refused} refused by preflight, {res.oom} out of memory, {res.simulated} simulated, "
-        f"{res.bounded} virtual-stage layouts bounded out; "
+        f"{res.bounded} virtual-stage layouts bounded out; {res.splits} uneven splits ({res.split_oom} out of "
+        f"memory, {res.split_bounded} bounded out, {res.split_s:.1f} s); "
         f"{res.wall_s:.1f} s",
         f"{'#':>2} {'pp':>3}{'v':>3}{'dp':>5}{'tp':>4}{'sp':>4}{'cp':>4}{'uly':>5}{'ep':>4}{'zero':>5}{'ez':>3}{'rc':>5}{'rg':>4} {'placement':<18}"
-        f"{'tokens/s':>11}{'MFU':>7}{'peak GB':>9}  top time",
+        f"{'tokens/s':>11}{'MFU':>7}{'peak GB':>9} {'layers':<12} top time",
     ]
     head = 1  # the first row of a run of equal predictions
-    for i, p in enumerate(res.plans, 1):
+    for i, (p, layers) in enumerate(zip(res.plans, res.stage_layers, strict=True), 1):
         L = p.layout
+        even = layers == even_stage_layers(workload.shapes["llm"].n_layers, L.stages)
+        split = "even" if even else "/".join(map(str, layers))
         cp = f"{L.cp}{'r' if L.cp > 1 and L.cp_attention == 'ring' else ''}"
         where = sorted(p.time_s.items(), key=lambda kv: -kv[1])[:3]
         head = head if i > 1 and p.tokens_per_s == res.plans[i - 2].tokens_per_s else i
@@ -972,7 +1031,7 @@ def tune_workload(
             f"{i:>2} {L.pp:>3}{L.virtual_stages:>3}{L.dp:>5}{L.tp:>4}{'y' if L.sequence_parallel else 'n':>4}{cp:>4}"
             f"{L.ulysses:>5}{L.ep:>4}{L.llm_zero:>5}{L.encoder_zero:>3}{(L.recompute_modules[0][:4] if L.recompute_modules else 'y') if L.recompute else 'n':>5}"
             f"{L.reorder_group:>4} {L.placement:<18}{p.tokens_per_s:>11.4g}"
-            f"{p.mfu:>7.3f}{_gb(p.peak_memory_bytes):>9}  "
+            f"{p.mfu:>7.3f}{_gb(p.peak_memory_bytes):>9} {split:<12} "
             + ", ".join(f"{k} {100 * v / p.step_time_s:.0f}%" for k, v in where)
             + (f"  (ties #{head})" if head != i else "")
         )
@@ -1009,7 +1068,16 @@ def tune_workload(
                 "simulated": res.simulated,
                 "bounded": res.bounded,
                 "wall_s": res.wall_s,
-                "plans": [_prediction_json(p) for p in res.plans],
+                "plans": [
+                    _prediction_json(p) | {"stage_layers": layers}
+                    for p, layers in zip(res.plans, res.stage_layers, strict=True)
+                ],
+                "uneven_splits": {
+                    "considered": res.splits,
+                    "oom": res.split_oom,
+                    "bounded": res.split_bounded,
+                    "search_s": res.split_s,
+                },
                 "reorder_groups": [
                     [
                         {
@@ -1032,7 +1100,11 @@ def tune_workload(
     )
     if write_config is not None:
         m = res.global_batch // best.layout.dp
-        cfg = _absolute_data(workload_config(workload, best.layout, m))
+        layers = res.stage_layers[0]
+        uneven = layers != even_stage_layers(workload.shapes["llm"].n_layers, best.layout.stages)
+        cfg = _absolute_data(
+            workload_config(workload, best.layout, m, stage_layers=layers if uneven else None)
+        )
         write_config.parent.mkdir(parents=True, exist_ok=True)
         write_config.write_text(
             f"# omni-train tune: best plan for workload {workload.name} on {gpus} GPUs "

@@ -199,6 +199,7 @@ class Trainer:
         data_s = time.perf_counter() - t
         self.memory.start_step()
         fns = self.builder.functions(inputs)
+        pipeline_cpu = time.process_time()  # the step record's pipeline_cpu_s: CPU over the executor's step
         with self.memory.track():
             result = self.executor.step(
                 inputs.plan,
@@ -207,6 +208,7 @@ class Trainer:
                 gather_timelines=step == self.cfg.train.steps - 1,
                 step=step,
             )
+        pipeline_cpu = time.process_time() - pipeline_cpu
         if after_backward is not None:
             after_backward(step, inputs, result)
         t = time.perf_counter()
@@ -216,6 +218,7 @@ class Trainer:
         optimizer_s = time.perf_counter() - t
         self.stream.wait_prepared()  # skips found preparing step + 1 count in this step, as without it
         wall = time.perf_counter() - run.clock
+        cpu = time.process_time() - run.cpu_clock  # this process's CPU seconds over the same interval
         phases = {"data": data_s, "optimizer": optimizer_s, "checkpoint": run.checkpoint_s}
         # one collective for the step's numbers, memory peaks, skip and image-code counts (step_metrics)
         codes, skips, peaks = self.stream.image_code_encodes, self.skips.local_total(), self.memory.peaks()
@@ -225,9 +228,12 @@ class Trainer:
         # [model.llm] moe: aux / z losses and expert load (one all-reduce over the world; {} without MoE)
         moe = moe_step_metrics(self.stage, self.llm_cfg, dist.group.WORLD)
         # the next step's clock starts here: logging and checkpoint count in it
-        run.clock = time.perf_counter()
+        run.clock, run.cpu_clock = time.perf_counter(), time.process_time()
         planned, merge = self.planner is not None, image_merge(self.cfg)
-        run.write_records(self.ps, step, fs, inputs, result, wall, image_merge=merge, planned=planned)
+        cpus = (cpu, pipeline_cpu)
+        run.write_records(
+            self.ps, step, fs, inputs, result, wall, image_merge=merge, planned=planned, cpu_s=cpus
+        )
         skipped = self.skips.step(row["skip_total"])
         if self.rank == 0:
             metrics = self.metrics.row(inputs, row, lr, grad_norm)

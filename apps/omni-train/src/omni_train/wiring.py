@@ -102,8 +102,8 @@ __all__ = [
 
 
 def group_spec(cfg: RunConfig) -> GroupSpec:
-    """The run's optional groups: the loader's DP copy, encoder P2P, the hybrid DP/CP blocks, the
-    checkpoint manager's gloo group and the reordering groups across DP (``data.reorder_group_size``, ``None``: the node's replicas; 1 with
+    """The run's optional groups: the loader's DP copy, encoder P2P, the hybrid DP/CP blocks, the data
+    mesh of LLM ZeRO with TP, the checkpoint manager's gloo group and the reordering groups across DP (``data.reorder_group_size``, ``None``: the node's replicas; 1 with
     ``parallel.reorder`` off and under CP, where validation refuses larger groups)."""
     par = cfg.parallel
     reorder = par.reorder and par.cp == 1 and not par.hybrid_cp
@@ -115,6 +115,7 @@ def group_spec(cfg: RunConfig) -> GroupSpec:
         hybrid_cp=par.hybrid_cp,
         checkpoint=True,
         expert_dp=par.ep > 1,
+        data_mesh=bool(par.llm_zero) and par.tp > 1,  # LLM ZeRO over TP: FSDP2's 2-D (dp_cp, tp) mesh
     )
 
 

@@ -108,10 +108,11 @@ def dtensor_box(
     same tensor dim nest left to right, as DTensor does. ``Replicate`` leaves the extent alone.
 
     Raises:
-        ValueError: a ``Partial`` placement (reduce it before saving) or a strided shard, which is not
-            a box (FSDP2 + TP); the message names the placement. ``mesh_shape``, ``coordinate`` and
-            ``placements`` differ in length, a coordinate is outside the mesh, or a ``Shard`` dim is not a
-            dim of the tensor.
+        ValueError: a ``Partial`` placement (reduce it before saving) or a strided shard that is not a
+            box (FSDP2 + TP's ``_StridedShard(d, split_factor)`` before ``Shard(d)`` over mesh dims of
+            ``split_factor`` ranks in all is one: :func:`_split_order`); the message names the
+            placement. ``mesh_shape``, ``coordinate`` and ``placements`` differ in length, a coordinate
+            is outside the mesh, or a ``Shard`` dim is not a dim of the tensor.
     """
     if not len(mesh_shape) == len(coordinate) == len(placements):
         raise ValueError(
@@ -123,9 +124,7 @@ def dtensor_box(
             raise ValueError(f"dtensor_box: coordinate {c} outside mesh dim {m} of size {n}")
     offsets = [0] * len(global_shape)
     sizes = [int(s) for s in global_shape]
-    for m, p in enumerate(placements):
-        if isinstance(p, _StridedShard):
-            raise ValueError(f"dtensor_box: strided placement {p} is not a box; redistribute to Shard first")
+    for m, p in _split_order(mesh_shape, placements):
         if isinstance(p, Shard):
             d = p.dim if p.dim >= 0 else p.dim + len(global_shape)
             if not 0 <= d < len(global_shape):
@@ -136,6 +135,47 @@ def dtensor_box(
         elif not isinstance(p, Replicate):
             raise ValueError(f"dtensor_box: placement {p} cannot be saved; reduce Partial tensors first")
     return Box(tuple(offsets), tuple(sizes))
+
+
+def _split_order(mesh_shape: Sequence[int], placements: Sequence[Placement]) -> list[tuple[int, Placement]]:
+    """``(mesh dim, placement)`` in the order the splits nest, a strided shard as the plain ``Shard`` it
+    is once moved after the later mesh dims sharding its tensor dim.
+
+    FSDP2 over a TP DTensor (``fully_shard`` on a data mesh, the parameter ``Shard(d)`` over TP) holds
+    chunk ``i`` (data rank) of chunk ``j`` (TP rank) of dim ``d``, as ``torch.chunk`` splits, and writes
+    it as ``(_StridedShard(d, split_factor=tp), Shard(d))``: a box, split by TP first. A strided shard
+    whose ``split_factor`` is not the product of the later ``Shard(d)`` mesh sizes is not one.
+
+    Raises:
+        ValueError: such a strided shard (the message names it).
+    """
+    order: list[tuple[int, Placement]] = []
+    deferred: dict[int, tuple[int, int, int]] = {}  # tensor dim -> (mesh dim, split factor, sizes left)
+    for m, p in enumerate(placements):
+        if isinstance(p, _StridedShard):
+            if p.dim in deferred:
+                raise ValueError(f"dtensor_box: two strided placements of dim {p.dim} are not a box")
+            deferred[p.dim] = (m, p.split_factor, p.split_factor)
+            continue
+        order.append((m, p))
+        if isinstance(p, Shard) and p.dim in deferred:
+            first, factor, left = deferred[p.dim]
+            if left % int(mesh_shape[m]):
+                raise ValueError(
+                    f"dtensor_box: strided placement {placements[first]} is not a box: mesh dim {m} of "
+                    f"{mesh_shape[m]} ranks does not divide its split factor"
+                )
+            left //= int(mesh_shape[m])
+            deferred[p.dim] = (first, factor, left)
+            if left == 1:
+                order.append((first, Shard(p.dim)))
+                del deferred[p.dim]
+    for dim, (first, _, _) in deferred.items():
+        raise ValueError(
+            f"dtensor_box: strided placement {placements[first]} (split factor not the later Shard({dim}) "
+            "mesh sizes) is not a box; redistribute to Shard first"
+        )
+    return order
 
 
 def _plain(t: torch.Tensor) -> torch.Tensor:

@@ -49,6 +49,7 @@ __all__ = [
     "gather_parameters",
     "is_sharded",
     "reduce_scatter_gradients",
+    "reduce_scatter_rows",
     "shard_rows",
     "sharded_units",
 ]
@@ -204,19 +205,38 @@ def _buckets(
 def _reduce_scatter_bucket(
     bucket: list[tuple[nn.Parameter, torch.Tensor | None]], group: dist.ProcessGroup, divide_by: float
 ) -> None:
-    """One SUM reduce-scatter for a bucket of dim-0-sharded parameters. FSDP2 shards dim 0 as
-    ``torch.chunk`` does (chunks of ``ceil(rows / W)`` rows, trailing ones short or empty), so each
-    gradient is padded to ``W`` equal chunks, chunk ``r`` of every gradient goes to rank ``r``."""
-    world, rank = dist.get_world_size(group), dist.get_rank(group)
-    blocks, widths = [], []
-    for p, g in bucket:
+    """One SUM reduce-scatter for a bucket of dim-0-sharded parameters (:func:`reduce_scatter_rows`)."""
+    for p, _ in bucket:
         if len(p.placements) != 1 or p.placements[0] != Shard(0):
             raise ValueError(f"reduce_scatter_gradients: placements {p.placements} are not FSDP2's Shard(0)")
-        rows = p.shape[0]
-        chunk = -(-rows // world)
-        full = torch.zeros((chunk * world, *p.shape[1:]), dtype=p.dtype, device=p.to_local().device)
+    reduce_scatter_rows([(p, p.shape, g, "the parameter") for p, g in bucket], group, divide_by)
+
+
+def reduce_scatter_rows(
+    items: list[tuple[DTensor, torch.Size, torch.Tensor | None, str]],
+    group: dist.ProcessGroup,
+    divide_by: float,
+) -> None:
+    """One SUM reduce-scatter of whole gradients into FSDP2 dim-0 shards, for the encoders' and the LLM's
+    ZeRO-2/3 syncs.
+
+    Each item is ``(sharded parameter, gathered shape [rows, ...], gathered gradient or None, name)``: the
+    gathered shape is what FSDP2 shards along dim 0 (the TP-local tensor under TP). FSDP2 shards dim 0 as
+    ``torch.chunk`` does (chunks of ``ceil(rows / W)`` rows, trailing ones short or empty), so each gradient
+    is padded to ``W`` equal chunks and chunk ``r`` of every gradient goes to rank ``r`` of ``group``; a
+    missing gradient counts as zeros. Each parameter's ``.grad`` becomes a DTensor of its rows with its
+    own mesh and placements, divided by ``divide_by``.
+
+    Raises:
+        ValueError: a rank's rows differ from its parameter's local shard (naming the rank and ``name``).
+    """
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    blocks, widths = [], []
+    for p, shape, g, _ in items:
+        chunk = -(-shape[0] // world)
+        full = torch.zeros((chunk * world, *shape[1:]), dtype=p.dtype, device=p.to_local().device)
         if g is not None:
-            full[:rows] = g
+            full[: shape[0]] = g
         blocks.append(full.view(world, -1))
         widths.append(full[0:chunk].numel())
     send = torch.cat(blocks, dim=1).contiguous()
@@ -224,13 +244,13 @@ def _reduce_scatter_bucket(
     dist.reduce_scatter_tensor(out, send.view(-1), op=dist.ReduceOp.SUM, group=group)
     if divide_by != 1:
         out.div_(divide_by)
-    for (p, _), part in zip(bucket, out.split(widths)):
-        chunk = -(-p.shape[0] // world)
-        local = part.view(chunk, *p.shape[1:])[: shard_rows(p.shape[0], world, rank)[1]].clone()
+    for (p, shape, _, name), part in zip(items, out.split(widths), strict=True):
+        chunk = -(-shape[0] // world)
+        local = part.view(chunk, *shape[1:])[: shard_rows(shape[0], world, rank)[1]].clone()
         if tuple(local.shape) != tuple(p.to_local().shape):
             raise ValueError(
-                f"reduce_scatter_gradients: rank {rank} shard {tuple(local.shape)} differs from the "
-                f"parameter's local shard {tuple(p.to_local().shape)}"
+                f"reduce_scatter_gradients: rank {rank} shard {tuple(local.shape)} differs from "
+                f"{name}'s local shard {tuple(p.to_local().shape)}"
             )
         p.grad = DTensor.from_local(
             local, p.device_mesh, p.placements, shape=p.shape, stride=p.stride(), run_check=False

@@ -84,9 +84,18 @@ stays allocated), ZeRO-2/3 reduce-scatter into the shard; ZeRO-1/2 keep the gath
 ZeRO-3 frees it. Per rank the experts then hold the stage's ZeRO bytes with ``W = V`` on top of the
 ``1/ep`` split (:func:`omni_parallel.memory.analytic_state_bytes`' ``expert_shards``).
 
-Not composed: tensor parallelism (the parameters are already TP ``DTensor``s; FSDP2 over TP needs a 2-D
-mesh ``(dp_cp, tp)`` sliced from one root mesh, which ``ParallelState``'s ``dp_cp`` group is not);
-:func:`apply_llm_zero` raises for it.
+Tensor parallelism (``tp > 1``, torchtitan's FSDP2 + TP): the parameters are already TP ``DTensor`` s
+over ``ps.mesh["tp"]``; FSDP2 shards them over ``ps.data_mesh`` (``GroupSpec(data_mesh=True)``: the
+``dp_cp`` ranks as one dimension of the same root mesh, sliced or flattened) and joins the two into its
+2-D ``(dp_cp, tp)`` mesh. Each rank's shard is its TP-local tensor's ``Shard(0)`` rows over the data
+group; the parameter is a DTensor with placements ``(Shard(0), <TP placement>)``, or
+``(_StridedShard(0, split_factor=tp), Shard(0))`` when TP also shards dim 0 (a column-parallel weight:
+chunk ``i`` of TP chunk ``j``), so AdamW steps, clipping norms and checkpoint boxes see global tensors.
+The schedule above runs on the TP-local tensors: the gathered gradient of a parameter is a DTensor over
+the TP mesh, a ``Partial`` one (a sequence-parallel norm's weight: each TP rank's sum over its own tokens)
+summed over TP first (:meth:`_Units.take_grads`; at stage 0
+:func:`~omni_parallel.tensor_parallel.reduce_partial_gradients` does it), then reduce-scattered or
+all-reduced over the data group. Not composed with ``ep > 1`` (:func:`apply_llm_zero` raises).
 
 Source: torchtitan ``parallelize_llama.apply_fsdp`` (per-block ``fully_shard``, ``reshard_after_forward``
 False under PP), PyTorch FSDP2 (``torch.distributed.fsdp.fully_shard``), Megatron-LM's distributed
@@ -95,6 +104,7 @@ optimizer (ZeRO-1: full gradients, sharded optimizer).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -104,12 +114,12 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor.placement_types import _StridedShard
 
 from omni_parallel.encoder_zero import (
     _BUCKET_BYTES,
-    _buckets,
-    _reduce_scatter_bucket,
     configure_step_schedule,
+    reduce_scatter_rows,
     shard_rows,
     sharded_units,
 )
@@ -206,17 +216,25 @@ class _Units:
             unit.unshard()
 
     def take_grads(self) -> list[torch.Tensor | None]:
-        """Each parameter's gathered gradient (in its shard's dtype: float32 under a bf16
-        ``MixedPrecisionPolicy``; ``None``: unused on this rank this step), cleared from the gathered
-        parameter; then every unit resharded."""
+        """Each parameter's gathered gradient as a plain tensor of its gathered (TP-local) shape, in its
+        shard's dtype (float32 under a bf16 ``MixedPrecisionPolicy``; ``None``: unused on this rank this
+        step), cleared from the gathered parameter; then every unit resharded. Under TP a gathered
+        parameter is a DTensor over the TP mesh: a ``Partial`` gradient (a sequence-parallel norm's weight,
+        each TP rank's sum over its own tokens) is first summed over TP (collective over the TP group, the
+        same parameters in the same order on every TP rank), the step's TP reduction that
+        :func:`omni_parallel.tensor_parallel.reduce_partial_gradients` does at stage 0."""
         grads = []
         for fp in self.params:
-            g = getattr(fp, "_unsharded_param", None)
-            g = None if g is None else g.grad
+            u = getattr(fp, "_unsharded_param", None)
+            g = None if u is None else u.grad
             if g is not None:
                 fp.unsharded_param.grad = None
                 dtype = fp.sharded_param.dtype
-                g = g if g.dtype == dtype else g.to(dtype)
+                g = g if g.dtype == dtype else g.to(dtype)  # before the TP sum: float32 under bf16 compute
+                if isinstance(g, DTensor):
+                    if tuple(g.placements) != tuple(u.placements):  # Partial(sum) over TP -> u's placements
+                        g = g.redistribute(placements=u.placements)
+                    g = g.to_local()
             grads.append(g)
         for unit in reversed(self.units):
             unit.reshard()
@@ -224,9 +242,18 @@ class _Units:
 
     def reduce_scatter(self, divide_by: float = 1.0) -> None:
         """ZeRO-2/3: one SUM reduce-scatter per bucket into ``Shard(0)`` gradients."""
-        pairs = list(zip((fp.sharded_param for fp in self.params), self.take_grads(), strict=True))
-        for bucket in _buckets(pairs, _BUCKET_BYTES):
-            _reduce_scatter_bucket(bucket, self.group, divide_by)
+        pairs = list(zip(self.params, self.take_grads(), strict=True))
+        for bucket in _flat_buckets(pairs, key=lambda item: _gathered(item[0])):
+            self._reduce_scatter_bucket(bucket, divide_by)
+
+    def _reduce_scatter_bucket(self, bucket: list[tuple[Any, torch.Tensor | None]], divide_by: float) -> None:
+        """One SUM reduce-scatter for a bucket of ``(FSDPParam, gathered gradient)``. FSDP2 shards each
+        gathered (TP-local) tensor along dim 0 as ``torch.chunk`` does (chunks of ``ceil(rows / W)`` rows,
+        trailing ones short or empty), so each gradient is padded to ``W`` equal chunks and chunk ``r`` of
+        every gradient goes to rank ``r``; each shard's gradient is a DTensor with its parameter's
+        placements (over the 1-D data mesh, or under TP FSDP2's 2-D ``(data, tp)`` mesh)."""
+        items = [(_checked_shard(fp), _gathered(fp), g, fp._param_fqn) for fp, g in bucket]
+        reduce_scatter_rows(items, self.group, divide_by)
 
     def all_reduce(self, divide_by: float = 1.0) -> None:
         """ZeRO-1: the whole gradients summed (one all-reduce per bucket), each shard's gradient its rows."""
@@ -234,7 +261,7 @@ class _Units:
         for k, (fp, g) in enumerate(zip(self.params, grads, strict=True)):
             if g is None:  # zeros where a rank used a parameter nowhere: the buckets line up on every rank
                 sharded = fp.sharded_param
-                grads[k] = torch.zeros(sharded.shape, dtype=sharded.dtype, device=sharded.to_local().device)
+                grads[k] = torch.zeros(_gathered(fp), dtype=sharded.dtype, device=sharded.to_local().device)
         for bucket in _flat_buckets(grads):
             flat = torch.cat([g.reshape(-1) for g in bucket])
             dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=self.group)
@@ -243,32 +270,50 @@ class _Units:
             for g, part in zip(bucket, flat.split([g.numel() for g in bucket]), strict=True):
                 g.copy_(part.view_as(g))
         for fp, g in zip(self.params, grads, strict=True):
-            p = fp.sharded_param
-            if not isinstance(p, DTensor) or tuple(p.placements) != (Shard(0),):
-                raise ValueError(
-                    f"all_reduce_into_shards: {fp._param_fqn} is not an FSDP2 Shard(0) parameter"
-                )
-            start, rows = shard_rows(p.shape[0], self.world, self.rank)
+            p = _checked_shard(fp, "all_reduce_into_shards")
+            start, rows = shard_rows(g.shape[0], self.world, self.rank)
             p.grad = DTensor.from_local(
                 g.narrow(0, start, rows), p.device_mesh, p.placements, shape=p.shape, stride=p.stride(),
                 run_check=False,
             )  # fmt: skip
 
 
-def _flat_buckets(grads: list[torch.Tensor]) -> list[list[torch.Tensor]]:
-    """Consecutive gradients of one device and dtype up to :data:`_BUCKET_BYTES` (the same on every rank)."""
-    out: list[list[torch.Tensor]] = []
-    size = 0
-    for g in grads:
-        nbytes = g.numel() * g.element_size()
-        if (
-            not out
-            or size + nbytes > _BUCKET_BYTES
-            or (out[-1][0].device, out[-1][0].dtype) != (g.device, g.dtype)
-        ):
+def _gathered(fp: Any) -> tuple[int, ...]:
+    """The shape an ``FSDPParam`` gathers to: the whole parameter, or under TP its TP-local tensor (what
+    FSDP2 shards along dim 0 over the data mesh)."""
+    return tuple(fp._orig_size)
+
+
+def _checked_shard(fp: Any, who: str = "reduce_scatter_gradients") -> DTensor:
+    """``fp``'s sharded parameter, checked to be FSDP2's dim-0 shard of its gathered tensor: ``Shard(0)``
+    over the 1-D data mesh, or under TP ``(Shard(0) or _StridedShard(0), <TP placement>)`` over FSDP2's
+    2-D ``(data, tp)`` mesh (the strided form when TP also shards dim 0: a column-parallel weight)."""
+    p = fp.sharded_param
+    first = p.placements[0] if isinstance(p, DTensor) else None
+    if not isinstance(first, Shard | _StridedShard) or first.dim != 0 or p.device_mesh.ndim > 2:
+        raise ValueError(
+            f"{who}: {fp._param_fqn} is not an FSDP2 dim-0 shard over a 1-D data mesh (or a 2-D data x tp "
+            f"mesh): placements {getattr(p, 'placements', None)}"
+        )
+    return p
+
+
+def _flat_buckets(items: list[Any], key: Callable[[Any], tuple[int, ...]] | None = None) -> list[list[Any]]:
+    """Consecutive items up to :data:`_BUCKET_BYTES` (the same on every rank of the group): gradients of
+    one device and dtype (``key=None``), or ``(FSDPParam, gradient)`` pairs of one sharded parameter
+    device and dtype, sized by ``key`` (their gathered shape)."""
+    out: list[list[Any]] = []
+    size, last = 0, None
+    for item in items:
+        if key is None:
+            kind, nbytes = (item.device, item.dtype), item.numel() * item.element_size()
+        else:
+            p = item[0].sharded_param
+            kind, nbytes = (p.device, p.dtype), math.prod(key(item)) * p.element_size()
+        if not out or size + nbytes > _BUCKET_BYTES or last != kind:
             out.append([])
-            size = 0
-        out[-1].append(g)
+            size, last = 0, kind
+        out[-1].append(item)
         size += nbytes
     return out
 
@@ -289,7 +334,8 @@ def apply_llm_zero(
     Args:
         chunks: the stage modules the pipeline executor runs (each an FSDP2 root); their parameters are
             the LLM's parameters on this rank. Stage 0 reduces exactly these parameters.
-        ps: the parallel state (its ``dp_cp`` group and mesh, ``tp`` size; with ``ep > 1`` its
+        ps: the parallel state (its ``dp_cp`` group and mesh, ``tp`` size; with ``tp > 1`` its
+            ``data_mesh``, built with ``GroupSpec(data_mesh=True)``; with ``ep > 1`` its
             ``expert_dp_group``, built with ``GroupSpec(expert_dp=True)``).
         zero_stage: 0, 1, 2 or 3.
         blocks: transformer blocks inside ``chunks``, one FSDP2 unit each (sharded before their chunk).
@@ -303,8 +349,8 @@ def apply_llm_zero(
     ``[Shard(0), Shard(d)]`` DTensors over :func:`expert_mesh`: build the optimizer after this call).
 
     Raises:
-        ValueError: ``zero_stage`` not in 0-3; ``zero_stage > 0`` with ``tp > 1`` (not composed, see the
-            module docstring); a block not inside any chunk; ``param_dtype`` not a floating dtype; routed
+        ValueError: ``zero_stage`` not in 0-3; ``zero_stage > 0`` with ``tp > 1`` and no
+            ``ps.data_mesh`` (``GroupSpec(data_mesh=True)``; none with ``ep > 1``); a block not inside any chunk; ``param_dtype`` not a floating dtype; routed
             experts with ``ep`` < ``dp_cp`` and no ``ps.expert_dp_group``; an expert tensor none of whose
             dims the expert-data-parallel size divides.
     """
@@ -326,16 +372,11 @@ def apply_llm_zero(
             dense = ps.group("dp_cp") if ps.size("dp_cp") > 1 else None
             return LLMGradientSync(expert_parallel_sync(chunks, dense, ps.expert_dp_group))
         return LLMGradientSync(apply_dp(chunks, ps))
-    if ps.size("tp") > 1:
-        raise ValueError(
-            f"apply_llm_zero: ZeRO stage {zero_stage} with tp = {ps.size('tp')} is not supported "
-            "(the parameters are TP DTensors; FSDP2 over them needs a 2-D mesh)"
-        )
+    mesh = _data_mesh(ps, zero_stage)
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32 if param_dtype else None)
     inside = {id(m) for c in chunks for m in c.modules()}
-    mesh = ps.device_mesh("dp_cp")
     edp = None
     if experts and ps.expert_dp_group is not None:  # each EP shard sharded over its edp ranks too
         edp = _ExpertShards(chunks, expert_mesh(ps), zero_stage)
@@ -360,6 +401,28 @@ def apply_llm_zero(
     elif experts:
         reduce = _then_sum_experts(reduce, experts, ps.expert_dp_group)
     return LLMGradientSync(reduce, attach, zero_stage, bool(lazy))
+
+
+def _data_mesh(ps: ParallelState, zero_stage: int) -> DeviceMesh:
+    """The 1-D mesh FSDP2 shards the LLM over: group ``dp_cp``; under TP ``ps.data_mesh``, the ``dp_cp``
+    ranks as one dimension of ``ps.mesh`` (sliced, or flattened over ``dp_rest`` x ``cp`` x ``ulysses``),
+    so that FSDP2 joins it with the TP parameters' mesh (``ps.mesh["tp"]``, a slice of the same root)
+    into its 2-D ``(dp_cp, tp)`` mesh (torchtitan's ``dp_shard_cp`` x ``tp``).
+
+    Raises:
+        ValueError: ``tp > 1`` and ``ps`` has no data mesh (built without ``GroupSpec(data_mesh=True)``,
+            or ``ep > 1``).
+    """
+    if ps.size("tp") == 1:
+        return ps.device_mesh("dp_cp")
+    mesh = ps.data_mesh
+    if mesh is None or sorted(mesh.mesh.flatten().tolist()) != sorted(ps.members["dp_cp"]):
+        raise ValueError(
+            f"apply_llm_zero: ZeRO stage {zero_stage} with tp = {ps.size('tp')} needs the data group as one "
+            "dimension of the device mesh: ParallelState.build(..., groups=GroupSpec(data_mesh=True)), "
+            f"ep = 1 (got ep = {ps.size('ep')})"
+        )
+    return mesh
 
 
 def _then(first: Callable[[], None], second: Callable[[], None]) -> Callable[[], None]:
@@ -500,7 +563,7 @@ def all_reduce_into_shards(modules: Iterable[nn.Module], *, divide_by: float = 1
 
     Raises:
         ValueError: ``divide_by <= 0``; the modules hold no FSDP2 unit, or a parameter that is not
-            ``Shard(0)`` over a 1-D mesh after reshard.
+            a dim-0 shard over the data mesh after reshard (``_checked_shard``).
     """
     if not divide_by > 0:
         raise ValueError(f"all_reduce_into_shards: divide_by must be > 0, got {divide_by}")

@@ -232,16 +232,10 @@ def planned_state_bytes(
     }
     # ZeRO-1's whole gradients are the FSDP2 units' (parameters FSDP2 leaves out, e.g. EP-sharded experts,
     # keep gradients of their local shard unless sharded over their edp ranks)
-    fsdp = {id(fp.sharded_param) for fp in _fsdp_params(modules)} if whole_gradients else set()
-    grads = sum(
-        (
-            whole_edp[id(p)]
-            if whole_gradients and id(p) in whole_edp
-            else (p if id(p) in fsdp else _local(p)).numel()
-        )
-        * p.element_size()
-        for p in params
-    )
+    # (under TP the gathered tensor, whole over the data mesh, is the TP-local one: FSDPParam._orig_size)
+    fsdp = {id(fp.sharded_param): math.prod(fp._orig_size) for fp in _fsdp_params(modules)}
+    whole = {**fsdp, **whole_edp} if whole_gradients else {}
+    grads = sum(whole.get(id(p), _local(p).numel()) * p.element_size() for p in params)
     return {
         "parameters": storage_bytes(params),
         "gathered": gathered,

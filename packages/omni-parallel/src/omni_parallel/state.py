@@ -15,8 +15,8 @@ Every process group of a run is created here, in :meth:`ParallelState.build`, in
 creation is collective: every rank must create the same groups in the same order, so no caller creates
 any elsewhere): the mesh's elementary axes, ``dp``, ``dp_cp`` and ``tp_cp``, then the optional groups a
 :class:`GroupSpec` asks for, in this order: the loader's copy of ``dp``, the reordering groups across DP,
-the encoders' point-to-point copy of ``pp``, the hybrid DP/CP blocks, the expert-data-parallel groups, and a
-gloo group over every rank for checkpoint bookkeeping.
+the encoders' point-to-point copy of ``pp``, the hybrid DP/CP blocks, the expert-data-parallel groups, the
+data mesh of LLM ZeRO with TP, and a gloo group over every rank for checkpoint bookkeeping.
 
 Decoupled encoders (§ decoupled parallelism): encoder data parallelism spans every rank, pipeline ranks
 included; encoder SP groups are ``sp`` contiguous ranks; ZeRO over all ranks through FSDP2, on the
@@ -93,6 +93,11 @@ class GroupSpec:
             ``dp_cp`` ranks of a stage holding the same expert shard; expert gradients are reduced over
             them): :attr:`ParallelState.expert_dp_group`. Not created for ``ep`` 1 (``dp_cp`` serves) nor
             when each shard has one holder.
+        data_mesh: LLM ZeRO over TP (:mod:`omni_parallel.llm_zero`): the ``dp_cp`` ranks as one dimension
+            of the root mesh (its ``dp_rest``, ``cp`` and ``ulysses`` dimensions flattened,
+            ``DeviceMesh._flatten``, which creates the group), so FSDP2 joins it with the TP mesh into
+            its 2-D ``(dp_cp, tp)`` mesh: :attr:`ParallelState.data_mesh`. Only created for ``tp > 1``
+            with ``ep = 1``; with ``ulysses = cp = 1`` the ``dp_rest`` dimension is sliced, no group.
         checkpoint: a gloo group over every rank for checkpoint bookkeeping (omni-ckpt's
             ``CheckpointManager(process_group=...)``: its plan exchange and commit run on CPU objects, an
             async save's from a thread of its own, so it needs a group no step collective uses):
@@ -108,12 +113,13 @@ class GroupSpec:
     hybrid_cp: bool = False
     checkpoint: bool = False
     expert_dp: bool = False
+    data_mesh: bool = False
 
     def __post_init__(self) -> None:
         g = self.reorder_group_size
         if g is not None and (not isinstance(g, int) or isinstance(g, bool) or g < 1):
             raise ValueError(f"GroupSpec.reorder_group_size must be a positive int or None, got {g!r}")
-        for name in ("loader_dp", "encoder_p2p", "hybrid_cp", "checkpoint", "expert_dp"):
+        for name in ("loader_dp", "encoder_p2p", "hybrid_cp", "checkpoint", "expert_dp", "data_mesh"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"GroupSpec.{name} must be a bool, got {getattr(self, name)!r}")
 
@@ -265,6 +271,8 @@ class ParallelState:
             holder per expert shard); its members: ``members["edp"]`` when created.
         checkpoint_group: a gloo group over every rank for checkpoint bookkeeping (``None``: not asked
             for).
+        data_mesh: the ``dp_cp`` ranks as one dimension of :attr:`mesh` (``GroupSpec.data_mesh``;
+            ``None``: not asked for, ``tp`` 1 or ``ep > 1``).
         timeout: the collective timeout of every group (``None``: torch's defaults; see :meth:`build`).
     """
 
@@ -283,6 +291,7 @@ class ParallelState:
     hybrid_cp_groups: dict[tuple[int, int], dist.ProcessGroup] = field(default_factory=dict)
     checkpoint_group: dist.ProcessGroup | None = None
     expert_dp_group: dist.ProcessGroup | None = None
+    data_mesh: DeviceMesh | None = None
     timeout: timedelta | None = None
 
     @classmethod
@@ -396,6 +405,15 @@ class ParallelState:
             if len(edp[0]) > 1:
                 self.expert_dp_group, _ = dist.new_subgroups_by_enumeration(edp, timeout=self.timeout)
                 self.members["edp"] = next(g for g in edp if self.rank in g)
+        if spec.data_mesh and self.size("tp") > 1 and self.size("ep") == 1:
+            names = self.mesh.mesh_dim_names or ()
+            dims = tuple(n for n in names if n in ("dp_rest", "cp", "ulysses") and self.mesh[n].size() > 1)
+            if len(dims) > 1:  # one new group over the dp_cp ranks, in the root mesh's order
+                self.data_mesh = self.mesh[dims]._flatten("dp_cp")
+                if self.timeout is not None:
+                    dist.set_timeout(self.timeout, self.data_mesh.get_group())
+            else:
+                self.data_mesh = self.mesh[dims[0] if dims else "dp_rest"]
         if spec.checkpoint:
             self.checkpoint_group = dist.new_group(backend="gloo", timeout=self.timeout)
 

@@ -25,7 +25,9 @@ last stage (and the embedding, a given share of a block, on the first), then re-
 split; encoder, P2P and dispatch terms carry over (same machine, same models); the time outside the
 pipeline is scaled by the largest parameter count a rank holds (the optimizer's and the gradient
 clipping's work, :func:`restage_cost_model`). :func:`host_step_s` simulates a step again with the ranks
-sharing a host's cores (more processes than cores on one host, e.g. CPU ranks).
+sharing a host's cores (more processes than cores on one host, e.g. CPU ranks), with each process's CPU
+work outside its recorded actions (:func:`fit_process_cpu`, from the step records' ``cpu_s`` and
+``pipeline_cpu_s``) competing for them.
 """
 
 from __future__ import annotations
@@ -52,9 +54,11 @@ from omni_pipeline.stage_balance import fit_layer_costs
 __all__ = [
     "BASE_SPREAD",
     "LayerCostModel",
+    "ProcessCpu",
     "calibrated_layer_costs",
     "fit_cost_model",
     "fit_layer_model",
+    "fit_process_cpu",
     "fit_run",
     "fitted_cost_model",
     "host_step_s",
@@ -488,8 +492,77 @@ def restage_cost_model(
     )
 
 
+@dataclass(frozen=True)
+class ProcessCpu:
+    """CPU seconds per step that each process spends outside its recorded actions (:func:`fit_process_cpu`).
+
+    Measured per process and carried to another layout as it is (per process, not per parameter or
+    message): on ``omni-heavy`` with 4 LLM layers on 2 cores shared with other work, a process's CPU
+    beside its actions was 0.052 and 0.046 s per step at pp=2 on ranks of 3 and 1 layers (``cpu_s``
+    less the recorded actions), and its CPU outside the executor's step 0.021-0.029 s per rank at pp=2
+    and 0.019-0.030 s at pp=4 (1 layer each, 32-64 messages per rank), rank 0 the highest (it gathers
+    every rank's records).
+
+    Attributes:
+        background_s: inside the executor's step, beside the recorded actions and their dispatch gaps (the
+            gradient reduction, the transport's and the loader's threads), seconds >= 0.
+        outside_s: outside the executor's step (data, clipping, optimizer, metrics, records), seconds >= 0.
+
+    Raises:
+        ValueError: a negative or non-finite value.
+    """
+
+    background_s: float = 0.0
+    outside_s: float = 0.0
+
+    def __post_init__(self) -> None:
+        both = (self.background_s, self.outside_s)
+        if not all(math.isfinite(x) and x >= 0 for x in both):
+            raise ValueError(f"ProcessCpu: seconds must be finite and >= 0, got {both}")
+
+
+def fit_process_cpu(records: RunRecords, *, skip_steps: int = 0) -> ProcessCpu | None:
+    """Each process's CPU seconds per step outside its recorded actions, from a run's step records.
+
+    Per recorded (step, rank) past the first ``skip_steps`` steps: ``background = pipeline_cpu_s - sum of
+    the rank's action seconds - its dispatch gaps`` (the gaps between consecutive actions not spent
+    waiting on a receive, as :func:`fit_cost_model`'s ``dispatch_s``) and ``outside = cpu_s -
+    pipeline_cpu_s``; each the mean over them, clamped at 0. The actions' wall seconds stand for their CPU
+    seconds, which holds when the fitted run had a core per process: fit on such a run (on a host shared
+    with other work the actions' wall seconds exceed their CPU and ``background_s`` comes out low or 0).
+
+    Returns:
+        the fit, or ``None`` when no step record past the skipped steps carries both ``cpu_s`` and
+        ``pipeline_cpu_s`` (records written before they were recorded).
+    """
+    ids = records.step_ids
+    first = ids[skip_steps] if skip_steps < len(ids) else math.inf
+    steps = [
+        r for r in records.steps if r.step >= first and r.cpu_s is not None and r.pipeline_cpu_s is not None
+    ]
+    if not steps:
+        return None
+    by_rank: dict[tuple[int, int], list[ActionRecord]] = defaultdict(list)
+    for a in records.actions:
+        if a.step >= first:
+            by_rank[(a.step, a.rank)].append(a)
+    background, outside = [], []
+    for st in steps:
+        recs = sorted(by_rank.get((st.step, st.rank), []), key=lambda a: a.start_s)
+        gaps = sum(max(0.0, b.start_s - a.end_s - b.wait_s) for a, b in itertools.pairwise(recs))
+        background.append(st.pipeline_cpu_s - sum(a.seconds for a in recs) - gaps)
+        outside.append(st.cpu_s - st.pipeline_cpu_s)
+    return ProcessCpu(max(0.0, sum(background) / len(background)), max(0.0, sum(outside) / len(outside)))
+
+
 def host_step_s(
-    schedule: Schedule, flow: DataFlow | None, costs: CostModel, *, processes: int, cores: float
+    schedule: Schedule,
+    flow: DataFlow | None,
+    costs: CostModel,
+    *,
+    processes: int,
+    cores: float,
+    process_cpu: ProcessCpu | None = None,
 ) -> float:
     """A step's wall seconds when ``processes`` ranks share ``cores`` cores of one host (CPU runs).
 
@@ -503,16 +576,25 @@ def host_step_s(
     replicas' and CP ranks' processes on the host take their share of the cores); transfers take wall
     time and no core. The time outside the pipeline (``costs.step_overhead_s``: optimizer, gradient
     collectives, metrics) runs on every process at once, so it is stretched by ``max(1, processes /
-    cores)``. With as many cores as processes this is the simulator's own step.
+    cores)``. With as many cores as processes (and no ``process_cpu``) this is the simulator's own step.
 
-    What it leaves out: work the records do not see (the loader's background decode threads, gloo's
-    threads), which runs in idle time when cores are spare and competes when they are not.
+    With ``process_cpu`` (:func:`fit_process_cpu`), each process's CPU work outside its recorded actions
+    competes too: ``process_cpu.background_s`` of every pipeline rank is one more runnable job of that
+    rank from the step's start until done (the scheduler's fair share: it slows the actions while it
+    runs, and the pipeline's end waits for it); of the time outside the pipeline only its CPU,
+    ``process_cpu.outside_s``, is stretched, the rest (waits in collectives) is not:
+    ``max(0, step_overhead_s - outside_s) + outside_s * max(1, processes / cores)``.
 
     Args:
         schedule, flow: as for :func:`~omni_pipeline.simulator.simulate`.
         costs: the step's cost model (e.g. :func:`~omni_pipeline.step_costs.calibrated_step_costs`).
         processes: ranks on the host (the run's world size on one host); cores: cores they share (a
             machine parameter, e.g. ``os.cpu_count()``; never fitted).
+        process_cpu: each process's CPU seconds per step outside its actions (see above); ``None``: none
+            beyond the time outside the pipeline, all of which is then CPU.
+
+    Returns:
+        the step's wall seconds.
 
     Raises:
         ValueError: ``processes`` smaller than the pipeline's ranks, or ``cores <= 0``.
@@ -533,8 +615,11 @@ def host_step_s(
     free = dict.fromkeys(programs, 0.0)  # when the rank may start its next action (its dispatch done)
     end: dict[Action, float] = {}
     running: dict[int, list] = {}  # rank -> [action, or None for a dispatch gap; CPU seconds left]
+    # rank -> CPU seconds left of its process's work beside the actions (runnable from the step's start)
+    bg_s = process_cpu.background_s if process_cpu is not None else 0.0
+    background = dict.fromkeys(programs, bg_s) if bg_s > 0 else {}
     total, t = sum(len(p) for p in programs.values()), 0.0
-    while len(end) < total:
+    while len(end) < total or background:
         next_ready = math.inf
         for r, prog in programs.items():
             if r in running or pos[r] >= len(prog):
@@ -552,12 +637,17 @@ def host_step_s(
                 running[r] = [a, costs.duration(a)]
             else:
                 next_ready = min(next_ready, ready)
-        if not running:
+        if not running and not background:
             t = next_ready
             continue
-        rate = min(1.0, share / len(running))
-        dt = min(min(left for _, left in running.values()) / rate, next_ready - t)
+        rate = min(1.0, share / (len(running) + len(background)))
+        lefts = [left for _, left in running.values()] + list(background.values())
+        dt = min(min(lefts) / rate, next_ready - t)
         t += dt
+        for r in list(background):
+            background[r] -= dt * rate
+            if background[r] <= 1e-12:
+                del background[r]
         for r in list(running):
             running[r][1] -= dt * rate
             if running[r][1] > 1e-12:
@@ -570,4 +660,7 @@ def host_step_s(
             pos[r] += 1
             if pos[r] < len(programs[r]) and costs.dispatch_s > 0:
                 running[r] = [None, costs.dispatch_s]
-    return t + costs.step_overhead_s * max(1.0, processes / cores)
+    stretch = max(1.0, processes / cores)
+    if process_cpu is None:
+        return t + costs.step_overhead_s * stretch
+    return t + max(0.0, costs.step_overhead_s - process_cpu.outside_s) + process_cpu.outside_s * stretch

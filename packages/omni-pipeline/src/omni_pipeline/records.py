@@ -16,8 +16,12 @@ One JSON object per line (JSONL) in ``<run dir>/actions.jsonl`` (:data:`RECORDS_
   clock, e.g. ``time.perf_counter`` on one host; only meaningful when the receiver blocked, else
   ``null``).
 * ``"step"`` (:class:`StepRecord`): one step on one rank: ``step_s`` (wall time of the whole training
-  step, data to optimizer) and ``actions_end_s`` (end of the rank's last action, from the executor's
-  step start).
+  step, data to optimizer), ``actions_end_s`` (end of the rank's last action, from the executor's
+  step start) and ``cpu_s`` (the rank's process CPU seconds, user + system of all its threads, over the
+  same interval as ``step_s``: ``time.process_time``) and ``pipeline_cpu_s`` (the same over the executor's
+  step within it: the actions, their dispatch and receives, and the gradient reduction after them; so
+  ``cpu_s - pipeline_cpu_s`` is the CPU of the time outside the pipeline: data, clipping, optimizer,
+  metrics); both ``null`` or absent in records written before they were recorded.
 * ``"flow"`` (:class:`FlowRecord`): the data flow one step ran, when the flow changes from step to step
   (a placement planned per step): ``flow``, :meth:`DataFlow.to_json`'s text.
 
@@ -107,12 +111,16 @@ class P2PRecord:
 
 @dataclass(frozen=True)
 class StepRecord:
-    """One step on one rank: whole-step wall seconds and the end of its last pipeline action."""
+    """One step on one rank: whole-step wall seconds, the end of its last pipeline action and its
+    process's CPU seconds over the step and over the executor's step within it (``None``: not
+    recorded)."""
 
     step: int
     rank: int
     step_s: float
     actions_end_s: float
+    cpu_s: float | None = None
+    pipeline_cpu_s: float | None = None
 
 
 @dataclass(frozen=True)
@@ -234,12 +242,15 @@ def gather_step_records(
     pp_rank: int,
     pp_group: dist.ProcessGroup | None,
     flow: DataFlow | None = None,
+    cpu_s: tuple[float, float] | None = None,
 ) -> list[Record] | None:
     """One step's records of every rank of a pipeline, gathered to the pipeline's first rank.
 
     Each rank turns its ``result`` (a :class:`~omni_pipeline.PipelineExecutor` ``StepResult``: its
     ``timeline``, ``waits`` and ``p2p``) into action records (:func:`action_records`), its receives and
-    one :class:`StepRecord` (``wall_s``: the whole training step's wall time, seconds); ``flow``, given on
+    one :class:`StepRecord` (``wall_s``: the whole training step's wall time, seconds; ``cpu_s``: the
+    rank's process CPU seconds over it and over the executor's step within it, ``time.process_time``,
+    or ``None``); ``flow``, given on
     pipeline rank 0 when the data flow changes from step to step, adds a :class:`FlowRecord`. Collective
     over ``pp_group`` (``gather_object``; ``None`` for pp=1).
 
@@ -252,7 +263,7 @@ def gather_step_records(
     """
     mine: list[Record] = list(action_records(step, result.timeline, llm_tokens, encoder_tokens, result.waits))
     end = max((ev.end_s for ev in result.timeline), default=0.0)
-    mine += [*result.p2p, StepRecord(step, pp_rank, wall_s, end)]
+    mine += [*result.p2p, StepRecord(step, pp_rank, wall_s, end, *(cpu_s or (None, None)))]
     if flow is not None:
         mine.append(FlowRecord(step, flow.to_json()))
     if pp_group is None or dist.get_world_size(pp_group) == 1:
@@ -402,9 +413,12 @@ def _parse(obj: Any, where: str) -> Record:
         rank=_int(obj, "rank", where),
         step_s=_float(obj, "step_s", where),
         actions_end_s=_float(obj, "actions_end_s", where),
+        cpu_s=_float(obj, "cpu_s", where, optional=True),
+        pipeline_cpu_s=_float(obj, "pipeline_cpu_s", where, optional=True),
     )
-    if rec.step_s < 0 or rec.actions_end_s < 0:
-        raise RecordError(f"{where}: step_s and actions_end_s must be >= 0")
+    cpus = [x for x in (rec.cpu_s, rec.pipeline_cpu_s) if x is not None]
+    if rec.step_s < 0 or rec.actions_end_s < 0 or any(x < 0 for x in cpus):
+        raise RecordError(f"{where}: step_s, actions_end_s, cpu_s and pipeline_cpu_s must be >= 0")
     return rec
 
 

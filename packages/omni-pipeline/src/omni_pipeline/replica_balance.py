@@ -175,6 +175,7 @@ def price_group(
     vocab: int = 32000,
     state: Mapping[int, Mapping[str, Mapping[str, float]]] | None = None,
     cache: dict | None = None,
+    stage_layers: Sequence[int] | None = None,
 ) -> GroupPricing:
     """Price ``layout`` with reordering groups of ``group`` DP replicas (module docstring).
 
@@ -186,6 +187,9 @@ def price_group(
         cache: a dict kept between calls for one workload, device, network and vocabulary: the
             replicas' packs, their deals, the pipeline simulations (shared by layouts differing
             only in ZeRO stages) and, without ``state``, each (layout, group, replica) prediction are reused.
+            One cache per ``stage_layers``: its entries are not keyed by the split.
+        stage_layers: layers per LLM stage (default the even split), as
+            :func:`~omni_pipeline.step_model.predict_step` takes them.
 
     Returns:
         :class:`GroupPricing`.
@@ -218,7 +222,7 @@ def price_group(
         if state is not None or key not in cache:  # exact states are not kept: no prediction cached
             pred = predict_step(
                 workload, L, device=device, network=network, microbatches=m, step=step, vocab=vocab,
-                packs=packs, state=state, cache=cache, encoder_microbatches=dealt[r],
+                packs=packs, state=state, cache=cache, encoder_microbatches=dealt[r], stage_layers=stage_layers,
             )  # fmt: skip
             if state is not None:
                 preds.append(pred)

@@ -97,15 +97,38 @@ and encoder ZeRO, recompute, placement, reordering group) of a :class:`~omni_pip
   gathers and reductions are timed as one collective per rank over its stages' bytes (one per stage in
   the trainer: ``v - 1`` more latencies, left out).
 
-Not modelled: data loading, expert load imbalance, imbalance between DP replicas (every replica runs
-the simulated one's step), offload, compute-communication overlap inside an action, link contention
-between groups.
+* **Activation offload** (``Layout.offload``, the trainer's ``train.offload``): an offloaded block keeps
+  what it saves for backward in pinned host memory (:meth:`omni_parallel.activation_memory.ActivationMemory.offload`,
+  around each block's forward: :func:`omni_parallel.parallelize.apply_offload`), so its stored bytes leave
+  the device except, under selective recompute, each recomputed branch's float32 input (the checkpoint
+  holds it by reference on the device); outside the blocks the last stage's log-softmax stays.
+  ``omni-train memory`` does not count offload (it plans the whole count), so the step model follows what
+  the trainer measures (``peak_activation_bytes_per_rank`` drops, ``peak_offloaded_bytes_per_rank`` holds
+  the rest). Encoders likewise per tower (a video sample: the image tower's). Time: the copy out is a
+  synchronous ``copy_`` inside the forward and the copy back a ``to(non_blocking=True)`` on the compute
+  stream inside the backward, so each offloaded LLM stage's forward and backward grow by its copied bytes
+  (:func:`omni_parallel.memory.block_activation_bytes` less what stays, at the pack length) over
+  ``Device.host_Bps``, each encoder microbatch's by its stored bytes' offloaded share; reported as
+  ``time_s["offload"]`` (taken out of ``llm_compute`` / ``encoder_compute``). Assumption: a tensor two
+  ops save is copied once (the trainer's hooks copy it per op: a lower bound then).
+* **Data loading**: each rank decodes the payloads of the encoder microbatches it runs (the
+  zero-redundancy loader, :mod:`omni_data.zero_redundancy`; TP rank 0 decodes for its group), one loader
+  worker's time per sample its source's ``decode_s`` (:func:`loader_seconds`); with
+  ``workload.loader_workers = w > 0`` workers running ahead of the step (the trainer's background
+  preparation and decode pool) the step is ``max(compute step, max_r load_r / w)``, with ``w = 0`` (decode
+  inline) ``compute step + max_r load_r``; ``time_s["data_loading"]`` is what the step waits for,
+  :attr:`StepPrediction.loader_s` the slowest rank's whole decode.
+
+Not modelled: expert load imbalance, imbalance between DP replicas (every replica runs the simulated
+one's step), compute-communication overlap inside an action, offload copies overlapped with compute (the
+trainer does not), host memory for offloaded activations, text tokenization in the loader, link
+contention between groups.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from omni_data import Pack, SampleMeta, encoder_microbatch_ids, split_encoder_microbatches
@@ -133,6 +156,7 @@ from omni_pipeline.step_costs import (
 from omni_pipeline.workload import MoEShape, Workload
 
 __all__ = [
+    "OFFLOAD_FAMILIES",
     "PLACEMENTS",
     "Device",
     "Layout",
@@ -141,6 +165,8 @@ __all__ = [
     "encoder_aware_stage_layers",
     "even_stage_layers",
     "llm_stage_params",
+    "loader_seconds",
+    "offload_seconds",
     "predict_step",
     "rank_memory",
     "recompute_fraction",
@@ -164,13 +190,18 @@ GATHER_BYTES = 2  # LLM ZeRO all-gathers bf16 copies (MixedPrecisionPolicy(param
 ENCODER_GATHER_BYTES = 4  # encoder ZeRO has no MixedPrecisionPolicy: it gathers the float32 shards
 RESHARD_POLICIES = ("auto", "always", "never")
 ACT_BYTES = 2  # bf16 activations under autocast
+# block families Layout.offload names (omni_train.config.OFFLOAD: the LLM's, the ViT's, the audio encoder's)
+OFFLOAD_FAMILIES = ("llm", "image", "audio")
 
 
 @dataclass(frozen=True)
 class Device:
     """One accelerator: ``memory_bytes`` of HBM, ``peak_flops`` dense FLOP/s at ``efficiency`` (the share
-    sustained by the model's kernels), ``hbm_Bps`` memory bandwidth (the optimizer step). Defaults: H100
-    SXM (80 GB, 989 TFLOP/s bf16 dense, 3.35 TB/s; NVIDIA datasheet) at the paper's 0.4 (issue 31).
+    sustained by the model's kernels), ``hbm_Bps`` memory bandwidth (the optimizer step), ``host_Bps`` its
+    link to host memory per direction (activation offload's copies, ``Layout.offload``). Defaults: H100
+    SXM (80 GB, 989 TFLOP/s bf16 dense, 3.35 TB/s; NVIDIA datasheet) at the paper's 0.4 (issue 31);
+    ``host_Bps`` 25 GB/s, an assumption: what a pinned ``cudaMemcpy`` sustains over PCIe Gen4 x16 (32 GB/s
+    nominal; Gen5, 64 GB/s nominal, about doubles it when the GPU's switch port is not shared with a NIC).
 
     Raises:
         ValueError: a value not > 0, or ``efficiency`` above 1 (named).
@@ -180,9 +211,11 @@ class Device:
     peak_flops: float = 989e12
     efficiency: float = 0.4
     hbm_Bps: float = 3.35e12
+    host_Bps: float = 25e9
 
     def __post_init__(self) -> None:
-        bad = [k for k in ("memory_bytes", "peak_flops", "efficiency", "hbm_Bps") if not getattr(self, k) > 0]
+        bad = [k for k in ("memory_bytes", "peak_flops", "efficiency", "hbm_Bps", "host_Bps")
+               if not getattr(self, k) > 0]  # fmt: skip
         if bad or self.efficiency > 1:
             raise ValueError(f"Device: {bad or ['efficiency']} must be > 0 (efficiency <= 1): {self!r}")
 
@@ -203,6 +236,12 @@ class Layout:
             its forward again in backward (:func:`recompute_fraction`) and keeps only its input
             (:func:`omni_parallel.memory.block_activation_bytes`). Without ``recompute`` it changes
             nothing (as in the trainer: no block is recomputed).
+        offload: block families (:data:`OFFLOAD_FAMILIES`: ``"llm"``, ``"image"``, ``"audio"``; the
+            trainer's ``train.offload``, :func:`omni_parallel.parallelize.apply_offload`) whose blocks keep
+            what they save for backward in host memory: each block's saved tensors are copied to pinned
+            host memory during its forward and back during its backward (module docstring). Not with
+            whole-block ``recompute`` (such a block keeps nothing to offload: the trainer's preflight
+            refuses it); with selective recompute the recomputed branches' inputs stay on the device.
         placement: one of :data:`PLACEMENTS`.
         reorder_group: DP replicas the reordering all-to-all spans (1: reorder within the replica only).
         ep: expert-parallel size, carved out of ``dp`` (``parallel.ep``): the MoE layers' routed experts
@@ -220,7 +259,8 @@ class Layout:
     Raises:
         ValueError: a size < 1, ``sequence_parallel`` without ``tp > 1``, an unknown ``cp_attention``,
             ``placement`` or ZeRO stage, ``recompute_modules`` not distinct names of
-            :data:`omni_parallel.memory.BRANCHES`, or ``reorder_group`` /
+            :data:`omni_parallel.memory.BRANCHES`, ``offload`` not distinct names of
+            :data:`OFFLOAD_FAMILIES` or given with whole-block ``recompute``, or ``reorder_group`` /
             ``ep`` not dividing ``dp`` (named).
     """
 
@@ -240,6 +280,7 @@ class Layout:
     ep: int = 1
     llm_reshard: str = "auto"
     virtual_stages: int = 1
+    offload: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         errors = [f"{k} must be an int >= 1, got {getattr(self, k)!r}" for k in
@@ -256,6 +297,19 @@ class Layout:
         ):
             errors.append(
                 f"recompute_modules must be distinct names of {BRANCHES}, got {self.recompute_modules!r}"
+            )
+        if (
+            not isinstance(self.offload, tuple)
+            or set(self.offload) - set(OFFLOAD_FAMILIES)
+            or len(set(self.offload)) != len(self.offload)
+        ):
+            errors.append(
+                f"offload must be a tuple of distinct names of {OFFLOAD_FAMILIES}, got {self.offload!r}"
+            )
+        elif self.offload and self.recompute and not self.recompute_modules:
+            errors.append(
+                f"offload {self.offload!r} with whole-block recompute: such a block keeps nothing to offload "
+                "(the trainer's train.offload / train.recompute rule); give recompute_modules or no offload"
             )
         if self.llm_reshard not in RESHARD_POLICIES:
             errors.append(f"llm_reshard must be one of {RESHARD_POLICIES}, got {self.llm_reshard!r}")
@@ -517,14 +571,33 @@ def _stage_activation_bytes(
     last: bool,
     moe: MoEShape | None = None,
     first_layer: int = 0,
+    host: bool = False,
 ) -> int:
-    """Bytes one LLM stage stores per microbatch (``omni-train memory``'s formula: block activations of
-    the rank's ``tokens // (cp * ulysses)`` tokens times ``layers``, plus the float32 log-softmax over the
-    vocabulary on the last stage; an MoE layer as a SwiGLU of ``top_k * expert_ffn_dim + shared``
-    features, the module docstring's assumption)."""
+    """Bytes one LLM stage stores per microbatch on the device (``omni-train memory``'s formula: block
+    activations of the rank's ``tokens // (cp * ulysses)`` tokens times ``layers``, plus the float32
+    log-softmax over the vocabulary on the last stage; an MoE layer as a SwiGLU of ``top_k *
+    expert_ffn_dim + shared`` features, the module docstring's assumption).
+
+    With ``"llm"`` in ``layout.offload`` each block's saved tensors go to host memory
+    (:meth:`omni_parallel.activation_memory.ActivationMemory.offload`) except, under selective recompute,
+    each recomputed branch's input (``tokens * dim`` float32 per branch, ``/ tp`` under SP), which the
+    checkpoint holds by reference on the device; the log-softmax, outside the blocks, stays.
+    ``host=True``: the bytes that go to host memory instead (0 without offload): what each microbatch
+    copies out in its forward and back in its backward."""
     t = tokens // (layout.cp * layout.ulysses)
+    offload = "llm" in layout.offload
+    if host and not offload:
+        return 0
+    s = layout.tp if layout.sequence_parallel else 1
+    kept = len(layout.recompute_modules) * (t * shape.dim * MASTER_BYTES // s) if layout.recompute else 0
 
     def block(ffn: int) -> int:
+        full = _block(ffn)
+        if not offload:
+            return full
+        return full - kept if host else kept
+
+    def _block(ffn: int) -> int:
         return block_activation_bytes(
             t,
             shape.dim,
@@ -544,7 +617,7 @@ def _stage_activation_bytes(
     total = block(int(shape.mlp_dim)) * (layers - n_moe)
     if n_moe:
         total += block(moe.top_k * moe.expert_ffn_dim + moe.shared_width) * n_moe
-    return total + (t * vocab * 4 if last else 0)
+    return total + (t * vocab * 4 if last and not host else 0)
 
 
 def rank_memory(
@@ -838,13 +911,16 @@ class StepPrediction:
         tokens_per_s: LLM tokens of the whole job per second (every replica).
         mfu: model FLOPs (no recompute) over ``step_time_s * gpus * peak_flops``.
         time_s: where the time goes on the pipeline's busiest rank, seconds: ``llm_compute``,
-            ``encoder_compute``, ``tp`` / ``cp`` / ``ulysses`` / ``ep`` (inside its actions), ``pipeline_idle``
-            (bubbles and P2P waits), then the per-step items of :func:`step_collectives`; they sum to
+            ``encoder_compute``, ``tp`` / ``cp`` / ``ulysses`` / ``ep`` / ``offload`` (inside its actions),
+            ``pipeline_idle`` (bubbles and P2P waits), then the per-step items of
+            :func:`step_collectives`, then ``data_loading`` (the decode the step waits for); they sum to
             ``step_time_s``.
         memory: :func:`rank_memory`'s rows. oom: ranks whose ``total`` exceeds the device memory.
         simulation: the pipeline's :class:`~omni_pipeline.simulator.SimulationResult`.
         encoder_ranks: ``megatron_dist``: encoder ranks per pipeline replica (0 otherwise); the same GPUs
             then hold ``dp * pp / (pp + encoder_ranks)`` replicas, which ``tokens_per_s`` and ``mfu`` count.
+        loader_s: seconds of payload decode of the step on the rank that decodes the most (one worker's
+            time; ``time_s["data_loading"]`` is the part of it the step waits for: module docstring).
     """
 
     layout: Layout
@@ -856,6 +932,7 @@ class StepPrediction:
     oom: list[int]
     simulation: SimulationResult | None = field(default=None, repr=False)
     encoder_ranks: int = 0
+    loader_s: float = 0.0
 
     @property
     def peak_memory_bytes(self) -> float:
@@ -920,18 +997,12 @@ def _encoder_recompute(
         return {}, {}
     if not layout.recompute_modules:
         return dict.fromkeys(mbs, 1.0), {}
-    ms = workload.model
     redo: dict[int, float] = {}
     kept: dict[int, float] = {}
     for e, items in mbs.items():
         done = total = st_all = st_kept = 0.0
-        for pi, i in items:
-            smp = packs[pi].samples[i]
-            docs = encoder_documents(smp.modality, smp.media_tokens, ms.image_merge,
-                                     frames=sample_frames(smp), temporal_patch=ms.temporal_patch)  # fmt: skip
-            if not docs:
-                continue
-            shape = workload.shapes[encoder_tower(smp.modality)]
+        for tower, docs in _encoder_docs(workload, packs, items):
+            shape = workload.shapes[tower]
             fl = branch_forward_flops(shape, docs, causal=False)
             total += sum(fl.values())
             done += sum(fl[b] for b in layout.recompute_modules)
@@ -946,6 +1017,79 @@ def _encoder_recompute(
         redo[e] = done / total if total else 0.0
         kept[e] = st_kept / st_all if st_all else 1.0
     return redo, kept
+
+
+def _encoder_docs(
+    workload: Workload, packs: Sequence[Pack], items: Sequence
+) -> Iterator[tuple[str, list[int]]]:
+    """``(tower, documents)`` of each media sample among ``items`` (``(pack, sample)`` indices): the
+    encoder tower that runs it and its attention documents' lengths in encoder tokens
+    (:func:`omni_pipeline.step_costs.encoder_documents`); text samples are skipped."""
+    ms = workload.model
+    for pi, i in items:
+        smp = packs[pi].samples[i]
+        docs = encoder_documents(smp.modality, smp.media_tokens, ms.image_merge,
+                                 frames=sample_frames(smp), temporal_patch=ms.temporal_patch)  # fmt: skip
+        if docs:
+            yield encoder_tower(smp.modality), docs
+
+
+def _encoder_offload(
+    workload: Workload, layout: Layout, packs: Sequence[Pack], mbs: Mapping[int, Sequence]
+) -> dict[int, tuple[float, float]]:
+    """Per encoder microbatch, with an encoder family in ``layout.offload``: ``(device, host)`` shares of
+    its stored activations (``_sizes``' ``17 x`` count, weighted by layers x sequence x width as
+    :func:`_encoder_recompute`) that stay on the device and that are copied to host memory. A sample of
+    an offloaded tower (video: the image tower) keeps on the device only its recomputed branches' inputs
+    under selective recompute (:func:`omni_parallel.memory.block_activation_bytes`' ``kept`` over its
+    whole count; 0 without recompute); what recompute would keep of it goes to the host. A sample of a
+    tower not offloaded keeps what recompute keeps (1, 1/17 for whole blocks, or the selective share).
+    Empty without encoder offload."""
+    if not set(layout.offload) - {"llm"}:
+        return {}
+    out: dict[int, tuple[float, float]] = {}
+    for e, items in mbs.items():
+        w_all = dev = host = 0.0
+        for tower, docs in _encoder_docs(workload, packs, items):
+            shape = workload.shapes[tower]
+            seq = sum(docs)
+            kw = dict(heads=shape.n_heads, bytes_per=ACT_BYTES, master_bytes=MASTER_BYTES, kernel="flash")
+            full = block_activation_bytes(seq, shape.dim, shape.kv_dim, int(shape.mlp_dim), **kw)
+            if not layout.recompute:
+                kept = 1.0
+            elif not layout.recompute_modules:
+                kept = 1.0 / 17.0
+            else:
+                kept = block_activation_bytes(seq, shape.dim, shape.kv_dim, int(shape.mlp_dim), recompute=True,
+                                              recompute_branches=layout.recompute_modules, **kw) / full  # fmt: skip
+            on_device = kept
+            if tower in layout.offload:  # (whole-block recompute with offload: refused by Layout)
+                on_device = (len(layout.recompute_modules) * seq * shape.dim * MASTER_BYTES / full
+                             if layout.recompute else 0.0)  # fmt: skip
+            weight = shape.n_layers * seq * shape.dim
+            w_all += weight
+            dev += weight * on_device
+            host += weight * (kept - on_device)
+        out[e] = (dev / w_all, host / w_all) if w_all else (1.0, 0.0)
+    return out
+
+
+def loader_seconds(workload: Workload, samples: Sequence[SampleMeta]) -> float:
+    """Seconds a loader worker spends reading and decoding ``samples``' payloads: each sample its
+    source's ``decode_s`` (:class:`~omni_pipeline.workload.WorkloadSource`, the workload's per-source
+    ``decode_ms``); a sample of a source the workload does not name, its modality's default
+    (:data:`omni_pipeline.workload.DEFAULT_DECODE_MS`). Text samples cost nothing (their tokens come with
+    the step's metadata)."""
+    from omni_pipeline.workload import DEFAULT_DECODE_MS
+
+    by_name = {src.name: src.decode_s for src in workload.sources}
+    total = 0.0
+    for smp in samples:
+        if smp.source in by_name:
+            total += by_name[smp.source]
+        else:  # a video: its frames times the image's
+            total += DEFAULT_DECODE_MS.get(str(smp.modality), 0.0) * 1e-3 * (sample_frames(smp) or 1)
+    return total
 
 
 def _moe_layers(workload: Workload, layers: Sequence[int]) -> list[int]:
@@ -1057,6 +1201,7 @@ def predict_step(
             workload, L, device, network, m, step, vocab, layers, cache, packs, opts, encoder_microbatches
         )  # fmt: skip
     sim, tokens, enc_out, per, fwd_flops, er = cache[key][:6]
+    (off_s, enc_off_s), load = cache[key][8:10]
     _, per_step = step_collectives(
         workload,
         L,
@@ -1085,9 +1230,23 @@ def predict_step(
         time_s[k] = m * n_layers * (per[f"{k}_fwd"] + per[f"{k}_bwd"])
     n_moe = sum(_moe_layers(workload, layers)[s] for s in own)
     time_s["ep"] = m * n_moe * (per["ep_fwd"] + per["ep_bwd"])
-    time_s["llm_compute"] = llm_c - time_s["tp"] - time_s["cp"] - time_s["ulysses"] - time_s["ep"]
+    # offload copies inside the busiest rank's actions: out in each forward, back in each backward
+    llm_off = m * sum(2 * off_s[s] for s in own)
+    enc_off = sum(
+        enc_off_s.get(_action_microbatch(ev), 0.0) for ev in sim.timelines[busiest] if ev.is_encoder
+    )
+    time_s["offload"] = llm_off + enc_off
+    time_s["encoder_compute"] = enc_c - enc_off
+    time_s["llm_compute"] = llm_c - time_s["tp"] - time_s["cp"] - time_s["ulysses"] - time_s["ep"] - llm_off
     time_s["pipeline_idle"] = sim.makespan_s - llm_c - enc_c
     time_s |= per_step
+    # data loading: the slowest rank's payload decode, ahead of the step in its loader's workers (the
+    # step is the longer of the two), or inline before it without workers (it adds)
+    loader_s = max(load.values(), default=0.0)
+    workers = workload.loader_workers
+    exposed = loader_s if workers == 0 else max(0.0, loader_s / workers - step_s)
+    time_s["data_loading"] = exposed
+    step_s += exposed
     replicas = L.dp * L.pp / (L.pp + er)  # megatron_dist: encoder ranks out of the same GPUs
     job_flops = 3 * fwd_flops * replicas  # model FLOPs (no recompute): backward = 2x forward
     mfu = job_flops / (step_s * L.gpus * device.peak_flops) if step_s > 0 else 0.0
@@ -1097,7 +1256,39 @@ def predict_step(
         microbatches=m,
     )  # fmt: skip
     oom = [r for r, row in memory.items() if row["total"] > device.memory_bytes]
-    return StepPrediction(L, step_s, tokens_per_s, mfu, time_s, memory, oom, sim, er)
+    return StepPrediction(L, step_s, tokens_per_s, mfu, time_s, memory, oom, sim, er, loader_s)
+
+
+def offload_seconds(
+    workload: Workload,
+    layout: Layout,
+    *,
+    device: Device | None = None,
+    microbatches: int | None = None,
+    vocab: int = 32000,
+    stage_layers: Sequence[int] | None = None,
+) -> float:
+    """Seconds per step the busiest pipeline rank spends copying its offloaded LLM activations (out in
+    each forward, back in each backward: ``2 * microbatches`` copies of each of its stages' offloaded
+    bytes at the pack length over ``Device.host_Bps``; module docstring), 0 without LLM offload. They lie
+    inside the rank's actions, which run one after another, so this is a lower bound of
+    ``predict_step(...).step_time_s`` (``tune`` drops an offload layout whose copies alone are slower than
+    its best plans)."""
+    device = device or Device()
+    if "llm" not in layout.offload:
+        return 0.0
+    llm = workload.shapes["llm"]
+    m = workload.microbatches if microbatches is None else microbatches
+    layers = _stage_layers(llm, layout, stage_layers)
+    offsets = _layer_offsets(layers)
+    host = [
+        _stage_activation_bytes(llm, vocab, layers[s], workload.max_seq_len, layout, last=s == layout.stages - 1,
+                                moe=workload.moe, first_layer=offsets[s], host=True)
+        for s in range(layout.stages)
+    ]  # fmt: skip
+    return (
+        max(2 * m * sum(host[s] for s in layout.rank_stages(r)) for r in range(layout.pp)) / device.host_Bps
+    )
 
 
 def step_time_lower_bound(
@@ -1217,14 +1408,22 @@ def _pipeline(
     comm_f = sum(per[f"{k}_fwd"] for k in ("tp", "cp", "ulysses"))
     comm_b = sum(per[f"{k}_bwd"] for k in ("tp", "cp", "ulysses"))
     n_moe = _moe_layers(workload, layers)
+    offsets = _layer_offsets(layers)
+    # offload (Layout.offload): each stage's saved block tensors copied to the host in its forward and
+    # back in its backward, on the compute stream (apply_offload's copies are synchronous: they add)
+    off_s = [
+        _stage_activation_bytes(llm, vocab, layers[s], workload.max_seq_len, L, last=s == S - 1,
+                                moe=workload.moe, first_layer=offsets[s], host=True) / device.host_Bps
+        for s in range(S)
+    ]  # fmt: skip
     llm_s: dict[Action, float] = {}
     for k in range(m):
         for s in range(S):
             f = costs.duration(Action(F, k, s))
-            llm_s[Action(F, k, s)] = f + layers[s] * comm_f + n_moe[s] * per["ep_fwd"]
-            llm_s[Action(B, k, s)] = 2 * f + redo * f + layers[s] * comm_b + n_moe[s] * per["ep_bwd"]
-    enc_b = {e: (2.0 + enc_redo.get(e, 0.0)) * v for e, v in costs.encoder_forward_s.items()}
-    offsets = _layer_offsets(layers)
+            llm_s[Action(F, k, s)] = f + layers[s] * comm_f + n_moe[s] * per["ep_fwd"] + off_s[s]
+            llm_s[Action(B, k, s)] = (
+                2 * f + redo * f + layers[s] * comm_b + n_moe[s] * per["ep_bwd"] + off_s[s]
+            )
     act = [
         _stage_activation_bytes(llm, vocab, layers[s], workload.max_seq_len, L, last=s == S - 1,
                                 moe=workload.moe, first_layer=offsets[s])
@@ -1234,9 +1433,22 @@ def _pipeline(
     # what block_activation_bytes keeps of the tower's block (enc_kept, per encoder microbatch)
     enc_scale = {e: (1.0 / 17.0 if L.recompute and not L.recompute_modules else enc_kept.get(e, 1.0)) / mp
                  for e in costs.encoder_stored_bytes}  # fmt: skip
+    # encoder offload: what stays on the device, and the copies (out in forward, back in backward)
+    enc_off = _encoder_offload(workload, L, enc_packs, enc_mbs)
+    enc_off_s: dict[int, float] = {}
+    for e, (dev, host) in enc_off.items():
+        stored = costs.encoder_stored_bytes.get(e, 0.0) / mp
+        enc_scale[e] = dev / mp
+        enc_off_s[e] = stored * host / device.host_Bps
+    enc_f = {e: v + enc_off_s.get(e, 0.0) for e, v in costs.encoder_forward_s.items()}
+    enc_b = {
+        e: (2.0 + enc_redo.get(e, 0.0)) * v + enc_off_s.get(e, 0.0)
+        for e, v in costs.encoder_forward_s.items()
+    }
     costs = dataclasses.replace(
         costs,
         llm_action_s=llm_s,
+        encoder_forward_s=enc_f,
         encoder_backward_s=enc_b,
         llm_stored_bytes=act,
         encoder_stored_bytes={e: v * enc_scale[e] for e, v in costs.encoder_stored_bytes.items()},
@@ -1253,4 +1465,16 @@ def _pipeline(
         sim = simulate_disaggregated(schedule, encoder_inputs, costs, er)
     else:
         sim = simulate(schedule, _flow(L.placement, schedule, encoder_inputs, costs), costs)
-    return sim, tokens, enc_out, per, fwd_flops, er, packs, given_mbs
+    # offload seconds per encoder microbatch (the breakdown), and each rank's loader seconds: the
+    # payloads of the encoder microbatches it runs (the zero-redundancy loader reads what a rank encodes)
+    samples = {e: [enc_packs[pi].samples[i] for pi, i in items] for e, items in enc_mbs.items()}
+    load = {
+        r: sum(loader_seconds(workload, samples.get(_action_microbatch(ev), ())) for ev in evs if ev.kind == "EF")
+        for r, evs in sim.timelines.items()
+    }  # fmt: skip
+    return sim, tokens, enc_out, per, fwd_flops, er, packs, given_mbs, (off_s, enc_off_s), load
+
+
+def _action_microbatch(ev) -> int:
+    """The microbatch of a timeline event (``"EF3"`` -> 3, ``"0F1"`` -> 1)."""
+    return int(ev.action[ev.action.index(ev.kind) + len(ev.kind) :])

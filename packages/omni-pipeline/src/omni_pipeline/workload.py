@@ -15,6 +15,7 @@ File format (every key checked; unknown keys refused)::
     max_seq_len = 16384           # pack length, tokens (16 .. 2**21)
     microbatches = 32             # packs (LLM microbatches) per pipeline replica per step (1 .. 4096)
     packer_buffer = 256           # optional: HybridPacker look-ahead, samples (1 .. 65536)
+    loader_workers = 1            # optional: loader workers per rank decoding payloads (0 .. 256; 0: inline)
 
     [model]                       # names of MODEL_SHAPES presets or {dim, n_layers, n_heads, ...} tables
     llm = "llama-12b"
@@ -28,6 +29,7 @@ File format (every key checked; unknown keys refused)::
     modality = "image"            # "image", "audio", "video" or "text"
     text_tokens = 16              # optional (media): caption tokens inside each sample's length
     frames = 16                   # optional (video only, default 16): sampled frames per clip (1 .. 4096)
+    decode_ms = 2.4               # optional (media only): ms to read and decode one sample's payload
     length = { lognormal = { median = 3340, sigma = 0.5 }, min = 64, max = 16384 }
     # or: length = { histogram = { edges = [64, 1024, 4096], weights = [3, 1] } }   (bins [lo, hi))
     # or: length = { fixed = 340 }
@@ -40,6 +42,16 @@ File format (every key checked; unknown keys refused)::
 and ``max`` clip it (default ``max_seq_len``; a media sample cannot be longer than a pack, so ``max`` of a
 media source may not exceed it; a longer text sample is split by the packer, as a loader's would be).
 A lognormal's mean is ``median * exp(sigma**2 / 2)`` before clipping.
+
+Data loading: ``decode_ms`` (0 .. 600000) is one loader worker's time to read and decode a sample of the
+source (a media source only: a text sample's tokens come with the step's metadata). Defaults
+(:data:`DEFAULT_DECODE_MS`): image 2.4 ms and audio 1.5 ms per sample, this repo's decode rate on one core
+(``benchmarks/results/loader.json``: 421 images/s and 663 audio clips/s through the whole loader, the
+bundled data's small images and short clips; larger payloads decode slower, give their own), a video
+clip ``frames`` times the image's (each sampled frame decoded like an image: an assumption).
+``loader_workers`` (0 .. 256, default 1: the trainer's ``data.decode_workers`` default) are each rank's
+decode workers, which run ahead of the step; 0: decoded inline on the training thread
+(:func:`omni_pipeline.step_model.predict_step`).
 
 A video sample (Qwen2-VL's ViT, the image tower's weights) of ``frames`` sampled frames is
 ``t = ceil(frames / temporal_patch)`` temporal slices of equal grids: its drawn media tokens are rounded
@@ -68,6 +80,7 @@ from omni_parallel.flops import TransformerShape
 from omni_pipeline.step_costs import MODEL_SHAPES, ModelScale, encoder_forward_flops, model_scale
 
 __all__ = [
+    "DEFAULT_DECODE_MS",
     "LengthDistribution",
     "MixturePhase",
     "MoEShape",
@@ -87,6 +100,10 @@ MAX_SAMPLE_TOKENS = 1 << 24
 MAX_MICROBATCHES = 4096
 MAX_BUFFER = 1 << 16
 MAX_SIGMA = 4.0
+MAX_DECODE_MS = 600_000.0  # ten minutes per sample
+MAX_LOADER_WORKERS = 256  # the trainer's data.decode_workers bound
+# one loader worker's ms to read and decode a sample's payload, per modality (module docstring)
+DEFAULT_DECODE_MS = {"image": 2.4, "audio": 1.5, "video": 2.4, "text": 0.0}
 _SHAPE_KEYS = {"dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim", "mlp_ratio", "gated_mlp"}
 _MOE_KEYS = {
     "experts",
@@ -160,13 +177,15 @@ class LengthDistribution:
 class WorkloadSource:
     """One data source: its modality, its samples' lengths (LLM tokens, media and text together) and, for
     media, the text tokens (caption, transcript) inside each sample's length (at least one media token
-    is kept); for video, the sampled ``frames`` per clip."""
+    is kept); for video, the sampled ``frames`` per clip; ``decode_s``, seconds one loader worker spends
+    reading and decoding a sample's payload (0 for text; the module docstring's defaults)."""
 
     name: str
     modality: Modality
     length: LengthDistribution
     text_tokens: int = 0
     frames: int = 16
+    decode_s: float = 0.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -256,6 +275,7 @@ class Workload:
         moe: the LLM's MoE layers (:class:`MoEShape`), ``None``: dense. With MoE, ``model.llm_params``
             counts the weights a token computes through (router, ``top_k`` experts, shared SwiGLU in the
             MoE layers), so the modelled LLM FLOPs are the active ones.
+        loader_workers: decode workers per rank, running ahead of the step; 0: decoded inline.
     """
 
     name: str
@@ -268,6 +288,7 @@ class Workload:
     packer_buffer: int = 256
     shapes: Mapping[str, TransformerShape] = dataclasses.field(default_factory=dict)
     moe: MoEShape | None = None
+    loader_workers: int = 1
 
     def phase(self, step: int) -> MixturePhase:
         """The mixture phase of ``step`` (the first whose ``until_step`` is above it; else the last)."""
@@ -390,13 +411,15 @@ def parse_workload(text: str, where: str = "<workload>") -> Workload:
     p.keys(
         doc,
         "",
-        {"name", "seed", "max_seq_len", "microbatches", "packer_buffer", "model", "sources", "phases"},
-    )
+        {"name", "seed", "max_seq_len", "microbatches", "packer_buffer", "loader_workers", "model", "sources",
+         "phases"},
+    )  # fmt: skip
     name = p.string(doc, "name", default=Path(where).stem)
     seed = p.integer(doc, "seed", 0, 2**63 - 1, default=0)
     max_seq_len = p.integer(doc, "max_seq_len", 16, MAX_SEQ_LEN)
     microbatches = p.integer(doc, "microbatches", 1, MAX_MICROBATCHES)
     buffer = p.integer(doc, "packer_buffer", 1, MAX_BUFFER, default=256)
+    workers = p.integer(doc, "loader_workers", 0, MAX_LOADER_WORKERS, default=1)
     raw_sources = p.array(doc, "sources", MAX_SOURCES)
     sources: list[WorkloadSource] = []
     for i, raw in enumerate(raw_sources):
@@ -436,7 +459,17 @@ def parse_workload(text: str, where: str = "<workload>") -> Workload:
         last = until if until is not None else last
         phases.append(MixturePhase({k: float(v) for k, v in weights.items()}, until))
     return Workload(
-        name, tuple(sources), tuple(phases), max_seq_len, microbatches, model, seed, buffer, shapes, moe
+        name,
+        tuple(sources),
+        tuple(phases),
+        max_seq_len,
+        microbatches,
+        model,
+        seed,
+        buffer,
+        shapes,
+        moe,
+        workers,
     )
 
 
@@ -511,7 +544,7 @@ class _Reader:
     def source(self, raw: Any, key: str, max_seq_len: int) -> WorkloadSource:
         if not isinstance(raw, dict):
             self.fail(key, "must be a table")
-        self.keys(raw, key, {"name", "modality", "length", "text_tokens", "frames"})
+        self.keys(raw, key, {"name", "modality", "length", "text_tokens", "frames", "decode_ms"})
         name = self.string(raw, "name", prefix=key)
         mod = self.get(raw, "modality", _REQUIRED, key)
         if mod not in {str(m) for m in Modality}:
@@ -531,8 +564,15 @@ class _Reader:
         if "frames" in raw and modality is not Modality.VIDEO:
             self.fail(f"{key}.frames", "sampled frames are for video sources only")
         frames = self.integer(raw, "frames", 1, 4096, default=16, prefix=key)
+        if "decode_ms" in raw and modality is Modality.TEXT:
+            self.fail(
+                f"{key}.decode_ms",
+                "a text source has no payload to decode (its tokens come with the metadata)",
+            )
+        default_ms = DEFAULT_DECODE_MS[str(modality)] * (frames if modality is Modality.VIDEO else 1)
+        decode_ms = self.number(raw, "decode_ms", 0, MAX_DECODE_MS, default=default_ms, prefix=key)
         length = self.length(self.table(raw, "length", prefix=key), f"{key}.length", modality, max_seq_len)
-        return WorkloadSource(name, modality, length, text, frames)
+        return WorkloadSource(name, modality, length, text, frames, decode_ms * 1e-3)
 
     def length(self, raw: dict, key: str, modality: Modality, max_seq_len: int) -> LengthDistribution:
         self.keys(raw, key, {"lognormal", "histogram", "fixed", "min", "max"})
