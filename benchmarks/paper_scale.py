@@ -32,7 +32,7 @@ Assumptions (every one ours unless cited; the workloads' own are in their files,
   batch (32 packs x GPUs / 16). Alpa itself plans one graph with an ILP and a DP over stage slicings
   (not our enumeration), and does not run our trainer; what is kept is what matters here: a balanced
   but modality-unaware split and a searched layout.
-* Tuned plans of ours at 512 GPUs (1:9, 5:5, 9:1): :func:`omni_pipeline.tune.tune` with the trainer's
+* Tuned plans of ours at 512 GPUs (1:9, 5:5, 9:1) and at 256 GPUs (image:audio:text 1:1:8, 4:4:2): :func:`omni_pipeline.tune.tune` with the trainer's
   preflight as its check (``omni_train.simulate.layout_check``), virtual stages, encoder ZeRO and
   selective recompute (``train.recompute_modules``) searched, ``max_sp = 4``, at the same global batch;
   uneven ``stage_layers`` searched for 1F1B layouts under ``uniform_on_demand`` only
@@ -171,6 +171,8 @@ def alpa(w: Workload, gpus: int, global_batch: int, check) -> tuple[StepPredicti
     verdicts: dict = {}
     for lay, m in candidate_layouts(w, gpus, global_batch, max_sp=1, max_virtual=1,
                                     placements=("prepend_first_stage",)):  # fmt: skip
+        if lay.offload:
+            continue  # Alpa rematerialises; it does not offload activations to host memory
         shape = dataclasses.replace(lay, recompute=False, recompute_modules=())
         if shape not in verdicts:
             verdicts[shape] = check(shape)
@@ -208,7 +210,8 @@ def breakdown(w: Workload, p: StepPrediction, m: int, stage_layers=None) -> dict
     spread), ``recompute`` (its compute less the same layout's without recompute), ``tp`` / ``cp`` /
     ``ulysses`` / ``ep`` (inside its actions), ``pipeline_idle`` (bubble and P2P waits), the once-per-step
     ``llm_sync`` / ``encoder_sync`` (ZeRO or DP gradient collectives, after the last backward),
-    ``reorder`` and ``optimizer``. They sum to 1."""
+    ``reorder`` and ``optimizer``, ``offload`` (activation copies to and from host memory) and
+    ``data_loading`` (the payload decode the step waits for). They sum to 1."""
     t = p.time_s
     base = predict_step(w, dataclasses.replace(p.layout, recompute=False, recompute_modules=()), device=DEVICE,
                         network=NETWORK, microbatches=m, stage_layers=stage_layers)  # fmt: skip
@@ -226,6 +229,8 @@ def breakdown(w: Workload, p: StepPrediction, m: int, stage_layers=None) -> dict
         / step,
         "reorder": t.get("reorder_all_to_all", 0.0) / step,
         "optimizer": t["optimizer"] / step,
+        "offload": t.get("offload", 0.0) / step,
+        "data_loading": t.get("data_loading", 0.0) / step,
     }
     if abs(sum(out.values()) - 1) > 1e-9:
         raise AssertionError(f"breakdown: shares sum to {sum(out.values())}, not 1: {out}")
@@ -305,6 +310,7 @@ def tuning(gpus: int = 64) -> dict:
         top=1,
         max_sp=4,
         check=layout_check(w),  # only layouts the trainer's preflight accepts
+        split_placements=("uniform_on_demand",),
     )
     wall = time.perf_counter() - t0
     best = res.plans[0]
@@ -346,10 +352,20 @@ def main() -> None:
     fig20 = reorder_groups(vlm(7, 3), 256)
     tuned = tuning(64)
     best13 = {":".join(map(str, mix)): best_plans(vlm, mix, 512) for mix in ((1, 9), (5, 5), (9, 1))}
-    alpa17 = {}
+    alpa17, tuned17 = {}, {}
     for mix in ((1, 1, 8), (4, 4, 2)):
         w = omni(*mix)
-        alpa17[":".join(map(str, mix))] = alpa(w, 256, w.microbatches * 256 // 16, layout_check(w))[1]
+        gb = w.microbatches * 256 // 16
+        alpa17[":".join(map(str, mix))] = alpa(w, 256, gb, layout_check(w))[1]
+        t = time.perf_counter()
+        res = tune(w, 256, device=DEVICE, network=NETWORK, global_batch=gb, top=1, max_sp=4, check=layout_check(w),
+                   split_placements=("uniform_on_demand",))  # fmt: skip
+        b = res.plans[0]
+        tuned17[":".join(map(str, mix))] = row(b) | {
+            "layout": dataclasses.asdict(b.layout), "stage_layers": res.stage_layers[0],
+            "tune_s": time.perf_counter() - t,
+            "breakdown": breakdown(w, b, gb // b.layout.dp, stage_layers=res.stage_layers[0]),
+        }  # fmt: skip
     res = {
         "date": datetime.now(UTC).strftime("%Y-%m-%d"),
         "commit": _commit(),
@@ -365,6 +381,7 @@ def main() -> None:
         "fig13_best_512": best13,
         "fig17_triple": fig17,
         "fig17_alpa": alpa17,
+        "fig17_tuned": tuned17,
         "fig18_ablation": fig18,
         "fig18_tuning": tuned,
         "fig20_reorder_group": fig20,
@@ -410,6 +427,11 @@ def print_tables(res: dict) -> None:
         print(f"  {mix:>9} alpa {r['tokens_per_s'] / 1e6:6.2f} [{r['bound']:.2f}] pp {lay['pp']} tp {lay['tp']} "
               f"z {lay['llm_zero']}/{lay['encoder_zero']} rc {lay['recompute']}{lay['recompute_modules']} "
               f"split {r['stage_layers']}")  # fmt: skip
+    for mix, r in res["fig17_tuned"].items():
+        lay = r["layout"]
+        print(f"  {mix:>9} tuned {r['tokens_per_s'] / 1e6:6.2f} [{r['bound']:.2f}] pp {lay['pp']} x v "
+              f"{lay['virtual_stages']} tp {lay['tp']} u {lay['ulysses']} z {lay['llm_zero']}/{lay['encoder_zero']} "
+              f"rc {lay['recompute']}{lay['recompute_modules']} {lay['placement']} split {r['stage_layers']}")  # fmt: skip
     t = res["fig18_tuning"]
     print(f"  tuned vs hand-picked at {t['gpus']} GPUs: x{t['tuned_over_hand']:.3f} ({t['tune_wall_s']:.1f} s, "
           f"{t['tuned_layout']})")  # fmt: skip

@@ -56,4 +56,4 @@ __all__ = [
     "save",
     "save_ranks",
 ]
-__version__ = "0.5.0"
+__version__ = "0.6.0"
