@@ -142,3 +142,13 @@ def test_step_record_cpu_round_trip(tmp_path):
     (tmp_path / "bad.jsonl").write_text(json.dumps(bad) + "\n")
     with pytest.raises(RecordError, match=r"bad\.jsonl:1: step_s, actions_end_s, cpu_s and pipeline_cpu_s"):
         read_records(tmp_path / "bad.jsonl")
+    # the executor's CPU over more than the whole step's: refused, naming the field, the rank and the step
+    over = {"type": "step", "step": 7, "rank": 2, "step_s": 1.0, "actions_end_s": 0.5}
+    (tmp_path / "over.jsonl").write_text(json.dumps({**over, "cpu_s": 0.3, "pipeline_cpu_s": 0.4}) + "\n")
+    with pytest.raises(
+        RecordError, match=r"over\.jsonl:1: field 'pipeline_cpu_s' of rank 2 step 7 .*cpu_s 0\.3"
+    ):
+        read_records(tmp_path / "over.jsonl")
+    # equal (all the step's CPU in the executor) is kept
+    (tmp_path / "eq.jsonl").write_text(json.dumps({**over, "cpu_s": 0.4, "pipeline_cpu_s": 0.4}) + "\n")
+    assert read_records(tmp_path / "eq.jsonl").steps == [StepRecord(7, 2, 1.0, 0.5, 0.4, 0.4)]

@@ -10,7 +10,8 @@
   block recomputed with offload is refused; ``tune`` finds an offload plan where nothing else fits.
 * Data loading: at pp = 1 the one rank decodes every media sample of the step (its source's
   ``decode_ms``); with loader workers the step is ``max(compute, load / workers)``, without them
-  ``compute + load``. A bad ``decode_ms`` / ``loader_workers`` names the file and the key.
+  ``compute + load``. At pp = 2 each rank decodes the images of the encoder microbatches it runs, and
+  the step's decode is the busier rank's (counted by hand from the timeline). A bad ``decode_ms`` / ``loader_workers`` names the file and the key.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import re
 import pytest
 
 from omni_data import Modality
+from omni_data.zero_redundancy import split_encoder_microbatches
 from omni_parallel.memory import block_activation_bytes
 from omni_pipeline.step_model import Device, Layout, offload_seconds, predict_step, rank_memory
 from omni_pipeline.tune import tune
@@ -166,6 +168,27 @@ def test_loader_time_is_hidden_by_workers_up_to_the_compute_step():
     w = parse_workload(_toml(image=True))
     assert w.loader_workers == 1 and w.sources[1].decode_s == pytest.approx(2.4e-3)
     assert predict_step(w, Layout(), device=slow, vocab=VOCAB).loader_s == pytest.approx(n * 2.4e-3)
+
+
+def test_loader_time_is_the_busiest_ranks_decode_at_pp2():
+    """pp 2, ``uniform_on_demand``: each rank decodes the images of the encoder microbatches it runs (the
+    simulated timeline's ``EF`` events; encoder microbatch ``e``'s samples from the data split), counted by
+    hand; the step's ``loader_s`` is the busier rank's count times ``decode_ms``."""
+    decode_ms, m = 7.0, 4
+    w = parse_workload(_toml(image=True, decode=f"decode_ms = {decode_ms}", microbatches=m))
+    p = predict_step(w, Layout(pp=2, placement="uniform_on_demand"), device=Device(), vocab=VOCAB)
+    packs = w.step_packs(0, m)
+    images = {
+        e: sum(packs[pi].samples[i].modality is Modality.IMAGE for pi, i in items)
+        for e, items in split_encoder_microbatches(packs, m, 2).items()
+    }
+    per_rank = [
+        sum(images[int(ev.action[ev.action.index("EF") + 2 :])] for ev in evs if ev.kind == "EF")
+        for evs in p.simulation.timelines.values()
+    ]
+    assert len(per_rank) == 2 and sum(per_rank) == _images(w, m)  # every image decoded once
+    assert per_rank[0] != per_rank[1]  # not vacuous: the images land unevenly
+    assert p.loader_s == pytest.approx(max(per_rank) * decode_ms * 1e-3, rel=1e-12)
 
 
 @pytest.mark.parametrize(

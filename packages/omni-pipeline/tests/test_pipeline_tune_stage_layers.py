@@ -12,8 +12,15 @@ import random
 
 import pytest
 
-from omni_pipeline.step_model import Device, even_stage_layers, predict_step
-from omni_pipeline.tune import SPLIT_PLACEMENTS, candidate_layouts, split_candidates, tune
+from omni_pipeline.step_model import Device, Layout, even_stage_layers, predict_step
+from omni_pipeline.tune import (
+    SPLIT_BOUND_SLACK,
+    SPLIT_PLACEMENTS,
+    _split_span,
+    candidate_layouts,
+    split_candidates,
+    tune,
+)
 from omni_pipeline.workload import parse_workload
 
 # a heavy ViT beside a 6-layer LLM (pp 2, 4 microbatches): an uneven split wins; payload decode free
@@ -138,3 +145,86 @@ def test_modelled_splits_are_the_brute_force_optima():
             assert got and min(t_max(c) for c in got) == pytest.approx(min(t_max(s) for s in fit))
     # few enough layers: every split
     assert sorted(split_candidates(6, [(0, 1)] * 2, 1e9, [(0, 1)] * 2)) == sorted(_compositions(6, 2))
+
+
+MOE = "moe = { experts = 4, top_k = 2, expert_ffn_dim = 1536, every_n_layers = 3 }"
+
+
+def _moe_workload() -> str:
+    """``WORKLOAD`` with an MoE LLM whose every third layer is MoE: its layers' seconds differ."""
+    return WORKLOAD.replace("gated_mlp = true }\n", "gated_mlp = true }\n" + MOE + "\n", 1)
+
+
+def _busy(pred):
+    """Per pipeline rank: seconds of LLM actions and of encoder actions in a prediction's timeline."""
+    tl = pred.simulation.timelines
+    llm = [sum(ev.end_s - ev.start_s for ev in tl[r] if not ev.is_encoder) for r in range(len(tl))]
+    enc = [sum(ev.end_s - ev.start_s for ev in tl[r] if ev.is_encoder) for r in range(len(tl))]
+    return llm, enc
+
+
+@pytest.mark.parametrize("moe", [False, True])
+@pytest.mark.parametrize("pp", [2, 3])
+def test_split_span_bounds_every_simulated_split(moe, pp):
+    """``_split_span`` (what the search prunes splits by) never exceeds the simulated makespan of any split,
+    under either split placement: the oracle is ``predict_step`` of each split."""
+    w = parse_workload(_moe_workload() if moe else WORKLOAD)
+    device, m, n = Device(), w.microbatches, w.shapes["llm"].n_layers
+    even = tuple(even_stage_layers(n, pp))
+    ref = predict_step(w, Layout(pp=pp, placement="uniform_on_demand"), device=device, microbatches=m)
+    llm_r, enc_r = _busy(ref)
+    assert sum(enc_r) > 0
+    worst = 0.0
+    for placement in SPLIT_PLACEMENTS:
+        for split in _compositions(n, pp):
+            lay = Layout(pp=pp, placement=placement)
+            p = predict_step(w, lay, device=device, microbatches=m, stage_layers=list(split))
+            span = _split_span(llm_r, enc_r, even, split, placement, m)
+            # the bound is tight for some splits: equal up to the float rounding the prune allows for
+            assert span <= p.simulation.makespan_s * (1 + SPLIT_BOUND_SLACK), (placement, split)
+            worst = max(worst, span / p.simulation.makespan_s)
+    assert worst > 0.99  # not vacuous: exact (up to rounding) for some split
+
+
+def test_modelled_split_search_returns_the_best_candidate(monkeypatch):
+    """``max_splits = 1`` at pp 3 (``C(5, 2) = 10`` splits): the search simulates only the modelled
+    candidates, and its plan is the best of them by brute force (``predict_step`` of each candidate
+    under its placement, and of the even split the layout search times)."""
+    import omni_pipeline.tune as tune_module
+
+    asked = []
+
+    def spy(*args, **kwargs):
+        out = split_candidates(*args, **kwargs)
+        asked.append(out)
+        return out
+
+    def check(layout):
+        if layout.pp != 3 or layout.llm_zero or layout.encoder_zero or getattr(layout, "offload", ()):
+            return "test: pp 3, no ZeRO, no offload"
+        return None
+
+    monkeypatch.setattr(tune_module, "split_candidates", spy)
+    w, device = parse_workload(WORKLOAD), Device()
+    search = dict(max_sp=1, max_virtual=1, recompute=("off",))
+    layouts = [(lay, m) for lay, m in candidate_layouts(w, 3, BATCH, **search) if check(lay) is None]
+    assert len(layouts) == 1  # one layout: each split_candidates call is one of its placements
+    (layout, m), n = layouts[0], w.shapes["llm"].n_layers
+    res = tune(w, 3, device=device, global_batch=BATCH, top=1, refine=0, check=check, max_splits=1, **search)
+    assert len(asked) == len(SPLIT_PLACEMENTS)
+    even = tuple(even_stage_layers(n, 3))
+    tried = {(layout.placement, even)}  # the layout search's even split
+    for placement, cands in zip(SPLIT_PLACEMENTS, asked, strict=True):
+        assert cands[0] == even and 1 < len(cands) < len(list(_compositions(n, 3)))  # modelled, not all
+        tried |= {(placement, s) for s in cands[1:]}
+    scored = []
+    for placement, split in tried:
+        lay = dataclasses.replace(layout, placement=placement)
+        p = predict_step(w, lay, device=device, microbatches=m, stage_layers=list(split))
+        if not p.oom:
+            scored.append((p.tokens_per_s, placement, split))
+    best = max(scored)
+    assert best[2] != even  # not vacuous: a modelled candidate wins
+    top = res.plans[0]
+    assert top.tokens_per_s == pytest.approx(best[0], rel=1e-12)
+    assert (top.layout.placement, tuple(res.stage_layers[0])) == best[1:]

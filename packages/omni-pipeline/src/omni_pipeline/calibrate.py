@@ -531,6 +531,12 @@ def fit_process_cpu(records: RunRecords, *, skip_steps: int = 0) -> ProcessCpu |
     seconds, which holds when the fitted run had a core per process: fit on such a run (on a host shared
     with other work the actions' wall seconds exceed their CPU and ``background_s`` comes out low or 0).
 
+    Checkpoint steps are not skipped: the step records do not mark them. The trainer saves a checkpoint
+    after a step's CPU interval closes, so the save, and an async save's staging and writing on its own
+    thread (``time.process_time`` counts every thread), land in the next steps' ``cpu_s``, and in their
+    ``pipeline_cpu_s`` while they overlap the executor's step: both means come out high. Fit on steps
+    without checkpoints (``skip_steps``, or a run whose ``checkpoint.every`` is past its fitted steps).
+
     Returns:
         the fit, or ``None`` when no step record past the skipped steps carries both ``cpu_s`` and
         ``pipeline_cpu_s`` (records written before they were recorded).

@@ -419,6 +419,13 @@ def _parse(obj: Any, where: str) -> Record:
     cpus = [x for x in (rec.cpu_s, rec.pipeline_cpu_s) if x is not None]
     if rec.step_s < 0 or rec.actions_end_s < 0 or any(x < 0 for x in cpus):
         raise RecordError(f"{where}: step_s, actions_end_s, cpu_s and pipeline_cpu_s must be >= 0")
+    # the executor's step lies within the training step: its CPU seconds cannot exceed the step's (a
+    # nanosecond of slack for the two clock differences' rounding)
+    if len(cpus) == 2 and rec.pipeline_cpu_s > rec.cpu_s + 1e-9 * max(1.0, rec.cpu_s):
+        raise RecordError(
+            f"{where}: field 'pipeline_cpu_s' of rank {rec.rank} step {rec.step} is {rec.pipeline_cpu_s!r}, more"
+            f" than its cpu_s {rec.cpu_s!r} (the executor's step lies within the training step)"
+        )
     return rec
 
 

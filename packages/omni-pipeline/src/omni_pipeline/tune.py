@@ -106,6 +106,7 @@ import heapq
 import itertools
 import math
 import time
+import types
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 
@@ -133,13 +134,18 @@ REFINE_PLACEMENTS = ("isolated", "planned")
 # uneven split balances as Alpa's inter-operator pass does)
 SPLIT_PLACEMENTS = ("uniform_on_demand", "prepend_first_stage")
 MAX_SPLITS = 64  # every split of the layers is a candidate while there are at most this many
-# recompute forms searched, by name: (Layout.recompute, Layout.recompute_modules)
-RECOMPUTE_CHOICES = {
-    "off": (False, ()),
-    "block": (True, ()),
-    "attention": (True, ("attention",)),
-    "mlp": (True, ("mlp",)),
-}
+# relative slack the split search takes off its makespan lower bound (_split_span) before pruning by it:
+# the bound is exact for some splits, and a float tie must not prune a split that would win
+SPLIT_BOUND_SLACK = 1e-9
+# recompute forms searched, by name: (Layout.recompute, Layout.recompute_modules); read-only
+RECOMPUTE_CHOICES = types.MappingProxyType(
+    {
+        "off": (False, ()),
+        "block": (True, ()),
+        "attention": (True, ("attention",)),
+        "mlp": (True, ("mlp",)),
+    }
+)
 
 
 @dataclass
@@ -619,7 +625,7 @@ def tune(
                 for split in cands[1:]:  # the even split: the layout search's
                     res.splits += 1
                     # cheap first: the makespan part of the bound against the k-th best so far
-                    span = _split_span(llm_r, enc_r, even, split, placement, m)
+                    span = _split_span(llm_r, enc_r, even, split, placement, m) / (1 + SPLIT_BOUND_SLACK)
                     if job_tokens / _with_loader(span, load, workload.loader_workers) <= floor:
                         res.split_bounded += 1
                         continue

@@ -70,6 +70,7 @@ import itertools
 import math
 import random
 import tomllib
+import types
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -102,8 +103,8 @@ MAX_BUFFER = 1 << 16
 MAX_SIGMA = 4.0
 MAX_DECODE_MS = 600_000.0  # ten minutes per sample
 MAX_LOADER_WORKERS = 256  # the trainer's data.decode_workers bound
-# one loader worker's ms to read and decode a sample's payload, per modality (module docstring)
-DEFAULT_DECODE_MS = {"image": 2.4, "audio": 1.5, "video": 2.4, "text": 0.0}
+# one loader worker's ms to read and decode a sample's payload, per modality (module docstring); read-only
+DEFAULT_DECODE_MS = types.MappingProxyType({"image": 2.4, "audio": 1.5, "video": 2.4, "text": 0.0})
 _SHAPE_KEYS = {"dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim", "mlp_ratio", "gated_mlp"}
 _MOE_KEYS = {
     "experts",
