@@ -350,7 +350,8 @@ def apply_llm_zero(
 
     Raises:
         ValueError: ``zero_stage`` not in 0-3; ``zero_stage > 0`` with ``tp > 1`` and no
-            ``ps.data_mesh`` (``GroupSpec(data_mesh=True)``; none with ``ep > 1``); a block not inside any chunk; ``param_dtype`` not a floating dtype; routed
+            ``ps.data_mesh`` (``GroupSpec(data_mesh=True)``; none with ``ep > 1``); a block not inside
+            any chunk; ``param_dtype`` not a floating dtype; routed
             experts with ``ep`` < ``dp_cp`` and no ``ps.expert_dp_group``; an expert tensor none of whose
             dims the expert-data-parallel size divides.
     """
