@@ -86,6 +86,24 @@ def hand_costs(cfg, packs, mbs) -> CostModel:
     return CostModel(llm_action_s=llm, encoder_forward_s=ef, step_overhead_s=OVERHEAD)
 
 
+def hand_step_costs(cfg, steps: int) -> list[CostModel]:
+    """:func:`hand_costs` of the config's own steps 1 .. ``steps - 1`` (the data stream is deterministic;
+    step 0 is the warm-up the simulate commands skip)."""
+    stream = build_step_stream(
+        cfg, load_tokenizer(cfg.data), dp_rank=0, dp_size=1, dp_group=None, consumes=set(), read_text=False
+    )
+    out = []
+    with stream:
+        stream.reset()
+        for _ in range(steps):
+            fs = next(stream)
+            if fs.step >= 1:
+                out.append(
+                    hand_costs(cfg, fs.packs, split_encoder_microbatches(fs.packs, cfg.data.microbatches, 2))
+                )
+    return out
+
+
 def test_calibrated_simulate_predicts_the_run_flow_from_the_fit(tmp_path, capsys):
     data = make_dataset(tmp_path / "data", n_image=6, n_audio=4, n_text=6)
     cfg_path = write_config(tmp_path / "c.toml", data, extra="")
@@ -97,19 +115,9 @@ def test_calibrated_simulate_predicts_the_run_flow_from_the_fit(tmp_path, capsys
     flow = uniform_on_demand(schedule, enc_inputs, fixed_ranks=True)  # what the trainer runs today
     (run / "dataflow.json").write_text(flow.to_json())
 
-    stream = build_step_stream(
-        cfg, load_tokenizer(cfg.data), dp_rank=0, dp_size=1, dp_group=None, consumes=set(), read_text=False
-    )
-    want = []
-    with stream:
-        stream.reset()
-        for _ in range(3):
-            fs = next(stream)
-            if fs.step >= 1:
-                mbs = split_encoder_microbatches(fs.packs, cfg.data.microbatches, 2)
-                want.append(
-                    simulate(schedule, DataFlow.from_json(flow.to_json()), hand_costs(cfg, fs.packs, mbs))
-                )
+    want = [
+        simulate(schedule, DataFlow.from_json(flow.to_json()), costs) for costs in hand_step_costs(cfg, 3)
+    ]
     measured = {1: 0.5, 2: 0.7}
     (run / "metrics.jsonl").write_text(
         "".join(json.dumps({"step": s, "step_time_s": t}) + "\n" for s, t in measured.items())
@@ -175,19 +183,11 @@ def test_out_of_sample_simulate_predicts_another_run(tmp_path, capsys):
     (run / "metrics.jsonl").write_text(
         "".join(json.dumps({"step": s, "step_time_s": t}) + "\n" for s, t in measured.items())
     )
-    stream = build_step_stream(
-        cfg, load_tokenizer(cfg.data), dp_rank=0, dp_size=1, dp_group=None, consumes=set(), read_text=False
-    )
     cpu = ProcessCpu(0.02, 0.004)
-    want = []
-    with stream:
-        stream.reset()
-        for _ in range(4):
-            fs = next(stream)
-            if fs.step >= 1:
-                mbs = split_encoder_microbatches(fs.packs, cfg.data.microbatches, 2)
-                costs = hand_costs(cfg, fs.packs, mbs)
-                want.append(host_step_s(schedule, flow, costs, processes=2, cores=2, process_cpu=cpu))
+    want = [
+        host_step_s(schedule, flow, costs, processes=2, cores=2, process_cpu=cpu)
+        for costs in hand_step_costs(cfg, 4)
+    ]
     out = tmp_path / "sim"
     argv = ["simulate", "--calibration", str(fit), "--measured", str(run), "--host-cores", "2"]
     assert main([*argv, "--out", str(out)]) == 0
