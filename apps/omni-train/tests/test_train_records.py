@@ -23,6 +23,7 @@ from train_fixtures import make_dataset, write_config
 
 from omni_parallel.testing import run_world
 from omni_pipeline import fit_cost_model, read_records
+from omni_pipeline.calibrate import fit_process_cpu
 from omni_pipeline.step_metrics import PHASES
 from omni_train.binder import load_config
 from omni_train.cli import main
@@ -114,3 +115,14 @@ def test_time_breakdown_sums_to_each_ranks_step_time(run):
     # the checkpoint saved after step 1 (every = 2) counts in step 2
     assert rows[2]["time_s_per_rank"]["checkpoint"][0] > 0
     assert rows[1]["time_s_per_rank"]["checkpoint"] == [0.0, 0.0]
+
+
+def test_step_records_mark_the_steps_a_checkpoint_save_overlapped(run):
+    """The save after step 1 (``checkpoint.every = 2``, asynchronous: the default) starts inside step 2's
+    CPU interval, so step 2's records are marked on both ranks; no save ran before steps 0 and 1 (the one
+    after step 2, the last, falls in no step). ``fit_process_cpu`` leaves step 2 out."""
+    out, _, _ = run
+    rec = read_records(out)
+    marks = {(s.step, s.rank): s.checkpoint_save for s in rec.steps}
+    assert marks == {(step, rank): step == 2 for step in range(STEPS) for rank in (0, 1)}
+    assert fit_process_cpu(rec, skip_steps=1).skipped_steps == 1

@@ -193,7 +193,7 @@ def test_out_of_sample_simulate_predicts_another_run(tmp_path, capsys):
     assert main([*argv, "--out", str(out)]) == 0
     res = json.loads((out / "simulate.json").read_text())
     assert res["steps"] == [1, 2, 3] and res["restaged"] is False and res["host_cores"] == 2
-    assert res["process_cpu"] == pytest.approx({"background_s": 0.02, "outside_s": 0.004})
+    assert res["process_cpu"] == pytest.approx({"background_s": 0.02, "outside_s": 0.004, "skipped_steps": 0})
     as_run = res["results"]["as run"]
     assert as_run["step_time_s"] == pytest.approx(sum(want) / 3, rel=1e-6)
     assert as_run["measured_step_time_s"] == pytest.approx(0.6)

@@ -33,11 +33,13 @@ class _Block(nn.Module):
 
 
 class _Stage(nn.Module):
-    def __init__(self):
+    """A toy LLM stage in float64 (also test_llm_zero_overlap's): embedding, ``blocks`` MLP blocks, norm, head."""
+
+    def __init__(self, blocks=2):
         super().__init__()
         torch.manual_seed(0)
         self.tok_embeddings = nn.Embedding(VOCAB, DIM)
-        self.layers = nn.ModuleList([_Block(), _Block()])
+        self.layers = nn.ModuleList([_Block() for _ in range(blocks)])
         self.norm = nn.LayerNorm(DIM)
         self.output = nn.Linear(DIM, VOCAB, bias=False)
         self.double()

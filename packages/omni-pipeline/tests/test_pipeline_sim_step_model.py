@@ -143,8 +143,15 @@ def test_zero3_over_dp_adds_exactly_its_gather_and_reduce_scatter():
         return 15 / 16 * nbytes / bw + 15 * lat
 
     # pp 2 x 4 microbatches: "auto" holds the gathered stage through the step (llm_zero's torchtitan rule):
-    # ONE gather of bf16 copies (2 bytes, MixedPrecisionPolicy), one reduce-scatter of float32 gradients
-    expected = ring(2 * params) + ring(4 * params)
+    # ONE gather of bf16 copies (2 bytes, MixedPrecisionPolicy), then float32 gradients reduce-scattered:
+    # each block's during the rank's last backward (its share of it done, last block first, one at a time),
+    # the norm's and head's after it; only what ends after that backward adds to the step
+    last = max((ev for ev in two.simulation.timelines[1] if ev.kind == "B"), key=lambda ev: ev.end_s)
+    share = (last.end_s - last.start_s) / 2
+    comm = last.start_s + share + ring(4 * block)
+    comm = max(comm, last.end_s) + ring(4 * block)
+    comm = max(comm, last.end_s) + ring(4 * (d + 32000 * d))
+    expected = ring(2 * params) + comm - last.end_s
     assert math.isclose(two.time_s["llm_all_gather"], ring(2 * params), rel_tol=1e-12)
     assert math.isclose(
         two.time_s["llm_all_gather"] + two.time_s["llm_reduce_scatter"], expected, rel_tol=1e-12

@@ -1,4 +1,4 @@
 """omni_train."""
 
 __all__: list[str] = []
-__version__ = "0.11.0"
+__version__ = "0.12.0"

@@ -51,6 +51,7 @@ import torch
 from torch import nn
 
 from omni_ckpt import (
+    AsyncSaveHandle,
     BoxShard,
     CheckpointError,
     CheckpointManager,
@@ -198,6 +199,7 @@ class TrainCheckpoint:
             require_finite=True,  # a NaN or Inf never reaches a committed step (nor prunes a good one)
         )
         self.set_aside: list[str] = []  # what restore(step) renamed, for the run's notice
+        self._handle: AsyncSaveHandle | None = None  # the last async save (saving() asks it)
         self.layout = {a: ps.size(a) if ps else 1 for a in LAYOUT_AXES}
         self.dp_rank = ps.local_rank("dp") if ps else 0
         self.position = 0
@@ -219,7 +221,13 @@ class TrainCheckpoint:
         state["step"] = next_step
         # Returns once the state is staged to host memory (omni-ckpt's default), so the optimizer may step
         # at once; the write and the commit continue in the background.
-        self.manager.save(next_step, state)
+        self._handle = self.manager.save(next_step, state)
+
+    def saving(self) -> bool:
+        """Whether the last async save's background staging, writing or commit is still running (a
+        synchronous save is over once :meth:`save` returns). The trainer marks the step records whose CPU
+        interval such a save overlaps (:attr:`omni_pipeline.records.StepRecord.checkpoint_save`)."""
+        return self._handle is not None and not self._handle.done.done()
 
     def restore(self, step: int | None = None) -> int:
         """Load the last committed step (model, optimizer, loader) and return it; 0 and a fresh loader

@@ -14,7 +14,9 @@ and ``--profile`` are aliases of ``--parallel.placement``, ``--parallel.reorder`
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
+import math
 import os
 import shlex
 import sys
@@ -161,6 +163,16 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="--workload: also draw timeline-<placement>.png (matplotlib; seconds per plot at paper scale)",
     )
+    sim.add_argument(
+        "--offload", default=None, metavar="FAMILIES",
+        help="--workload: block families whose saved activations go to host memory, comma-separated: llm, "
+        "image, audio (the config's train.offload; not with --recompute, whole blocks keep nothing to offload)",
+    )  # fmt: skip
+    sim.add_argument(
+        "--host-gbps", type=float, default=None,
+        help="--workload: GB/s (1e9 bytes) per direction of a GPU's link to host memory, --offload's copies "
+        "(default 25: pinned copies over PCIe Gen4 x16)",
+    )  # fmt: skip
     sim.add_argument("--steps", type=int, default=1, help="steps of the recipe to simulate (mean)")
     sim.add_argument("--first-step", type=int, default=0, help="first recipe step to simulate")
     sim.add_argument("--out", default="runs/simulate")
@@ -643,6 +655,38 @@ def _device_network(args: argparse.Namespace):
     return device, network
 
 
+def _offload_args(args: argparse.Namespace, device):
+    """``simulate --workload``'s ``--offload`` (``Layout.offload``, as the config's ``train.offload``) and
+    ``--host-gbps`` (``Device.host_Bps``): the device with its host link, and the families.
+
+    Raises:
+        ConfigError: an unknown or repeated family, offload with ``--recompute`` (whole blocks), or a
+            host link not > 0 GB/s (one line naming the flag).
+    """
+    from omni_train.config import OFFLOAD
+
+    if args.host_gbps is not None:
+        if not (math.isfinite(args.host_gbps) and args.host_gbps > 0):
+            raise ConfigError(f"--host-gbps: must be a finite number of GB/s > 0, got {args.host_gbps:g}")
+        device = dataclasses.replace(device, host_Bps=args.host_gbps * 1e9)
+    if args.offload is None:
+        return device, ()
+    names = [f.strip() for f in args.offload.split(",") if f.strip()]
+    bad = [f for f in names if f not in OFFLOAD]
+    if not names or bad or len(set(names)) != len(names):
+        why = f"unknown {', '.join(map(repr, bad))}" if bad else "none or a repeated one"
+        raise ConfigError(
+            f"--offload: name distinct block families of {', '.join(OFFLOAD)}, comma-separated; got "
+            f"{args.offload!r} ({why})"
+        )
+    if args.recompute:
+        raise ConfigError(
+            "--offload: with --recompute every block recomputes whole and keeps nothing to offload "
+            "(the trainer's train.offload / train.recompute rule); drop one"
+        )
+    return device, tuple(names)
+
+
 def _tune(args: argparse.Namespace) -> int:
     from omni_train.simulate import resolve_workload, tune_workload
 
@@ -672,6 +716,7 @@ def _simulate(args: argparse.Namespace) -> int:
         from omni_pipeline.step_model import Layout
 
         device, network = _device_network(args)
+        device, offload = _offload_args(args, device)
         pp = 8 if args.pp is None else args.pp
         gpus = 512 if args.gpus is None else args.gpus
         mp = max(1, pp * args.tp * args.cp * args.ulysses)
@@ -680,7 +725,7 @@ def _simulate(args: argparse.Namespace) -> int:
                 pp=pp, dp=max(1, gpus // mp), tp=args.tp, sequence_parallel=args.sequence_parallel, cp=args.cp,
                 cp_attention=args.cp_attention, ulysses=args.ulysses, llm_zero=args.llm_zero,
                 encoder_zero=args.encoder_zero, recompute=args.recompute, placement=args.placement,
-                reorder_group=args.reorder_group, ep=args.ep,
+                reorder_group=args.reorder_group, ep=args.ep, offload=offload,
             )  # fmt: skip
         except ValueError as exc:
             raise ConfigError(f"--tp / --cp / --ulysses / --ep / --llm-zero / --placement: {exc}") from None
@@ -701,6 +746,11 @@ def _simulate(args: argparse.Namespace) -> int:
         )
         print(table)
         return 0
+    if args.offload is not None or args.host_gbps is not None:
+        raise ConfigError(
+            "--offload / --host-gbps: they set the whole-step model of --workload; the config's recipe "
+            "times its pipeline only (no offload copies): add --workload"
+        )
     measured = Path(args.measured) if args.measured else None
     if measured is not None:
         if args.config is not None:

@@ -89,6 +89,9 @@ class RunOutputs:
         cpu_clock: this process's CPU seconds (``time.process_time``, all its threads) at ``clock``: the
             step records' ``cpu_s`` is counted from it.
         checkpoint_s: the previous step's checkpoint save, reported in this step's time breakdown.
+        saving: a checkpoint save was in flight at some time since ``cpu_clock`` (one :meth:`save` made,
+            or an async save still running when the clock started; the trainer sets the latter): the
+            step record's ``checkpoint_save``.
         writes: rank 0's file writes, off the step.
         said_over_cap: the planner's over-cap notice was given (it is given once).
         temporal_patch: the ViT's frames per patch (``model.vit.temporal_patch``): a video's attention
@@ -103,6 +106,7 @@ class RunOutputs:
     clock: float
     cpu_clock: float = field(default_factory=time.process_time)
     checkpoint_s: float = 0.0
+    saving: bool = False
     writes: RunWrites = field(default_factory=RunWrites)
     said_over_cap: bool = False
     temporal_patch: int = 1
@@ -160,12 +164,14 @@ class RunOutputs:
         image_merge: int,
         planned: bool,
         cpu_s: tuple[float, float] | None = None,
+        checkpoint_save: bool | None = None,
     ) -> None:
         """This step's per-action, receive and step records of every rank of global rank 0's pipeline (the
         first DP replica's; TP/SP/CP rank 0), gathered to rank 0 over that pipeline group (collective over
         it) and queued on rank 0's writes; with ``planned``, pipeline rank 0 adds the step's flow. Other
         ranks record nothing. ``cpu_s``: this process's CPU seconds over the step's ``wall`` and over
-        the executor's step within it (the step record's ``cpu_s`` and ``pipeline_cpu_s``)."""
+        the executor's step within it (the step record's ``cpu_s`` and ``pipeline_cpu_s``);
+        ``checkpoint_save``: a save was in flight during that interval (the step record's)."""
         if any(ps.local_rank(a) for a in ("dp", "tp", "cp", "ulysses")):
             return
         pp_rank = ps.local_rank("pp")
@@ -175,8 +181,9 @@ class RunOutputs:
         flow = inputs.plan.flow if planned and pp_rank == 0 else None
         pp_group = ps.group("pp") if ps.size("pp") > 1 else None
         records = gather_step_records(
-            step, result, llm, enc, wall_s=wall, pp_rank=pp_rank, pp_group=pp_group, flow=flow, cpu_s=cpu_s
-        )
+            step, result, llm, enc, wall_s=wall, pp_rank=pp_rank, pp_group=pp_group, flow=flow, cpu_s=cpu_s,
+            checkpoint_save=checkpoint_save,
+        )  # fmt: skip
         if self.records is not None and records is not None:
             self.writes.submit(f"{self.records.path}, step {step}", self.records.write, records)
 
@@ -194,6 +201,7 @@ class RunOutputs:
             self.writes.drain()  # the steps before the checkpoint are on disk before it commits
             checkpoint.save(next_step)
             self.checkpoint_s = time.perf_counter() - t
+            self.saving = True  # in the next step's CPU interval (its clock started before this)
         if samples is not None:
             samples.after_save(next_step, checkpoint)
 

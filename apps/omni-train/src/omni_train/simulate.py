@@ -494,6 +494,8 @@ def simulate_config(
                     f", each with {process_cpu.background_s:.3g} + {process_cpu.outside_s:.3g} s of CPU "
                     "beside its actions"
                 )
+                if process_cpu.skipped_steps:
+                    source += f" ({process_cpu.skipped_steps} steps a checkpoint save overlapped left out)"
         lines.append(
             f"as run{source}: predicted {r['step_time_s']:.4g} s per step, measured "
             f"{r['measured_step_time_s']:.4g} s ({100 * (r['step_time_s'] / r['measured_step_time_s'] - 1):+.1f} %)"
@@ -578,8 +580,10 @@ def simulate_workload(
 
     Then the whole step of ``layout`` (default: ``pp``, ``dp = gpus // pp``, nothing else) on the first
     simulated step, every placement (:func:`whole_step`: TP / SP, CP, Ulysses, ZeRO and encoder
-    collectives, the reordering all-to-all and the optimizer over ``network``; per-rank memory, exact from
-    ``omni-train memory``'s build with ``exact_memory``, with the OOM verdict against ``device``).
+    collectives, the reordering all-to-all and the optimizer over ``network``; activation offload of
+    ``layout.offload``'s block families, its copies over ``device.host_Bps``, ``--offload`` /
+    ``--host-gbps``; per-rank memory, exact from ``omni-train memory``'s build with ``exact_memory``,
+    with the OOM verdict against ``device``).
 
     Writes ``simulate.json`` (and with ``plots`` one ``timeline-<row>.png`` of the first step, drawn after
     the timing: matplotlib takes seconds per plot at paper scale) under ``out_dir``.
@@ -590,7 +594,8 @@ def simulate_workload(
     Raises:
         ConfigError: ``gpus`` not a positive multiple of ``pp``, fewer microbatches than stages, ``steps < 1``,
             ``first_step < 0``, ``encoder_ranks < 1``, a layout of another pipeline size or GPU count, a layout
-            the trainer refuses (with ``exact_memory``).
+            the trainer refuses (with ``exact_memory``), ``layout.offload`` naming a block family the
+            workload lacks.
     """
     t0 = time.perf_counter()
     microbatches = workload.microbatches if microbatches is None else microbatches
@@ -603,6 +608,12 @@ def simulate_workload(
         )
     if encoder_ranks is not None and encoder_ranks < 1:
         raise ConfigError(f"--encoder-ranks: must be >= 1, got {encoder_ranks}")
+    absent = [f for f in layout.offload if f not in workload.shapes]
+    if absent:
+        raise ConfigError(
+            f"--offload: workload {workload.name} has no {', '.join(absent)} blocks to offload (its block "
+            f"families: {', '.join(workload.shapes)})"
+        )
     if layout.ep > 1 and (workload.moe is None or workload.moe.experts % layout.ep):
         have = "no [model] moe" if workload.moe is None else f"{workload.moe.experts} experts"
         raise ConfigError(
@@ -897,7 +908,12 @@ def whole_step(
         f"whole step at pp={L.pp}{f' x {L.virtual_stages} virtual' if L.virtual_stages > 1 else ''}, dp={L.dp}, tp={L.tp}{' +SP' if L.sequence_parallel else ''}, cp={L.cp} "
         f"({L.cp_attention}), ulysses={L.ulysses}, llm_zero={L.llm_zero}, encoder_zero={L.encoder_zero}, "
         f"ep={L.ep}, recompute={('+'.join(L.recompute_modules) or 'on') if L.recompute else 'off'}, reorder group {L.reorder_group}; "
-        f"{network.gpus_per_node} GPUs/node, state {'exact (omni-train memory)' if exact_memory else 'analytic'}",
+        + (
+            f"offload {'+'.join(L.offload)} over a {device.host_Bps / 1e9:g} GB/s host link; "
+            if L.offload
+            else ""
+        )
+        + f"{network.gpus_per_node} GPUs/node, state {'exact (omni-train memory)' if exact_memory else 'analytic'}",
         f"{'placement':<22}{'step s':>10}{'tokens/s':>12}{'MFU':>7}{'peak GB':>10}{'verdict':>9}",
     ]
     for name, p in preds.items():

@@ -112,6 +112,8 @@ class Trainer:
         self.groups, self.executor = wiring.executor(
             cfg, self.ps, parts, self.sharding, self.device, reduce_gradients=self._reduce_gradients
         )
+        # LLM ZeRO 1-3: each block's gradient collective issued during its stage's last backward
+        self.executor.before_last_backward = self.sync_llm.arm
         self.watchdog = wiring.watchdog(cfg, self.ps, self.executor)  # started with the loop
         self.checkpoint = wiring.checkpoint(cfg, self.out, self.ps, parts, self.stream)
         self.metrics = wiring.step_metrics(cfg, self.ps, parts, self.device)
@@ -229,11 +231,15 @@ class Trainer:
         moe = moe_step_metrics(self.stage, self.llm_cfg, dist.group.WORLD)
         # the next step's clock starts here: logging and checkpoint count in it
         run.clock, run.cpu_clock = time.perf_counter(), time.process_time()
+        # a save in flight during this step's CPU interval marks its records; an async save still running
+        # now runs into the next step's too (run.save below marks that one when it saves)
+        saving, run.saving = run.saving, self.checkpoint.saving()
         planned, merge = self.planner is not None, image_merge(self.cfg)
         cpus = (cpu, pipeline_cpu)
         run.write_records(
-            self.ps, step, fs, inputs, result, wall, image_merge=merge, planned=planned, cpu_s=cpus
-        )
+            self.ps, step, fs, inputs, result, wall, image_merge=merge, planned=planned, cpu_s=cpus,
+            checkpoint_save=saving,
+        )  # fmt: skip
         skipped = self.skips.step(row["skip_total"])
         if self.rank == 0:
             metrics = self.metrics.row(inputs, row, lr, grad_norm)

@@ -37,7 +37,9 @@ gradients, as FSDP2's ZeRO-2.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -45,6 +47,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Shard
 
 __all__ = [
+    "PendingReduction",
     "configure_step_schedule",
     "gather_parameters",
     "is_sharded",
@@ -216,7 +219,9 @@ def reduce_scatter_rows(
     items: list[tuple[DTensor, torch.Size, torch.Tensor | None, str]],
     group: dist.ProcessGroup,
     divide_by: float,
-) -> None:
+    *,
+    async_op: bool = False,
+) -> PendingReduction | None:
     """One SUM reduce-scatter of whole gradients into FSDP2 dim-0 shards, for the encoders' and the LLM's
     ZeRO-2/3 syncs.
 
@@ -226,6 +231,12 @@ def reduce_scatter_rows(
     is padded to ``W`` equal chunks and chunk ``r`` of every gradient goes to rank ``r`` of ``group``; a
     missing gradient counts as zeros. Each parameter's ``.grad`` becomes a DTensor of its rows with its
     own mesh and placements, divided by ``divide_by``.
+
+    ``async_op=True`` (the LLM's per-block reduce-scatter issued during the last backward,
+    :mod:`omni_parallel.llm_zero`): the gradients are copied into the send buffer and the collective
+    issued, and the :class:`PendingReduction` returned waits for it and sets the ``.grad`` s (call its
+    ``wait`` on every rank, before the gradients are read). Otherwise it returns ``None`` with the
+    ``.grad`` s set.
 
     Raises:
         ValueError: a rank's rows differ from its parameter's local shard (naming the rank and ``name``).
@@ -241,7 +252,49 @@ def reduce_scatter_rows(
         widths.append(full[0:chunk].numel())
     send = torch.cat(blocks, dim=1).contiguous()
     out = send.new_empty(send.shape[1])
-    dist.reduce_scatter_tensor(out, send.view(-1), op=dist.ReduceOp.SUM, group=group)
+    work = dist.reduce_scatter_tensor(
+        out, send.view(-1), op=dist.ReduceOp.SUM, group=group, async_op=async_op
+    )
+    items = [(p, shape, None, name) for p, shape, _, name in items]  # the gradients: copied, not held
+
+    def finish(send: torch.Tensor = send) -> None:  # holds the send buffer until the collective is done
+        _set_shards(items, out, widths, world, rank, divide_by)
+
+    if async_op:
+        return PendingReduction((work,), finish)
+    finish()
+    return None
+
+
+@dataclass(frozen=True)
+class PendingReduction:
+    """A gradient collective issued with ``async_op=True``: ``works`` (``torch.distributed`` work handles)
+    and ``then``, what puts the result in place once they are done (the shards' ``.grad`` s).
+
+    ``done()``: whether every work has completed (no wait). ``wait()``: wait for them, then ``then()``;
+    call it once, on every rank of the group, before the gradients are read."""
+
+    works: tuple[Any, ...]
+    then: Callable[[], None]
+
+    def done(self) -> bool:
+        return all(w.is_completed() for w in self.works)
+
+    def wait(self) -> None:
+        for w in self.works:
+            w.wait()
+        self.then()
+
+
+def _set_shards(
+    items: list[tuple[DTensor, torch.Size, torch.Tensor | None, str]],
+    out: torch.Tensor,
+    widths: list[int],
+    world: int,
+    rank: int,
+    divide_by: float,
+) -> None:
+    """:func:`reduce_scatter_rows`' second half: each parameter's rows of the reduced ``out``."""
     if divide_by != 1:
         out.div_(divide_by)
     for (p, shape, _, name), part in zip(items, out.split(widths), strict=True):

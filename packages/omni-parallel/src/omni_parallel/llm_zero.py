@@ -12,11 +12,28 @@ Schedule (one of each thing with the encoders: :func:`~omni_parallel.encoder_zer
 :func:`~omni_parallel.encoder_zero.reduce_scatter_gradients`): FSDP2's own hooks would all-gather
 before every unit's forward and backward and reduce-scatter after every backward, i.e. once per
 microbatch, and average over the mesh. Here every rank of the group all-gathers each unit once when
-the step starts (:meth:`LLMGradientSync.attach`), forwards and backwards of every microbatch issue no
-collective and accumulate into the gathered gradients, and :meth:`LLMGradientSync.__call__` (after the
-step's last backward) sums them once per bucket (a plain sum: the objective's, never FSDP2's mean) and
-reshards. This is torchtitan's choice under PP (``reshard_after_forward=False`` for pipelined models:
-the gathered parameters live through the step) with the gradient sync on the last microbatch only.
+the step starts (:meth:`LLMGradientSync.attach`), forwards and backwards of every microbatch but each
+stage's last accumulate into the gathered gradients without a collective, and the gradients are summed
+once per step (a plain float32 SUM: the objective's, never FSDP2's mean). The sum overlaps the last
+backward: the executor calls :meth:`LLMGradientSync.arm` with a stage module just before its last
+backward of the step (``PipelineExecutor(before_last_backward=...)``), and during that backward each
+block unit's collective (ZeRO-2/3: the SUM reduce-scatter into its ``Shard(0)`` gradients; ZeRO-1: the
+SUM all-reduce) is issued with ``async_op=True`` as soon as the unit's every gradient has been
+accumulated for the last time (a post-accumulate-grad hook per gathered parameter, counting). Units
+are issued in one fixed order, the stage's blocks last-first, a unit never before the one ahead of it,
+so every rank of the group issues the same collectives in the same order whatever its hooks' timing (a
+unit with a parameter unused in that backward holds the rest back to the sync); under TP a ``Partial``
+gradient is summed over TP at issue, at the same point of the backward on every TP rank.
+:meth:`LLMGradientSync.__call__` (after the step's last backward) issues what is left of that order,
+waits for them all, reduces the rest once per bucket (the root units: embedding, final norm, LM head;
+stages not armed; the routed experts after) and reshards. Collectives already done are waited for at
+each issue, so the send buffers in flight stay a few blocks' gradients. This is torchtitan's choice under
+PP (``reshard_after_forward=False`` for pipelined models: the gathered parameters live through the step)
+with the gradient reduction on the last microbatch only, overlapped with its backward as PyTorch FSDP2's
+post-backward reduce-scatter and Megatron-LM's ``overlap_grad_reduce`` (DDP's gradient buckets) do.
+ZeRO-3 with ``reshard_after_forward=True`` (below) keeps the whole reduction at the sync (its blocks
+are re-gathered in each backward), and ZeRO-0 (:func:`omni_parallel.parallelize.apply_dp`) reduces after
+the last backward as before.
 
 Stages (Rajbhandari et al., "ZeRO", SC'20, §5; per rank of a group of ``W`` ranks, ``P`` parameters):
 
@@ -104,6 +121,7 @@ optimizer (ZeRO-1: full gradients, sharded optimizer).
 
 from __future__ import annotations
 
+import collections
 import math
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
@@ -118,6 +136,7 @@ from torch.distributed.tensor.placement_types import _StridedShard
 
 from omni_parallel.encoder_zero import (
     _BUCKET_BYTES,
+    PendingReduction,
     configure_step_schedule,
     reduce_scatter_rows,
     shard_rows,
@@ -146,8 +165,13 @@ class LLMGradientSync:
 
     ``sync.attach()``: on every rank of the stage's data group, after
     ``optimizer.zero_grad(set_to_none=True)`` and before the step's first LLM forward (collective under
-    ZeRO 1-3: the once-per-step all-gather). ``sync()``: on every rank after the step's last backward
-    (collective: the all-reduce or reduce-scatter, then the reshard).
+    ZeRO 1-3: the once-per-step all-gather). ``sync.arm(chunk)``: on every rank, just before the step's
+    last backward through ``chunk`` (one of the stage modules given to :func:`apply_llm_zero`; the
+    executor's ``before_last_backward`` hook); from then on each of the chunk's block units issues its
+    gradient collective as soon as that backward has accumulated all of its gradients (module docstring:
+    Schedule); a no-op at ZeRO-0, with one rank in the group, and for ZeRO-3's lazy units. ``sync()``: on
+    every rank after the step's last backward (collective: waits for the armed collectives, then the
+    all-reduce or reduce-scatter of the rest, then the reshard).
 
     Attributes:
         zero_stage: the stage in effect (0 when the group has one rank, whatever was asked).
@@ -158,6 +182,7 @@ class LLMGradientSync:
     attach: Callable[[], None] = lambda: None
     zero_stage: int = 0
     reshard_after_forward: bool = False
+    arm: Callable[[nn.Module], None] = lambda chunk: None
 
     def __call__(self) -> None:
         self.reduce()
@@ -223,12 +248,21 @@ class _Units:
         each TP rank's sum over its own tokens) is first summed over TP (collective over the TP group, the
         same parameters in the same order on every TP rank), the step's TP reduction that
         :func:`omni_parallel.tensor_parallel.reduce_partial_gradients` does at stage 0."""
+        grads = self.take(self.params)
+        self.reshard()
+        return grads
+
+    def take(self, fps: Sequence[Any], *, clear: bool = True) -> list[torch.Tensor | None]:
+        """:meth:`take_grads` for the parameters ``fps`` without the reshard; ``clear=False`` leaves each
+        gathered parameter's ``.grad`` in place (the early collectives of :class:`_Overlap`, issued inside
+        the last backward, clear them at the sync)."""
         grads = []
-        for fp in self.params:
+        for fp in fps:
             u = getattr(fp, "_unsharded_param", None)
             g = None if u is None else u.grad
             if g is not None:
-                fp.unsharded_param.grad = None
+                if clear:
+                    fp.unsharded_param.grad = None
                 dtype = fp.sharded_param.dtype
                 g = g if g.dtype == dtype else g.to(dtype)  # before the TP sum: float32 under bf16 compute
                 if isinstance(g, DTensor):
@@ -236,46 +270,198 @@ class _Units:
                         g = g.redistribute(placements=u.placements)
                     g = g.to_local()
             grads.append(g)
+        return grads
+
+    def reshard(self) -> None:
+        """Reshard every unit (local)."""
         for unit in reversed(self.units):
             unit.reshard()
-        return grads
 
     def reduce_scatter(self, divide_by: float = 1.0) -> None:
         """ZeRO-2/3: one SUM reduce-scatter per bucket into ``Shard(0)`` gradients."""
-        pairs = list(zip(self.params, self.take_grads(), strict=True))
-        for bucket in _flat_buckets(pairs, key=lambda item: _gathered(item[0])):
-            self._reduce_scatter_bucket(bucket, divide_by)
+        self.reduce_scatter_grads(self.params, self.take_grads(), divide_by)
 
-    def _reduce_scatter_bucket(self, bucket: list[tuple[Any, torch.Tensor | None]], divide_by: float) -> None:
+    def reduce_scatter_grads(
+        self, fps: Sequence[Any], grads: Sequence[torch.Tensor | None], divide_by: float = 1.0,
+        *, async_op: bool = False,
+    ) -> PendingReduction | None:  # fmt: skip
+        """ZeRO-2/3's reduction of ``fps``' gathered gradients ``grads`` (one SUM reduce-scatter per
+        bucket); ``async_op``: issued, and the :class:`PendingReduction` returned waits and sets the
+        ``.grad`` s."""
+        pairs = list(zip(fps, grads, strict=True))
+        buckets = _flat_buckets(pairs, key=lambda item: _gathered(item[0]))
+        pending = [self._reduce_scatter_bucket(b, divide_by, async_op) for b in buckets]
+        return _all_of(pending) if async_op else None
+
+    def _reduce_scatter_bucket(
+        self, bucket: list[tuple[Any, torch.Tensor | None]], divide_by: float, async_op: bool = False
+    ) -> PendingReduction | None:
         """One SUM reduce-scatter for a bucket of ``(FSDPParam, gathered gradient)``. FSDP2 shards each
         gathered (TP-local) tensor along dim 0 as ``torch.chunk`` does (chunks of ``ceil(rows / W)`` rows,
         trailing ones short or empty), so each gradient is padded to ``W`` equal chunks and chunk ``r`` of
         every gradient goes to rank ``r``; each shard's gradient is a DTensor with its parameter's
         placements (over the 1-D data mesh, or under TP FSDP2's 2-D ``(data, tp)`` mesh)."""
         items = [(_checked_shard(fp), _gathered(fp), g, fp._param_fqn) for fp, g in bucket]
-        reduce_scatter_rows(items, self.group, divide_by)
+        return reduce_scatter_rows(items, self.group, divide_by, async_op=async_op)
 
     def all_reduce(self, divide_by: float = 1.0) -> None:
         """ZeRO-1: the whole gradients summed (one all-reduce per bucket), each shard's gradient its rows."""
-        grads = self.take_grads()
-        for k, (fp, g) in enumerate(zip(self.params, grads, strict=True)):
+        self.all_reduce_grads(self.params, self.take_grads(), divide_by)
+
+    def all_reduce_grads(
+        self, fps: Sequence[Any], grads: Sequence[torch.Tensor | None], divide_by: float = 1.0,
+        *, async_op: bool = False,
+    ) -> PendingReduction | None:  # fmt: skip
+        """ZeRO-1's reduction of ``fps``' gathered gradients ``grads`` (one SUM all-reduce per bucket);
+        ``async_op``: issued, and the :class:`PendingReduction` returned waits, copies the sums back and
+        sets the ``.grad`` s."""
+        grads = list(grads)
+        for k, (fp, g) in enumerate(zip(fps, grads, strict=True)):
             if g is None:  # zeros where a rank used a parameter nowhere: the buckets line up on every rank
                 sharded = fp.sharded_param
                 grads[k] = torch.zeros(_gathered(fp), dtype=sharded.dtype, device=sharded.to_local().device)
+        works = []
         for bucket in _flat_buckets(grads):
             flat = torch.cat([g.reshape(-1) for g in bucket])
-            dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=self.group)
-            if divide_by != 1:
-                flat.div_(divide_by)
-            for g, part in zip(bucket, flat.split([g.numel() for g in bucket]), strict=True):
-                g.copy_(part.view_as(g))
-        for fp, g in zip(self.params, grads, strict=True):
-            p = _checked_shard(fp, "all_reduce_into_shards")
-            start, rows = shard_rows(g.shape[0], self.world, self.rank)
-            p.grad = DTensor.from_local(
-                g.narrow(0, start, rows), p.device_mesh, p.placements, shape=p.shape, stride=p.stride(),
-                run_check=False,
-            )  # fmt: skip
+            works.append((bucket, flat, dist.all_reduce(flat, dist.ReduceOp.SUM, self.group, async_op)))
+
+        def finish() -> None:
+            for bucket, flat, _ in works:
+                if divide_by != 1:
+                    flat.div_(divide_by)
+                for g, part in zip(bucket, flat.split([g.numel() for g in bucket]), strict=True):
+                    g.copy_(part.view_as(g))
+            for fp, g in zip(fps, grads, strict=True):
+                p = _checked_shard(fp, "all_reduce_into_shards")
+                start, rows = shard_rows(g.shape[0], self.world, self.rank)
+                p.grad = DTensor.from_local(
+                    g.narrow(0, start, rows), p.device_mesh, p.placements, shape=p.shape, stride=p.stride(),
+                    run_check=False,
+                )  # fmt: skip
+
+        if async_op:
+            return PendingReduction(tuple(w for _, _, w in works), finish)
+        finish()
+        return None
+
+
+def _no_arm(chunk: nn.Module) -> None:
+    """:attr:`LLMGradientSync.arm` where nothing is issued early (ZeRO-3's lazy units)."""
+
+
+def _all_of(pending: Sequence[PendingReduction | None]) -> PendingReduction:
+    """One :class:`PendingReduction` of several (their works; then each one's result in order)."""
+    parts = [p for p in pending if p is not None]
+
+    def then() -> None:
+        for p in parts:
+            p.then()
+
+    return PendingReduction(tuple(w for p in parts for w in p.works), then)
+
+
+class _Overlap:
+    """The LLM sync with each block unit's collective issued during its chunk's last backward (module
+    docstring: Schedule). Per step: :meth:`arm` a chunk before its last backward: a post-accumulate-grad
+    hook on each trainable gathered parameter of its block units counts that backward's accumulations;
+    the unit whose every parameter has been accumulated is ready, and ready units are issued (async) in
+    one fixed order, the chunk's units last-first (autograd's order through a stack of blocks), a unit
+    never before the one ahead of it. So every rank of the group issues the same collectives in the same
+    order whatever its hooks' timing; a unit not ready by the end (a parameter unused in that backward)
+    holds back the rest of the order, which :meth:`reduce` issues, in the same order, before it waits for
+    them all and reduces what is left (root units, units of chunks not armed) as :class:`_Units` does."""
+
+    def __init__(self, units: _Units, chunks: Sequence[nn.Module], zero_stage: int) -> None:
+        self.units, self.zero = units, zero_stage
+        roots = {id(c) for c in chunks}
+        self.blocks: dict[int, list[tuple[Any, ...]]] = {}
+        for chunk in chunks:
+            inner = [u for u in sharded_units([chunk]) if id(u) not in roots]
+            fps = [
+                tuple(fp for g in u._get_fsdp_state()._fsdp_param_groups for fp in g.fsdp_params)
+                for u in inner
+            ]
+            self.blocks[id(chunk)] = [f for f in reversed(fps) if f]
+        self.reset()
+
+    def reset(self) -> None:
+        """Drop this step's hooks and state (local)."""
+        for h in getattr(self, "handles", ()):
+            h.remove()
+        self.handles: list[Any] = []
+        self.armed: set[int] = set()
+        self.order: list[tuple[Any, ...]] = []  # armed units, in issue order
+        self.left: list[int] = []  # per armed unit: accumulations still to come in the last backward
+        self.issued = 0  # order[:issued] are issued
+        self.pending: collections.deque[PendingReduction] = collections.deque()  # not waited for yet
+
+    def arm(self, chunk: nn.Module) -> None:
+        """Hook ``chunk``'s block units for its last backward of the step (local; see the class).
+
+        Raises:
+            ValueError: ``chunk`` is not one of the stage modules given to :func:`apply_llm_zero`.
+        """
+        if id(chunk) not in self.blocks:
+            raise ValueError(
+                f"LLMGradientSync.arm: {type(chunk).__name__} is not one of the LLM's stage modules"
+            )
+        if id(chunk) in self.armed:
+            return
+        self.armed.add(id(chunk))
+        for fps in self.blocks[id(chunk)]:
+            trainable = [
+                fp._unsharded_param for fp in fps if getattr(fp, "_unsharded_param", None) is not None
+            ]
+            trainable = [p for p in trainable if p.requires_grad]
+            k = len(self.order)
+            self.order.append(fps)
+            self.left.append(len(trainable))
+            for p in trainable:
+                self.handles.append(
+                    p.register_post_accumulate_grad_hook(lambda _p, k=k: self._accumulated(k))
+                )
+        self._issue_ready()
+
+    def _accumulated(self, k: int) -> None:
+        self.left[k] -= 1
+        if self.left[k] == 0:
+            self._issue_ready()
+
+    def _issue_ready(self) -> None:
+        while self.issued < len(self.order) and self.left[self.issued] <= 0:
+            self._issue(self.order[self.issued])
+
+    def _issue(self, fps: tuple[Any, ...]) -> None:
+        # the send buffers of collectives already done are let go now, not at the sync, so the copies in
+        # flight stay a few blocks' gradients (FSDP2 bounds them the same way)
+        while self.pending and self.pending[0].done():
+            self.pending.popleft().wait()
+        self.issued += 1
+        grads = self.units.take(fps, clear=False)
+        issue = self.units.all_reduce_grads if self.zero == 1 else self.units.reduce_scatter_grads
+        self.pending.append(issue(fps, grads, async_op=True))
+
+    def reduce(self) -> None:
+        """The sync (collective): the armed units not issued yet, in order; wait for all of them; the rest
+        reduced as :class:`_Units` does; every unit resharded."""
+        for h in self.handles:
+            h.remove()
+        self.handles = []
+        while self.issued < len(self.order):
+            self._issue(self.order[self.issued])
+        while self.pending:
+            self.pending.popleft().wait()
+        early = {id(fp) for fps in self.order for fp in fps}
+        for fps in self.order:  # their gradients were read at issue; the sums live in the shards now
+            for fp in fps:
+                if getattr(fp, "_unsharded_param", None) is not None:
+                    fp.unsharded_param.grad = None
+        rest = [fp for fp in self.units.params if id(fp) not in early]
+        grads = self.units.take(rest)
+        self.units.reshard()
+        if rest:
+            (self.units.all_reduce_grads if self.zero == 1 else self.units.reduce_scatter_grads)(rest, grads)
+        self.reset()
 
 
 def _gathered(fp: Any) -> tuple[int, ...]:
@@ -396,12 +582,15 @@ def apply_llm_zero(
         block.set_reshard_after_forward(True, recurse=False)
     units = _Units.of(chunks, "apply_llm_zero", lazy=lazy)
     reduce = units.all_reduce if zero_stage == 1 else units.reduce_scatter
-    attach = units.attach
+    attach, arm = units.attach, _no_arm
+    if not lazy:  # ZeRO-3's lazy units are re-gathered in each backward: reduced at the sync, as before
+        overlap = _Overlap(units, chunks, zero_stage)
+        reduce, attach, arm = overlap.reduce, _then(overlap.reset, units.attach), overlap.arm
     if edp is not None:  # the experts sharded over their expert-data-parallel ranks at the same stage
-        reduce, attach = _then(reduce, edp.sync), _then(units.attach, edp.attach)
+        reduce, attach = _then(reduce, edp.sync), _then(attach, edp.attach)
     elif experts:
         reduce = _then_sum_experts(reduce, experts, ps.expert_dp_group)
-    return LLMGradientSync(reduce, attach, zero_stage, bool(lazy))
+    return LLMGradientSync(reduce, attach, zero_stage, bool(lazy), arm)
 
 
 def _data_mesh(ps: ParallelState, zero_stage: int) -> DeviceMesh:

@@ -507,6 +507,8 @@ class ProcessCpu:
         background_s: inside the executor's step, beside the recorded actions and their dispatch gaps (the
             gradient reduction, the transport's and the loader's threads), seconds >= 0.
         outside_s: outside the executor's step (data, clipping, optimizer, metrics, records), seconds >= 0.
+        skipped_steps: steps past the warm-up left out of the fit because a checkpoint save was in
+            flight during them (:attr:`omni_pipeline.records.StepRecord.checkpoint_save`), >= 0.
 
     Raises:
         ValueError: a negative or non-finite value.
@@ -514,11 +516,18 @@ class ProcessCpu:
 
     background_s: float = 0.0
     outside_s: float = 0.0
+    skipped_steps: int = 0
 
     def __post_init__(self) -> None:
         both = (self.background_s, self.outside_s)
         if not all(math.isfinite(x) and x >= 0 for x in both):
             raise ValueError(f"ProcessCpu: seconds must be finite and >= 0, got {both}")
+        if (
+            isinstance(self.skipped_steps, bool)
+            or not isinstance(self.skipped_steps, int)
+            or self.skipped_steps < 0
+        ):
+            raise ValueError(f"ProcessCpu: skipped_steps must be an int >= 0, got {self.skipped_steps!r}")
 
 
 def fit_process_cpu(records: RunRecords, *, skip_steps: int = 0) -> ProcessCpu | None:
@@ -531,20 +540,27 @@ def fit_process_cpu(records: RunRecords, *, skip_steps: int = 0) -> ProcessCpu |
     seconds, which holds when the fitted run had a core per process: fit on such a run (on a host shared
     with other work the actions' wall seconds exceed their CPU and ``background_s`` comes out low or 0).
 
-    Checkpoint steps are not skipped: the step records do not mark them. The trainer saves a checkpoint
-    after a step's CPU interval closes, so the save, and an async save's staging and writing on its own
-    thread (``time.process_time`` counts every thread), land in the next steps' ``cpu_s``, and in their
-    ``pipeline_cpu_s`` while they overlap the executor's step: both means come out high. Fit on steps
-    without checkpoints (``skip_steps``, or a run whose ``checkpoint.every`` is past its fitted steps).
+    Checkpoint steps are skipped: a checkpoint save (the trainer's synchronous one, or an async save's
+    staging and writing on its own thread, which ``time.process_time`` counts) lands in the ``cpu_s`` of
+    the steps its run overlaps, and in their ``pipeline_cpu_s`` while it overlaps the executor's step, so
+    both means would come out high. Every step with a record marked
+    :attr:`~omni_pipeline.records.StepRecord.checkpoint_save` is left out on every rank (the save is
+    collective: one rank's staging holds the others in its collectives); how many:
+    :attr:`ProcessCpu.skipped_steps`. Records written before the mark (``checkpoint_save`` ``None``) count
+    as unmarked: for such a run fit on steps without checkpoints (``skip_steps``, or a run whose
+    ``checkpoint.every`` is past its fitted steps).
 
     Returns:
-        the fit, or ``None`` when no step record past the skipped steps carries both ``cpu_s`` and
-        ``pipeline_cpu_s`` (records written before they were recorded).
+        the fit, or ``None`` when no unmarked step record past the skipped steps carries both ``cpu_s`` and
+        ``pipeline_cpu_s`` (records written before they were recorded, or every such step saving).
     """
     ids = records.step_ids
     first = ids[skip_steps] if skip_steps < len(ids) else math.inf
+    saving = {r.step for r in records.steps if r.step >= first and r.checkpoint_save}
     steps = [
-        r for r in records.steps if r.step >= first and r.cpu_s is not None and r.pipeline_cpu_s is not None
+        r
+        for r in records.steps
+        if r.step >= first and r.step not in saving and r.cpu_s is not None and r.pipeline_cpu_s is not None
     ]
     if not steps:
         return None
@@ -558,7 +574,11 @@ def fit_process_cpu(records: RunRecords, *, skip_steps: int = 0) -> ProcessCpu |
         gaps = sum(max(0.0, b.start_s - a.end_s - b.wait_s) for a, b in itertools.pairwise(recs))
         background.append(st.pipeline_cpu_s - sum(a.seconds for a in recs) - gaps)
         outside.append(st.cpu_s - st.pipeline_cpu_s)
-    return ProcessCpu(max(0.0, sum(background) / len(background)), max(0.0, sum(outside) / len(outside)))
+    return ProcessCpu(
+        max(0.0, sum(background) / len(background)),
+        max(0.0, sum(outside) / len(outside)),
+        skipped_steps=len(saving),
+    )
 
 
 def host_step_s(

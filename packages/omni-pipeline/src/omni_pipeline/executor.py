@@ -276,6 +276,8 @@ class _StepRun:
         self.rank, self.last, self.dtype = ex.pp_rank, sched.num_stages - 1, plan.dtype
         self.wires = _Wires(ex.groups, ex.pp_rank, ex.device, sched)
         self.actions = sched.actions(self.rank)
+        # each stage's last backward of the step: its gradients are final once that backward is through
+        self.last_backward = {a.stage: j for j, a in enumerate(self.actions) if a.kind == B}
         self.llm_shape = {torch_index(k): tuple(s) for k, s in plan.llm_shapes.items()}
         self.enc_shape = {e: tuple(s) for e, s in plan.encoder_shapes.items()}
         self.consumes = {torch_index(k): list(es) for k, es in flow.encoder_inputs.items()}
@@ -303,6 +305,8 @@ class _StepRun:
             self.post_llm_receive(j + 1)
             self.run_encoders(a)
             self.ex.current_action = a
+            if self.ex.before_last_backward is not None and self.last_backward.get(a.stage) == j:
+                self.ex.before_last_backward(self.ex.stages[a.stage])
             run_llm[a.kind](a)
         self.run_encoders(None)
         self.wires.wait_sends()
@@ -495,6 +499,11 @@ class PipelineExecutor:
             has a ``.grad``; default :meth:`reduce_over_groups`. It may return the seconds it spent waiting
             for the other ranks to arrive (``StepResult.reduce_wait_s``: pipeline drain imbalance, not
             the reduction's own cost).
+        before_last_backward: called with a stage module just before this rank's last backward through
+            it in the step (the step's gradients of that stage are final once it is through), in program
+            order, the same on every rank holding that stage: e.g.
+            :meth:`omni_parallel.llm_zero.LLMGradientSync.arm`, which issues each block's gradient
+            collective during that backward. ``None``: nothing.
 
     Attributes:
         current_action: the :class:`~omni_pipeline.actions.Action` (LLM or encoder) this rank is running,
@@ -514,6 +523,7 @@ class PipelineExecutor:
         *,
         device: torch.device | str | None = None,
         reduce_gradients: Callable[[], float | None] | None = None,
+        before_last_backward: Callable[[nn.Module], None] | None = None,
     ) -> None:
         if not stages:
             raise ValueError("PipelineExecutor: this rank holds no stage modules")
@@ -522,6 +532,7 @@ class PipelineExecutor:
         self.fn = functions
         self.groups = groups or PipelineGroups()
         self.reduce_gradients = reduce_gradients or self.reduce_over_groups
+        self.before_last_backward = before_last_backward
         self.pp_size = _size(self.groups.pp)
         self.pp_rank = 0 if self.groups.pp is None else dist.get_rank(self.groups.pp)
         if device is None:

@@ -21,7 +21,11 @@ One JSON object per line (JSONL) in ``<run dir>/actions.jsonl`` (:data:`RECORDS_
   same interval as ``step_s``: ``time.process_time``) and ``pipeline_cpu_s`` (the same over the executor's
   step within it: the actions, their dispatch and receives, and the gradient reduction after them; so
   ``cpu_s - pipeline_cpu_s`` is the CPU of the time outside the pipeline: data, clipping, optimizer,
-  metrics); both ``null`` or absent in records written before they were recorded.
+  metrics); both ``null`` or absent in records written before they were recorded. ``checkpoint_save``:
+  ``true`` when a checkpoint save was in flight at any time during the step's CPU interval (the
+  trainer's synchronous save, or an async save's staging and writing thread: ``time.process_time``
+  counts every thread, so its CPU lands in ``cpu_s``); ``null`` or absent in records written before it
+  was recorded (unknown: readers treat such a step as unmarked).
 * ``"flow"`` (:class:`FlowRecord`): the data flow one step ran, when the flow changes from step to step
   (a placement planned per step): ``flow``, :meth:`DataFlow.to_json`'s text.
 
@@ -113,7 +117,9 @@ class P2PRecord:
 class StepRecord:
     """One step on one rank: whole-step wall seconds, the end of its last pipeline action and its
     process's CPU seconds over the step and over the executor's step within it (``None``: not
-    recorded)."""
+    recorded); ``checkpoint_save``: a checkpoint save (synchronous, or an async save's staging and
+    writing thread) was in flight at some time during the step's CPU interval (``None``: not recorded,
+    records written before it was; treated as unmarked by :func:`omni_pipeline.calibrate.fit_process_cpu`)."""
 
     step: int
     rank: int
@@ -121,6 +127,7 @@ class StepRecord:
     actions_end_s: float
     cpu_s: float | None = None
     pipeline_cpu_s: float | None = None
+    checkpoint_save: bool | None = None
 
 
 @dataclass(frozen=True)
@@ -243,6 +250,7 @@ def gather_step_records(
     pp_group: dist.ProcessGroup | None,
     flow: DataFlow | None = None,
     cpu_s: tuple[float, float] | None = None,
+    checkpoint_save: bool | None = None,
 ) -> list[Record] | None:
     """One step's records of every rank of a pipeline, gathered to the pipeline's first rank.
 
@@ -250,7 +258,8 @@ def gather_step_records(
     ``timeline``, ``waits`` and ``p2p``) into action records (:func:`action_records`), its receives and
     one :class:`StepRecord` (``wall_s``: the whole training step's wall time, seconds; ``cpu_s``: the
     rank's process CPU seconds over it and over the executor's step within it, ``time.process_time``,
-    or ``None``); ``flow``, given on
+    or ``None``; ``checkpoint_save``: a save was in flight during the step's CPU interval, see
+    :class:`StepRecord`); ``flow``, given on
     pipeline rank 0 when the data flow changes from step to step, adds a :class:`FlowRecord`. Collective
     over ``pp_group`` (``gather_object``; ``None`` for pp=1).
 
@@ -263,7 +272,7 @@ def gather_step_records(
     """
     mine: list[Record] = list(action_records(step, result.timeline, llm_tokens, encoder_tokens, result.waits))
     end = max((ev.end_s for ev in result.timeline), default=0.0)
-    mine += [*result.p2p, StepRecord(step, pp_rank, wall_s, end, *(cpu_s or (None, None)))]
+    mine += [*result.p2p, StepRecord(step, pp_rank, wall_s, end, *(cpu_s or (None, None)), checkpoint_save)]
     if flow is not None:
         mine.append(FlowRecord(step, flow.to_json()))
     if pp_group is None or dist.get_world_size(pp_group) == 1:
@@ -326,6 +335,14 @@ def _float(obj: Mapping[str, Any], name: str, where: str, *, optional: bool = Fa
     if not isinstance(v, int | float) or isinstance(v, bool) or not math.isfinite(v):
         raise RecordError(f"{where}: field {name!r} must be a finite number, got {v!r}")
     return float(v)
+
+
+def _bool(obj: Mapping[str, Any], name: str, where: str) -> bool | None:
+    """An optional boolean field: ``None`` when absent or ``null``."""
+    v = obj.get(name)
+    if v is not None and not isinstance(v, bool):
+        raise RecordError(f"{where}: field {name!r} must be true, false or null, got {v!r}")
+    return v
 
 
 def _counts(obj: Mapping[str, Any], name: str, where: str) -> dict[str, int]:
@@ -415,6 +432,7 @@ def _parse(obj: Any, where: str) -> Record:
         actions_end_s=_float(obj, "actions_end_s", where),
         cpu_s=_float(obj, "cpu_s", where, optional=True),
         pipeline_cpu_s=_float(obj, "pipeline_cpu_s", where, optional=True),
+        checkpoint_save=_bool(obj, "checkpoint_save", where),
     )
     cpus = [x for x in (rec.cpu_s, rec.pipeline_cpu_s) if x is not None]
     if rec.step_s < 0 or rec.actions_end_s < 0 or any(x < 0 for x in cpus):

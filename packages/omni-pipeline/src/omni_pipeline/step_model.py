@@ -38,9 +38,20 @@ and encoder ZeRO, recompute, placement, reordering group) of a :class:`~omni_pip
 
   Recompute repeats the forward's collectives in backward.
 * **Once per step** (after the pipeline: the step-scoped ZeRO schedule of :mod:`omni_parallel.llm_zero`
-  gathers when the step starts and reduces after the last backward, so nothing overlaps them here):
+  gathers when the step starts, so nothing overlaps the gather here):
   LLM gradients over the stage's data group (``dp * cp * ulysses`` ranks, stride ``tp``): ZeRO-0
-  all-reduce; ZeRO-1 all-gather + all-reduce; ZeRO-2/3 all-gather + reduce-scatter. Reductions move
+  all-reduce; ZeRO-1 all-gather + all-reduce; ZeRO-2/3 all-gather + reduce-scatter. At ZeRO 1-3 (not
+  under :meth:`Layout.reshards`) the trainer issues each block's reduction during its stage's last
+  backward (:meth:`omni_parallel.llm_zero.LLMGradientSync.arm`; PyTorch FSDP2's post-backward
+  reduce-scatter, Megatron-LM's ``overlap_grad_reduce``), so on the busiest rank the reductions run one
+  after another on a communication stream: block ``k``'s (per block, its own collective's alpha-beta
+  time) starts when its share of that stage's simulated last backward is done (the action's seconds
+  spread evenly over its blocks, last block first) or when the previous one ends, whichever is later;
+  the root units' (embedding, final norm, LM head) start after the rank's last backward; only what ends
+  after that backward is added to the step and shown in ``time_s`` (:func:`exposed_reduction_s`).
+  Assumption: the overlapped collectives do not slow the backward they overlap (no SM or memory
+  contention). ZeRO-0 (the trainer's :func:`omni_parallel.parallelize.apply_dp`) stays after the
+  pipeline. Reductions move
   float32 gradients (``reduce_dtype``); all-gathers move bf16 copies (``MixedPrecisionPolicy.param_dtype``:
   the trainer's ``train.dtype = "bfloat16"``, the paper's; assumption: a float32 run gathers twice the
   bytes). ZeRO-3 under :meth:`Layout.reshards` (``llm_reshard = "always"``, or ``"auto"`` at ``pp = 1`` or
@@ -513,8 +524,8 @@ def _rank_llm_params(
 ) -> tuple[float, int, float, int, list[float]]:
     """What pipeline rank ``rank`` holds of the LLM, summed over its stages (:meth:`Layout.rank_stages`;
     the embedding on stage 0, the final norm and LM head on the last stage): ``(parameters, tensors,
-    expert parameters, expert tensors, [each block's non-expert parameters] (ZeRO-3 only, else
-    empty))`` per TP rank (:func:`llm_stage_params`, :func:`stage_expert_params`)."""
+    expert parameters, expert tensors, [each block's non-expert parameters] (ZeRO 1-3 only, else
+    empty; in stage order))`` per TP rank (:func:`llm_stage_params`, :func:`stage_expert_params`)."""
     offsets = _layer_offsets(layers)
     last = len(layers) - 1
     p = xp = 0.0
@@ -527,7 +538,7 @@ def _rank_llm_params(
         )  # fmt: skip
         ep_, et = stage_expert_params(shape, moe, layers[s], first_layer=offsets[s], ep=layout.ep)
         p, t, xp, xt = p + sp, t + st, xp + ep_, xt + et
-        if layout.llm_zero == 3:  # only ZeRO-3's per-block gathers need them
+        if layout.llm_zero >= 1:  # ZeRO-3's per-block gathers and the per-block reductions need them
             blocks += [
                 llm_stage_params(shape, vocab, 1, first=False, last=False, tp=layout.tp, moe=moe,
                                  first_layer=offsets[s] + i)[0]
@@ -788,6 +799,7 @@ def step_collectives(
     vocab: int = 32000,
     stage_layers: Sequence[int] | None = None,
     microbatches: int = 1,
+    last_backward: Mapping[int, tuple[float, float]] | None = None,
 ) -> tuple[dict[str, float], dict[str, float]]:
     """Seconds of the step's collectives and optimizer (module docstring).
 
@@ -795,6 +807,12 @@ def step_collectives(
         tokens: LLM tokens of one microbatch (``T``, before the CP / Ulysses split).
         microbatches: per replica and step: ZeRO-3 under :meth:`Layout.reshards` gathers each block
             ``2 * microbatches`` times.
+        last_backward: ``{stage: (start_s, end_s)}`` of each LLM stage's last backward in the simulated
+            timeline: at LLM ZeRO 1-3 (not under :meth:`Layout.reshards`) the LLM gradient reduction
+            (``llm_all_reduce`` / ``llm_reduce_scatter``) is then only its part that ends after the
+            busiest rank's last backward (:func:`exposed_reduction_s`); ``None`` (no timeline: the
+            tuner's step-time bounds): the least that any backward can leave exposed, the shortest block
+            collective plus the root units' (or the whole reduction in one, if shorter).
         encoder_output_bytes: bytes of encoder output of one pipeline replica's step (the reordering
             all-to-all's payload, spread over the replica's ranks).
 
@@ -857,11 +875,38 @@ def step_collectives(
     nbytes = MASTER_BYTES * big  # float32 gradient reductions (reduce_dtype)
     gbytes = GATHER_BYTES * big  # bf16 gathers (MixedPrecisionPolicy.param_dtype)
     bw, lat = network.link(L.data_group, L.tp)
+    # LLM ZeRO 1-3: each block's reduction runs during its stage's last backward (llm_zero's Schedule)
+    exposed: float | None = None  # the reduction's seconds after the last backward (ZeRO 1-3, overlapped)
+    if L.llm_zero >= 1 and L.data_group > 1 and not L.reshards(microbatches):
+        reduce = all_reduce_s if L.llm_zero == 1 else reduce_scatter_s
+        whole = reduce(nbytes, L.data_group, bw, lat)
+        rest = nbytes - MASTER_BYTES * sum(blocks)  # the root units (embedding, final norm, LM head)
+        rest_s = reduce(rest, L.data_group, bw, lat) if rest > 0 else 0.0
+        least = min((reduce(MASTER_BYTES * b, L.data_group, bw, lat) for b in blocks), default=0.0)
+        # no timeline: the least any backward could leave exposed (a block's collective starts no earlier
+        # than its share of the backward is done, the last block's at its end; the roots' after it)
+        windows: list[tuple[float, float, list[float]]] | None = None if last_backward is None else []
+        at = 0
+        for s in L.rank_stages(busy):
+            mine, at = blocks[at : at + layers[s]], at + layers[s]
+            if windows is None or last_backward is None or s not in last_backward:
+                windows = None
+                continue
+            cs = [reduce(MASTER_BYTES * b, L.data_group, bw, lat) for b in reversed(mine)]
+            windows.append((*last_backward[s], cs))
+        if windows is not None:
+            exposed = exposed_reduction_s(windows, rest_s)
+        elif last_backward is None:
+            exposed = min(whole, least + rest_s)
+        else:  # a stage without a simulated backward: all of it after the pipeline
+            exposed = whole
     if L.llm_zero == 0:
         step["llm_all_reduce"] = all_reduce_s(nbytes, L.data_group, bw, lat)
     elif L.llm_zero == 1:
         step["llm_all_gather"] = all_gather_s(gbytes, L.data_group, bw, lat)
-        step["llm_all_reduce"] = all_reduce_s(nbytes, L.data_group, bw, lat)
+        step["llm_all_reduce"] = (
+            exposed if exposed is not None else all_reduce_s(nbytes, L.data_group, bw, lat)
+        )
     else:
         if L.reshards(microbatches):  # roots once per step; every block per microbatch, forward and backward
             roots = big - sum(blocks)
@@ -870,7 +915,9 @@ def step_collectives(
             ) + 2 * microbatches * sum(all_gather_s(GATHER_BYTES * b, L.data_group, bw, lat) for b in blocks)
         else:
             step["llm_all_gather"] = all_gather_s(gbytes, L.data_group, bw, lat)
-        step["llm_reduce_scatter"] = reduce_scatter_s(nbytes, L.data_group, bw, lat)
+        step["llm_reduce_scatter"] = (
+            exposed if exposed is not None else reduce_scatter_s(nbytes, L.data_group, bw, lat)
+        )
     if experts:  # routed experts over the expert-data-parallel group (omni_parallel.topology.expert_groups)
         edp = L.expert_data_group
         xbytes = MASTER_BYTES * experts
@@ -902,6 +949,55 @@ def step_collectives(
     return per, step
 
 
+def exposed_reduction_s(
+    windows: Sequence[tuple[float, float, Sequence[float]]], rest_s: float = 0.0
+) -> float:
+    """Seconds of a pipeline rank's LLM gradient reduction that end after its last backward, the
+    reductions running one after another on a communication stream (:mod:`omni_parallel.llm_zero`'s
+    Schedule: FSDP2's post-backward reduce-scatter, Megatron-LM's ``overlap_grad_reduce``).
+
+    Args:
+        windows: per stage of the rank, ``(start_s, end_s, [seconds of each block's collective, last block
+            first])`` of the stage's last backward: the action's time is spread evenly over its blocks,
+            last block first, and block ``j``'s collective starts when its share is done
+            (``start_s + (j + 1) * (end_s - start_s) / n``) or when the collective before it ends,
+            whichever is later.
+        rest_s: seconds of what is reduced after the last backward (the root units: embedding, final
+            norm, LM head), after the last block's collective.
+
+    Returns:
+        ``max(0, end of the last collective - end of the last window)``; with no window, ``rest_s``.
+
+    Raises:
+        ValueError: a window that ends before it starts, or a negative seconds value.
+    """
+    if rest_s < 0 or any(end < start or any(c < 0 for c in cs) for start, end, cs in windows):
+        raise ValueError(f"exposed_reduction_s: bad windows {list(windows)} or rest_s {rest_s}")
+    if not windows:
+        return rest_s
+    last = max(end for _, end, _ in windows)
+    t = float("-inf")  # when the communication stream is free
+    for start, end, cs in sorted(windows, key=lambda w: w[0]):
+        share = (end - start) / len(cs) if cs else 0.0
+        for j, c in enumerate(cs):
+            t = max(t, start + (j + 1) * share) + c
+    t = max(t, last) + rest_s
+    return max(0.0, t - last)
+
+
+def last_backward_windows(timelines: Mapping[int, Sequence]) -> dict[int, tuple[float, float]]:
+    """``{stage: (start_s, end_s)}`` of each LLM stage's last backward in a simulated timeline
+    (:class:`~omni_pipeline.trace.TimelineEvent` s, actions ``"<stage>B<mb>"``)."""
+    out: dict[int, tuple[float, float]] = {}
+    for evs in timelines.values():
+        for ev in evs:
+            if ev.kind == "B":
+                stage = int(ev.action[: ev.action.index("B")])
+                if stage not in out or ev.end_s > out[stage][1]:
+                    out[stage] = (ev.start_s, ev.end_s)
+    return out
+
+
 @dataclass
 class StepPrediction:
     """What :func:`predict_step` predicts for one layout and step.
@@ -913,7 +1009,8 @@ class StepPrediction:
         time_s: where the time goes on the pipeline's busiest rank, seconds: ``llm_compute``,
             ``encoder_compute``, ``tp`` / ``cp`` / ``ulysses`` / ``ep`` / ``offload`` (inside its actions),
             ``pipeline_idle`` (bubbles and P2P waits), then the per-step items of
-            :func:`step_collectives`, then ``data_loading`` (the decode the step waits for); they sum to
+            :func:`step_collectives` (the LLM ZeRO 1-3 gradient reduction: only its seconds after the
+            last backward, module docstring), then ``data_loading`` (the decode the step waits for); they sum to
             ``step_time_s``.
         memory: :func:`rank_memory`'s rows. oom: ranks whose ``total`` exceeds the device memory.
         simulation: the pipeline's :class:`~omni_pipeline.simulator.SimulationResult`.
@@ -1212,6 +1309,7 @@ def predict_step(
         vocab=vocab,
         stage_layers=layers,
         microbatches=m,
+        last_backward=last_backward_windows(sim.timelines),
     )
     step_s = sim.makespan_s + sum(per_step.values())
     # where the time goes on the busiest rank (it runs F and B of each of its stages for every microbatch)
