@@ -9,33 +9,15 @@ from __future__ import annotations
 import math
 
 import pytest
+from test_pipeline_sim_step_model import _text_workload  # the same 4-layer text workload
 
 from omni_pipeline.cost import Network, all_reduce_s, reduce_scatter_s
 from omni_pipeline.step_model import Device, Layout, exposed_reduction_s, predict_step, step_collectives
-from omni_pipeline.workload import parse_workload
 
 D, KV, FFN, VOCAB = 256, 2 * 64, 512, 32000
 BLOCK = (
     D * (D + 2 * KV) + D * D + 3 * D * FFN + 2 * D
 )  # one block's parameters (q, kv, o, gated MLP, 2 norms)
-
-
-def _workload():
-    return parse_workload(
-        """
-name = "text"
-max_seq_len = 2048
-microbatches = 4
-[model]
-llm = { dim = 256, n_layers = 4, n_heads = 4, n_kv_heads = 2, ffn_dim = 512, gated_mlp = true }
-[[sources]]
-name = "t"
-modality = "text"
-length = { fixed = 700 }
-[[phases]]
-weights = { t = 1 }
-"""
-    )
 
 
 def test_exposed_reduction_by_hand():
@@ -56,7 +38,7 @@ def test_exposed_reduction_by_hand():
 @pytest.mark.parametrize("zero", [1, 2])
 @pytest.mark.parametrize("fast", [True, False])  # a block's collective shorter / longer than its share
 def test_predict_step_prices_only_the_exposed_reduction(pp, zero, fast):
-    w, dev = _workload(), Device()
+    w, dev = _text_workload(), Device()
     net = (
         Network(inter_bandwidth_Bps=5e14, inter_latency_s=1e-9) if fast else Network(inter_bandwidth_Bps=2e9)
     )
@@ -96,7 +78,7 @@ def test_predict_step_prices_only_the_exposed_reduction(pp, zero, fast):
 
 
 def test_zero3_resharding_per_microbatch_and_zero0_keep_the_whole_reduction():
-    w, net = _workload(), Network()
+    w, net = _text_workload(), Network()
     bw, lat = net.inter_bandwidth_Bps, net.inter_latency_s
     params = 4 * BLOCK + 2 * VOCAB * D + D
     lazy = predict_step(w, Layout(pp=1, dp=16, llm_zero=3, llm_reshard="always"), network=net)

@@ -992,7 +992,7 @@ def last_backward_windows(timelines: Mapping[int, Sequence]) -> dict[int, tuple[
     for evs in timelines.values():
         for ev in evs:
             if ev.kind == "B":
-                stage = int(ev.action[: ev.action.index("B")])
+                stage = Action.parse(ev.action).stage
                 if stage not in out or ev.end_s > out[stage][1]:
                     out[stage] = (ev.start_s, ev.end_s)
     return out
