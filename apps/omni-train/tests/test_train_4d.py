@@ -14,7 +14,8 @@ within 1e-10).
 * Megatron SP (``parallel.sequence_parallel``) at tp=2 with cp=2 (all-gather and ring) and with
   ulysses=2, pp=1: each rank's CP share or Ulysses chunk is sharded over TP between blocks (checked: the
   first block's input rows are half those without SP).
-* tp=2 x cp=2 ring with ``train.compile`` (each block compiled, inductor), and tp=2 x hybrid DP/CP
+* tp=2 x cp=2 ring with ``train.compile`` (each block compiled, inductor, in step 0 only: steps 1 and 2,
+  other pack lengths, compile nothing), and tp=2 x hybrid DP/CP
   (dp=1 x cp=2 per stage, packs of 2 x 48 tokens on a long-tailed length mix, equal to one process
   training the same 96-token packs whole).
 
@@ -49,18 +50,23 @@ SP = {"tp": 2, "sequence_parallel": True}  # Megatron SP: each rank's tokens sha
 
 
 def _parallel(rank, world_size, runs, root):
+    from torch._dynamo.utils import counters
+
     out = []
     for name, cfg in runs:
         validate(cfg, world_size)
-        read, rows = [0], []
+        read, rows, frames = [0], [], []
 
-        def count(trainer, step, inputs, read=read, rows=rows):
+        def count(trainer, step, inputs, read=read, rows=rows, frames=frames):
             read[0] = trainer.stream.samples_read  # media samples this rank's loader read itself
+            # frames dynamo compiled so far in this process (train.compile: all in step 0, none after)
+            frames.append(counters["frames"]["total"])
             if step == 0:  # from step 1 on: the rows of every first-block input (SP: this TP rank's shard)
                 first = next(iter(trainer.stage.layers.values()))
                 first.register_forward_pre_hook(lambda _, args: rows.append(args[0].shape[0]))
 
-        out.append((capture_run(cfg, Path(root) / name, on_inputs=count), read[0], sum(rows)))
+        got = capture_run(cfg, Path(root) / name, on_inputs=count)
+        out.append((got, read[0], sum(rows), frames[-1] - frames[0]))
     return out
 
 
@@ -108,6 +114,11 @@ def test_tp_with_cp_and_with_ulysses_match_one_process(tmp_path):
         read = [got[i][1] for got in ranks]
         if {r for r in range(4) if read[r]} != readers:
             failed.append(f"{name}: media samples read per rank {read}, expected readers {sorted(readers)}")
+        # compiled blocks compile in step 0 only: later packs (other lengths, document counts and CP
+        # shares) recompile nothing (dynamic shapes, no duck sizing, CP attention outside the graph)
+        recompiled = [got[i][3] for got in ranks]
+        if any(recompiled):
+            failed.append(f"{name}: frames dynamo compiled after step 0 per rank {recompiled}, expected none")
     rows = {name: [got[i][2] for got in ranks] for i, (name, *_) in enumerate(runs)}
     # SP halves each rank's hidden-state rows between blocks: exactly under CP (a CP rank's tokens are
     # even), up to the padding of a Ulysses chunk to a multiple of tp (2 microbatches x 2 steps)

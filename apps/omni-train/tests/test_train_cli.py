@@ -66,7 +66,7 @@ def test_every_field_is_overridable_and_equals_the_same_value_in_the_toml(tmp_pa
     [
         (["--parallel.placement", "everywhere"],
          "parallel.placement: 'everywhere' is not one of ['prepend_first_stage', 'isolated', 'uniform_on_demand', 'planned']"),
-        (["--parallel.ppp", "2"], "parallel.ppp: unknown field (allowed: ['cp', 'cp_attention', 'dp', 'encoder_forward_share'"),
+        (["--parallel.ppp", "2"], "parallel.ppp: unknown field (allowed: ['async_tp', 'cp', 'cp_attention', 'dp', 'encoder_forward_share'"),
         (["--optim.lr", "fast"], "optim.lr: expected a number, got 'fast'"),
         (["--parallel.pp", "two"], "parallel.pp: expected an integer, got 'two'"),
         (["--train.compile", "maybe"], "train.compile: expected a bool (true/false, on/off), got 'maybe'"),

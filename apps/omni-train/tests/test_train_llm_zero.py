@@ -5,7 +5,8 @@ losses and every gradient of every step within 1e-10 (``train_reference``):
   stage's data group on the step-scoped schedule (gathered once per step, reduced once per step as a plain
   sum), composing with the encoders' own FSDP2 over the world; ZeRO-3 also with selective recompute and
   offload of the LLM blocks; ZeRO-2 with two stages on one rank (pp=1, looped GPipe, two FSDP2 roots);
-  ZeRO-3 at dp=2 with ``train.compile`` (every block compiled, run on the gathered parameters);
+  ZeRO-3 at dp=2 with ``train.compile`` (every block compiled, run on the gathered parameters; all
+  compiling in step 0, none in the later steps' other pack lengths);
 * hybrid DP/CP (pp=2, cp=2 ranks per stage sharing packs) with ``llm_zero = 3``;
 * measured bytes per rank (``omni_parallel.memory.state_bytes`` over the rank's LLM stages): AdamW
   state at ``llm_zero >= 1`` and parameters at ``llm_zero = 3`` are half of ``llm_zero = 0``'s (within 1%),
@@ -59,10 +60,14 @@ RESUME_AT = 1  # step 3's gradients then depend on step 2's AdamW update from th
 
 
 def _observe(trainer, seen):
-    """The rank's LLM bytes (the last step's wins) and the CP sizes its hybrid DP/CP plans used."""
+    """The rank's LLM bytes (the last step's wins), the CP sizes its hybrid DP/CP plans used, and the
+    frames dynamo has compiled in this process after each step."""
+    from torch._dynamo.utils import counters
+
     from omni_parallel.memory import state_bytes
 
     seen["bytes"] = state_bytes(trainer.stage.chunks.values(), trainer.optimizer)
+    seen["frames"].append(counters["frames"]["total"])
     if trainer.sharding is not None:
         seen["cp"] |= {s.cp for slots, _ in trainer.sharding._cache.values() for s in slots}
 
@@ -70,13 +75,14 @@ def _observe(trainer, seen):
 def _parallel(rank, world_size, runs, root):
     out = []
     for name, cfg, par in runs:
-        seen: dict = {"cp": set()}
+        seen: dict = {"cp": set(), "frames": []}
         got = capture_run(
             with_parallel(cfg, **par),
             Path(root) / name,
             on_inputs=lambda t, step, inputs, s=seen: _observe(t, s),
         )
-        out.append((got, seen["bytes"], sorted(seen["cp"])))
+        # (..., frames compiled after step 0: train.compile compiles in step 0 only)
+        out.append((got, seen["bytes"], sorted(seen["cp"]), seen["frames"][-1] - seen["frames"][0]))
     return out
 
 
@@ -194,6 +200,7 @@ def test_llm_zero_stages_hybrid_cp_and_a_resume_across_layouts_match_one_process
     )[0]
     assert_runs_match(looped[0], want, "v2-zero2")
     assert_runs_match(compiled_run[0], want, "dp2-zero3-compile")
+    assert compiled_run[3] == 0, f"dp2-zero3-compile: {compiled_run[3]} frames compiled after step 0"
     uninterrupted = results["zero3"][0][0]
     tail = (uninterrupted[0][RESUME_AT:], uninterrupted[1][RESUME_AT:])
     assert len(got[0]) == len(tail[0]) == cfg.train.steps - RESUME_AT

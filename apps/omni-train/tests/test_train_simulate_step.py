@@ -197,14 +197,18 @@ def test_tune_writes_a_config_the_trainer_accepts(tmp_path, capsys):
     cfg = load_config(str(cfg_path))
     validate(cfg, 16)
     par = cfg.parallel
-    assert (par.pp, par.dp, par.tp, par.cp, par.ulysses, par.llm_zero) == (
+    assert (par.pp, par.dp, par.tp, par.cp, par.ulysses, par.llm_zero, par.async_tp) == (
         best["pp"],
         best["dp"],
         best["tp"],
         best["cp"],
         best["ulysses"],
         best["llm_zero"],
+        best["async_tp"],
     )
+    # async TP where the preflight takes it: the best plan runs it (column sp "a"), and the table says so
+    assert best["tp"] == 1 or best["async_tp"], best
+    assert best["tp"] == 1 or "a with async TP" in printed
     assert par.world_size == 16 and cfg.data.max_seq_len == 16384 and cfg.model.llm.dim == 5120
     assert ("llm" in cfg.train.recompute) == best["recompute"]
     assert cfg.data.microbatches * par.dp == 32

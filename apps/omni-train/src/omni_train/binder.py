@@ -451,6 +451,7 @@ RESUME_MAY_CHANGE = (
     "parallel.ulysses",
     "parallel.cp_attention",
     "parallel.sequence_parallel",
+    "parallel.async_tp",
     "parallel.ep",
     "parallel.llm_reshard_after_forward",
     "parallel.llm_zero",

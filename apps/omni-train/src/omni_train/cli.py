@@ -180,7 +180,7 @@ def build_parser() -> argparse.ArgumentParser:
     _device_args(sim)
 
     tune_help = (
-        "search pp (with 1, 2 or 4 virtual stages), dp, tp(+SP), cp / ulysses, ep (MoE), llm_zero, encoder_zero, "
+        "search pp (with 1, 2 or 4 virtual stages), dp, tp(+SP, async TP unless --no-async-tp), cp / ulysses, ep (MoE), llm_zero, encoder_zero, "
         "recompute (off, whole blocks, or selective: the attention or the MLP branch; --recompute), placement "
         "and, at pp > 1 under 1F1B, uneven LLM layers per stage (parallel.stage_layers; --max-splits) for a "
         "workload on N GPUs, then the reordering group across DP of the top plans (groups up to "
@@ -217,6 +217,11 @@ def build_parser() -> argparse.ArgumentParser:
         "--recompute", default="off,block,attention,mlp", metavar="FORMS",
         help="recompute forms searched, comma-separated: off, block (whole blocks), attention, mlp (that "
         "residual branch, train.recompute_modules); default all four",
+    )  # fmt: skip
+    tun.add_argument(
+        "--no-async-tp", action="store_true",
+        help="search plain Megatron SP only (default: tp > 1 plans of a dense LLM run async TP, "
+        "parallel.async_tp, where preflight accepts it)",
     )  # fmt: skip
     tun.add_argument(
         "--max-splits", type=int, default=64, metavar="N",
@@ -601,6 +606,11 @@ def _layout_args(p: argparse.ArgumentParser) -> None:
     """``simulate --workload``'s layout of the whole step (omni_pipeline.step_model.Layout)."""
     p.add_argument("--tp", type=int, default=1, help="--workload: tensor-parallel size")
     p.add_argument("--sequence-parallel", action="store_true", help="--workload: Megatron SP (tp > 1)")
+    p.add_argument(
+        "--async-tp", action="store_true",
+        help="--workload: async TP (with --sequence-parallel): each SP ring overlapped with the projection "
+        "matmuls, only its exposed part priced (parallel.async_tp)",
+    )  # fmt: skip
     p.add_argument("--cp", type=int, default=1, help="--workload: context-parallel size")
     p.add_argument("--cp-attention", default="allgather", choices=("allgather", "ring"))
     p.add_argument("--ulysses", type=int, default=1, help="--workload: Ulysses size")
@@ -700,6 +710,7 @@ def _tune(args: argparse.Namespace) -> int:
             write_config=Path(args.write_config) if args.write_config else None,
             max_reorder_group=args.max_reorder_group, max_splits=args.max_splits,
             recompute=[f.strip() for f in args.recompute.split(",") if f.strip()],
+            async_tp=not args.no_async_tp,
         )
     )  # fmt: skip
     return 0
@@ -722,13 +733,16 @@ def _simulate(args: argparse.Namespace) -> int:
         mp = max(1, pp * args.tp * args.cp * args.ulysses)
         try:
             layout = Layout(
-                pp=pp, dp=max(1, gpus // mp), tp=args.tp, sequence_parallel=args.sequence_parallel, cp=args.cp,
+                pp=pp, dp=max(1, gpus // mp), tp=args.tp, sequence_parallel=args.sequence_parallel,
+                async_tp=args.async_tp, cp=args.cp,
                 cp_attention=args.cp_attention, ulysses=args.ulysses, llm_zero=args.llm_zero,
                 encoder_zero=args.encoder_zero, recompute=args.recompute, placement=args.placement,
                 reorder_group=args.reorder_group, ep=args.ep, offload=offload,
             )  # fmt: skip
         except ValueError as exc:
-            raise ConfigError(f"--tp / --cp / --ulysses / --ep / --llm-zero / --placement: {exc}") from None
+            raise ConfigError(
+                f"--tp / --sequence-parallel / --async-tp / --cp / --ulysses / --ep / --llm-zero / --placement: {exc}"
+            ) from None
         table = simulate_workload(
             resolve_workload(args.workload),
             gpus=512 if args.gpus is None else args.gpus,

@@ -230,6 +230,12 @@ class ParallelConfigSection:
             ``tp`` with a padding document without targets), all-gathered into attention and the MLP and
             reduce-scattered out of them; stage boundaries send ``1/tp`` of the tokens. Stage 0 embeds the
             whole pack with its media rows and keeps its shard; the LM head sees every token.
+        async_tp: async tensor parallelism (needs ``sequence_parallel``, hence ``tp`` > 1;
+            ``omni_parallel.async_tp``): each attention and MLP region's SP all-gather and reduce-scatter
+            is decomposed into ``tp`` ring steps of point-to-point sends overlapped with the projection
+            matmuls (collective matmul, Wang et al., ASPLOS'23): Q/K/V (gate/up) as one
+            all-gather-matmul, the output (down) projection as one matmul-reduce-scatter. Same parameter
+            placements, checkpoints and results as plain SP (within floating-point rounding).
         encoder_sp: encoder sequence-parallel size (``omni_pipeline.encoder_parallel``): 1, or the LLM's
             sequence-parallel size, whose group it then shares: ``ulysses``, or ``cp`` under plain CP
             (not ``hybrid_cp``). With an LLM SP group the samples of each encoder microbatch are spread
@@ -292,6 +298,7 @@ class ParallelConfigSection:
     dp: int = 1
     tp: int = 1
     sequence_parallel: bool = False
+    async_tp: bool = False
     cp: int = 1
     ulysses: int = 1
     placement: PlacementPolicy = PlacementPolicy.UNIFORM_ON_DEMAND

@@ -2,8 +2,9 @@
 
 :func:`parallelize` calls them in torchtitan's order over this app's model: TP of every LLM block
 (``parallel.tp``; with ``parallel.sequence_parallel`` Megatron SP, the stages' embedding output, final norm
-and LM head included), activation checkpointing of the block families in ``train.recompute`` (of the residual
-branches in ``train.recompute_modules``), ``torch.compile`` per block (``train.compile``), offload of the
+and LM head included; with ``parallel.async_tp`` its communication overlapped with the projections),
+activation checkpointing of the block families in ``train.recompute`` (of the residual branches in
+``train.recompute_modules``), ``torch.compile`` per block (``train.compile``), offload of the
 families in ``train.offload``, autocast over float32 master parameters (``train.dtype = "bfloat16"``), and
 the gradient syncs of the LLM (``parallel.llm_zero``; with ``parallel.ep`` the MoE experts sharded over the EP
 group, ``omni_parallel.expert_parallel``) and of the encoders (``parallel.encoder_zero``)
@@ -80,6 +81,7 @@ def parallelize(
     llm_zero: int = 0,
     llm_reshard_after_forward: bool = False,
     sequence_parallel: bool = False,
+    async_tp: bool = False,
     num_stages: int,
     device: torch.device,
 ) -> ParallelModel:
@@ -94,6 +96,10 @@ def parallelize(
         encoder_zero: ``parallel.encoder_zero`` (0, 2 or 3).
         sequence_parallel: ``parallel.sequence_parallel``: Megatron SP over the TP group (norms and
             residual stream sharded along the tokens; ``omni_parallel.tensor_parallel``).
+        async_tp: ``parallel.async_tp`` (with ``sequence_parallel``): each block's attention and MLP run as
+            :class:`omni_parallel.async_tp.AsyncTPRegion` s (the SP all-gather and reduce-scatter decomposed
+            into point-to-point rings overlapped with the Q/K/V, gate/up, output and down matmuls); the
+            parameter placements are the plain SP plan's.
         llm_zero: ``parallel.llm_zero`` (0-3): the LLM stages sharded over each stage's data group
             (``omni_parallel.llm_zero.apply_llm_zero``; every block an FSDP2 unit, every stage module a root;
             under ``train.dtype = "bfloat16"`` with bf16 gathers and float32 reductions).
@@ -101,11 +107,18 @@ def parallelize(
             (``omni_parallel.llm_zero.reshard_after_forward`` of ``parallel.llm_reshard_after_forward``).
         num_stages: stages of the whole pipeline (the schedule's).
         device: the compute device.
+
+    Raises:
+        ValueError: ``async_tp`` without ``sequence_parallel``.
     """
+    if async_tp and not sequence_parallel:
+        raise ValueError(
+            "parallelize: async_tp needs sequence_parallel (parallel.async_tp, parallel.sequence_parallel)"
+        )
     seq = 0 if sequence_parallel else None  # packed [T, dim]: tokens on dim 0
     plan = llama_tp_plan(
         attention="attn", mlp="mlp", attention_norm="attn_norm", mlp_norm="mlp_norm", attention_args=3,
-        sequence_dim=seq,
+        sequence_dim=seq, async_tp=async_tp,
     )  # fmt: skip
     ends = sequence_parallel_plan(
         embeddings="embedded" if hasattr(stage, "embedded") else None,

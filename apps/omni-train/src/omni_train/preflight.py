@@ -28,7 +28,7 @@ from omni_train.data_files import data_root, expand_urls, load_tokenizer, tokeni
 from omni_train.data_pipeline import mixture_unit
 from omni_train.pipeline import fitted_cost_model, stage_split
 
-__all__ = ["check_resume_layout", "validate"]
+__all__ = ["check_resume_layout", "validate", "validate_sources"]
 
 
 def _missing_shards(pattern: str, root: Path) -> str | None:
@@ -49,8 +49,13 @@ def _missing_shards(pattern: str, root: Path) -> str | None:
     return None if urls else f"no shards match {pattern!r} (looked for {where}{how})"
 
 
-def validate(cfg: RunConfig, nproc: int) -> None:
+def validate(cfg: RunConfig, nproc: int, *, sources: bool = True) -> None:
     """Check everything that can be checked before processes start.
+
+    ``sources=False`` leaves out what :func:`validate_sources` checks (the files the data and model name:
+    shards and their media, the tokenizer, the image tokenizer), which no parallel size, schedule or
+    memory option changes: a caller checking many layouts of one config (``omni-train tune``,
+    :func:`omni_train.simulate.layout_check`) runs :func:`validate_sources` once and this per layout.
 
     Raises:
         ConfigError: naming the first field that is wrong: a number out of its range
@@ -155,7 +160,7 @@ def validate(cfg: RunConfig, nproc: int) -> None:
     if not data.sources:
         raise ConfigError("data.sources: at least one source is needed")
     names = [s.name for s in data.sources]
-    if cfg.model.image_tokenizer is not None:
+    if sources and cfg.model.image_tokenizer is not None:
         _check_image_tokenizer(cfg)
     for i, src in enumerate(data.sources):
         if src.modality not in ("image", "audio", "text", "video", "generation"):
@@ -163,7 +168,7 @@ def validate(cfg: RunConfig, nproc: int) -> None:
                 f"data.sources[{i}].modality: {src.modality!r} is not image, audio, text, video or generation"
             )
         if src.modality == "generation":  # caption + boi + h*w codes + eoi must fit in a pack
-            _check_generation_source(cfg, i)
+            _check_generation_source(cfg, i, sources)
         if src.modality in ("image", "video") and cfg.model.vit is None:
             raise ConfigError(
                 f"data.sources[{i}].modality: {src.modality} source {src.name!r} but no [model.vit]"
@@ -192,12 +197,8 @@ def validate(cfg: RunConfig, nproc: int) -> None:
                 raise ConfigError(
                     f"data.sources[{i}].max_pixels: need 0 < min_pixels ({lo}) <= max_pixels ({hi})"
                 )
-        missing = _missing_shards(src.urls, data_root(cfg))
-        if missing:
-            raise ConfigError(f"data.sources[{i}].urls: {missing} (source {src.name!r})")
-        wrong = _wrong_media(src.modality, src.urls, data_root(cfg))
-        if wrong:
-            raise ConfigError(f"data.sources[{i}].urls: {wrong} (source {src.name!r})")
+        if sources:
+            _check_source_files(cfg, i)
     if names.count(names[0]) != 1 or len(set(names)) != len(names):
         raise ConfigError(f"data.sources: source names must be unique, got {names}")
     if not data.mixture:
@@ -223,15 +224,8 @@ def validate(cfg: RunConfig, nproc: int) -> None:
             last = end
         elif end is not None:
             raise ConfigError(f"data.mixture[{i}].{field}: the last phase runs to the end; leave it out")
-    looked = tokenizer_candidates(cfg)
-    if not any(p.is_file() for p in looked):
-        raise ConfigError(
-            f"data.tokenizer: {data.tokenizer!r} not found; looked in {', '.join(str(p) for p in looked)}"
-        )
-    if cfg.model.llm.vocab_size is not None:  # V, or V + 2 + K with [model.image_tokenizer] (checked above)
-        from omni_train.data_pipeline import llm_vocab_size
-
-        cfg.model.llm_config(llm_vocab_size(cfg, load_tokenizer(data).get_vocab_size()))
+    if sources:
+        _check_tokenizer(cfg)
     if cfg.train.steps < 1:
         raise ConfigError(f"train.steps: must be >= 1, got {cfg.train.steps}")
     unknown = sorted(set(cfg.train.recompute) - set(RECOMPUTE))
@@ -279,6 +273,19 @@ def validate(cfg: RunConfig, nproc: int) -> None:
             f"parallel.sequence_parallel: with parallel.cp {par.cp} needs parallel.tp = 2 (got {par.tp}): a "
             "CP rank's tokens are a multiple of 2, not of tp, and SP shards them evenly over TP"
         )
+    # async TP (omni_parallel.async_tp): SP's all-gathers / reduce-scatters as P2P rings over the TP group
+    if not isinstance(par.async_tp, bool):
+        raise ConfigError(f"parallel.async_tp: must be true or false, got {par.async_tp!r}")
+    if par.async_tp and not par.sequence_parallel:
+        raise ConfigError(
+            "parallel.async_tp: needs parallel.sequence_parallel = true (and so parallel.tp > 1): it overlaps "
+            "sequence parallelism's all-gathers and reduce-scatters with the projections"
+        )
+    if par.async_tp and (par.cp > 1 or par.ulysses > 1):
+        raise ConfigError(
+            f"parallel.async_tp: not combined with parallel.cp {par.cp} / ulysses {par.ulysses} yet "
+            "(untested there); use cp = ulysses = 1"
+        )
     sp_size = par.ulysses if par.ulysses > 1 else (par.cp if not par.hybrid_cp else 1)
     if par.encoder_sp < 1 or (par.encoder_sp > 1 and par.encoder_sp != sp_size):
         raise ConfigError(
@@ -315,6 +322,60 @@ def validate(cfg: RunConfig, nproc: int) -> None:
     if cfg.train.profile_steps < 0:
         raise ConfigError(f"train.profile_steps: must be >= 0, got {cfg.train.profile_steps}")
     _validate_schedule_and_memory(cfg)
+
+
+def validate_sources(cfg: RunConfig) -> None:
+    """The checks of the files ``cfg`` names that no parallel layout changes, in :func:`validate`'s order:
+    ``[model.image_tokenizer]`` loads, each source's shards exist and an image or generation source's
+    first shard holds images, a generation sample fits ``data.max_seq_len``, the tokenizer is found and
+    (with ``model.llm.vocab_size`` set) the LLM config builds with its vocabulary. :func:`validate` runs
+    them too unless called with ``sources=False``.
+
+    Raises:
+        ConfigError: naming the field (``model.image_tokenizer.path``, ``data.sources[i].urls``,
+            ``data.max_seq_len``, ``data.tokenizer``) and where it looked.
+    """
+    if cfg.model.image_tokenizer is not None:
+        _check_image_tokenizer(cfg)
+    for i, src in enumerate(cfg.data.sources):
+        if src.modality == "generation" and cfg.model.image_tokenizer is not None:
+            _check_generation_source(cfg, i, True)
+        _check_source_files(cfg, i)
+    _check_tokenizer(cfg)
+
+
+def _check_source_files(cfg: RunConfig, i: int) -> None:
+    """``data.sources[i].urls`` names shards that exist, and an image or generation source's first local
+    shard holds images (:func:`_wrong_media`).
+
+    Raises:
+        ConfigError: ``data.sources[i].urls: ...`` saying where it looked.
+    """
+    src = cfg.data.sources[i]
+    missing = _missing_shards(src.urls, data_root(cfg))
+    if missing:
+        raise ConfigError(f"data.sources[{i}].urls: {missing} (source {src.name!r})")
+    wrong = _wrong_media(src.modality, src.urls, data_root(cfg))
+    if wrong:
+        raise ConfigError(f"data.sources[{i}].urls: {wrong} (source {src.name!r})")
+
+
+def _check_tokenizer(cfg: RunConfig) -> None:
+    """``data.tokenizer`` is found, and with ``model.llm.vocab_size`` set the LLM config builds with the
+    tokenizer's vocabulary (``V``, or ``V + 2 + K`` with ``[model.image_tokenizer]``).
+
+    Raises:
+        ConfigError: ``data.tokenizer: ... not found`` with where it looked, or the LLM config's error.
+    """
+    looked = tokenizer_candidates(cfg)
+    if not any(p.is_file() for p in looked):
+        raise ConfigError(
+            f"data.tokenizer: {cfg.data.tokenizer!r} not found; looked in {', '.join(str(p) for p in looked)}"
+        )
+    if cfg.model.llm.vocab_size is not None:
+        from omni_train.data_pipeline import llm_vocab_size
+
+        cfg.model.llm_config(llm_vocab_size(cfg, load_tokenizer(cfg.data).get_vocab_size()))
 
 
 def _check_checkpoint_url(url: str) -> None:
@@ -381,8 +442,9 @@ def _wrong_media(modality: str, pattern: str, root: Path, members: int = 64) -> 
     )
 
 
-def _check_generation_source(cfg: RunConfig, i: int) -> None:
-    """A generation source needs ``[model.image_tokenizer]`` and packs that hold an image's codes.
+def _check_generation_source(cfg: RunConfig, i: int, files: bool = True) -> None:
+    """A generation source needs ``[model.image_tokenizer]`` and (``files``: read from the tokenizer's
+    weights, its code grid) packs that hold an image's codes.
 
     Raises:
         ConfigError: naming ``data.sources[i].modality`` or ``data.max_seq_len``.
@@ -393,6 +455,8 @@ def _check_generation_source(cfg: RunConfig, i: int) -> None:
             f"data.sources[{i}].modality: generation source {src.name!r} but no [model.image_tokenizer] "
             "(its images become code tokens of a frozen image tokenizer)"
         )
+    if not files:
+        return
     from omni_train.data_pipeline import load_image_tokenizer
 
     h, w = load_image_tokenizer(cfg).grid

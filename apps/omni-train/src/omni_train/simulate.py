@@ -176,6 +176,7 @@ _SAME_FOR_A_FIT = (  # what a fit carries to another run only when equal: the mo
     "parallel.dp",
     "parallel.tp",
     "parallel.sequence_parallel",
+    "parallel.async_tp",
     "parallel.cp",
     "parallel.cp_attention",
     "parallel.ulysses",
@@ -717,7 +718,8 @@ def workload_config(
     bfloat16, ``train.recompute`` of every family when ``layout.recompute`` (``train.recompute_modules`` =
     ``layout.recompute_modules``), ``train.offload`` = ``layout.offload``'s families the model has,
     ``data.decode_workers`` = the workload's ``loader_workers`` (at least 1), and ``[parallel]`` from the
-    layout (ZeRO-3: ``llm_reshard_after_forward`` written as ``always`` / ``never``, what
+    layout (``parallel.async_tp`` = ``layout.async_tp``; ZeRO-3: ``llm_reshard_after_forward`` written as
+    ``always`` / ``never``, what
     :meth:`~omni_pipeline.step_model.Layout.reshards` resolves; ``virtual_stages > 1`` as
     ``schedule = "interleaved"``; the layers split evenly, or ``stage_layers`` as ``parallel.stage_layers``,
     one count per stage; ``data.reorder_group_size`` =
@@ -768,7 +770,7 @@ def workload_config(
     )
     par = dataclasses.replace(
         cfg.parallel, pp=layout.pp, dp=layout.dp, tp=layout.tp, sequence_parallel=layout.sequence_parallel,
-        cp=layout.cp, cp_attention=layout.cp_attention, ulysses=layout.ulysses, llm_zero=layout.llm_zero,
+        async_tp=layout.async_tp, cp=layout.cp, cp_attention=layout.cp_attention, ulysses=layout.ulysses, llm_zero=layout.llm_zero,
         encoder_zero=layout.encoder_zero, placement=PlacementPolicy(placement), ep=layout.ep,
         virtual_stages=layout.virtual_stages, stage_layers=None if stage_layers is None else list(stage_layers),
         schedule=ScheduleKind.INTERLEAVED if layout.virtual_stages > 1 else ScheduleKind.ONE_F_ONE_B,
@@ -829,17 +831,26 @@ def exact_state(
 
 def layout_check(workload: Workload) -> Callable[[Layout], str | None]:
     """``layout -> None`` when the trainer's preflight accepts :func:`workload_config` of it on
-    ``layout.gpus`` ranks, else the preflight's one-line reason."""
-    from omni_train.preflight import validate
+    ``layout.gpus`` ranks, else the preflight's one-line reason.
+
+    The preflight's file checks (shards, media, tokenizers: :func:`omni_train.preflight.validate_sources`),
+    which no layout changes, run once here; each layout runs the rest (``validate(..., sources=False)``),
+    and a layout those accept gets the file checks' reason, if any."""
+    from omni_train.preflight import validate, validate_sources
 
     base = workload_config(workload, Layout())
+    try:
+        validate_sources(workload_config(workload, Layout(), base=base))
+        files = None
+    except ConfigError as exc:
+        files = str(exc)
 
     def check(layout: Layout) -> str | None:
         try:
-            validate(workload_config(workload, layout, base=base), layout.gpus)
+            validate(workload_config(workload, layout, base=base), layout.gpus, sources=False)
         except ConfigError as exc:
             return str(exc)
-        return None
+        return files
 
     return check
 
@@ -905,7 +916,7 @@ def whole_step(
     }  # fmt: skip
     L = layout
     lines = [
-        f"whole step at pp={L.pp}{f' x {L.virtual_stages} virtual' if L.virtual_stages > 1 else ''}, dp={L.dp}, tp={L.tp}{' +SP' if L.sequence_parallel else ''}, cp={L.cp} "
+        f"whole step at pp={L.pp}{f' x {L.virtual_stages} virtual' if L.virtual_stages > 1 else ''}, dp={L.dp}, tp={L.tp}{' +SP' if L.sequence_parallel else ''}{' +async TP' if L.async_tp else ''}, cp={L.cp} "
         f"({L.cp_attention}), ulysses={L.ulysses}, llm_zero={L.llm_zero}, encoder_zero={L.encoder_zero}, "
         f"ep={L.ep}, recompute={('+'.join(L.recompute_modules) or 'on') if L.recompute else 'off'}, reorder group {L.reorder_group}; "
         + (
@@ -972,6 +983,7 @@ def tune_workload(
     max_reorder_group: int = TUNE_MAX_REORDER_GROUP,
     recompute: Sequence[str] | None = None,
     max_splits: int = MAX_SPLITS,
+    async_tp: bool = True,
 ) -> str:
     """``omni-train tune``: :func:`omni_pipeline.tune.tune` over the layouts the trainer's preflight
     accepts (:func:`layout_check`), the best plans' state exact from ``omni-train memory``'s build
@@ -992,6 +1004,9 @@ def tune_workload(
         recompute: the recompute forms searched (``--recompute``: names of
             :data:`omni_pipeline.tune.RECOMPUTE_CHOICES`; default all).
         max_splits: ``--max-splits`` (:func:`omni_pipeline.tune.tune`'s; 0: the even split only).
+        async_tp: ``tp > 1`` plans run async TP where the preflight accepts it (column ``sp``: ``a``;
+            ``parallel.async_tp`` in the config), else plain SP (``y``); ``False`` (``--no-async-tp``):
+            plain SP only.
 
     Returns:
         the report (text).
@@ -1020,7 +1035,7 @@ def tune_workload(
             workload, gpus, device=device, network=network, global_batch=global_batch, top=top,
             check=layout_check(workload),
             exact_state=lambda layout, m, split: exact_state(workload, layout, m, stage_layers=split),
-            max_reorder_group=max_reorder_group, max_splits=max_splits, recompute=forms,
+            max_reorder_group=max_reorder_group, max_splits=max_splits, recompute=forms, async_tp=async_tp,
         )  # fmt: skip
     except ValueError as exc:
         raise ConfigError(f"--gpus: {exc}") from None
@@ -1044,12 +1059,18 @@ def tune_workload(
         where = sorted(p.time_s.items(), key=lambda kv: -kv[1])[:3]
         head = head if i > 1 and p.tokens_per_s == res.plans[i - 2].tokens_per_s else i
         lines.append(
-            f"{i:>2} {L.pp:>3}{L.virtual_stages:>3}{L.dp:>5}{L.tp:>4}{'y' if L.sequence_parallel else 'n':>4}{cp:>4}"
+            f"{i:>2} {L.pp:>3}{L.virtual_stages:>3}{L.dp:>5}{L.tp:>4}{('a' if L.async_tp else 'y') if L.sequence_parallel else 'n':>4}{cp:>4}"
             f"{L.ulysses:>5}{L.ep:>4}{L.llm_zero:>5}{L.encoder_zero:>3}{(L.recompute_modules[0][:4] if L.recompute_modules else 'y') if L.recompute else 'n':>5}"
             f"{L.reorder_group:>4} {L.placement:<18}{p.tokens_per_s:>11.4g}"
             f"{p.mfu:>7.3f}{_gb(p.peak_memory_bytes):>9} {split:<12} "
             + ", ".join(f"{k} {100 * v / p.step_time_s:.0f}%" for k, v in where)
             + (f"  (ties #{head})" if head != i else "")
+        )
+    if any(p.layout.sequence_parallel for p in res.plans):
+        lines.append(
+            "sp: y Megatron SP, a with async TP (parallel.async_tp: each SP ring overlapped with its region's "
+            f"projection matmuls, only the exposed part priced); {res.async_fallbacks} async layouts refused "
+            "by preflight and searched with plain SP"
         )
     if any(a.tokens_per_s == b.tokens_per_s for a, b in zip(res.plans, res.plans[1:])):
         lines.append(
@@ -1083,6 +1104,7 @@ def tune_workload(
                 "oom": res.oom,
                 "simulated": res.simulated,
                 "bounded": res.bounded,
+                "async_fallbacks": res.async_fallbacks,
                 "wall_s": res.wall_s,
                 "plans": [
                     _prediction_json(p) | {"stage_layers": layers}

@@ -9,7 +9,9 @@ is :mod:`omni_train.run_outputs`'s.
 
 Each step: learning rate, gradients zeroed (ZeRO-0 encoder gradients re-attached to their flat buffers;
 LLM ZeRO 1-3 parameters all-gathered) -> the loader's step -> :class:`~omni_pipeline.StepInputs` (a value;
-the executor's callables close over it) -> executor step -> gradient clipping across pipeline ranks and
+the executor's callables close over it) -> executor step (each encoder tower's gradient collectives issued
+once its last backward of the step on this rank has run, ``EncoderGradientSync.ready``; each LLM block's
+during its stage's last backward, ``LLMGradientSync.arm``) -> gradient clipping across pipeline ranks and
 encoder replicas -> the numerics guard's verdict (``omni_parallel.numerics``: AdamW steps, or the step is
 skipped, rolled back or stops the run) -> metrics (one collective) -> records -> checkpoint. A step's wall
 clock runs from the end of the previous step's metrics reduction, so the previous checkpoint save counts
@@ -102,6 +104,7 @@ class Trainer:
         self.model, self.optimizer, self.memory = parts.model, parts.optimizer, parts.memory
         self.sync_llm, self.sync_encoders = parts.sync_llm, parts.sync_encoders  # the executor's hook's
         self._step_media: frozenset[str] | None = None  # the running step's StepInputs.media (None: all)
+        self._step_towers: dict[int, frozenset[str]] = {}  # per encoder microbatch here: towers it runs
         self.sharding = wiring.cp_sharding(cfg, self.ps, self.llm_cfg)
         flow = wiring.data_flow(cfg, self.ps, self.schedule, self.llm_cfg, self.split, self.sharding)
         self.flow, self.planner = flow.flow, flow.planner
@@ -114,6 +117,8 @@ class Trainer:
         )
         # LLM ZeRO 1-3: each block's gradient collective issued during its stage's last backward
         self.executor.before_last_backward = self.sync_llm.arm
+        # each encoder tower's gradient collectives issued once its last backward here has run
+        self.executor.encoder_backwards_left = self._encoder_backwards_left
         self.watchdog = wiring.watchdog(cfg, self.ps, self.executor)  # started with the loop
         self.checkpoint = wiring.checkpoint(cfg, self.out, self.ps, parts, self.stream)
         self.metrics = wiring.step_metrics(cfg, self.ps, parts, self.device)
@@ -197,6 +202,7 @@ class Trainer:
         flow = self.planner.flow(fs.step, fs.packs, fs.microbatches) if self.planner else None
         inputs = self.builder.build(fs, flow)
         self._step_media = inputs.media  # read by _reduce_gradients, the executor's hook
+        self._step_towers = {e: self._towers_of(work) for e, work in inputs.encoder_work.items()}
         self.stream.prepare()  # step + 1 from here on, on the loader's thread (wiring.step_stream)
         data_s = time.perf_counter() - t
         self.memory.start_step()
@@ -298,6 +304,28 @@ class Trainer:
             self.ps.group("pp") if self.pp > 1 else None,
         )
 
+    def _towers_of(self, work: Any) -> frozenset[str]:
+        """The towers this rank runs for one encoder microbatch (its ``EncoderWork``): each of its whole
+        payloads' (a routed modality's target: a video's is ``image``) and, with long-short SP, the long
+        samples' (``ModalityRouter.forward`` calls exactly these)."""
+        router = self.encoders
+        towers = {router.tower_of(p.meta.modality) for p in work.short}
+        if work.long:
+            towers.add(router.tower_of(work.long[0].meta.modality))
+        return frozenset(towers)
+
+    def _encoder_backwards_left(self, later: tuple[int, ...]) -> None:
+        """The executor's hook (``PipelineExecutor.encoder_backwards_left``): the towers that none of this
+        rank's encoder backwards still to come in the step run are done here, and their gradient
+        collectives are issued (``EncoderGradientSync.ready``; in one order on every rank, whatever the
+        rank's encoder work, so a rank with none issues them all when the step starts). A microbatch
+        without its work here counts as running every tower."""
+        names = list(self.encoders.towers)
+        busy: set[str] = set()
+        for e in later:
+            busy |= self._step_towers.get(e, frozenset(names))
+        self.sync_encoders.ready([n for n in names if n not in busy], self._step_media)
+
     @record_function("omni_train.reduce_gradients")
     def _reduce_gradients(self) -> float:
         """The LLM's and the encoders' gradient sync; returns the seconds spent first waiting for every
@@ -305,6 +333,9 @@ class Trainer:
         slowest rank's last backward; it carries the numerics guard's flags), so that
         ``time_s_per_rank`` tells the pipeline's drain imbalance (``reduce_wait``) from the collectives'
         own cost (``grad_reduce``)."""
+        # every encoder backward is through: what is left of the towers' collectives is issued now, on
+        # their own group, so it runs while this rank waits below and the LLM's gradients are reduced
+        self.sync_encoders.ready(list(self.encoders.towers), self._step_media)
         # wait_for_ranks' all-reduce, carrying the step's numerics flags and the stop-signal counts
         wait = self.guard.reduce(self.stop.counts() if self.stop is not None else ())
         self.sync_llm()

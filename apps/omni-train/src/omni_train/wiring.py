@@ -209,6 +209,7 @@ def build_model(
             cfg.parallel.llm_reshard_after_forward, pp=cfg.parallel.pp, microbatches=cfg.data.microbatches
         ),
         sequence_parallel=cfg.parallel.sequence_parallel,
+        async_tp=cfg.parallel.async_tp,
         num_stages=schedule.num_stages,
         device=device,
     )

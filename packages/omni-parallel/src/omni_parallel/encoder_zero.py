@@ -19,11 +19,12 @@ same order whatever its encoder work:
    (``set_reshard_after_forward(False)``, ``set_reshard_after_backward(False)``,
    ``set_requires_gradient_sync(False)``), so forwards and backwards issue no collective at all and
    gradients accumulate on the gathered parameters;
-2. :func:`reduce_scatter_gradients` after the step's last encoder backward: the gathered gradients (zeros
-   for parameters a rank never used) are summed with ``reduce_scatter_tensor(op=SUM)`` in buckets, divided
-   by an explicit ``divide_by`` (never FSDP2's mean), every unit is resharded (``FSDPModule.reshard``), and
-   each sharded parameter gets its gradient as a ``DTensor`` with the parameter's own placements, so the
-   optimizer state stays sharded too (AdamW's moments are DTensors like the parameters).
+2. :func:`reduce_scatter_gradients` after the step's last encoder backward (per tower: after that
+   tower's last backward on this rank, below): the gathered gradients (zeros for parameters a rank never
+   used) are summed with ``reduce_scatter_tensor(op=SUM)`` in buckets, divided by an explicit
+   ``divide_by`` (never FSDP2's mean), every unit is resharded (``FSDPModule.reshard``), and each sharded
+   parameter gets its gradient as a ``DTensor`` with the parameter's own placements, so the optimizer
+   state stays sharded too (AdamW's moments are DTensors like the parameters).
 
 Stages, as in ZeRO (Rajbhandari et al., 2020): both shard gradients and optimizer states; stage 3 also
 shards parameters at rest (the gathered copy exists only inside a step), stage 2 keeps the gathered copy's
@@ -33,11 +34,33 @@ parameters from the first encoder forward to the last backward: resharding betwe
 its backward would need a per-action all-gather at schedule points that differ per rank, which is exactly
 what hangs. Communication per step: one all-gather of the parameters and one reduce-scatter of the
 gradients, as FSDP2's ZeRO-2.
+
+Overlap (:class:`TowerSync`, :func:`omni_parallel.apply_encoder_zero`'s sync at ZeRO 0 and 2/3 alike):
+the reduction is split per tower, and each tower's collectives are issued with ``async_op=True`` as
+soon as that tower's last backward of the step on this rank has run (the trainer learns it from the
+executor's ``encoder_backwards_left`` hook and the towers each encoder microbatch runs here; a rank with
+no work for a tower has it done when the step starts), so they run under the backward actions that
+follow (the LLM's, the other towers'); the sync after the step's last backward issues what is left and
+waits for it all. Tower ``t``'s last backward falls at different points on different ranks, so the issue
+*order* is fixed instead: the step's towers in name order (at ZeRO 0 those that ran on some rank, then
+the parameters shared by towers), a tower never issued before the ones ahead of it (a tower done early
+waits for them; that is the only cost), each tower's buckets in parameter order. Every rank therefore
+issues the same collectives, of the same sizes, in the same order. They run on a process group of their
+own (``apply_encoder_zero`` creates it), which no other collective uses, so their interleaving with the
+collectives of other groups (the LLM's ZeRO collectives on its data group, pipeline P2P, the numerics
+guard's all-reduce on the world) may differ per rank: each group progresses on its own (gloo: its own
+connections and threads; NCCL: its own communicator and stream, as FSDP2's reduce-scatter beside
+pipeline P2P in torchtitan and Megatron-LM's overlapped gradient reduction rely on). No rank waits for an
+encoder collective before the sync, where it first issues all that is left: the pipeline reaches the sync
+on every rank as without the overlap, and then every rank has issued the whole order, so every wait
+returns. A backward that reached a tower after its collectives were issued would be lost (ZeRO 2/3: the
+gradient was copied into the send buffer) or race them (ZeRO 0: an all-reduce in place): it raises
+instead (a post-accumulate-grad hook per parameter, :class:`TowerSync`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Collection, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -48,6 +71,7 @@ from torch.distributed.tensor import DTensor, Shard
 
 __all__ = [
     "PendingReduction",
+    "TowerSync",
     "configure_step_schedule",
     "gather_parameters",
     "is_sharded",
@@ -142,20 +166,30 @@ def checked_units(
 
 
 def reduce_scatter_gradients(
-    modules: Iterable[nn.Module], *, divide_by: float = 1.0, bucket_bytes: int = _BUCKET_BYTES
-) -> None:
+    modules: Iterable[nn.Module],
+    *,
+    divide_by: float = 1.0,
+    bucket_bytes: int = _BUCKET_BYTES,
+    group: dist.ProcessGroup | None = None,
+    async_op: bool = False,
+) -> PendingReduction | None:
     """Sum the step's gradients over each unit's mesh into sharded ``DTensor`` gradients, divide by
     ``divide_by``, and reshard every unit (collective: every rank calls it after the step's last encoder
-    backward, in the same order as :func:`gather_parameters`).
+    backward through ``modules``, in the same order as :func:`gather_parameters`).
 
     Parameters of ``modules`` that are not FSDP2-sharded (a module left out of ``fully_shard``) are
     all-reduced (sum) over the first sharded parameter's mesh group instead, so every parameter ends with
     the summed gradient in its own layout.
 
     Args:
-        modules: the modules given to :func:`gather_parameters`, gathered.
+        modules: the modules given to :func:`gather_parameters`, gathered (or some of them: one tower).
         divide_by: divisor after the sum (e.g. the TP size, whose ranks run the same encoder work); 1: sum.
         bucket_bytes: upper bound of one reduce-scatter buffer (a larger gradient gets a bucket of its own).
+        group: the process group the collectives run on: the units' mesh ranks in the mesh's order (a
+            communicator of their own, e.g. :class:`TowerSync`'s); ``None``: the mesh's own group.
+        async_op: issue the collectives and return the :class:`PendingReduction` that waits for them and
+            sets the ``.grad`` s (the gradients are copied into the send buffers and the units resharded
+            before it returns); ``False``: done on return, ``None`` returned.
 
     Raises:
         ValueError: ``divide_by <= 0``, or the modules hold no FSDP2 unit.
@@ -175,14 +209,28 @@ def reduce_scatter_gradients(
         (sharded if isinstance(p, DTensor) else plain).append((p, grads[(i, name)]))
     if not sharded:
         raise ValueError("reduce_scatter_gradients: no parameter is sharded after reshard")
-    mesh = sharded[0][0].device_mesh
-    group = mesh.get_group()
-    for bucket in _buckets(sharded, bucket_bytes):
-        _reduce_scatter_bucket(bucket, group, divide_by)
+    if group is None:
+        group = sharded[0][0].device_mesh.get_group()
+    pending = [_reduce_scatter_bucket(b, group, divide_by, async_op) for b in _buckets(sharded, bucket_bytes)]
+    works, sums = [], []
     for p, g in plain:
         full = g.detach().clone() if g is not None else torch.zeros_like(p)
-        dist.all_reduce(full, group=group)
-        p.grad = full.div_(divide_by) if divide_by != 1 else full
+        works.append(dist.all_reduce(full, group=group, async_op=async_op))
+        sums.append((p, full))
+
+    def finish() -> None:
+        for part in pending:
+            if part is not None:
+                part.then()
+        for p, full in sums:
+            p.grad = full.div_(divide_by) if divide_by != 1 else full
+
+    if not async_op:
+        finish()
+        return None
+    return PendingReduction(
+        tuple(w for part in pending if part is not None for w in part.works) + tuple(works), finish
+    )
 
 
 def _buckets(
@@ -206,13 +254,17 @@ def _buckets(
 
 
 def _reduce_scatter_bucket(
-    bucket: list[tuple[nn.Parameter, torch.Tensor | None]], group: dist.ProcessGroup, divide_by: float
-) -> None:
+    bucket: list[tuple[nn.Parameter, torch.Tensor | None]],
+    group: dist.ProcessGroup,
+    divide_by: float,
+    async_op: bool = False,
+) -> PendingReduction | None:
     """One SUM reduce-scatter for a bucket of dim-0-sharded parameters (:func:`reduce_scatter_rows`)."""
     for p, _ in bucket:
         if len(p.placements) != 1 or p.placements[0] != Shard(0):
             raise ValueError(f"reduce_scatter_gradients: placements {p.placements} are not FSDP2's Shard(0)")
-    reduce_scatter_rows([(p, p.shape, g, "the parameter") for p, g in bucket], group, divide_by)
+    items = [(p, p.shape, g, "the parameter") for p, g in bucket]
+    return reduce_scatter_rows(items, group, divide_by, async_op=async_op)
 
 
 def reduce_scatter_rows(
@@ -308,3 +360,116 @@ def _set_shards(
         p.grad = DTensor.from_local(
             local, p.device_mesh, p.placements, shape=p.shape, stride=p.stride(), run_check=False
         )
+
+
+class TowerSync:
+    """The encoders' gradient sync with each tower's collectives issued (``async_op=True``) as soon as the
+    tower's last backward of the step on this rank has run (module docstring: Overlap).
+
+    ``towers``: ``{name: issue}``, ``issue()`` issuing the tower's collectives async on ``group`` and
+    returning their :class:`PendingReduction` (``None``: nothing to sum); ``params(name)``: the tower's
+    parameters that a backward accumulates into *now* (read just before the issue: under ZeRO 2/3 the
+    gathered ones); ``skip_idle``: a tower that ran on no rank in the step is not reduced (ZeRO 0: its
+    gradients are zeros everywhere); ``tail``: ``{name: issue}`` reduced after every tower, once all of
+    them are done on this rank (ZeRO 0: parameters shared by towers or in none).
+
+    Per step, on every rank: :meth:`ready` (any number of times, from the step's start to its sync) with
+    the towers whose last backward of the step on this rank has run; :meth:`__call__` at the sync. The
+    issue order is fixed for the step and the same on every rank: the towers reduced in the step (every
+    tower; with ``skip_idle`` those in ``ran``) in name order, then ``tail``; a tower is never issued
+    before the ones ahead of it, so each rank issues the same collectives in the same order on ``group``
+    whatever its encoder work and its timing (a tower ready early waits for the ones ahead of it). The
+    sync issues what is left, in the same order, then waits for them all in that order.
+
+    A gradient accumulated into a tower's parameters after its collectives were issued would be lost (or,
+    all-reduced in place, race the collective): a post-accumulate-grad hook on each of them raises
+    ``RuntimeError`` naming the tower until the sync.
+    """
+
+    def __init__(
+        self,
+        towers: dict[str, Callable[[], PendingReduction | None]],
+        params: Callable[[str], Iterable[torch.Tensor]],
+        *,
+        skip_idle: bool,
+        tail: dict[str, Callable[[], PendingReduction | None]] | None = None,
+    ) -> None:
+        self.towers, self.params, self.skip_idle = dict(towers), params, skip_idle
+        self.tail = dict(tail or {})
+        self.reset()
+
+    def reset(self) -> None:
+        """Forget the step (local): its order, what was issued, the guard hooks."""
+        for h in getattr(self, "handles", ()):
+            h.remove()
+        self.handles: list[Any] = []
+        self.ran: frozenset[str] | None = None
+        self.order: list[str] | None = None  # this step's issue order, fixed by its first ready / sync
+        self.done: set[str] = set()  # towers whose last backward on this rank has run
+        self.issued = 0  # order[:issued] are issued
+        self.pending: list[PendingReduction | None] = []
+
+    def _order(self, ran: Collection[str] | None) -> list[str]:
+        ran = None if ran is None else frozenset(ran)
+        if self.order is None:
+            self.ran = ran
+            names = sorted(n for n in self.towers if not self.skip_idle or ran is None or n in ran)
+            self.order = [*names, *self.tail]
+        elif ran != self.ran:
+            raise ValueError(
+                f"TowerSync: the towers that ran in the step changed within it: {self.ran} then {ran}"
+            )
+        return self.order
+
+    def ready(self, done: Collection[str], ran: Collection[str] | None = None) -> None:
+        """The towers ``done`` have had their last backward of the step on this rank (no backward of the
+        step will reach them here again); ``ran``: the towers that ran on any rank in the step (``None``:
+        all), the same on every rank and at the sync. Issues, in the step's order, every tower ready from
+        the first not issued on (local: the collectives are async).
+
+        Raises:
+            ValueError: ``done`` names no tower; ``ran`` differs from the step's earlier calls.
+        """
+        unknown = sorted(set(done) - set(self.towers))
+        if unknown:
+            raise ValueError(f"TowerSync.ready: {unknown} are not towers ({sorted(self.towers)})")
+        order = self._order(ran)
+        self.done |= set(done)
+        every = self.done >= set(self.towers)
+        while self.issued < len(order) and (order[self.issued] in self.done or every):
+            self._issue(order[self.issued])
+
+    def _issue(self, name: str, *, guard: bool = True) -> None:
+        # the send buffers of collectives already done are let go now (their results set), not at the sync
+        while self.pending and (self.pending[0] is None or self.pending[0].done()):
+            part = self.pending.pop(0)
+            if part is not None:
+                part.wait()
+        self.issued += 1
+        if guard and name in self.towers:
+            for p in self.params(name):
+                if p.requires_grad:
+                    self.handles.append(p.register_post_accumulate_grad_hook(_late(name)))
+        issue = self.towers[name] if name in self.towers else self.tail[name]
+        self.pending.append(issue())
+
+    def __call__(self, ran: Collection[str] | None = None) -> None:
+        """The sync (collective over the group, every rank, after the step's last backward): issue the rest
+        of the step's order, wait for every collective in order, forget the step."""
+        order = self._order(ran)
+        while self.issued < len(order):  # no backward is left: no guard
+            self._issue(order[self.issued], guard=False)
+        for part in self.pending:
+            if part is not None:
+                part.wait()
+        self.reset()
+
+
+def _late(name: str) -> Callable[[torch.Tensor], None]:
+    def hook(_p: torch.Tensor) -> None:
+        raise RuntimeError(
+            f"encoder tower {name!r}: a backward accumulated a gradient into it after its reduction was "
+            "issued on this rank (TowerSync.ready was told its last backward of the step had run)"
+        )
+
+    return hook

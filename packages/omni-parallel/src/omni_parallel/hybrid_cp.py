@@ -330,6 +330,7 @@ class CPSequence:
         return self.segments[-1].start + self.segments[-1].rows if self.segments else 0
 
 
+@torch.compiler.disable
 def cp_sequence_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -351,6 +352,10 @@ def cp_sequence_attention(
 
     Raises:
         ValueError: ``q`` rows differ from ``seq``'s, or a CP block has no group.
+
+    Runs outside ``torch.compile`` graphs (``torch.compiler.disable``, as
+    :func:`omni_parallel.varlen_attention`): the layout's Python ints (each CP share's documents) would
+    specialise a compiled block on every pack.
     """
     if q.shape[0] != seq.tokens:
         raise ValueError(f"q has {q.shape[0]} local tokens, the CP sequence {seq.tokens}")

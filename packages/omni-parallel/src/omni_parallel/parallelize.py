@@ -47,7 +47,7 @@ from torch.distributed.tensor.parallel import ParallelStyle
 
 from omni_parallel.activation_memory import ActivationMemory
 from omni_parallel.data_parallel import FlatGradients, all_reduce_gradients
-from omni_parallel.encoder_zero import reduce_scatter_gradients
+from omni_parallel.encoder_zero import PendingReduction, TowerSync, reduce_scatter_gradients
 from omni_parallel.state import EncoderLayout, ParallelState
 from omni_parallel.tensor_parallel import apply_tensor_parallel, reduce_partial_gradients
 
@@ -235,9 +235,27 @@ def apply_compile(blocks: Iterable[nn.Module], *, backend: str | Callable = "ind
     Pack lengths change every step, so the token dimension is dynamic from the first call
     (``dynamic=True``): one compilation per block, none per pack length. Varlen attention runs outside the
     graph (:mod:`omni_parallel.varlen`). Parameter names do not change (the module is not wrapped).
+
+    Duck sizing is off while a compiled block runs (``torch.fx.experimental._config.use_duck_shape``):
+    with it, dynamo gives sizes that are equal on the first call one symbol, so a ``cu_seqlens`` of as many
+    boundaries as the RoPE table has columns (``head_dim / 2``), or as a block has heads, got guarded equal
+    to them and the next pack with another document count compiled the block again.
     """
     for block in blocks:
-        block.forward = torch.compile(block.forward, backend=backend, dynamic=True)
+        block.forward = _without_duck_sizing(torch.compile(block.forward, backend=backend, dynamic=True))
+
+
+def _without_duck_sizing(compiled: Callable) -> Callable:
+    """``compiled`` run with ``use_duck_shape = False`` (read when dynamo builds a frame's shape
+    environment, so every frame and graph-break continuation it compiles is covered)."""
+    from torch.fx.experimental import _config as fx_config
+
+    @functools.wraps(compiled)
+    def run(*args, **kwargs):
+        with fx_config.patch(use_duck_shape=False):
+            return compiled(*args, **kwargs)
+
+    return run
 
 
 def apply_dp(modules: Iterable[nn.Module], ps: ParallelState) -> Callable[[], None]:
@@ -264,15 +282,28 @@ def apply_dp(modules: Iterable[nn.Module], ps: ParallelState) -> Callable[[], No
 class EncoderGradientSync:
     """The encoders' gradient sync :func:`apply_encoder_zero` returns.
 
-    ``sync(towers)``, on every rank after the step's last backward: ``towers`` names the towers that ran
-    anywhere in the step, ``None`` all of them. ``sync.attach()``, after
-    ``optimizer.zero_grad(set_to_none=True)`` and before the step's backwards: under ZeRO stage 0 the
-    encoders' gradients become views of flat buffers the backwards accumulate into and the sync reduces
-    with no copy (:class:`omni_parallel.data_parallel.FlatGradients`); under ZeRO 2/3 it does nothing.
+    ``sync.attach()``, after ``optimizer.zero_grad(set_to_none=True)`` and before the step's backwards:
+    under ZeRO stage 0 the encoders' gradients become views of flat buffers the backwards accumulate into
+    and the sync reduces with no copy (:class:`omni_parallel.data_parallel.FlatGradients`); under ZeRO
+    2/3 it only starts the step's overlap state. ``sync.ready(done, towers)``, on every rank, any number
+    of times during the step: the towers ``done`` have had their last backward of the step on this rank;
+    each tower's collectives are then issued with ``async_op=True`` in one fixed order, the same on every
+    rank (the step's towers in name order, a tower never before the ones ahead of it: see
+    :class:`omni_parallel.encoder_zero.TowerSync`), so they overlap the backward actions that follow
+    (the LLM's, another tower's). ``sync(towers)``, on every rank after the step's last backward: issues
+    what is left, in the same order, and waits for it all. ``towers`` (at ``ready`` and at the sync alike)
+    names the towers that ran anywhere in the step, ``None`` all of them. Without ``ready`` calls the sync
+    reduces everything, as before the overlap.
+
+    Attributes:
+        reduce: the sync, ``reduce(towers)``.
+        attach: see above.
+        ready: see above; ``ready(done, towers)``.
     """
 
     reduce: Callable[[Collection[str] | None], None]
     attach: Callable[[], None] = lambda: None
+    ready: Callable[[Collection[str], Collection[str] | None], None] = lambda done, towers=None: None
 
     def __call__(self, towers: Collection[str] | None = None) -> None:
         self.reduce(towers)
@@ -286,24 +317,30 @@ def apply_encoder_zero(
     *,
     blocks: Mapping[str, Sequence[nn.Module]] | None = None,
 ) -> EncoderGradientSync:
-    """The encoders' layout and gradient sync: see :class:`EncoderGradientSync`.
+    """The encoders' layout and gradient sync: see :class:`EncoderGradientSync`. Collective with more than
+    one rank (every rank calls it, with the same towers): the encoders' reductions get a process group of
+    their own over every rank (``dist.new_group``), which no other collective uses, so that their issue
+    points inside the step (:meth:`EncoderGradientSync.ready`) never interleave with another collective
+    of the same group differently on different ranks.
 
     ZeRO stage 0: every rank holds ``encoders`` whole; their gradients are summed over every rank and
     divided by ``tp`` (see the module docstring). Each tower's gradients are views of a flat buffer of its
-    own (parameters of ``encoders`` in no tower, or in more than one, share another, always reduced),
-    zeroed by ``attach``. A tower not in the sync's ``towers`` ran on no rank, so its gradients are those
-    zeros on every rank and their sum is zeros too: it is not reduced.
+    own (parameters of ``encoders`` in no tower, or in more than one, share another, always reduced, after
+    the towers once every tower is done on this rank), zeroed by ``attach``; a tower's sum is one async
+    all-reduce per buffer, in place. A tower not in the sync's ``towers`` ran on no rank, so its gradients
+    are those zeros on every rank and their sum is zeros too: it is not reduced.
 
     ZeRO stages 2 and 3: each tower is FSDP2-sharded over every rank (``fully_shard`` per block of
     ``blocks[name]``, then the tower: :meth:`omni_parallel.EncoderState.shard`), so parameters (stage 3:
     also at rest), gradients and AdamW's moments are DTensor shards, ``1/world`` of them per rank. The
     towers run on the step-scoped schedule of :mod:`omni_parallel.encoder_zero`, which is what makes
     uneven encoder work safe: every rank all-gathers the parameters when the step starts
-    (``encoder_zero.gather_parameters``), forwards and backwards issue no collective, and this hook, run
-    on every rank after the step's last backward, sums the gradients with one reduce-scatter per bucket
-    into sharded gradients (a plain sum, divided by ``tp`` as above: FSDP2's own reduction would average
-    over the world) and reshards. A rank with fewer encoder microbatches, or none, joins both collectives
-    all the same. Stage 2 keeps the gathered parameters' storage between steps, stage 3 frees it.
+    (``encoder_zero.gather_parameters``), forwards and backwards issue no collective, and each tower's
+    gradients are summed with one reduce-scatter per bucket into sharded gradients (a plain sum, divided
+    by ``tp`` as above: FSDP2's own reduction would average over the world), issued once the tower is done
+    on this rank (``ready``) or at the sync, the tower resharded then. Every tower is reduced every step,
+    whatever ran. A rank with fewer encoder microbatches, or none, joins both collectives all the same.
+    Stage 2 keeps the gathered parameters' storage between steps, stage 3 frees it.
 
     Args:
         encoders: the module holding every encoder parameter (the towers and anything shared).
@@ -325,8 +362,9 @@ def apply_encoder_zero(
     if unknown:
         raise ValueError(f"apply_encoder_zero: blocks given for towers {unknown} not in {sorted(towers)}")
     tp = ps.size("tp")
+    # the encoders' reductions on a communicator of their own (the class docstring's issue order)
+    group = dist.new_group(timeout=ps.timeout) if ps.world_size > 1 else None
     if zero_stage == 0:
-        group = dist.group.WORLD if ps.world_size > 1 else None
         owners: dict[int, set[str]] = {}
         for n, t in towers.items():
             for p in t.parameters():
@@ -334,21 +372,49 @@ def apply_encoder_zero(
         trainable = [p for p in encoders.parameters() if p.requires_grad]
         flats = {n: FlatGradients(p for p in trainable if owners.get(id(p)) == {n}) for n in towers}
         shared = FlatGradients(p for p in trainable if len(owners.get(id(p), ())) != 1)
-
-        def reduce_replicated(ran: Collection[str] | None = None) -> None:
-            shared.all_reduce(group, divide_by=tp)
-            for n, flat in flats.items():
-                if ran is None or n in ran:
-                    flat.all_reduce(group, divide_by=tp)
+        overlap = TowerSync(
+            {n: functools.partial(_all_reduce_flat, flat, group, tp) for n, flat in flats.items()},
+            lambda n: towers[n].parameters(),
+            skip_idle=True,
+            tail={"": functools.partial(_all_reduce_flat, shared, group, tp)},
+        )
 
         def attach() -> None:
+            overlap.reset()
             for flat in (shared, *flats.values()):
                 flat.attach()
 
-        return EncoderGradientSync(reduce_replicated, attach)
+        return EncoderGradientSync(overlap, attach, overlap.ready)
     state = ps.encoder_state(EncoderLayout(sp=1, fsdp=True, reshard_after_forward=zero_stage == 3))
-    sharded = list(towers.values())
     for name, tower in towers.items():
         state.shard(tower, blocks=list(blocks.get(name, ())))
+
+    def reduce_scatter(name: str) -> PendingReduction | None:
+        return reduce_scatter_gradients([towers[name]], divide_by=tp, group=group, async_op=True)
+
     # sharded: every tower's reduce-scatter runs (FSDP2 reshards each after it), whatever ran
-    return EncoderGradientSync(lambda _ran=None: reduce_scatter_gradients(sharded, divide_by=tp))
+    overlap = TowerSync(
+        {n: functools.partial(reduce_scatter, n) for n in towers},
+        lambda n: towers[n].parameters(),
+        skip_idle=False,
+    )
+    return EncoderGradientSync(overlap, overlap.reset, overlap.ready)
+
+
+def _all_reduce_flat(
+    flat: FlatGradients, group: dist.ProcessGroup | None, divide_by: float
+) -> PendingReduction | None:
+    """ZeRO 0's sum of one tower's flat gradient buffers over ``group``, issued async, in place (divided
+    by ``divide_by`` once done); ``None`` without a group of more than one rank (nothing to sum)."""
+    flat.all_reduce(None)  # local: a gradient set aside from its view copied in (FlatGradients.all_reduce)
+    if group is None:
+        return None
+    buffers = list(flat.buffers.values())
+    works = tuple(dist.all_reduce(b, op=dist.ReduceOp.SUM, group=group, async_op=True) for b in buffers)
+
+    def then() -> None:
+        if divide_by != 1:
+            for b in buffers:
+                b.div_(divide_by)
+
+    return PendingReduction(works, then)

@@ -17,6 +17,8 @@ all-reducing. Block inputs and outputs are then plain tensors holding this rank'
 :func:`sequence_parallel_plan` shards the model's ends (the embedding output in, the final norm and the
 LM head out), and the norms' weight gradients, partial sums over the TP group after backward (each rank
 saw its own tokens), are summed once per step by :func:`reduce_partial_gradients`.
+``llama_tp_plan(sequence_dim=0, async_tp=True)`` keeps these placements but overlaps each region's
+all-gather and reduce-scatter with its projections (:mod:`omni_parallel.async_tp`).
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
+from omni_parallel.async_tp import AsyncTPRegion
 from omni_parallel.data_parallel import all_reduce_gradients
 
 __all__ = [
@@ -62,6 +65,7 @@ def llama_tp_plan(
     mlp_norm: str = "ffn_norm",
     attention_args: int = 1,
     sequence_dim: int | None = None,
+    async_tp: bool = False,
 ) -> dict[str, ParallelStyle]:
     """``parallelize_module`` plan for one transformer block, keyed by module path inside the block.
 
@@ -80,17 +84,31 @@ def llama_tp_plan(
             docstring), block inputs and outputs ``Shard(sequence_dim)`` local shards of ``T / tp`` tokens.
             Q/K/V stay plain local tensors of the rank's heads over all ``T`` tokens, so any attention
             kernel (varlen, context-parallel, Ulysses) runs on them unchanged.
+        async_tp: with ``sequence_dim = 0`` (packed ``[T, dim]``): async TP
+            (:mod:`omni_parallel.async_tp`): the same parameter placements and norms, but the attention
+            and MLP modules each an :class:`~omni_parallel.async_tp.AsyncTPRegion` (Q/K/V, resp. gate/up,
+            as one ring all-gather-matmul; the output, resp. down, projection as one ring
+            matmul-reduce-scatter, each transfer overlapped with a chunk's matmuls) instead of
+            ``PrepareModuleInput`` + ``ColwiseParallel`` / ``RowwiseParallel``. The attention module must
+            use its hidden-states input only to call Q/K/V (and read its shape), the MLP only for gate/up.
 
     Returns:
         ``{"attention.wq": ColwiseParallel(), ..., "attention.wo": RowwiseParallel(), ...}``: without
         ``sequence_dim`` inputs and block outputs stay replicated over the TP group; one all-reduce after
         attention and one after the MLP in forward, and likewise in backward. With it, also the norms
         (``SequenceParallel``) and the attention / MLP modules (``PrepareModuleInput``): one all-gather
-        before and one reduce-scatter after each region, in forward and in backward.
+        before and one reduce-scatter after each region, in forward and in backward. With ``async_tp``:
+        ``{attention_norm, mlp_norm: SequenceParallel, attention, mlp: AsyncTPRegion}`` (no collective:
+        ``tp - 1`` ring transfers per region and direction, each overlapped with a matmul).
 
     Raises:
-        ValueError: ``attention_args < 1`` or a negative ``sequence_dim``.
+        ValueError: ``attention_args < 1``, a negative ``sequence_dim``, or ``async_tp`` without
+            ``sequence_dim = 0``.
     """
+    if async_tp and sequence_dim != 0:
+        raise ValueError(
+            f"llama_tp_plan: async_tp needs sequence_dim = 0 (packed [T, dim] tokens), got {sequence_dim}"
+        )
     col = (
         f"{attention}.{q_proj}",
         f"{attention}.{k_proj}",
@@ -109,6 +127,13 @@ def llama_tp_plan(
             f"{sequence_dim}"
         )
     seq, rest = Shard(sequence_dim), (None,) * (attention_args - 1)
+    if async_tp:
+        return {
+            attention_norm: SequenceParallel(sequence_dim=0),
+            mlp_norm: SequenceParallel(sequence_dim=0),
+            attention: AsyncTPRegion((q_proj, k_proj, v_proj), o_proj),
+            mlp: AsyncTPRegion((gate_proj, up_proj), down_proj),
+        }
     plan.update({name: RowwiseParallel(output_layouts=seq) for name in row})
     plan[attention_norm] = SequenceParallel(sequence_dim=sequence_dim)
     plan[mlp_norm] = SequenceParallel(sequence_dim=sequence_dim)

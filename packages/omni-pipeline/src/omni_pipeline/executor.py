@@ -283,6 +283,8 @@ class _StepRun:
         self.consumes = {torch_index(k): list(es) for k, es in flow.encoder_inputs.items()}
         self.enc_rank = {e: flow.encoder_rank(e) for e in flow.encoder_consumer}
         self.placed = [a.microbatch for a in ex.anchor.placed() if a.kind == EF]
+        # this rank's encoder backwards still to run, in run order (PipelineExecutor.encoder_backwards_left)
+        self.backwards_left = tuple(a.microbatch for a in ex.anchor.placed() if a.kind == EB)
         self.llm_recv: dict[Action, PendingRecv] = {}  # an action's input (F) or output gradient (B)
         self.enc_recv: dict[int, PendingRecv] = {}  # stage 0: encoder outputs; others: their gradients
         self.enc_out: dict[int, torch.Tensor] = {}  # stage 0: encoder outputs as autograd leaves
@@ -298,6 +300,8 @@ class _StepRun:
     def run(self) -> None:
         run_llm = {F: self.llm_forward, B: self.llm_backward}
         self.post_step_receives()
+        if self.ex.encoder_backwards_left is not None:
+            self.ex.encoder_backwards_left(self.backwards_left)
         for j, a in enumerate(self.actions):
             # posted before the boundary's encoder actions run, so a neighbour's message can land while
             # they compute (rank 1's first input arrives during its warm-up encoder forwards)
@@ -464,6 +468,9 @@ class _StepRun:
         start = time.perf_counter()
         self.ex.anchor.backward(e, grad)
         self.record(a, start)
+        self.backwards_left = tuple(x for x in self.backwards_left if x != e)
+        if self.ex.encoder_backwards_left is not None:
+            self.ex.encoder_backwards_left(self.backwards_left)
 
     def encoder_output(self, e: int, a: Action) -> torch.Tensor:
         """Stage 0: encoder microbatch ``e``'s output as an autograd leaf (received on first use, by ``a``)."""
@@ -504,6 +511,12 @@ class PipelineExecutor:
             order, the same on every rank holding that stage: e.g.
             :meth:`omni_parallel.llm_zero.LLMGradientSync.arm`, which issues each block's gradient
             collective during that backward. ``None``: nothing.
+        encoder_backwards_left: called with the encoder microbatches whose backward is still to run on
+            this rank in the step (a tuple, in run order): when the step starts, before its first action
+            (every one placed here; empty: none), and after each encoder backward (empty after the last).
+            A microbatch missing from it reaches no encoder parameter on this rank again in the step:
+            e.g. the trainer tells :meth:`omni_parallel.EncoderGradientSync.ready` the towers none of the
+            rest use, whose gradient collectives are then issued. ``None``: nothing.
 
     Attributes:
         current_action: the :class:`~omni_pipeline.actions.Action` (LLM or encoder) this rank is running,
@@ -524,6 +537,7 @@ class PipelineExecutor:
         device: torch.device | str | None = None,
         reduce_gradients: Callable[[], float | None] | None = None,
         before_last_backward: Callable[[nn.Module], None] | None = None,
+        encoder_backwards_left: Callable[[tuple[int, ...]], None] | None = None,
     ) -> None:
         if not stages:
             raise ValueError("PipelineExecutor: this rank holds no stage modules")
@@ -533,6 +547,7 @@ class PipelineExecutor:
         self.groups = groups or PipelineGroups()
         self.reduce_gradients = reduce_gradients or self.reduce_over_groups
         self.before_last_backward = before_last_backward
+        self.encoder_backwards_left = encoder_backwards_left
         self.pp_size = _size(self.groups.pp)
         self.pp_rank = 0 if self.groups.pp is None else dist.get_rank(self.groups.pp)
         if device is None:

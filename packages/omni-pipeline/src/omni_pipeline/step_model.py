@@ -20,7 +20,16 @@ and encoder ZeRO, recompute, placement, reordering group) of a :class:`~omni_pip
   - TP (group ``tp``, stride 1): 2 all-reduces of ``T' d`` elements per layer in forward and 2 in
     backward (Shoeybi et al., "Megatron-LM", 2019, §3, the ``f`` / ``g`` operators); with Megatron SP each
     becomes an all-gather + a reduce-scatter of the same volume (Korthikanti et al. 2022, §4.2.2), the
-    same ring time.
+    same ring time. With async TP (``Layout.async_tp``, the trainer's ``parallel.async_tp``:
+    :mod:`omni_parallel.async_tp`) each of them is a ring of ``tp`` P2P steps overlapped with the
+    projection matmuls of its region (the attention's Q/K/V and output projection, the MLP's gate/up and
+    down; in backward the adjoint rings with the input-gradient matmuls), and only the part of each ring
+    the matmuls do not cover is priced: ``(tp - 1) * max(0, step - chunk matmul)`` per ring (Wang et al.,
+    ASPLOS 2023; :func:`async_tp_exposed_s`, :func:`async_tp_layer_s`), the matmul seconds the layer's
+    share of the action's own FLOPs at ``peak_flops * efficiency``; never more than the plain
+    collective. Memory is counted as plain SP's (what ``omni-train memory`` counts): an upper bound, as
+    the async region keeps its gathered input once, in bf16, where SP's projections keep the gathered
+    float32 norm output and a bf16 copy per projection (:func:`omni_parallel.memory.block_activation_bytes`).
   - CP (group ``cp``, stride ``tp``): ``allgather``: K and V (``2 T'' kv`` elements, ``T'' = T / ulysses``)
     all-gathered in forward, their gradients reduce-scattered in backward (Llama 3, Dubey et al. 2024,
     §3.3.2); ``ring``: ``cp - 1`` P2P steps passing the local K and V (``2 T' kv``) in forward, K, V and
@@ -64,7 +73,17 @@ and encoder ZeRO, recompute, placement, reordering group) of a :class:`~omni_pip
   ZeRO-0; at ZeRO 1-3 each EP shard is further sharded over that group: one all-gather per step, then
   the gradient all-reduced (ZeRO-1) or reduce-scattered (ZeRO-2/3); the rest as above over the data group. The encoders
   over every rank (``encoder_zero``, :mod:`omni_parallel.encoder_zero`) the same way, once per step at
-  float32 (no mixed-precision policy on the encoder units). The reordering
+  float32 (no mixed-precision policy on the encoder units): the all-gather when the step starts; the
+  reduction (ZeRO-0 all-reduce, ZeRO-2/3 reduce-scatter) issued on each rank, tower by tower, once the
+  rank's last encoder backward using the tower has run (at the step's start on a rank without one:
+  :meth:`omni_parallel.parallelize.EncoderGradientSync.ready`), so it overlaps the backward actions after
+  it. Priced as one collective over every rank that starts when the last rank has issued it (the
+  latest end of a rank's last encoder backward in the simulated timeline; assumption: every tower
+  issued then, an upper bound where a tower's last backward comes earlier) and of which only what ends
+  after the step's last backward is added (``max(0, start + collective - last backward's end)``,
+  :func:`exposed_reduction_s`); without a timeline (the tuner's bounds) 0, the least any step leaves.
+  Assumption: the overlapped reduction does not slow the backward actions nor the LLM's reduction it
+  overlaps (its own communicator; link sharing not modelled). The reordering
   all-to-all (paper §4.2, Figure 20) over ``reorder_group`` DP replicas: each rank sends
   ``(g - 1) / g`` of its share of the step's encoder outputs; the balance it buys needs several replicas
   (``predict_step(encoder_microbatches=...)``: the encoder samples a replica was dealt,
@@ -131,7 +150,7 @@ and encoder ZeRO, recompute, placement, reordering group) of a :class:`~omni_pip
   :attr:`StepPrediction.loader_s` the slowest rank's whole decode.
 
 Not modelled: expert load imbalance, imbalance between DP replicas (every replica runs the simulated
-one's step), compute-communication overlap inside an action, offload copies overlapped with compute (the
+one's step), compute-communication overlap inside an action other than async TP's rings, offload copies overlapped with compute (the
 trainer does not), host memory for offloaded activations, text tokenization in the loader, link
 contention between groups.
 """
@@ -172,6 +191,8 @@ __all__ = [
     "Device",
     "Layout",
     "StepPrediction",
+    "async_tp_exposed_s",
+    "async_tp_layer_s",
     "branch_forward_flops",
     "encoder_aware_stage_layers",
     "even_stage_layers",
@@ -261,6 +282,11 @@ class Layout:
             ``pp > 1`` and more than one microbatch, :func:`omni_parallel.llm_zero.reshard_after_forward`),
             ``"always"`` (each block gathered per microbatch in forward and again in backward) or
             ``"never"`` (the stage gathered once per step and held through it).
+        async_tp: async tensor parallelism (the trainer's ``parallel.async_tp``,
+            :mod:`omni_parallel.async_tp`; needs ``sequence_parallel``, hence ``tp > 1``): each region's SP
+            all-gather and reduce-scatter decomposed into a ring of ``tp`` P2P steps overlapped with its
+            projection matmuls; only the exposed part of each ring is priced (:func:`async_tp_exposed_s`,
+            module docstring). Memory counted as plain SP's (an upper bound: module docstring).
         virtual_stages: LLM stages per pipeline rank (``parallel.virtual_stages``): 1 runs 1F1B
             (:class:`~omni_pipeline.schedules.Schedule1F1B`); ``v > 1`` splits the layers over
             ``pp * v`` stages, rank ``r`` holding stages ``r, r + pp, ...``, under interleaved 1F1B
@@ -268,7 +294,8 @@ class Layout:
             ``parallel.schedule = "interleaved"``; Narayanan et al. 2021 §2.2).
 
     Raises:
-        ValueError: a size < 1, ``sequence_parallel`` without ``tp > 1``, an unknown ``cp_attention``,
+        ValueError: a size < 1, ``sequence_parallel`` without ``tp > 1``, ``async_tp`` without
+            ``sequence_parallel``, an unknown ``cp_attention``,
             ``placement`` or ZeRO stage, ``recompute_modules`` not distinct names of
             :data:`omni_parallel.memory.BRANCHES`, ``offload`` not distinct names of
             :data:`OFFLOAD_FAMILIES` or given with whole-block ``recompute``, or ``reorder_group`` /
@@ -279,6 +306,7 @@ class Layout:
     dp: int = 1
     tp: int = 1
     sequence_parallel: bool = False
+    async_tp: bool = False
     cp: int = 1
     cp_attention: str = "allgather"
     ulysses: int = 1
@@ -299,6 +327,13 @@ class Layout:
                   if not (isinstance(getattr(self, k), int) and getattr(self, k) >= 1)]  # fmt: skip
         if self.sequence_parallel and self.tp < 2:
             errors.append("sequence_parallel needs tp > 1")
+        if not isinstance(self.async_tp, bool):
+            errors.append(f"async_tp must be True or False, got {self.async_tp!r}")
+        elif self.async_tp and not (self.sequence_parallel and self.tp > 1):
+            errors.append(
+                f"async_tp needs sequence_parallel and tp > 1, got sequence_parallel={self.sequence_parallel}, "
+                f"tp={self.tp}"
+            )
         if self.cp_attention not in ("allgather", "ring"):
             errors.append(f"cp_attention must be 'allgather' or 'ring', got {self.cp_attention!r}")
         if not isinstance(self.recompute_modules, tuple):
@@ -800,6 +835,8 @@ def step_collectives(
     stage_layers: Sequence[int] | None = None,
     microbatches: int = 1,
     last_backward: Mapping[int, tuple[float, float]] | None = None,
+    encoder_last_backward: Mapping[int, tuple[float, float]] | None = None,
+    pipeline_end_s: float | None = None,
 ) -> tuple[dict[str, float], dict[str, float]]:
     """Seconds of the step's collectives and optimizer (module docstring).
 
@@ -813,6 +850,14 @@ def step_collectives(
             busiest rank's last backward (:func:`exposed_reduction_s`); ``None`` (no timeline: the
             tuner's step-time bounds): the least that any backward can leave exposed, the shortest block
             collective plus the root units' (or the whole reduction in one, if shorter).
+        encoder_last_backward: ``{rank: (start_s, end_s)}`` of each rank's last encoder backward in the
+            simulated timeline (:func:`last_backward_windows` with ``encoder=True``; empty: no encoder
+            backward in the step): the encoders' gradient reduction (``encoder_all_reduce`` /
+            ``encoder_reduce_scatter``, over every rank) is then only its part that ends after the step's
+            last backward (module docstring); ``None`` (no timeline): the least any step can leave, 0.
+        pipeline_end_s: when the simulated pipeline's last action ends (its makespan), what the
+            encoders' reduction is exposed after; default the latest end in ``last_backward`` and
+            ``encoder_last_backward``.
         encoder_output_bytes: bytes of encoder output of one pipeline replica's step (the reordering
             all-to-all's payload, spread over the replica's ranks).
 
@@ -832,6 +877,11 @@ def step_collectives(
     moe = workload.moe
     L = layout
     _check_ep(workload, L)
+    if L.async_tp and moe is not None:
+        raise ValueError(
+            f"Layout.async_tp: priced for a dense LLM only (workload {workload.name!r} has [model] moe; the "
+            "trainer runs no tensor parallelism with MoE)"
+        )
     t_rank = tokens / (L.cp * L.ulysses)  # tokens per rank after CP / Ulysses
     per: dict[str, float] = dict.fromkeys(
         ("tp_fwd", "tp_bwd", "cp_fwd", "cp_bwd", "ulysses_fwd", "ulysses_bwd", "ep_fwd", "ep_bwd"), 0.0
@@ -845,8 +895,14 @@ def step_collectives(
     redo_mlp = 1.0 if "mlp" in mods else 0.0
     if L.tp > 1:
         bw, lat = network.link(L.tp, 1)
-        one = all_reduce_s(ACT_BYTES * t_rank * llm.dim, L.tp, bw, lat)  # = AG + RS of the same buffer (SP)
-        per["tp_fwd"], per["tp_bwd"] = 2 * one, (2 + 2 * redo) * one
+        if L.async_tp:  # each ring overlapped with its region's projection matmuls: the exposed part only
+            fwd_b, bwd_b = async_tp_layer_s(llm, t_rank, L.tp, bw, lat, device.peak_flops * device.efficiency)
+            per["tp_fwd"] = sum(fwd_b.values())
+            per["tp_bwd"] = sum(bwd_b.values()) + sum(fwd_b[b] for b in mods)
+        else:
+            # an all-reduce = an all-gather + a reduce-scatter of the same buffer (SP)
+            one = all_reduce_s(ACT_BYTES * t_rank * llm.dim, L.tp, bw, lat)
+            per["tp_fwd"], per["tp_bwd"] = 2 * one, (2 + 2 * redo) * one
     if L.cp > 1:
         bw, lat = network.link(L.cp, L.tp)
         kv = ACT_BYTES * 2 * llm.kv_dim
@@ -936,10 +992,21 @@ def step_collectives(
         ebw, elat = network.link(L.gpus, 1)
         enc_bytes = MASTER_BYTES * enc_p
         if L.encoder_zero == 0:
-            step["encoder_all_reduce"] = all_reduce_s(enc_bytes, L.gpus, ebw, elat)
+            whole = all_reduce_s(enc_bytes, L.gpus, ebw, elat)
         else:
             step["encoder_all_gather"] = all_gather_s(enc_bytes, L.gpus, ebw, elat)
-            step["encoder_reduce_scatter"] = reduce_scatter_s(enc_bytes, L.gpus, ebw, elat)
+            whole = reduce_scatter_s(enc_bytes, L.gpus, ebw, elat)
+        # issued per tower once a rank's last encoder backward using it has run (at the step's start on a
+        # rank with none), over every rank: it runs once the last rank has issued it, and only what ends
+        # after the step's last backward is exposed; no timeline: the least any step leaves, nothing
+        if encoder_last_backward is None:
+            exposed_enc = 0.0
+        else:
+            issue = max((end for _, end in encoder_last_backward.values()), default=0.0)
+            ends = [end for _, end in (*encoder_last_backward.values(), *(last_backward or {}).values())]
+            done = max(ends, default=issue) if pipeline_end_s is None else pipeline_end_s
+            exposed_enc = exposed_reduction_s([(issue, issue, [whole]), (done, done, [])])
+        step["encoder_all_reduce" if L.encoder_zero == 0 else "encoder_reduce_scatter"] = exposed_enc
     if L.reorder_group > 1:
         rbw, rlat = network.link(L.reorder_group, L.model_parallel)  # DP replicas are tp*cp*ulysses apart
         share = encoder_output_bytes / (L.pp * L.model_parallel)
@@ -947,6 +1014,86 @@ def step_collectives(
     local = big / zero_shards + experts + enc_p / (L.gpus if L.encoder_zero >= 2 else 1)
     step["optimizer"] = ADAMW_BYTES_PER_ELEMENT * local / device.hbm_Bps
     return per, step
+
+
+def async_tp_exposed_s(tp: int, comm_s: float, matmul_s: float) -> float:
+    """Seconds of one decomposed collective-matmul ring over ``tp`` ranks that its matmuls do not cover,
+    ``(tp - 1) * max(0, comm_s - matmul_s)`` (Wang et al., "Overlap Communication with Dependent
+    Computation via Decomposition in Large Deep Learning Models", ASPLOS 2023, §4), for the rings of
+    :mod:`omni_parallel.async_tp`: ``comm_s`` one P2P step (a chunk of ``1 / tp`` of the collective's
+    bytes to the ring neighbour, its latency included), ``matmul_s`` one chunk's matmul.
+
+    * all-gather-matmul (``_ag_ring``): at each of the first ``tp - 1`` steps the next chunk's transfer
+      is posted, the chunk in hand multiplied, then the transfer waited for, ``max(comm_s, matmul_s)``;
+      the last step multiplies the last chunk: ``(tp - 1) max(comm_s, matmul_s) + matmul_s``;
+    * matmul-reduce-scatter (``_rs_ring``): the first chunk's partial product, then ``tp - 1`` steps each
+      sending the accumulated sum while the next partial product is computed, waiting, adding:
+      ``matmul_s + (tp - 1) max(comm_s, matmul_s)``.
+
+    Both are ``tp * matmul_s`` of matmuls plus this; the plain collective is ``(tp - 1) * comm_s``
+    (:func:`omni_pipeline.cost.all_gather_s`: the same ring), so this is never more. Assumptions: the P2P
+    transfers do not slow the matmuls they overlap (no SM or memory contention), a chunk's matmul runs at
+    the whole matmul's rate, the accumulator's addition is free.
+
+    Raises:
+        ValueError: ``tp < 1`` or a negative seconds value.
+    """
+    if tp < 1 or min(comm_s, matmul_s) < 0:
+        raise ValueError(
+            f"async_tp_exposed_s: need tp >= 1 and seconds >= 0, got tp={tp}, comm_s={comm_s}, matmul_s={matmul_s}"
+        )
+    return (tp - 1) * max(0.0, comm_s - matmul_s)
+
+
+def async_tp_layer_s(
+    shape: TransformerShape,
+    tokens: float,
+    tp: int,
+    bandwidth_Bps: float,
+    latency_s: float,
+    flops_per_s: float,
+) -> tuple[dict[str, float], dict[str, float]]:
+    """Exposed seconds of one LLM layer's async-TP rings (:attr:`Layout.async_tp`) per residual branch of
+    :data:`omni_parallel.memory.BRANCHES`: ``({"attention": s, "mlp": s}`` forward, the same backward``)``,
+    for ``tokens`` tokens of one microbatch on the rank after CP / Ulysses (``T'``; ``T' / tp`` of them
+    held under SP).
+
+    Every ring moves bf16 activations of ``T' x dim`` (:mod:`omni_parallel.async_tp` casts to the
+    autocast dtype before the ring): a P2P step is ``latency_s + 2 T' dim / tp / bandwidth_Bps`` (``tp -
+    1`` such steps are the plain SP collective's ring time). A chunk's matmul is ``T' / tp`` rows against
+    the rank's ``1 / tp`` of the projection's weights ``w``, ``2 (T' / tp) w / tp`` FLOPs at
+    ``flops_per_s`` (the device's ``peak_flops * efficiency``: the rate every LLM action is timed at,
+    :func:`omni_pipeline.step_costs.modelled_step_costs`). The four projections' ``w`` sum to
+    :attr:`~omni_parallel.flops.TransformerShape.layer_matmul_params`, so the chunks over ``tp`` ranks and
+    ``tp`` steps are exactly the layer's matmul FLOPs the action already counts: ``w = dim (dim + 2 kv)``
+    for Q/K/V, ``dim^2`` for the output projection, ``(2 if gated else 1) dim ffn`` for gate/up, ``dim
+    ffn`` for down. Per branch, :func:`async_tp_exposed_s` of each ring:
+
+    * forward: the input's all-gather with the input projections, the output projection's
+      matmul-reduce-scatter;
+    * backward: the output gradient's all-gather with the output projection's input-gradient matmul
+      (the same FLOPs as its forward), and the input gradient's reduce-scatter with the input
+      projections' input-gradient matmuls (likewise); the weight gradients run after each ring (they need
+      its gathered operand, or follow it in :mod:`omni_parallel.async_tp`'s backward) and hide nothing.
+
+    Recompute repeats a branch's forward rings in backward (:func:`step_collectives`)."""
+    d = float(shape.dim)
+    step = latency_s + ACT_BYTES * tokens * d / tp / bandwidth_Bps
+
+    def chunk(weights: float) -> float:  # one chunk's matmul: T'/tp rows against the rank's 1/tp of them
+        return 2.0 * (tokens / tp) * weights / tp / flops_per_s
+
+    inputs = {
+        "attention": d * (d + 2.0 * shape.kv_dim),
+        "mlp": (2.0 if shape.gated_mlp else 1.0) * d * shape.mlp_dim,
+    }
+    outputs = {"attention": d * d, "mlp": d * shape.mlp_dim}
+    # forward and backward pair each ring with matmuls of the same FLOPs (module docstring's note above)
+    one = {
+        b: async_tp_exposed_s(tp, step, chunk(inputs[b])) + async_tp_exposed_s(tp, step, chunk(outputs[b]))
+        for b in BRANCHES
+    }
+    return one, dict(one)
 
 
 def exposed_reduction_s(
@@ -985,16 +1132,21 @@ def exposed_reduction_s(
     return max(0.0, t - last)
 
 
-def last_backward_windows(timelines: Mapping[int, Sequence]) -> dict[int, tuple[float, float]]:
+def last_backward_windows(
+    timelines: Mapping[int, Sequence], *, encoder: bool = False
+) -> dict[int, tuple[float, float]]:
     """``{stage: (start_s, end_s)}`` of each LLM stage's last backward in a simulated timeline
-    (:class:`~omni_pipeline.trace.TimelineEvent` s, actions ``"<stage>B<mb>"``)."""
+    (``{rank: [TimelineEvent]}``, :class:`~omni_pipeline.trace.TimelineEvent` s, actions
+    ``"<stage>B<mb>"``); ``encoder=True``: ``{rank: (start_s, end_s)}`` of each rank's last encoder
+    backward (``"EB<mb>"``) that runs a sample (one of no seconds runs no tower: an encoder microbatch
+    without media), ranks without one left out."""
     out: dict[int, tuple[float, float]] = {}
-    for evs in timelines.values():
+    for rank, evs in timelines.items():
         for ev in evs:
-            if ev.kind == "B":
-                stage = Action.parse(ev.action).stage
-                if stage not in out or ev.end_s > out[stage][1]:
-                    out[stage] = (ev.start_s, ev.end_s)
+            if ev.kind == ("EB" if encoder else "B") and (not encoder or ev.end_s > ev.start_s):
+                key = rank if encoder else Action.parse(ev.action).stage
+                if key not in out or ev.end_s > out[key][1]:
+                    out[key] = (ev.start_s, ev.end_s)
     return out
 
 
@@ -1009,8 +1161,8 @@ class StepPrediction:
         time_s: where the time goes on the pipeline's busiest rank, seconds: ``llm_compute``,
             ``encoder_compute``, ``tp`` / ``cp`` / ``ulysses`` / ``ep`` / ``offload`` (inside its actions),
             ``pipeline_idle`` (bubbles and P2P waits), then the per-step items of
-            :func:`step_collectives` (the LLM ZeRO 1-3 gradient reduction: only its seconds after the
-            last backward, module docstring), then ``data_loading`` (the decode the step waits for); they sum to
+            :func:`step_collectives` (the LLM ZeRO 1-3 gradient reduction and the encoders' reduction:
+            only their seconds after the last backward, module docstring), then ``data_loading`` (the decode the step waits for); they sum to
             ``step_time_s``.
         memory: :func:`rank_memory`'s rows. oom: ranks whose ``total`` exceeds the device memory.
         simulation: the pipeline's :class:`~omni_pipeline.simulator.SimulationResult`.
@@ -1310,6 +1462,8 @@ def predict_step(
         stage_layers=layers,
         microbatches=m,
         last_backward=last_backward_windows(sim.timelines),
+        encoder_last_backward=last_backward_windows(sim.timelines, encoder=True),
+        pipeline_end_s=sim.makespan_s,
     )
     step_s = sim.makespan_s + sum(per_step.values())
     # where the time goes on the busiest rank (it runs F and B of each of its stages for every microbatch)

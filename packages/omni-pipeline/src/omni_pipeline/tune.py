@@ -7,7 +7,10 @@ least ``pp`` microbatches per replica at the fixed global batch), virtual stages
 ``max_virtual``, at ``pp > 1``: interleaved 1F1B, Narayanan et al. 2021 §2.2, where ``pp * v`` stages
 fit the layers and the microbatches are a multiple of its rounds ``max(1, m // pp)``), ``tp`` (1 ..
 ``gpus_per_node``, dividing the heads; Megatron SP on whenever ``tp > 1``: the same ring time as plain TP
-and less memory), CP (ring or all-gather) or Ulysses (1 .. 8), ``dp`` = what is left, ``ep`` (an MoE LLM
+and less memory; async TP with it, ``Layout.async_tp``, for a dense LLM: the step model prices only the part
+of each SP ring its projection matmuls leave exposed, never more than the plain ring, and the same memory,
+so at equal everything else it is never slower and is the only form tried; where ``check`` refuses it the
+layout falls back to plain SP, counted in ``TuneResult.async_fallbacks``), CP (ring or all-gather) or Ulysses (1 .. 8), ``dp`` = what is left, ``ep`` (an MoE LLM
 only: powers of two dividing ``dp`` and the experts, up to ``max_ep``), ``llm_zero`` 0-3,
 ``encoder_zero`` 0 / 2 / 3 (with encoders; their state, gradient reduction and optimizer step sharded
 over every rank), recompute off / whole blocks / one residual branch (``attention`` or ``mlp``:
@@ -175,6 +178,8 @@ class TuneResult:
             split_oom: of them, out of memory (by the analytic bound, or simulated); split_bounded: not
             simulated, their step-time lower bound could not beat the best plans; split_s: seconds of
             that search (part of ``wall_s``).
+        async_fallbacks: async-TP layouts ``check`` refused whose plain-SP form it accepted: searched in
+            that form (module docstring).
     """
 
     plans: list[StepPrediction]
@@ -193,6 +198,7 @@ class TuneResult:
     split_oom: int = 0
     split_bounded: int = 0
     split_s: float = 0.0
+    async_fallbacks: int = 0
 
 
 def _ref_key(layout: Layout) -> Layout:
@@ -402,10 +408,13 @@ def candidate_layouts(
     max_ep: int = 64,
     max_virtual: int = 4,
     recompute: Sequence[str] = tuple(RECOMPUTE_CHOICES),
+    async_tp: bool = True,
 ) -> Iterator[tuple[Layout, int]]:
     """Every ``(layout, microbatches per replica)`` of the search space (module docstring).
 
     Args:
+        async_tp: ``tp > 1`` layouts of a dense LLM run async TP (``Layout.async_tp``, which dominates
+            plain SP in the step model); ``False``: plain Megatron SP.
         max_virtual: the most virtual stages per pipeline rank tried (powers of two; 1 turns them off).
         recompute: the recompute forms tried, names of :data:`RECOMPUTE_CHOICES` (``off``, ``block``:
             whole blocks, ``attention`` / ``mlp``: that residual branch).
@@ -422,6 +431,7 @@ def candidate_layouts(
         )
     forms = [RECOMPUTE_CHOICES[name] for name in dict.fromkeys(recompute)]
     llm = workload.shapes["llm"]
+    use_async = async_tp and workload.moe is None  # the step model prices async TP for a dense LLM only
     heads, kv = llm.n_heads, llm.n_kv_heads or llm.n_heads
     tps = [t for t in (1, 2, 4, 8, 16) if t <= gpus_per_node and heads % t == 0 and kv % t == 0]
     seqs = [("cp", c, a) for c in (2, 4, 8) if c <= max_sp for a in ("allgather", "ring")]
@@ -463,7 +473,7 @@ def candidate_layouts(
                         for off, placement in itertools.product(offs, placements):
                             yield (
                                 Layout(
-                                    pp=pp, dp=dp, tp=tp, sequence_parallel=tp > 1,
+                                    pp=pp, dp=dp, tp=tp, sequence_parallel=tp > 1, async_tp=use_async and tp > 1,
                                     cp=n if kind == "cp" else 1, cp_attention=attn,
                                     ulysses=n if kind == "ulysses" else 1, llm_zero=zero,
                                     recompute=rc, recompute_modules=mods, placement=placement, ep=ep,
@@ -493,6 +503,7 @@ def tune(
     max_splits: int = MAX_SPLITS,
     split_placements: Sequence[str] = SPLIT_PLACEMENTS,
     recompute: Sequence[str] = tuple(RECOMPUTE_CHOICES),
+    async_tp: bool = True,
 ) -> TuneResult:
     """The ``top`` fastest layouts of ``gpus`` GPUs for ``workload`` that fit in memory.
 
@@ -518,6 +529,8 @@ def tune(
             a candidate while there are at most this many (:func:`split_candidates`), else at most three
             modelled ones; 0: the even split only.
         recompute: the recompute forms searched (:func:`candidate_layouts`; default all four).
+        async_tp: ``tp > 1`` layouts of a dense LLM run async TP where ``check`` accepts it, else plain SP
+            (:func:`candidate_layouts`); ``False``: plain SP only.
         split_placements: the placements the split search tries (default ``uniform_on_demand`` and
             ``prepend_first_stage``); the ``refine`` best plans then also try :data:`REFINE_PLACEMENTS`
             on their split.
@@ -665,6 +678,16 @@ def tune(
         res.refusals[reason] = res.refusals.get(reason, 0) + 1
         return True
 
+    def _plain_if_refused(layout: Layout, shape: Layout) -> tuple[Layout, Layout]:
+        """``(layout, shape)``, or their plain-SP forms when ``check`` refuses ``shape`` with async TP and
+        accepts it without (async TP changes no memory: the bounds stay valid)."""
+        if layout.async_tp and _verdict(shape) is not None:
+            plain = dataclasses.replace(shape, async_tp=False)
+            if _verdict(plain) is None:
+                res.async_fallbacks += 1
+                return dataclasses.replace(layout, async_tp=False), plain
+        return layout, shape
+
     def _predict(layout: Layout, m: int, split: tuple[int, ...] | None = None) -> StepPrediction | None:
         """Simulate ``layout`` on ``split`` (sharing pipelines through the split's cache); keep it when
         it fits. An even-split 1F1B prediction is kept in ``timed`` either way (the split search's
@@ -698,6 +721,7 @@ def tune(
         max_microbatches=max_microbatches,
         max_virtual=max_virtual,
         recompute=recompute,
+        async_tp=async_tp,
     )
     bounds: dict = {}  # interleaved schedules and in-flight peaks, shared by the memory bounds
     deferred: list[tuple[Layout, int]] = []  # virtual-stage layouts: after every 1F1B one is scored
@@ -710,16 +734,21 @@ def tune(
         # its 1F1B, encoder-ZeRO-0 shape first: refused, so is every variant (the trainer's virtual
         # stages and encoder ZeRO only add conditions); a variant itself once it fits in memory
         base = dataclasses.replace(shape, virtual_stages=1, encoder_zero=0)
+        layout, base = _plain_if_refused(layout, base)
+        shape = dataclasses.replace(shape, async_tp=layout.async_tp)
         if _refused(base):
             continue
         bound = rank_memory(dataclasses.replace(workload, microbatches=m), layout, vocab=vocab, cache=bounds)
         # (offload layouts stay out of the split search: an uneven split that fits without the copies is
         # searched from their twin without offload)
-        if layout.pp > 1 and layout.virtual_stages == 1 and max_splits > 0 and _verdict(shape) is None and not layout.offload:  # fmt: skip
-            pool.append((layout, m, bound))
+        if layout.pp > 1 and layout.virtual_stages == 1 and max_splits > 0 and not layout.offload:
+            layout, shape = _plain_if_refused(layout, shape)
+            if _verdict(shape) is None:
+                pool.append((layout, m, bound))
         if max(r["total"] for r in bound.values()) > device.memory_bytes:
             res.oom += 1
             continue
+        layout, shape = _plain_if_refused(layout, shape) if shape != base else (layout, shape)
         if shape != base and _refused(shape):
             continue
         if layout.offload and scored:  # its copies alone (a lower bound of its step) against the k-th best
@@ -744,6 +773,8 @@ def tune(
     hopeful = []
     for layout, m in deferred:
         sib = siblings.get(_sibling_key(layout))
+        if sib is None and layout.tp > 1:  # check took async TP for one of the two and not the other
+            sib = siblings.get(_sibling_key(dataclasses.replace(layout, async_tp=not layout.async_tp)))
         if (
             sib is None
             and layout.offload
@@ -753,10 +784,18 @@ def tune(
         if sib is None:  # the 1F1B sibling did not fit: interleaving holds more activations, not fewer
             res.oom += 1
             continue
-        lb = step_time_lower_bound(
-            workload, layout, sib, device=device, network=network, microbatches=m, vocab=vocab
-        )
-        hopeful.append((sib.tokens_per_s * sib.step_time_s / lb, layout, m))
+        if sib.layout.async_tp and not layout.async_tp:  # the async form's bound is below the plain one's
+            lb = step_time_lower_bound(
+                workload, dataclasses.replace(layout, async_tp=True), sib, device=device, network=network,
+                microbatches=m, vocab=vocab,
+            )  # fmt: skip
+        elif sib.layout.async_tp == layout.async_tp:
+            lb = step_time_lower_bound(
+                workload, layout, sib, device=device, network=network, microbatches=m, vocab=vocab
+            )
+        else:  # a plain sibling bounds no async layout: simulate it
+            lb = 0.0
+        hopeful.append((sib.tokens_per_s * sib.step_time_s / lb if lb > 0 else math.inf, layout, m))
     hopeful.sort(key=lambda x: -x[0])
     for i, (ub, layout, m) in enumerate(hopeful):
         best = sorted((p.tokens_per_s for p in scored), reverse=True)
