@@ -25,7 +25,8 @@ Assumptions (every one ours unless cited; the workloads' own are in their files,
   inter-operator pass profiles that pipeline (even split, one simulation) and splits the layers so that
   no stage is busier than needed with stage 0's encoder seconds counted
   (:func:`omni_pipeline.step_model.encoder_aware_stage_layers`: fewer LLM layers on stage 0); its
-  intra-operator pass is modelled as a search over tp (+ SP) x dp, LLM ZeRO 0-3 and encoder ZeRO 0/2/3
+  intra-operator pass is modelled as a search over tp (+ plain Megatron SP, no async TP: Alpa overlaps no
+  collective with a matmul) x dp, LLM ZeRO 0-3 and encoder ZeRO 0/2/3
   (Alpa's sharding of optimizer state), and rematerialisation (none, whole blocks, or one residual branch:
   the trainer's forms), under 1F1B (no virtual stages, no CP / Ulysses: Alpa has neither), keeping the
   fastest layout the trainer's preflight accepts that fits in 80 GB, at the hand-picked layout's global
@@ -169,7 +170,8 @@ def alpa(w: Workload, gpus: int, global_batch: int, check) -> tuple[StepPredicti
     best: StepPrediction | None = None
     tried = fits = 0
     verdicts: dict = {}
-    for lay, m in candidate_layouts(w, gpus, global_batch, max_sp=1, max_virtual=1,
+    # plain Megatron SP: Alpa's intra-operator pass has no collective-matmul overlap
+    for lay, m in candidate_layouts(w, gpus, global_batch, max_sp=1, max_virtual=1, async_tp=False,
                                     placements=("prepend_first_stage",)):  # fmt: skip
         if lay.offload:
             continue  # Alpa rematerialises; it does not offload activations to host memory

@@ -156,7 +156,8 @@ def test_analytic_gathered_follows_the_bf16_param_dtype(tmp_path):
 
 def test_block_estimate_equals_saved_bytes():
     """``block_activation_bytes`` equals the bytes autograd saves in the app's decoder block, at tp 1, 2
-    and 4 with and without Megatron SP, float32 and bf16 autocast over float32, with selective recompute:
+    and 4 with and without Megatron SP (plain and async TP), float32 and bf16 autocast over float32, with
+    selective recompute:
     measured on torch's fake process group (TP as ``omni_train.parallelize`` applies it)."""
     import torch
 
@@ -175,12 +176,16 @@ def test_block_estimate_equals_saved_bytes():
     cases = [(tp, sp, dt, ()) for tp in (1, 2, 4) for sp in (False, True) if tp > 1 or not sp
              for dt in (torch.float32, torch.bfloat16)]  # fmt: skip
     cases += [(2, True, torch.bfloat16, ("attention",)), (2, False, torch.float32, ("mlp",))]
+    # async TP (sp = "async"): one gathered copy per region instead of one cast per projection
+    cases += [(tp, "async", dt, ()) for tp in (2, 4) for dt in (torch.float32, torch.bfloat16)]
+    cases += [(2, "async", torch.bfloat16, ("mlp",))]
     for tp, sp, dt, branches in cases:
         with fake_world(tp):
             ps = ParallelState.build(ParallelConfig(tp=tp))
             block = Block(cfg)
             plan = llama_tp_plan(attention="attn", mlp="mlp", attention_norm="attn_norm", mlp_norm="mlp_norm",
-                                 attention_args=3, sequence_dim=0 if sp else None)  # fmt: skip
+                                 attention_args=3, sequence_dim=0 if sp else None,
+                                 async_tp=sp == "async")  # fmt: skip
             apply_tp([block], ps, plan)
             if branches:  # (no branches: apply_ac checkpoints the whole block)
                 apply_ac([block], [BRANCHES[b] for b in branches])
@@ -193,7 +198,7 @@ def test_block_estimate_equals_saved_bytes():
             got, _out = saved_activation_bytes(forward, [*block.parameters(), *rope])
         want = block_activation_bytes(
             tokens, cfg.dim, cfg.n_kv_heads * cfg.head_dim, cfg.ffn_dim, heads=cfg.n_heads, tp=tp,
-            sequence_parallel=sp, bytes_per=dt.itemsize, master_bytes=4, kernel="reference",
+            sequence_parallel=bool(sp), async_tp=sp == "async", bytes_per=dt.itemsize, master_bytes=4, kernel="reference",
             recompute=bool(branches), recompute_branches=branches,
         )  # fmt: skip
         # checkpointed attention also saves its cu_seqlens argument (3 int64)

@@ -23,7 +23,16 @@ from omni_train.simulate import exact_state, resolve_workload, workload_config
 LAYOUTS = [
     Layout(pp=2, dp=4, llm_zero=1),
     Layout(pp=4, dp=2, ulysses=2, llm_zero=3, recompute=True),
-    Layout(pp=2, dp=2, tp=2, sequence_parallel=True, recompute=True, recompute_modules=("attention",)),
+    # async TP: its one gathered input per region (block_activation_bytes), priced by both sides
+    Layout(
+        pp=2,
+        dp=2,
+        tp=2,
+        sequence_parallel=True,
+        async_tp=True,
+        recompute=True,
+        recompute_modules=("attention",),
+    ),
     Layout(pp=2, dp=4, llm_zero=2, encoder_zero=3),
 ]
 
@@ -31,7 +40,9 @@ LAYOUTS = [
 @pytest.mark.parametrize(
     "layout",
     LAYOUTS,
-    ids=lambda lay: f"pp{lay.pp}-tp{lay.tp}-u{lay.ulysses}-z{lay.llm_zero}-e{lay.encoder_zero}",
+    ids=lambda lay: (
+        f"pp{lay.pp}-tp{lay.tp}{'a' if lay.async_tp else ''}-u{lay.ulysses}-z{lay.llm_zero}-e{lay.encoder_zero}"
+    ),
 )
 def test_tuners_analytic_memory_is_close_to_omni_train_memory(layout):
     """The analytic rows the tuner filters with (``rank_memory`` without ``state``) against the memory

@@ -8,14 +8,13 @@ has been issued, and that the sync issues the rest. Every shard's gradient then 
 process's brute-force sum of the 6 microbatches' gradients (<= 1e-12)."""
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from test_parallel_llm_zero import VOCAB, _Stage  # the same toy stage (its tests dir is on the path)
 from torch.distributed.tensor import DTensor
 
 from omni_parallel import ParallelConfig, ParallelState
 from omni_parallel.llm_zero import apply_llm_zero
-from omni_parallel.testing import run_world
+from omni_parallel.testing import run_world, spy_collectives
 
 BLOCKS, MICRO = 4, 3  # MICRO microbatches per rank
 
@@ -30,28 +29,9 @@ def _loss(model, m):
     return F.cross_entropy(model(tokens), targets, reduction="sum")
 
 
-class _Spy:
-    """Records ``(collective, async_op)`` for every reduce-scatter / all-reduce, then runs the real one."""
-
-    def __init__(self):
-        self.calls, self.saved = [], {}
-
-    def __enter__(self):
-        for name in ("reduce_scatter_tensor", "all_reduce"):
-            real = self.saved[name] = getattr(dist, name)
-            setattr(dist, name, self._wrap(name, real))
-        return self
-
-    def _wrap(self, name, real):
-        def call(*args, **kwargs):
-            self.calls.append((name, bool(kwargs.get("async_op", args[3] if len(args) > 3 else False))))
-            return real(*args, **kwargs)
-
-        return call
-
-    def __exit__(self, *exc):
-        for name, real in self.saved.items():
-            setattr(dist, name, real)
+def _is_async(name, args, kwargs):
+    """``(collective, async_op)`` of one reduce-scatter / all-reduce call."""
+    return name, bool(kwargs.get("async_op", args[3] if len(args) > 3 else False))
 
 
 def _world(rank, world_size):
@@ -67,20 +47,20 @@ def _world(rank, world_size):
         sync.attach()
         emb = model.tok_embeddings.weight  # gathered: the parameter the backward accumulates into
         seen = []
-        with _Spy() as spy:
-            hook = emb.register_post_accumulate_grad_hook(lambda _p, seen=seen: seen.append(list(spy.calls)))
+        with spy_collectives(_is_async) as calls:
+            hook = emb.register_post_accumulate_grad_hook(lambda _p, seen=seen: seen.append(list(calls)))
             for k, m in enumerate(range(rank * MICRO, (rank + 1) * MICRO)):
                 loss = _loss(model, m)
                 if k == MICRO - 1:
                     sync.arm(model)
                 loss.backward()
             hook.remove()
-            before_sync = len(spy.calls)
+            before_sync = len(calls)
             sync()
         grads = {n: p.grad.full_tensor() for n, p in model.named_parameters()}
         assert all(isinstance(p.grad, DTensor) for p in model.parameters())
         diff = max((grads[n] - want[n]).abs().max().item() for n in want)
-        out[zero] = (seen, before_sync, spy.calls, diff)
+        out[zero] = (seen, before_sync, calls, diff)
     return out
 
 

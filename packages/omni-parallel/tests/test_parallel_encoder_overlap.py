@@ -14,14 +14,13 @@ place) and ZeRO 3 (FSDP2 units, async reduce-scatter) alike:
 
 import pytest
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
 from omni_parallel import ParallelConfig, ParallelState
 from omni_parallel.encoder_zero import gather_parameters
 from omni_parallel.parallelize import apply_encoder_zero
-from omni_parallel.testing import run_world
+from omni_parallel.testing import run_world, spy_collectives
 
 D = torch.float64
 SIZES = {"audio": 6, "image": 10, "": 3}  # numel of each flat buffer (ZeRO 0): audio, image, shared proj
@@ -52,28 +51,6 @@ def _left(rank: int, k: int) -> list[str]:
     return [t for t in ("audio", "image") if t not in later]
 
 
-class _Spy:
-    def __init__(self):
-        self.calls, self.saved = [], {}
-
-    def __enter__(self):
-        for name in ("reduce_scatter_tensor", "all_reduce"):
-            real = self.saved[name] = getattr(dist, name)
-            setattr(dist, name, self._wrap(name, real))
-        return self
-
-    def _wrap(self, name, real):
-        def call(*args, **kwargs):
-            self.calls.append((name, args[0].numel() if name == "all_reduce" else args[1].numel(), self.at))
-            return real(*args, **kwargs)
-
-        return call
-
-    def __exit__(self, *exc):
-        for name, real in self.saved.items():
-            setattr(dist, name, real)
-
-
 def _world(rank, world_size):
     ps = ParallelState.build(ParallelConfig(dp=world_size))
     out = {}
@@ -90,21 +67,25 @@ def _world(rank, world_size):
         sync.attach()
         if zero:
             gather_parameters(towers.values())  # the executor's anchor does it when the step starts
-        with _Spy() as spy:
-            spy.at = 0  # backwards run so far
+        at = [0]  # backwards run so far, then "sync"
+
+        def record(name, args, kwargs, at=at):  # (collective, elements, backwards run when issued)
+            return name, args[0].numel() if name == "all_reduce" else args[1].numel(), at[0]
+
+        with spy_collectives(record) as calls:
             sync.ready(_left(rank, 0))
             for k, (tower, seed) in enumerate(WORK[rank], start=1):
                 _backward(encoders, tower, seed)
-                spy.at = k
+                at[0] = k
                 sync.ready(_left(rank, k))
-            spy.at = "sync"
+            at[0] = "sync"
             sync()
         grads = {
             n: p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad.clone()
             for n, p in encoders.named_parameters()
         }
         diff = max((grads[n] - want[n]).abs().max().item() for n in want)
-        out[zero] = (spy.calls, diff)
+        out[zero] = (calls, diff)
     # a backward through a tower after its collective was issued raises, naming it; the sync still runs
     encoders = _encoders(True)
     sync = apply_encoder_zero(encoders, {"audio": encoders["audio"], "image": encoders["image"]}, ps, 0)

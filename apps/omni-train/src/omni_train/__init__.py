@@ -1,4 +1,4 @@
 """omni_train."""
 
 __all__: list[str] = []
-__version__ = "0.12.0"
+__version__ = "0.13.0"

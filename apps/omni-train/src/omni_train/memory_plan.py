@@ -212,6 +212,7 @@ def _rank_plan(
         block = block_activation_bytes(
             tokens, c.dim, c.n_kv_heads * c.head_dim, c.ffn_dim, heads=c.n_heads, tp=ps.size("tp"),
             sequence_parallel=bool(getattr(par, "sequence_parallel", False)),
+            async_tp=bool(getattr(par, "async_tp", False)),
             bytes_per=compute, master_bytes=master, recompute="llm" in train.recompute,
             recompute_branches=tuple(train.recompute_modules),
             # the fused varlen kernel runs for float16 / bfloat16 on CUDA (omni_parallel.varlen); a float32
@@ -310,7 +311,7 @@ def memory_plan(
             row = _rank_plan(cfg, gpus, r, vocab, shard_encoders=shard_encoders) | {"same_pp_ranks": same}
             plans.append(row | {"step_peak": step_peak(row)})
     layout = {k: getattr(cfg.parallel, k) for k in ("pp", "tp", "cp", "ulysses", "dp", "encoder_zero")}
-    for k in ("llm_zero", "sequence_parallel"):
+    for k in ("llm_zero", "sequence_parallel", "async_tp"):
         if hasattr(cfg.parallel, k):
             layout[k] = getattr(cfg.parallel, k)
     return {"gpus": gpus, "layout": layout, "ranks": plans}

@@ -146,4 +146,4 @@ __all__ = [
     "uses_device_kernel",
     "varlen_attention",
 ]
-__version__ = "0.12.0"
+__version__ = "0.13.0"

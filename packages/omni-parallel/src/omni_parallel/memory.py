@@ -434,6 +434,7 @@ def block_activation_bytes(
     heads: int | None = None,
     tp: int = 1,
     sequence_parallel: bool = False,
+    async_tp: bool = False,
     bytes_per: int = 4,
     master_bytes: int | None = None,
     recompute: bool = False,
@@ -454,7 +455,9 @@ def block_activation_bytes(
       with SP all-gathered over the TP group before the projections (``PrepareModuleInput``; the
       gathered tensor is what the projections save, not the shard Megatron-LM keeps and re-gathers in
       backward): ``2 dim b_m``; under autocast (``b_c != b_m``) every projection saves its own cast
-      copy, ``(3 + 2) dim b_c``;
+      copy, ``(3 + 2) dim b_c``; with ``async_tp`` (:mod:`omni_parallel.async_tp`) each region's
+      all-gather-matmul casts the shard once and keeps the one gathered ``[T, dim]`` compute-dtype
+      input for its backward, ``(1 + 1) dim b_c`` (``2 dim b_m`` without autocast, as plain SP);
     * attention, over TP: ``q`` (after RoPE), ``k``, ``v``, the output (``2 dim + 2 kv_dim``), the
       log-sum-exp (``heads`` float32), all ``/ tp``. ``kernel = "reference"`` (CPU, and CUDA outside
       float16 / bfloat16, :func:`~omni_parallel.varlen.uses_device_kernel`): ``k`` and ``v`` repeated to
@@ -481,6 +484,8 @@ def block_activation_bytes(
         heads: query heads (the log-sum-exp and RoPE's ``head_dim = dim / heads``); ``None``: those two
             terms left out.
         tp: TP ranks. sequence_parallel: Megatron SP.
+        async_tp: SP run as :class:`~omni_parallel.async_tp.AsyncTPRegion` s (needs ``sequence_parallel``
+            and ``tp > 1``).
         bytes_per: bytes of the compute dtype (2 for bf16 autocast, 4 float32, 8 float64).
         master_bytes: bytes of the parameters' (and residual stream's) dtype; ``None``: ``bytes_per``
             (no autocast).
@@ -489,7 +494,8 @@ def block_activation_bytes(
         kernel: ``"flash"`` (the fused varlen kernel on CUDA at float16 / bfloat16) or ``"reference"``.
 
     Raises:
-        ValueError: a size < 1, ``heads`` not dividing ``dim``, or an unknown ``kernel``.
+        ValueError: a size < 1, ``heads`` not dividing ``dim``, an unknown ``kernel``, or ``async_tp``
+            without ``sequence_parallel`` and ``tp > 1``.
     """
     master = bytes_per if master_bytes is None else master_bytes
     if min(tokens, dim, kv_dim, ffn_dim, tp, bytes_per, master) < 1:
@@ -503,16 +509,27 @@ def block_activation_bytes(
         raise ValueError(
             f"block_activation_bytes: recompute_branches must be in {BRANCHES}, got {sorted(unknown)}"
         )
+    if async_tp and not (sequence_parallel and tp > 1):
+        raise ValueError(
+            f"block_activation_bytes: async_tp needs sequence_parallel and tp > 1, got "
+            f"sequence_parallel={sequence_parallel}, tp={tp}"
+        )
     s = tp if sequence_parallel else 1
     if recompute and not recompute_branches:
         return tokens * dim * master // s
     autocast = bytes_per != master
     norm = (2 * dim + 1) * master / s  # one RMSNorm: its input, x * rsqrt, rsqrt
-    attn = norm + (3 * dim * bytes_per if autocast else dim * master)
+    # the projections' saved inputs: one gathered copy per region under async TP (in the compute dtype,
+    # which is the master's without autocast), else one autocast copy per projection
+    attn = norm + (dim * bytes_per if async_tp else 3 * dim * bytes_per if autocast else dim * master)
     attn += (5 * dim if kernel == "reference" else 2 * dim + 2 * kv_dim) * bytes_per / tp
     if heads is not None:
         attn += heads * 4 / tp + (0 if bytes_per == 8 else 2 * (dim // heads) * bytes_per)
-    mlp = norm + (2 * dim * bytes_per if autocast else dim * master) + 4 * ffn_dim * bytes_per / tp
+    mlp = (
+        norm
+        + (dim * bytes_per if async_tp else 2 * dim * bytes_per if autocast else dim * master)
+        + 4 * ffn_dim * bytes_per / tp
+    )
     kept = dim * master / s  # a checkpointed branch keeps its input only
     per_token = {"attention": attn, "mlp": mlp}
     weights = {"attention": 2 * dim * (dim + kv_dim), "mlp": 3 * dim * ffn_dim}

@@ -14,7 +14,8 @@ starts); test modules therefore need unique basenames. A rank that raises, dies 
 children re-import the caller's main module.
 
 ``fake_world`` initialises torch's ``fake`` backend in the current process for topology tests at
-64-1024 ranks: collectives return immediately without moving data.
+64-1024 ranks: collectives return immediately without moving data. ``spy_collectives`` records the
+``torch.distributed`` collectives a block of code issues (which, in what order, with what arguments).
 """
 
 from __future__ import annotations
@@ -36,7 +37,14 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-__all__ = ["WorldError", "WorldTimeoutError", "fake_world", "graph_saved_bytes", "run_world"]
+__all__ = [
+    "WorldError",
+    "WorldTimeoutError",
+    "fake_world",
+    "graph_saved_bytes",
+    "run_world",
+    "spy_collectives",
+]
 
 # Pre-imported once in the fork server. DTensor, FSDP2 and DeviceMesh slicing pull in torch._dynamo,
 # which costs 10-15 s of CPU per fresh interpreter; forked ranks inherit it for free.
@@ -288,6 +296,37 @@ def _first_error(rank: int, msg: tuple, conns: list[Any], procs: list[Any], pend
     first = min(errors, key=lambda r: (errors[r][1], r))
     _, _, message, tb = errors[first]
     return WorldError(first, message, tb)
+
+
+@contextlib.contextmanager
+def spy_collectives(
+    record: Callable[[str, tuple, dict], Any], names: Sequence[str] = ("reduce_scatter_tensor", "all_reduce")
+) -> Iterator[list[Any]]:
+    """Within the block, every call of the ``torch.distributed`` functions ``names`` first appends
+    ``record(name, args, kwargs)`` to the yielded list, then runs the real collective. The module
+    attributes are restored on exit. Code that bound a collective by ``from torch.distributed import ...``
+    before the block is not seen.
+
+    Raises:
+        AttributeError: a name that ``torch.distributed`` does not have.
+    """
+    saved = {name: getattr(dist, name) for name in names}
+    calls: list[Any] = []
+
+    def wrap(name: str, real: Callable[..., Any]) -> Callable[..., Any]:
+        def call(*args: Any, **kwargs: Any) -> Any:
+            calls.append(record(name, args, kwargs))
+            return real(*args, **kwargs)
+
+        return call
+
+    try:
+        for name, real in saved.items():
+            setattr(dist, name, wrap(name, real))
+        yield calls
+    finally:
+        for name, real in saved.items():
+            setattr(dist, name, real)
 
 
 @contextlib.contextmanager

@@ -222,4 +222,4 @@ __all__ = [
     "vision_positions",
     "write_chrome_trace",
 ]
-__version__ = "0.12.0"
+__version__ = "0.13.0"

@@ -27,9 +27,9 @@ and encoder ZeRO, recompute, placement, reordering group) of a :class:`~omni_pip
     the matmuls do not cover is priced: ``(tp - 1) * max(0, step - chunk matmul)`` per ring (Wang et al.,
     ASPLOS 2023; :func:`async_tp_exposed_s`, :func:`async_tp_layer_s`), the matmul seconds the layer's
     share of the action's own FLOPs at ``peak_flops * efficiency``; never more than the plain
-    collective. Memory is counted as plain SP's (what ``omni-train memory`` counts): an upper bound, as
-    the async region keeps its gathered input once, in bf16, where SP's projections keep the gathered
-    float32 norm output and a bf16 copy per projection (:func:`omni_parallel.memory.block_activation_bytes`).
+    collective. Its activations are counted as ``omni-train memory`` counts them: each region keeps its
+    gathered input once, in bf16, where plain SP's projections each keep a bf16 copy of it
+    (:func:`omni_parallel.memory.block_activation_bytes` with ``async_tp``).
   - CP (group ``cp``, stride ``tp``): ``allgather``: K and V (``2 T'' kv`` elements, ``T'' = T / ulysses``)
     all-gathered in forward, their gradients reduce-scattered in backward (Llama 3, Dubey et al. 2024,
     §3.3.2); ``ring``: ``cp - 1`` P2P steps passing the local K and V (``2 T' kv``) in forward, K, V and
@@ -286,7 +286,8 @@ class Layout:
             :mod:`omni_parallel.async_tp`; needs ``sequence_parallel``, hence ``tp > 1``): each region's SP
             all-gather and reduce-scatter decomposed into a ring of ``tp`` P2P steps overlapped with its
             projection matmuls; only the exposed part of each ring is priced (:func:`async_tp_exposed_s`,
-            module docstring). Memory counted as plain SP's (an upper bound: module docstring).
+            module docstring); activations as :func:`omni_parallel.memory.block_activation_bytes`
+            counts them under async TP (one gathered bf16 input per region).
         virtual_stages: LLM stages per pipeline rank (``parallel.virtual_stages``): 1 runs 1F1B
             (:class:`~omni_pipeline.schedules.Schedule1F1B`); ``v > 1`` splits the layers over
             ``pp * v`` stages, rank ``r`` holding stages ``r, r + pp, ...``, under interleaved 1F1B
@@ -652,6 +653,7 @@ def _stage_activation_bytes(
             heads=shape.n_heads,
             tp=layout.tp,
             sequence_parallel=layout.sequence_parallel,
+            async_tp=layout.async_tp,
             bytes_per=ACT_BYTES,
             master_bytes=MASTER_BYTES,
             recompute=layout.recompute,
