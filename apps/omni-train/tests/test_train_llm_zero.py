@@ -5,8 +5,10 @@ losses and every gradient of every step within 1e-10 (``train_reference``):
   stage's data group on the step-scoped schedule (gathered once per step, reduced once per step as a plain
   sum), composing with the encoders' own FSDP2 over the world; ZeRO-3 also with selective recompute and
   offload of the LLM blocks; ZeRO-2 with two stages on one rank (pp=1, looped GPipe, two FSDP2 roots);
-  ZeRO-3 at dp=2 with ``train.compile`` (every block compiled, run on the gathered parameters; all
-  compiling in step 0, none in the later steps' other pack lengths);
+  ZeRO-3 over a CP pair (cp=2 ring, ``data.replicas = 2`` so the global step is dp=2's) with
+  ``train.compile`` (every block compiled, inductor, run on the gathered parameters, CP attention outside
+  the graph; all compiling in step 0, none in the later steps' other pack lengths, document counts and
+  CP shares);
 * hybrid DP/CP (pp=2, cp=2 ranks per stage sharing packs) with ``llm_zero = 3``;
 * measured bytes per rank (``omni_parallel.memory.state_bytes`` over the rank's LLM stages): AdamW
   state at ``llm_zero >= 1`` and parameters at ``llm_zero = 3`` are half of ``llm_zero = 0``'s (within 1%),
@@ -192,15 +194,20 @@ def test_llm_zero_stages_hybrid_cp_and_a_resume_across_layouts_match_one_process
             cfg,
             {"pp": 1, "dp": 2, "schedule": ScheduleKind.GPIPE, "virtual_stages": 2, "llm_zero": 2},
         ),
-        # torch.compile of every block (FSDP2 units): the compiled forwards run on the gathered parameters
-        ("dp2-zero3-compile", dataclasses.replace(cfg, train=compiled), {"pp": 1, "dp": 2, "llm_zero": 3}),
+        # torch.compile of every block (FSDP2 units over the CP pair): the compiled forwards run on the
+        # gathered parameters, ring attention outside the graph; both data replicas on the one DP rank
+        (
+            "cp2-ring-zero3-compile",
+            dataclasses.replace(cfg, train=compiled),
+            {"pp": 1, "cp": 2, "cp_attention": "ring", "llm_zero": 3, "data_replicas": 2},
+        ),
     ]
     (looped, compiled_run), got = run_world(
         _world2, 2, args=(v2, str(tmp / "w2"), other, saved, str(tmp / "relayout")), timeout_s=900
     )[0]
     assert_runs_match(looped[0], want, "v2-zero2")
-    assert_runs_match(compiled_run[0], want, "dp2-zero3-compile")
-    assert compiled_run[3] == 0, f"dp2-zero3-compile: {compiled_run[3]} frames compiled after step 0"
+    assert_runs_match(compiled_run[0], want, "cp2-ring-zero3-compile")
+    assert compiled_run[3] == 0, f"cp2-ring-zero3-compile: {compiled_run[3]} frames compiled after step 0"
     uninterrupted = results["zero3"][0][0]
     tail = (uninterrupted[0][RESUME_AT:], uninterrupted[1][RESUME_AT:])
     assert len(got[0]) == len(tail[0]) == cfg.train.steps - RESUME_AT

@@ -44,3 +44,9 @@ def test_simulate_async_tp_flag_prices_the_exposed_rings(tmp_path, capsys):
     no_sp = [a for a in argv if a != "--sequence-parallel"]
     assert main([*no_sp, "--async-tp", "--out", str(tmp_path / "bad")]) == 2
     assert "--async-tp" in capsys.readouterr().err
+    # without --workload the recipe's layout comes from [parallel]: the whole-step layout flags are refused,
+    # each named, before anything is simulated
+    assert main(["simulate", "--async-tp", "--tp", "2", "--out", str(tmp_path / "recipe")]) == 2
+    err = capsys.readouterr().err
+    assert "--tp / --async-tp:" in err and "add --workload" in err and len(err.strip().splitlines()) == 1, err
+    assert not (tmp_path / "recipe").exists()

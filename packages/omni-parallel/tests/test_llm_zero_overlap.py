@@ -30,8 +30,11 @@ def _loss(model, m):
 
 
 def _is_async(name, args, kwargs):
-    """``(collective, async_op)`` of one reduce-scatter / all-reduce call."""
-    return name, bool(kwargs.get("async_op", args[3] if len(args) > 3 else False))
+    """``(collective, async_op)`` of one reduce-scatter / all-reduce call (``async_op`` is positional
+    argument 3 of ``all_reduce(tensor, op, group, async_op)``, 4 of ``reduce_scatter_tensor(output, input,
+    op, group, async_op)``)."""
+    at = 3 if name == "all_reduce" else 4
+    return name, bool(kwargs.get("async_op", args[at] if len(args) > at else False))
 
 
 def _world(rank, world_size):

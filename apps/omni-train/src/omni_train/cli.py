@@ -765,6 +765,18 @@ def _simulate(args: argparse.Namespace) -> int:
             "--offload / --host-gbps: they set the whole-step model of --workload; the config's recipe "
             "times its pipeline only (no offload copies): add --workload"
         )
+    layout_only = argparse.ArgumentParser(add_help=False)
+    _layout_args(layout_only)
+    given = [
+        "--" + k.replace("_", "-")
+        for k, v in vars(layout_only.parse_args([])).items()
+        if getattr(args, k) != v
+    ]
+    if given:
+        raise ConfigError(
+            f"{' / '.join(given)}: layout flags of the whole-step model of --workload; the config's recipe "
+            "takes its layout from [parallel] (--parallel.tp ...): add --workload"
+        )
     measured = Path(args.measured) if args.measured else None
     if measured is not None:
         if args.config is not None:

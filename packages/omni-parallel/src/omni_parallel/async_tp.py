@@ -169,17 +169,25 @@ def _compute_dtype(device: torch.device, dtype: torch.dtype) -> torch.dtype:
     return dtype
 
 
-def _check(name: str, x: torch.Tensor, weights: Sequence[torch.Tensor], d_in: int) -> None:
+def _check(
+    name: str,
+    x: torch.Tensor,
+    weights: Sequence[torch.Tensor],
+    d_in: int,
+    labels: Sequence[str] | None = None,
+) -> None:
+    """``labels``: how the errors name each weight (default ``weights[i]``)."""
     if x.dim() != 2:
         raise ValueError(f"{name}: the input must be 2-D [tokens, features], got shape {tuple(x.shape)}")
     if not weights:
         raise ValueError(f"{name}: weights is empty")
     for i, w in enumerate(weights):
+        label = labels[i] if labels else f"weights[{i}]"
         if isinstance(w, DTensor):
-            raise TypeError(f"{name}: weights[{i}] is a DTensor; pass its local shard (to_local())")
+            raise TypeError(f"{name}: {label} is a DTensor; pass its local shard (to_local())")
         if w.dim() != 2 or w.shape[1] != d_in:
             raise ValueError(
-                f"{name}: weights[{i}] must be [out, {d_in}] (the input's features), got {tuple(w.shape)}"
+                f"{name}: {label} must be [out, {d_in}] (the input's features), got {tuple(w.shape)}"
             )
 
 
@@ -247,7 +255,7 @@ def matmul_reduce_scatter(y: torch.Tensor, w: torch.Tensor, group: dist.ProcessG
 
     Collective over ``group``.
     """
-    _check("matmul_reduce_scatter", y, [w], y.shape[-1] if y.dim() else 0)
+    _check("matmul_reduce_scatter", y, [w], y.shape[-1] if y.dim() else 0, labels=["w"])
     dt = _compute_dtype(y.device, y.dtype)
     y, w = y.to(dt), w.to(dt)
     if group is None or dist.get_world_size(group) == 1:
@@ -369,7 +377,14 @@ def _column_forward(path: str, outputs: dict[str, Any]) -> Callable[[torch.Tenso
                 f"AsyncTPRegion: column projection {path!r} called outside its region's forward or on a "
                 "tensor other than the region's input (async TP computes it from the region's input only)"
             )
-        return outputs.pop(path)
+        y = outputs.pop(path)
+        if len(outputs) == 1:
+            # the last column output handed out: drop the gathered input here, not in the forward hook,
+            # which a non-reentrant checkpoint's recompute never reaches (it stops the region's forward
+            # once it has every saved tensor, inside the row projection), and which would keep a
+            # [T, dim] tensor per recomputed region alive until the block's next forward
+            outputs.clear()
+        return y
 
     return forward
 
