@@ -70,7 +70,8 @@ def build_loader(data, tok, dp_rank, dp, slices, consumes, read_text, dp_group=N
 def train(data, out, *, pp, steps, save_at=None, resume=None, microbatches=MICROBATCHES, **hooks):
     """Train on this world (every rank calls it); returns the global loss of each step it ran. Hooks: `stream`
     (a loader in place of this rank's own), `on_step(step, model, inputs)` (gradients summed, not clipped)."""
-    spec = par.GroupSpec(encoder_p2p=True, reorder_group_size=None, checkpoint=True)  # reorder: a node
+    # reorder: a node's replicas; encoder_sync: the encoders' reductions' own group
+    spec = par.GroupSpec(encoder_p2p=True, reorder_group_size=None, checkpoint=True, encoder_sync=True)
     ps = par.ParallelState.build(par.ParallelConfig(pp=pp), groups=spec)
     pp_rank, dp_rank, dp = ps.local_rank("pp"), ps.local_rank("dp"), ps.size("dp")
     pp_group, dp_group = ps.group("pp") if pp > 1 else None, ps.group("dp") if dp > 1 else None

@@ -17,7 +17,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from omni_parallel import ParallelConfig, ParallelState
+from omni_parallel import GroupSpec, ParallelConfig, ParallelState
 from omni_parallel.encoder_zero import gather_parameters
 from omni_parallel.parallelize import apply_encoder_zero
 from omni_parallel.testing import run_world, spy_collectives
@@ -52,7 +52,7 @@ def _left(rank: int, k: int) -> list[str]:
 
 
 def _world(rank, world_size):
-    ps = ParallelState.build(ParallelConfig(dp=world_size))
+    ps = ParallelState.build(ParallelConfig(dp=world_size), groups=GroupSpec(encoder_sync=True))
     out = {}
     for zero in (0, 3):
         shared = zero == 0

@@ -18,7 +18,7 @@ from torch import nn
 from torch._dynamo.testing import CompileCounter
 from torch.distributed.tensor import DTensor
 
-from omni_parallel import ParallelConfig, ParallelState
+from omni_parallel import GroupSpec, ParallelConfig, ParallelState
 from omni_parallel.activation_memory import ActivationMemory
 from omni_parallel.parallelize import (
     apply_ac,
@@ -193,7 +193,7 @@ def _encoders() -> nn.ModuleDict:
 
 
 def _syncs(rank: int, world_size: int):
-    ps = ParallelState.build(ParallelConfig(dp=world_size))
+    ps = ParallelState.build(ParallelConfig(dp=world_size), groups=GroupSpec(encoder_sync=True))
     llm = nn.Linear(4, 3).to(D)
     _grads_of(rank, llm)
     apply_dp([llm], ps)()
@@ -242,7 +242,7 @@ def test_llm_sync_sums_over_dp_and_encoder_sync_sums_the_towers_that_ran():
 
 def test_encoder_zero_refuses_unknown_stages_and_towers():
     with fake_world(2):
-        ps = ParallelState.build(ParallelConfig(dp=2))
+        ps = ParallelState.build(ParallelConfig(dp=2), groups=GroupSpec(encoder_sync=True))
         encoders = _encoders()
         with pytest.raises(ValueError, match="ZeRO stage 1 is not supported"):
             apply_encoder_zero(encoders, {"image": encoders["image"]}, ps, 1)
@@ -253,3 +253,8 @@ def test_encoder_zero_refuses_unknown_stages_and_towers():
                 ValueError, match=rf"ZeRO stage {stage!r} is not supported \(zero_stage: 0, 2"
             ):
                 apply_encoder_zero(encoders, {"image": encoders["image"]}, ps, stage)
+        # the encoders' reductions need their own group, which only ParallelState.build creates
+        plain = ParallelState.build(ParallelConfig(dp=2))
+        assert plain.encoder_sync_group is None and ps.encoder_sync_group is not None
+        with pytest.raises(ValueError, match=r"GroupSpec\(encoder_sync=True\)"):
+            apply_encoder_zero(encoders, {"image": encoders["image"]}, plain, 0)

@@ -162,10 +162,11 @@ def test_bad_spec_is_refused(kwargs, message):
 
 def _checkpoint_world(rank: int, world_size: int):
     bare = ParallelState.build(ParallelConfig(pp=2, dp=2))
-    ps = ParallelState.build(ParallelConfig(pp=2, dp=2), groups=GroupSpec(checkpoint=True))
-    group = ps.checkpoint_group
+    ps = ParallelState.build(ParallelConfig(pp=2, dp=2), groups=GroupSpec(checkpoint=True, encoder_sync=True))
+    group, enc = ps.checkpoint_group, ps.encoder_sync_group
     return (
-        bare.checkpoint_group,
+        (bare.checkpoint_group, bare.encoder_sync_group),
+        (dist.get_process_group_ranks(enc), _sum(enc), enc is dist.group.WORLD),
         dist.get_process_group_ranks(group),
         dist.get_backend(group),
         _sum(group),
@@ -173,9 +174,10 @@ def _checkpoint_world(rank: int, world_size: int):
     )
 
 
-def test_checkpoint_group_is_a_gloo_group_over_every_rank():
-    for rank, (bare, ranks, backend, total, is_world) in enumerate(run_world(_checkpoint_world, 4)):
-        assert bare is None, rank  # not asked for: not created
+def test_checkpoint_and_encoder_sync_groups_are_their_own_over_every_rank():
+    for rank, (bare, enc, ranks, backend, total, is_world) in enumerate(run_world(_checkpoint_world, 4)):
+        assert bare == (None, None), rank  # not asked for: not created
+        assert enc == ([0, 1, 2, 3], 15, False), rank  # the encoders' reductions: every rank, not WORLD
         assert ranks == [0, 1, 2, 3] and backend == "gloo" and total == 15, rank
         assert not is_world, rank  # a communicator of its own, not the default group
 

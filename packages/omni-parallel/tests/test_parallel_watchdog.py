@@ -153,11 +153,19 @@ def test_a_stop_signal_on_one_rank_is_agreed_by_every_rank():
 
 def _groups(rank: int, world_size: int, pp: int) -> dict:
     timeout = timedelta(seconds=3)
-    spec = GroupSpec(loader_dp=True, reorder_group_size=None, encoder_p2p=True, checkpoint=True)
+    spec = GroupSpec(
+        loader_dp=True, reorder_group_size=None, encoder_p2p=True, checkpoint=True, encoder_sync=True
+    )
     ps = ParallelState.build(ParallelConfig(pp=pp), groups=spec, timeout=timeout)
     enc = ps.encoder_state(EncoderLayout(sp=1, fsdp=False))
     groups = {**ps.groups, "world": dist.group.WORLD, "edp": enc.dp_group, "esp": enc.sp_group}
-    for name in ("loader_dp_group", "reorder_group", "encoder_p2p_group", "checkpoint_group"):
+    for name in (
+        "loader_dp_group",
+        "reorder_group",
+        "encoder_p2p_group",
+        "checkpoint_group",
+        "encoder_sync_group",
+    ):
         if getattr(ps, name) is not None:
             groups[name] = getattr(ps, name)
     timeouts = {n: g._get_backend(torch.device("cpu")).options._timeout for n, g in groups.items()}

@@ -102,8 +102,8 @@ __all__ = [
 
 
 def group_spec(cfg: RunConfig) -> GroupSpec:
-    """The run's optional groups: the loader's DP copy, encoder P2P, the hybrid DP/CP blocks, the data
-    mesh of LLM ZeRO with TP, the checkpoint manager's gloo group and the reordering groups across DP (``data.reorder_group_size``, ``None``: the node's replicas; 1 with
+    """The run's optional groups: the loader's DP copy, encoder P2P, the encoders' gradient-reduction
+    group, the hybrid DP/CP blocks, the data mesh of LLM ZeRO with TP, the checkpoint manager's gloo group and the reordering groups across DP (``data.reorder_group_size``, ``None``: the node's replicas; 1 with
     ``parallel.reorder`` off and under CP, where validation refuses larger groups)."""
     par = cfg.parallel
     reorder = par.reorder and par.cp == 1 and not par.hybrid_cp
@@ -116,6 +116,7 @@ def group_spec(cfg: RunConfig) -> GroupSpec:
         checkpoint=True,
         expert_dp=par.ep > 1,
         data_mesh=bool(par.llm_zero) and par.tp > 1,  # LLM ZeRO over TP: FSDP2's 2-D (dp_cp, tp) mesh
+        encoder_sync=True,
     )
 
 

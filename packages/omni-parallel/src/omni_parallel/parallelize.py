@@ -318,10 +318,10 @@ def apply_encoder_zero(
     blocks: Mapping[str, Sequence[nn.Module]] | None = None,
 ) -> EncoderGradientSync:
     """The encoders' layout and gradient sync: see :class:`EncoderGradientSync`. Collective with more than
-    one rank (every rank calls it, with the same towers): the encoders' reductions get a process group of
-    their own over every rank (``dist.new_group``), which no other collective uses, so that their issue
-    points inside the step (:meth:`EncoderGradientSync.ready`) never interleave with another collective
-    of the same group differently on different ranks.
+    one rank (every rank calls it, with the same towers). The encoders' reductions run on
+    ``ps.encoder_sync_group`` (``GroupSpec(encoder_sync=True)``), which no other collective uses, so that
+    their issue points inside the step (:meth:`EncoderGradientSync.ready`) never interleave with another
+    collective of the same group differently on different ranks.
 
     ZeRO stage 0: every rank holds ``encoders`` whole; their gradients are summed over every rank and
     divided by ``tp`` (see the module docstring). Each tower's gradients are views of a flat buffer of its
@@ -351,7 +351,8 @@ def apply_encoder_zero(
             is one unit).
 
     Raises:
-        ValueError: ``zero_stage`` other than 0, 2 or 3, or ``blocks`` naming a tower not in ``towers``.
+        ValueError: ``zero_stage`` other than 0, 2 or 3, ``blocks`` naming a tower not in ``towers``, or
+            more than one rank and ``ps`` built without ``GroupSpec(encoder_sync=True)``.
     """
     if isinstance(zero_stage, bool) or not isinstance(zero_stage, int) or zero_stage not in (0, 2, 3):
         raise ValueError(
@@ -363,7 +364,12 @@ def apply_encoder_zero(
         raise ValueError(f"apply_encoder_zero: blocks given for towers {unknown} not in {sorted(towers)}")
     tp = ps.size("tp")
     # the encoders' reductions on a communicator of their own (the class docstring's issue order)
-    group = dist.new_group(timeout=ps.timeout) if ps.world_size > 1 else None
+    group = ps.encoder_sync_group
+    if group is None and ps.world_size > 1:
+        raise ValueError(
+            "apply_encoder_zero: the encoders' reductions need a group of their own: build the ParallelState "
+            "with GroupSpec(encoder_sync=True)"
+        )
     if zero_stage == 0:
         owners: dict[int, set[str]] = {}
         for n, t in towers.items():

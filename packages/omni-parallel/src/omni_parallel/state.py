@@ -98,6 +98,10 @@ class GroupSpec:
             ``DeviceMesh._flatten``, which creates the group), so FSDP2 joins it with the TP mesh into
             its 2-D ``(dp_cp, tp)`` mesh: :attr:`ParallelState.data_mesh`. Only created for ``tp > 1``
             with ``ep = 1``; with ``ulysses = cp = 1`` the ``dp_rest`` dimension is sliced, no group.
+        encoder_sync: a group over every rank for the encoders' gradient reductions
+            (:func:`omni_parallel.apply_encoder_zero`: issued inside the step at points that differ per
+            rank, so no other collective may share their group): :attr:`ParallelState.encoder_sync_group`.
+            Not created for a world of one rank.
         checkpoint: a gloo group over every rank for checkpoint bookkeeping (omni-ckpt's
             ``CheckpointManager(process_group=...)``: its plan exchange and commit run on CPU objects, an
             async save's from a thread of its own, so it needs a group no step collective uses):
@@ -113,13 +117,22 @@ class GroupSpec:
     hybrid_cp: bool = False
     checkpoint: bool = False
     expert_dp: bool = False
+    encoder_sync: bool = False
     data_mesh: bool = False
 
     def __post_init__(self) -> None:
         g = self.reorder_group_size
         if g is not None and (not isinstance(g, int) or isinstance(g, bool) or g < 1):
             raise ValueError(f"GroupSpec.reorder_group_size must be a positive int or None, got {g!r}")
-        for name in ("loader_dp", "encoder_p2p", "hybrid_cp", "checkpoint", "expert_dp", "data_mesh"):
+        for name in (
+            "loader_dp",
+            "encoder_p2p",
+            "hybrid_cp",
+            "checkpoint",
+            "expert_dp",
+            "data_mesh",
+            "encoder_sync",
+        ):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"GroupSpec.{name} must be a bool, got {getattr(self, name)!r}")
 
@@ -271,6 +284,8 @@ class ParallelState:
             holder per expert shard); its members: ``members["edp"]`` when created.
         checkpoint_group: a gloo group over every rank for checkpoint bookkeeping (``None``: not asked
             for).
+        encoder_sync_group: the encoders' gradient-reduction group over every rank
+            (``GroupSpec.encoder_sync``; ``None``: not asked for, or one rank).
         data_mesh: the ``dp_cp`` ranks as one dimension of :attr:`mesh` (``GroupSpec.data_mesh``;
             ``None``: not asked for, ``tp`` 1 or ``ep > 1``).
         timeout: the collective timeout of every group (``None``: torch's defaults; see :meth:`build`).
@@ -290,6 +305,7 @@ class ParallelState:
     encoder_p2p_group: dist.ProcessGroup | None = None
     hybrid_cp_groups: dict[tuple[int, int], dist.ProcessGroup] = field(default_factory=dict)
     checkpoint_group: dist.ProcessGroup | None = None
+    encoder_sync_group: dist.ProcessGroup | None = None
     expert_dp_group: dist.ProcessGroup | None = None
     data_mesh: DeviceMesh | None = None
     timeout: timedelta | None = None
@@ -414,6 +430,8 @@ class ParallelState:
                     dist.set_timeout(self.timeout, self.data_mesh.get_group())
             else:
                 self.data_mesh = self.mesh[dims[0] if dims else "dp_rest"]
+        if spec.encoder_sync and self.world_size > 1:
+            self.encoder_sync_group = dist.new_group(timeout=self.timeout)
         if spec.checkpoint:
             self.checkpoint_group = dist.new_group(backend="gloo", timeout=self.timeout)
 
