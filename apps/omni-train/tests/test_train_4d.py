@@ -37,7 +37,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from train_fixtures import make_dataset, write_config
+from train_fixtures import make_dataset, side_by_side, write_config
 from train_reference import assert_runs_match, capture_run, reference_run, with_parallel
 
 from omni_parallel.testing import run_world
@@ -83,22 +83,27 @@ def test_tp_with_cp_and_with_ulysses_match_one_process(tmp_path):
         str(write_config(tmp_path / "m.toml", mix, steps=3, every=0, pp=1, extra='dtype = "float64"'))
     )
     refs = [("ref", cfg), ("ref-mix", with_parallel(long_tail, data_max_seq_len=96))]
-    want, want_mix = run_world(_references, 1, args=(refs, str(tmp_path / "ref")), timeout_s=300)[0]
     hybrid = with_parallel(long_tail, tp=2, cp=2, hybrid_cp=True, data_max_seq_len=48)
-    # Ranks 0-3: TP pairs (0, 1) and (2, 3); CP / Ulysses pairs (0, 2) and (1, 3). Who reads media:
+    # Ranks 0-3: TP pairs (0, 1) and (2, 3); CP / Ulysses pairs (0, 2) and (1, 3). Each run's reference
+    # ("ref" or "mix", computed side by side with the runs below). Who reads media:
     # under CP TP rank 0 of each CP rank (its share); with long-short SP or Ulysses one rank of all four.
     runs = [
-        ("tp2-cp2", with_parallel(cfg, tp=2, cp=2), want, {0, 2}),
-        ("tp2-cp2-ring", with_parallel(cfg, tp=2, cp=2, cp_attention="ring"), want, {0, 2}),
-        ("tp2-cp2-long-zero3", with_parallel(cfg, tp=2, cp=2, encoder_zero=3, **LONG), want, {0}),
-        ("tp2-ul2", with_parallel(cfg, tp=2, ulysses=2), want, {0}),
-        ("tp2sp-cp2", with_parallel(cfg, **SP, cp=2), want, {0, 2}),
-        ("tp2sp-cp2-ring", with_parallel(cfg, **SP, cp=2, cp_attention="ring"), want, {0, 2}),
-        ("tp2sp-ul2", with_parallel(cfg, **SP, ulysses=2), want, {0}),
-        ("tp2-ul2-long-zero3", with_parallel(cfg, tp=2, ulysses=2, encoder_zero=3, **LONG), want, {0}),
-        ("tp2-hybrid-cp2", hybrid, want_mix, {0, 2}),
+        ("tp2-cp2", with_parallel(cfg, tp=2, cp=2), "ref", {0, 2}),
+        ("tp2-cp2-ring", with_parallel(cfg, tp=2, cp=2, cp_attention="ring"), "ref", {0, 2}),
+        ("tp2-cp2-long-zero3", with_parallel(cfg, tp=2, cp=2, encoder_zero=3, **LONG), "ref", {0}),
+        ("tp2-ul2", with_parallel(cfg, tp=2, ulysses=2), "ref", {0}),
+        ("tp2sp-cp2", with_parallel(cfg, **SP, cp=2), "ref", {0, 2}),
+        ("tp2sp-cp2-ring", with_parallel(cfg, **SP, cp=2, cp_attention="ring"), "ref", {0, 2}),
+        ("tp2sp-ul2", with_parallel(cfg, **SP, ulysses=2), "ref", {0}),
+        ("tp2-ul2-long-zero3", with_parallel(cfg, tp=2, ulysses=2, encoder_zero=3, **LONG), "ref", {0}),
+        ("tp2-hybrid-cp2", hybrid, "mix", {0, 2}),
     ]
-    ranks = run_world(_parallel, 4, args=([r[:2] for r in runs], str(tmp_path / "w4")), timeout_s=900)
+    refs_out, ranks = side_by_side(  # other run folders: the references run on the world's idle core time
+        lambda: run_world(_references, 1, args=(refs, str(tmp_path / "ref")), timeout_s=300),
+        lambda: run_world(_parallel, 4, args=([r[:2] for r in runs], str(tmp_path / "w4")), timeout_s=900),
+    )
+    want, want_mix = refs_out[0]
+    runs = [(name, c, want if ref == "ref" else want_mix, readers) for name, c, ref, readers in runs]
     assert want[0][-1] < want[0][0]
     failed = []  # every variant checked, then all failures named at once
     for i, (name, _, reference, readers) in enumerate(runs):

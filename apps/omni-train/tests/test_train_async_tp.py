@@ -17,7 +17,7 @@ import dataclasses
 from pathlib import Path
 
 import pytest
-from train_fixtures import make_dataset, write_config
+from train_fixtures import make_dataset, side_by_side, write_config
 from train_reference import assert_runs_match, capture_run, reference_run, with_parallel
 
 from omni_parallel.testing import run_world
@@ -85,11 +85,14 @@ def test_tp2_async_tp_matches_one_process(tmp_path):
     cfg = load_config(
         str(write_config(tmp_path / "c.toml", data, steps=1, every=0, extra='dtype = "float64"'))
     )
-    (want,) = run_world(_reference, 1, args=(cfg, str(tmp_path / "ref")), timeout_s=300)[:1]
     sp = with_parallel(cfg, **ASYNC)
     recompute = dataclasses.replace(sp, train=dataclasses.replace(sp.train, recompute=["llm"]))
     runs = [("async", sp), ("async-recompute", recompute)]
-    results = run_world(_parallel, 2, args=(runs, str(tmp_path / "w2")), timeout_s=600)[0]
+    reference, world = side_by_side(  # other run folders: the reference runs on the 2 ranks' idle core
+        lambda: run_world(_reference, 1, args=(cfg, str(tmp_path / "ref")), timeout_s=300),
+        lambda: run_world(_parallel, 2, args=(runs, str(tmp_path / "w2")), timeout_s=600),
+    )
+    (want,), results = reference[:1], world[0]
     for (name, _), (got, seen) in zip(runs, results):
         assert_runs_match(got, want, name)
         assert seen and all(all(ran) and ran for ran, _ in seen), (name, seen)

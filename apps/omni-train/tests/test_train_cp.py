@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 import torch.distributed as dist
-from train_fixtures import make_dataset, write_config
+from train_fixtures import make_dataset, side_by_side, write_config
 
 from omni_parallel import local_sequence, plan_hybrid_cp
 from omni_parallel.testing import run_world
@@ -88,16 +88,18 @@ def test_cp2_allgather_and_ring_match_one_process(tmp_path):
     )
     text = [dataclasses.replace(m, weights={"text": 1.0}) for m in cfg.data.mixture]
     refs = [("pp1", {"pp": 1}), ("pp1-text", {"pp": 1, "data": {"mixture": text}})]
-    base, base_text = (
-        r[:3] for r in run_world(_train, 1, args=(cfg, refs, str(tmp_path / "w1")), timeout_s=300)[0]
-    )
-    assert base[0][-1] < base[0][0]
     variants = [
         ("cp2", {"pp": 1, "cp": 2}),
         ("cp2-ring", {"pp": 1, "cp": 2, "cp_attention": "ring"}),
         ("cp2-ring-text", {"pp": 1, "cp": 2, "cp_attention": "ring", "data": {"mixture": text}}),
     ]
-    cp2, ring, ring_text = run_world(_train, 2, args=(cfg, variants, str(tmp_path / "w2")), timeout_s=400)[0]
+    one, two = side_by_side(  # other run folders: the one process runs on the core the 2 ranks leave idle
+        lambda: run_world(_train, 1, args=(cfg, refs, str(tmp_path / "w1")), timeout_s=300),
+        lambda: run_world(_train, 2, args=(cfg, variants, str(tmp_path / "w2")), timeout_s=400),
+    )
+    base, base_text = (r[:3] for r in one[0])
+    assert base[0][-1] < base[0][0]
+    cp2, ring, ring_text = two[0]
     _close(cp2, base)
     _close(ring, base)
     _close(ring_text, base_text)
@@ -119,16 +121,18 @@ def test_hybrid_dp_cp_at_pp2_matches_one_process_on_a_long_tailed_mix(tmp_path):
     cfg = load_config(
         str(write_config(tmp_path / "c.toml", data, steps=3, every=0, extra='dtype = "float64"'))
     )
-    ref = run_world(
-        _train,
-        1,
-        args=(cfg, [("pp1", {"pp": 1, "data": {"max_seq_len": 96}})], str(tmp_path / "w1")),
-        timeout_s=300,
-    )[0][0]
     hybrid = [("hybrid", {"pp": 2, "cp": 2, "hybrid_cp": True, "data": {"max_seq_len": 48}})]
-    (digests, (got,)), *_ = run_world(
-        _hybrid_world, 4, args=(cfg, hybrid, str(tmp_path / "w4")), timeout_s=600
+    one, four = side_by_side(  # other run folders: the one process runs on the world's idle core time
+        lambda: run_world(
+            _train,
+            1,
+            args=(cfg, [("pp1", {"pp": 1, "data": {"max_seq_len": 96}})], str(tmp_path / "w1")),
+            timeout_s=300,
+        ),
+        lambda: run_world(_hybrid_world, 4, args=(cfg, hybrid, str(tmp_path / "w4")), timeout_s=600),
     )
+    ref = one[0][0]
+    (digests, (got,)), *_ = four
     assert len({d[0] for d in digests}) == 1  # every rank planned the same slots
     assert all(t <= 8192 for t in digests[0][1]) and digests[0][2] == [2, 4]
     _close(got, ref[:3])
@@ -158,8 +162,12 @@ def test_hybrid_dp_cp_every_gradient_matches_one_process(tmp_path):
         str(write_config(tmp_path / "c.toml", data, steps=2, every=0, pp=1, extra='dtype = "float64"'))
     )
     ref = with_parallel(cfg, data_max_seq_len=96)
-    want = run_world(_capture, 1, args=(ref, str(tmp_path / "ref")), timeout_s=300)[0][0]
     hybrid = with_parallel(cfg, cp=2, hybrid_cp=True, data_max_seq_len=48)
-    got, cps = run_world(_capture, 2, args=(hybrid, str(tmp_path / "hybrid")), timeout_s=300)[0]
+    one, two = side_by_side(  # other run folders: the one process runs on the core the 2 ranks leave idle
+        lambda: run_world(_capture, 1, args=(ref, str(tmp_path / "ref")), timeout_s=300),
+        lambda: run_world(_capture, 2, args=(hybrid, str(tmp_path / "hybrid")), timeout_s=300),
+    )
+    want = one[0][0]
+    got, cps = two[0]
     assert cps == [1, 2], cps  # short samples whole on one rank, long ones CP-sharded
     assert_runs_match(got, want, "hybrid dp/cp")

@@ -16,7 +16,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from train_fixtures import make_dataset, write_config
+from train_fixtures import make_dataset, side_by_side, write_config
 from train_reference import assert_runs_match, capture_run, reference_run, with_parallel
 
 from omni_parallel.testing import run_world
@@ -56,9 +56,12 @@ def test_cp2_encoder_sp2_long_images_match_one_process(tmp_path):
     cfg = load_config(
         str(write_config(tmp_path / "c.toml", data, steps=2, every=0, pp=1, extra='dtype = "float64"'))
     )
-    want = run_world(_reference, 1, args=(cfg, str(tmp_path / "ref")), timeout_s=300)[0]
     par = with_parallel(cfg, cp=2, encoder_sp=2, long_threshold=2)
-    results = run_world(_cp_world, 2, args=(par, str(tmp_path / "cp2")), timeout_s=300)
+    reference, results = side_by_side(  # other run folders: the reference runs on the 2 ranks' idle core
+        lambda: run_world(_reference, 1, args=(cfg, str(tmp_path / "ref")), timeout_s=300),
+        lambda: run_world(_cp_world, 2, args=(par, str(tmp_path / "cp2")), timeout_s=300),
+    )
+    want = reference[0]
     assert_runs_match(results[0][0], want, "cp2-encoder_sp2")
     for rank, (_, seen) in enumerate(results):
         assert not seen["layout_mismatch"], f"rank {rank}: encoder layout is not the LLM's CP layout"
@@ -67,8 +70,19 @@ def test_cp2_encoder_sp2_long_images_match_one_process(tmp_path):
     assert sum(seen["short"] for _, seen in results) > 0, "no sample went whole to one CP rank"
     # The CP ranks' own split of the encoder microbatches (encoder_sp 1: CPSharding's share and delivery),
     # all-gather and ring K/V: every gradient too, not only the norms test_train_cp.py compares.
-    for attention in ("allgather", "ring"):
-        par = with_parallel(cfg, cp=2, cp_attention=attention)
-        results = run_world(_cp_world, 2, args=(par, str(tmp_path / f"cp2-{attention}")), timeout_s=300)
+    # (the two 2-process worlds side by side, other run folders: each runs on the other's idle core time)
+    attentions = ("allgather", "ring")
+    worlds = side_by_side(
+        *(
+            lambda attention=attention: run_world(
+                _cp_world,
+                2,
+                args=(with_parallel(cfg, cp=2, cp_attention=attention), str(tmp_path / f"cp2-{attention}")),
+                timeout_s=300,
+            )
+            for attention in attentions
+        )
+    )
+    for attention, results in zip(attentions, worlds):
         assert_runs_match(results[0][0], want, f"cp2-{attention}")
         assert all(seen["media_rows"] > 0 for _, seen in results), "a CP rank received no media rows"

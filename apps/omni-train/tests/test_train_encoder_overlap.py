@@ -18,7 +18,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from train_fixtures import make_dataset, write_config
+from train_fixtures import make_dataset, side_by_side, write_config
 from train_reference import assert_runs_match, capture_run, reference_run, with_parallel
 
 from omni_parallel.testing import run_world
@@ -110,8 +110,11 @@ def test_encoder_collectives_overlap_the_backward_and_match_one_process(tmp_path
         str(write_config(tmp_path / "c.toml", data, steps=2, every=0, pp=2, extra='dtype = "float64"'))
     )
     cfg = with_parallel(cfg, data_microbatches=4)
-    results = run_world(_runs, 2, args=(cfg, str(tmp_path)), timeout_s=300)
-    want = run_world(_reference, 1, args=(cfg, str(tmp_path)), timeout_s=300)[0]
+    results, reference = side_by_side(  # other run folders: the reference runs on the pipeline's idle core
+        lambda: run_world(_runs, 2, args=(cfg, str(tmp_path)), timeout_s=300),
+        lambda: run_world(_reference, 1, args=(cfg, str(tmp_path)), timeout_s=300),
+    )
+    want = reference[0]
     for zero in (0, 3):
         assert_runs_match(results[0][zero][0], want, f"encoder_zero {zero}")
         kind = "all_reduce" if zero == 0 else "reduce_scatter_tensor"

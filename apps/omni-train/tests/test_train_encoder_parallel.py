@@ -32,7 +32,7 @@ import signal
 from pathlib import Path
 
 import pytest
-from train_fixtures import make_dataset, write_config
+from train_fixtures import make_dataset, side_by_side, write_config
 from train_reference import assert_runs_match, capture_run, reference_run, with_parallel
 
 from omni_parallel.testing import WorldError, run_world
@@ -112,16 +112,6 @@ def configs(tmp_path_factory):
 
 def test_encoder_zero_reordering_and_long_short_sp_match_one_process(configs):
     tmp, dense, sparse, sparse_dp = configs
-    refs = run_world(
-        _references,
-        1,
-        args=(
-            [("dense1", dense, 1), ("dense2", dense, 2), ("sparse1", sparse, 1), ("sparse2", sparse_dp, 2)],
-            str(tmp / "ref"),
-        ),
-        timeout_s=600,
-    )[0]
-    (dense1, dense1_row), (dense2, _), (sparse1, _), (sparse2, _) = refs
     long = {"encoder_sp": 2, "long_threshold": 2}
     runs2 = [
         ("pp2-zero2", dense, {"encoder_zero": 2}),
@@ -132,7 +122,24 @@ def test_encoder_zero_reordering_and_long_short_sp_match_one_process(configs):
         ("sparse-pp2-zero3", sparse, {"encoder_zero": 3}),
         ("sparse-dp2-reorder-zero3", sparse_dp, {"pp": 1, "dp": 2, "encoder_zero": 3}),
     ]
-    w2 = run_world(_parallel, 2, args=(runs2, str(tmp / "w2")), timeout_s=600)
+    refs, w2 = side_by_side(  # other run folders: the references run on the core the 2 ranks leave idle
+        lambda: run_world(
+            _references,
+            1,
+            args=(
+                [
+                    ("dense1", dense, 1),
+                    ("dense2", dense, 2),
+                    ("sparse1", sparse, 1),
+                    ("sparse2", sparse_dp, 2),
+                ],
+                str(tmp / "ref"),
+            ),
+            timeout_s=600,
+        )[0],
+        lambda: run_world(_parallel, 2, args=(runs2, str(tmp / "w2")), timeout_s=600),
+    )
+    (dense1, dense1_row), (dense2, _), (sparse1, _), (sparse2, _) = refs
     runs4 = [
         ("pp2dp2-zero3-reorder", dense, {"pp": 2, "dp": 2, "encoder_zero": 3}),
         ("dp2sp2-all", dense, {"pp": 1, "dp": 2, "ulysses": 2, "encoder_zero": 3, **long}),

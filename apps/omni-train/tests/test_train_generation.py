@@ -32,7 +32,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from PIL import Image
-from train_fixtures import make_dataset, write_config
+from train_fixtures import make_dataset, side_by_side, write_config
 from train_reference import assert_runs_match, capture_run, reference_run, with_llm_layers, with_parallel
 
 from omni_data import Modality, generation_targets
@@ -143,8 +143,12 @@ def _reference(rank, world_size, cfg, root):
 def test_generation_with_understanding_at_pp2_matches_one_process(gen_cfg, tmp_path):
     cfg = gen_cfg
     validate(with_parallel(cfg, pp=2), 2)
-    pp2, gpipe, inter = run_world(_parallel, 2, args=(cfg, str(tmp_path)), timeout_s=300)[0]
-    ref, seen, ref_4l = run_world(_reference, 1, args=(cfg, str(tmp_path)), timeout_s=300)[0]
+    parallel, reference = side_by_side(  # other run folders: the reference runs on the pipeline's idle core
+        lambda: run_world(_parallel, 2, args=(cfg, str(tmp_path)), timeout_s=300),
+        lambda: run_world(_reference, 1, args=(cfg, str(tmp_path)), timeout_s=300),
+    )
+    pp2, gpipe, inter = parallel[0]
+    ref, seen, ref_4l = reference[0]
     assert_runs_match(pp2, ref, "pp=2 with generation and understanding")
     assert_runs_match(gpipe, ref, "pp=2, GPipe, planned placement, with generation and understanding")
     assert_runs_match(inter, ref_4l, "pp=2, interleaved 1F1B (2 virtual stages), with generation")

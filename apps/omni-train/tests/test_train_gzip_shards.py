@@ -12,6 +12,7 @@ import signal
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -63,24 +64,30 @@ def test_gzip_shards_train_like_plain_ones_and_resume_exactly(tmp_path):
     cfg_plain = write_config(tmp_path / "plain.toml", plain, steps=steps, every=2)
     cfg_gz = write_config(tmp_path / "gz.toml", gz, steps=steps, every=2)
     a, ref = tmp_path / "a", tmp_path / "plain"
-    run_world(_train, 2, timeout_s=600, args=([str(cfg_plain), str(cfg_gz)], [str(ref), str(a)]))
+    # The 2-process world training on the plain and the gzip shards runs side by side with the CLI run
+    # below that is killed and resumed (other run folders): a launcher imports torch on one core, and two
+    # pipeline ranks leave a core half idle.
+    with ThreadPoolExecutor(1) as pool:
+        world = pool.submit(
+            run_world, _train, 2, timeout_s=600, args=([str(cfg_plain), str(cfg_gz)], [str(ref), str(a)])
+        )
+        b = tmp_path / "b"
+        p = _cli("run", "--config", str(cfg_gz), "--out", str(b), start_new_session=True)
+        latest = b / "checkpoints" / "latest"
+        deadline = time.monotonic() + 300
+        while not (latest.exists() and len(_losses(b)) >= 3):
+            assert p.poll() is None, p.communicate()[0]
+            assert time.monotonic() < deadline, "timed out waiting for step 3"
+            time.sleep(0.02)
+        os.killpg(p.pid, signal.SIGKILL)
+        p.communicate(timeout=60)
+        done = len(_losses(b))
+        assert done < steps, f"the run finished ({done} steps) before it could be killed"
+        p = _cli("run", "--config", str(cfg_gz), "--out", str(b), "--resume")
+        out, _ = p.communicate(timeout=300)
+        assert p.returncode == 0, out
+        world.result()
     assert len(_losses(a)) == steps and _losses(a) == _losses(ref)  # the same samples, bit for bit
-
-    b = tmp_path / "b"
-    p = _cli("run", "--config", str(cfg_gz), "--out", str(b), start_new_session=True)
-    latest = b / "checkpoints" / "latest"
-    deadline = time.monotonic() + 300
-    while not (latest.exists() and len(_losses(b)) >= 3):
-        assert p.poll() is None, p.communicate()[0]
-        assert time.monotonic() < deadline, "timed out waiting for step 3"
-        time.sleep(0.02)
-    os.killpg(p.pid, signal.SIGKILL)
-    p.communicate(timeout=60)
-    done = len(_losses(b))
-    assert done < steps, f"the run finished ({done} steps) before it could be killed"
-    p = _cli("run", "--config", str(cfg_gz), "--out", str(b), "--resume")
-    out, _ = p.communicate(timeout=300)
-    assert p.returncode == 0, out
     assert _losses(b) == _losses(a)  # step for step, bit for bit
 
 

@@ -13,7 +13,7 @@ import dataclasses
 from pathlib import Path
 
 import pytest
-from train_fixtures import make_dataset, write_config
+from train_fixtures import make_dataset, side_by_side, write_config
 from train_reference import assert_runs_match, capture_run, reference_run, with_parallel
 
 from omni_data import Modality
@@ -61,8 +61,11 @@ def test_a_tower_that_ran_nowhere_is_not_reduced_and_one_that_ran_on_one_replica
         MixturePhase({"image": 0.5, "audio": 0.12, "text": 0.38}),
     ]
     cfg = with_parallel(dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, mixture=mixture)), dp=2)
-    results = run_world(_dp2, 2, args=(cfg, str(tmp_path)), timeout_s=300)
-    ref = run_world(_reference, 1, args=(cfg, str(tmp_path)), timeout_s=300)[0]
+    results, reference = side_by_side(  # other run folders: the reference runs on the 2 ranks' idle core
+        lambda: run_world(_dp2, 2, args=(cfg, str(tmp_path)), timeout_s=300),
+        lambda: run_world(_reference, 1, args=(cfg, str(tmp_path)), timeout_s=300),
+    )
+    ref = reference[0]
     assert_runs_match(results[0][0], ref, "dp=2 with idle towers")
     (_, seen0, told0), (_, seen1, told1) = results
     kinds = {"nowhere": 0, "one replica": 0}

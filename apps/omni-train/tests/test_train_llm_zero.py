@@ -40,7 +40,7 @@ import json
 from pathlib import Path
 
 import pytest
-from train_fixtures import make_dataset, write_config
+from train_fixtures import make_dataset, side_by_side, write_config
 from train_reference import (
     assert_runs_match,
     capture_run,
@@ -122,14 +122,6 @@ def dense(tmp_path_factory):
 
 def test_llm_zero_stages_hybrid_cp_and_a_resume_across_layouts_match_one_process(dense):
     tmp, cfg = dense
-    # hybrid DP/CP's 2 ranks per stage share packs of 2 x 48 tokens: the reference trains them whole (96)
-    # and the dp2 reference's step-1 resume at pp=1 x dp=1 on its two replicas' re-split loader states
-    want, want_hybrid, want_resplit = run_world(
-        _references,
-        1,
-        args=([("dp2", cfg, 2), ("hybrid", cfg, 1)], str(tmp / "ref"), ("dp2", "resplit")),
-        timeout_s=600,
-    )[0]
     # zero3 reads its data as 2 data replicas (data.replicas, one per DP rank: the same packs as dp=2's
     # own loaders, so the same reference), which a resume at another DP size keeps (below)
     runs = [(f"zero{z}", cfg, {**ZERO, "llm_zero": z, "data_replicas": 2 if z == 3 else 0}) for z in range(4)]
@@ -155,6 +147,43 @@ def test_llm_zero_stages_hybrid_cp_and_a_resume_across_layouts_match_one_process
     outs = run_world(_world4, 4, args=(runs, str(tmp / "w4"), relayouts), timeout_s=900)
     w4, (to_sp, to_pp2_sp, to_split) = [o[0] for o in outs], outs[0][1:]
     results = {name: [r[i] for r in w4] for i, (name, _, _) in enumerate(runs)}
+
+    # the zero3 run's step-1 checkpoint at pp=1 x dp=2, llm_zero = 1: steps 2 and 3 as uninterrupted
+    other = with_parallel(cfg, pp=1, dp=2, encoder_zero=3, llm_zero=1, data_replicas=2)
+    compiled = dataclasses.replace(cfg.train, compile=True)
+    # and two stages on one rank (looped GPipe, virtual_stages = 2): two FSDP2 roots gathered per step
+    v2 = [
+        (
+            "v2-zero2",
+            cfg,
+            {"pp": 1, "dp": 2, "schedule": ScheduleKind.GPIPE, "virtual_stages": 2, "llm_zero": 2},
+        ),
+        # torch.compile of every block (FSDP2 units over the CP pair): the compiled forwards run on the
+        # gathered parameters, ring attention outside the graph; both data replicas on the one DP rank
+        (
+            "cp2-ring-zero3-compile",
+            dataclasses.replace(cfg, train=compiled),
+            {"pp": 1, "cp": 2, "cp_attention": "ring", "llm_zero": 3, "data_replicas": 2},
+        ),
+    ]
+    # the one-process references run side by side with this 2-process world (other run folders), on the
+    # core its compiling ranks leave idle: hybrid DP/CP's 2 ranks per stage share packs of 2 x 48 tokens,
+    # the reference trains them whole (96); and the dp2 reference's step-1 resume at pp=1 x dp=1 on its
+    # two replicas' re-split loader states
+    w2, refs = side_by_side(
+        lambda: run_world(
+            _world2, 2, args=(v2, str(tmp / "w2"), other, saved, str(tmp / "relayout")), timeout_s=900
+        ),
+        lambda: run_world(
+            _references,
+            1,
+            args=([("dp2", cfg, 2), ("hybrid", cfg, 1)], str(tmp / "ref"), ("dp2", "resplit")),
+            timeout_s=600,
+        ),
+    )
+    (looped, compiled_run), got = w2[0]
+    want, want_hybrid, want_resplit = refs[0]
+
     for name, per_rank in results.items():
         assert_runs_match(per_rank[0][0], want_hybrid if name.startswith("hybrid") else want, name)
 
@@ -184,27 +213,6 @@ def test_llm_zero_stages_hybrid_cp_and_a_resume_across_layouts_match_one_process
     }
     assert peaks[3] == peaks[0], peaks
 
-    # the zero3 run's step-1 checkpoint at pp=1 x dp=2, llm_zero = 1: steps 2 and 3 as uninterrupted
-    other = with_parallel(cfg, pp=1, dp=2, encoder_zero=3, llm_zero=1, data_replicas=2)
-    compiled = dataclasses.replace(cfg.train, compile=True)
-    # and two stages on one rank (looped GPipe, virtual_stages = 2): two FSDP2 roots gathered per step
-    v2 = [
-        (
-            "v2-zero2",
-            cfg,
-            {"pp": 1, "dp": 2, "schedule": ScheduleKind.GPIPE, "virtual_stages": 2, "llm_zero": 2},
-        ),
-        # torch.compile of every block (FSDP2 units over the CP pair): the compiled forwards run on the
-        # gathered parameters, ring attention outside the graph; both data replicas on the one DP rank
-        (
-            "cp2-ring-zero3-compile",
-            dataclasses.replace(cfg, train=compiled),
-            {"pp": 1, "cp": 2, "cp_attention": "ring", "llm_zero": 3, "data_replicas": 2},
-        ),
-    ]
-    (looped, compiled_run), got = run_world(
-        _world2, 2, args=(v2, str(tmp / "w2"), other, saved, str(tmp / "relayout")), timeout_s=900
-    )[0]
     assert_runs_match(looped[0], want, "v2-zero2")
     assert_runs_match(compiled_run[0], want, "cp2-ring-zero3-compile")
     assert compiled_run[3] == 0, f"cp2-ring-zero3-compile: {compiled_run[3]} frames compiled after step 0"

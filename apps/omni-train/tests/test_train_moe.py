@@ -54,7 +54,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from train_fixtures import make_dataset, write_config
+from train_fixtures import make_dataset, side_by_side, write_config
 from train_reference import assert_runs_match, capture_run, reference_run, relayout_run, with_parallel
 
 from omni_parallel.testing import run_world
@@ -173,9 +173,20 @@ def _recompute(cfg):
 
 
 @pytest.fixture(scope="module")
-def ep2_world(moe_cfg):
+def worlds(moe_cfg):
+    """The 2-process world of :func:`_ep2_then_resume_at_ep1` and the one-process world of
+    :func:`_references`, side by side (other run folders): the reference runs on the core the 2 ranks
+    leave idle."""
     tmp, cfg = moe_cfg
-    return run_world(_ep2_then_resume_at_ep1, 2, args=(cfg, str(tmp / "w2")), timeout_s=300)[0]
+    return side_by_side(
+        lambda: run_world(_ep2_then_resume_at_ep1, 2, args=(cfg, str(tmp / "w2")), timeout_s=300)[0],
+        lambda: run_world(_references, 1, args=(cfg, str(tmp / "w1"), (2, 4)), timeout_s=300)[0],
+    )
+
+
+@pytest.fixture(scope="module")
+def ep2_world(worlds):
+    return worlds[0]
 
 
 def _capacity(cfg, factor: float = 0.5):
@@ -203,13 +214,11 @@ def _references(rank, world_size, cfg, root, dps):
 
 
 @pytest.fixture(scope="module")
-def references(moe_cfg):
+def references(worlds):
     """The one-process references of the dp = 2 and dp = 4 runs (one world), and the loss scales of the
     one-process capacity run (one world with them)."""
-    tmp, cfg = moe_cfg
-    refs, scales = run_world(_references, 1, args=(cfg, str(tmp / "w1"), (2, 4)), timeout_s=300)[0]
-    refs["capacity_scales"] = scales
-    return refs
+    refs, scales = worlds[1]
+    return {**refs, "capacity_scales": scales}
 
 
 def _rows(run: Path) -> list[dict]:

@@ -28,7 +28,7 @@ from pathlib import Path
 import pytest
 import torch.distributed as dist
 from test_train_moe import LOAD_KEYS, MOE, _recompute, _rows
-from train_fixtures import make_dataset, write_config
+from train_fixtures import make_dataset, side_by_side, write_config
 from train_reference import assert_runs_match, capture_run, reference_run, with_parallel
 
 from omni_parallel.testing import run_world
@@ -94,15 +94,15 @@ def _reference(rank, world_size, cfg, root):
 
 
 @pytest.fixture(scope="module")
-def reference(moe_cfg):
+def runs(moe_cfg):
+    """The one-process reference and the 2-process runs, side by side (other run folders): the reference
+    runs on the core the 2 ranks leave idle."""
     tmp, cfg = moe_cfg
-    return run_world(_reference, 1, args=(cfg, str(tmp / "w1")), timeout_s=120)[0]
-
-
-@pytest.fixture(scope="module")
-def runs(moe_cfg, reference):
-    tmp, cfg = moe_cfg
-    return reference, run_world(_parallel_runs, 2, args=(cfg, str(tmp / "w2")), timeout_s=240)[0]
+    reference, parallel = side_by_side(
+        lambda: run_world(_reference, 1, args=(cfg, str(tmp / "w1")), timeout_s=120),
+        lambda: run_world(_parallel_runs, 2, args=(cfg, str(tmp / "w2")), timeout_s=240),
+    )
+    return reference[0], parallel[0]
 
 
 @pytest.mark.parametrize("name", list(LAYOUTS))

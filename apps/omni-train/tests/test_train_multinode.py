@@ -32,11 +32,14 @@ def test_two_node_torchrun_on_loopback_matches_single_node(tmp_path):
     cli = ["-m", "omni_train.cli", "run", "--config", str(cfg)]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
 
-    single = subprocess.run(
-        [sys.executable, *cli, "--out", str(tmp_path / "single")],
-        capture_output=True, text=True, timeout=300, env=env,
-    )  # fmt: skip
-    assert single.returncode == 0, single.stderr[-3000:]
+    # the single-node run goes side by side with the two nodes (they share nothing but the config): each
+    # launcher imports torch on one core before its workers start
+    log = tmp_path / "single.log"
+    with open(log, "w") as f:
+        single = subprocess.Popen(
+            [sys.executable, *cli, "--out", str(tmp_path / "single")],
+            stdout=f, stderr=subprocess.STDOUT, env=env,
+        )  # fmt: skip
 
     rdzv = [
         "--nnodes", "2", "--nproc-per-node", "1", "--rdzv-backend", "c10d",
@@ -52,11 +55,16 @@ def test_two_node_torchrun_on_loopback_matches_single_node(tmp_path):
     try:
         for node in nodes:
             outputs.append(node.communicate(timeout=300)[0])
+        single.wait(timeout=300)
     finally:
         for node in nodes:
             if node.poll() is None:
                 node.kill()
                 node.communicate()
+        if single.poll() is None:
+            single.kill()
+            single.wait()
+    assert single.returncode == 0, log.read_text()[-3000:]
     for node, out in zip(nodes, outputs):
         assert node.returncode == 0, out[-3000:]
     # rank 0's node says where the outputs go, and only it

@@ -31,7 +31,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-from train_fixtures import make_dataset, write_config
+from train_fixtures import make_dataset, side_by_side, write_config
 
 from omni_parallel.testing import run_world
 from omni_pipeline import PlacementPolicy
@@ -155,10 +155,12 @@ def runs(data, cfg):
     root, _ = data
     # float64: the pipeline must reproduce one process to rounding (Adam amplifies float32 noise)
     cfgs = {"f64": _variant(cfg, {}, {"dtype": "float64"}), "f32": _variant(cfg, {}, {"steps": 4})}
-    pp2 = run_world(
-        _run, 2, args=(cfgs, GRID + MEMORY + RESUME + BF16 + SPLITS, str(root / "pp2")), timeout_s=600
+    pp2, single = side_by_side(  # other run folders: the one process runs on the pipeline's idle core
+        lambda: run_world(
+            _run, 2, args=(cfgs, GRID + MEMORY + RESUME + BF16 + SPLITS, str(root / "pp2")), timeout_s=600
+        ),
+        lambda: run_world(_run, 1, args=(cfgs, SINGLE, str(root / "pp1")), timeout_s=300)[0],
     )
-    single = run_world(_run, 1, args=(cfgs, SINGLE, str(root / "pp1")), timeout_s=300)[0]
     return pp2, single, root
 
 

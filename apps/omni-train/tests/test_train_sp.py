@@ -12,7 +12,7 @@ import json
 from pathlib import Path
 
 import pytest
-from train_fixtures import make_dataset, write_config
+from train_fixtures import make_dataset, side_by_side, write_config
 
 from omni_parallel.testing import run_world
 from omni_train.binder import load_config
@@ -65,9 +65,12 @@ def test_ulysses2_matches_ulysses1(tmp_path):
         ("sp2-h1", {"pp": 1, "ulysses": 2, "heads": 1}),
         ("dp2", {"pp": 1, "dp": 2, "ulysses": 1}),
     ]
-    base, sp2, h1, sp2_h1, dp2 = run_world(
-        _train, 2, args=(cfg, variants, str(tmp_path / "w2")), timeout_s=300
-    )[0]
+    w4 = [("pp2sp2", {"pp": 2, "ulysses": 2}), ("dp2sp2", {"pp": 1, "dp": 2, "ulysses": 2})]
+    w2, w4 = side_by_side(  # other run folders: each world runs on the cores the other leaves idle
+        lambda: run_world(_train, 2, args=(cfg, variants, str(tmp_path / "w2")), timeout_s=300),
+        lambda: run_world(_train, 4, args=(cfg, w4, str(tmp_path / "w4")), timeout_s=300),
+    )
+    base, sp2, h1, sp2_h1, dp2 = w2[0]
     assert len(base[0]) == 3 and base[0][-1] < base[0][0]
     assert sp2[0] == pytest.approx(base[0], rel=1e-10, abs=1e-10)
     assert sp2[1] == pytest.approx(base[1], rel=1e-10, abs=1e-10)
@@ -75,8 +78,7 @@ def test_ulysses2_matches_ulysses1(tmp_path):
     assert h1[0] != base[0]  # the one-head model is another model
     assert sp2_h1[0] == pytest.approx(h1[0], rel=1e-10, abs=1e-10)
     assert sp2_h1[1] == pytest.approx(h1[1], rel=1e-10, abs=1e-10)
-    w4 = [("pp2sp2", {"pp": 2, "ulysses": 2}), ("dp2sp2", {"pp": 1, "dp": 2, "ulysses": 2})]
-    pp2sp2, dp2sp2 = run_world(_train, 4, args=(cfg, w4, str(tmp_path / "w4")), timeout_s=300)[0]
+    pp2sp2, dp2sp2 = w4[0]
     for got, want in ((pp2sp2, base), (dp2sp2, dp2)):  # dp2: DP ranks read other data than dp1
         assert got[0] == pytest.approx(want[0], rel=1e-10, abs=1e-10)
         assert got[1] == pytest.approx(want[1], rel=1e-10, abs=1e-10)

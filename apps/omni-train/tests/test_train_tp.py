@@ -12,7 +12,7 @@ import json
 from pathlib import Path
 
 import pytest
-from train_fixtures import make_dataset, write_config
+from train_fixtures import make_dataset, side_by_side, write_config
 
 from omni_parallel.testing import run_world
 from omni_train.binder import load_config
@@ -60,15 +60,17 @@ def test_tp2_matches_tp1_and_resumes_exactly(tmp_path):
         ("tp2-resumed", {"pp": 1, "tp": 2, "steps": 2}),
         ("tp2-resumed", {"pp": 1, "tp": 2, "resume": True}),
     ]
-    base, dp2, tp2, _, resumed = run_world(
-        _train, 2, args=(cfg, variants, str(tmp_path / "w2")), timeout_s=300
-    )[0]
+    w4 = [("pp2tp2", {"pp": 2, "tp": 2}), ("dp2tp2", {"pp": 1, "dp": 2, "tp": 2})]
+    w2, w4 = side_by_side(  # other run folders: each world runs on the cores the other leaves idle
+        lambda: run_world(_train, 2, args=(cfg, variants, str(tmp_path / "w2")), timeout_s=300),
+        lambda: run_world(_train, 4, args=(cfg, w4, str(tmp_path / "w4")), timeout_s=300),
+    )
+    base, dp2, tp2, _, resumed = w2[0]
     assert len(base[0]) == 3 and base[0][-1] < base[0][0]
     assert tp2[0] == pytest.approx(base[0], rel=1e-10, abs=1e-10)
     assert tp2[1] == pytest.approx(base[1], rel=1e-10, abs=1e-10)
     assert resumed == tp2  # the resumed run's metrics.jsonl holds steps 0-1 then the resumed step 2
-    w4 = [("pp2tp2", {"pp": 2, "tp": 2}), ("dp2tp2", {"pp": 1, "dp": 2, "tp": 2})]
-    pp2tp2, dp2tp2 = run_world(_train, 4, args=(cfg, w4, str(tmp_path / "w4")), timeout_s=300)[0]
+    pp2tp2, dp2tp2 = w4[0]
     for got, want in ((pp2tp2, base), (dp2tp2, dp2)):  # dp2: DP ranks read other data than dp1
         assert got[0] == pytest.approx(want[0], rel=1e-10, abs=1e-10)
         assert got[1] == pytest.approx(want[1], rel=1e-10, abs=1e-10)

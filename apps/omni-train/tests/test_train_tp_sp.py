@@ -21,7 +21,7 @@ import json
 from pathlib import Path
 
 import pytest
-from train_fixtures import make_dataset, write_config
+from train_fixtures import make_dataset, side_by_side, write_config
 from train_reference import (
     assert_runs_match,
     capture_run,
@@ -104,12 +104,15 @@ def test_tp2_sequence_parallel_matches_one_process_saves_activations_and_resumes
         str(write_config(tmp_path / "c.toml", data, steps=3, every=1, extra='dtype = "float64"'))
     )
     cfg = dataclasses.replace(cfg, checkpoint=dataclasses.replace(cfg.checkpoint, keep_last=3))
-    (want,) = run_world(_references, 1, args=([("ref", cfg)], str(tmp_path / "ref")), timeout_s=600)[0]
+    refs, w4 = side_by_side(  # other run folders: the reference runs on the world's idle core time
+        lambda: run_world(_references, 1, args=([("ref", cfg)], str(tmp_path / "ref")), timeout_s=600),
+        lambda: run_world(
+            _parallel, 4, args=([("pp2tp2-sp", cfg, {"pp": 2, **SP})], str(tmp_path / "w4")), timeout_s=600
+        ),
+    )
+    (want,) = refs[0]
     tail = (want[0][RESUME_AT:], want[1][RESUME_AT:])
 
-    w4 = run_world(
-        _parallel, 4, args=([("pp2tp2-sp", cfg, {"pp": 2, **SP})], str(tmp_path / "w4")), timeout_s=600
-    )
     recompute = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, recompute=["llm"]))
     runs2 = [
         ("tp2-sp", cfg, {"pp": 1, **SP}),

@@ -34,7 +34,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from train_fixtures import make_dataset, write_config
+from train_fixtures import make_dataset, side_by_side, write_config
 from train_reference import assert_runs_match, capture_run, reference_run, with_llm_layers, with_parallel
 
 from omni_data import Modality
@@ -150,8 +150,11 @@ def _reference(rank, world_size, cfg, root):
 def test_video_at_pp2_with_mrope_matches_one_process(video_cfg, tmp_path):
     cfg = video_cfg
     validate(with_parallel(cfg, pp=2), 2)
-    results = run_world(_pp2, 2, args=(cfg, str(tmp_path)), timeout_s=300)
-    ref, ref_dp2, ref_nomrope, ref_4l = run_world(_reference, 1, args=(cfg, str(tmp_path)), timeout_s=300)[0]
+    results, reference = side_by_side(  # other run folders: the reference runs on the pipeline's idle core
+        lambda: run_world(_pp2, 2, args=(cfg, str(tmp_path)), timeout_s=300),
+        lambda: run_world(_reference, 1, args=(cfg, str(tmp_path)), timeout_s=300),
+    )
+    ref, ref_dp2, ref_nomrope, ref_4l = reference[0]
     got = results[0][0]
     assert_runs_match(got, ref, "pp=2 with video and M-RoPE")
     assert_runs_match(results[0][2], ref, "tp=2 with video and M-RoPE")

@@ -34,7 +34,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from train_fixtures import make_dataset, write_config
+from train_fixtures import make_dataset, side_by_side, write_config
 from train_reference import assert_runs_match, capture_run, reference_run, with_parallel
 
 from omni_parallel.testing import run_world
@@ -153,9 +153,12 @@ def test_llm_zero_with_tp_matches_one_process(tmp_path):
     cfg = load_config(
         str(write_config(tmp_path / "c.toml", data, steps=2, every=1, extra='dtype = "float64"'))
     )
-    want, want_norms = run_world(_reference, 1, args=(cfg, str(tmp_path / "ref")), timeout_s=300)[0]
     runs = [*RUNS, PIPELINED]
-    world = run_world(_train, 4, args=(cfg, runs, str(tmp_path / "w4")), timeout_s=300)
+    reference, world = side_by_side(  # other run folders: the reference runs on the world's idle core time
+        lambda: run_world(_reference, 1, args=(cfg, str(tmp_path / "ref")), timeout_s=300),
+        lambda: run_world(_train, 4, args=(cfg, runs, str(tmp_path / "w4")), timeout_s=300),
+    )
+    want, want_norms = reference[0]
     results, (resumed, _) = world[0]
     for i, ((name, _), (got, norms, meshes, _)) in enumerate(zip(runs, results, strict=True)):
         if name == PIPELINED[0]:  # stage 0 at dp_cp = 1: TP DTensors, no FSDP2 mesh

@@ -6,7 +6,10 @@ from __future__ import annotations
 
 import io
 import json
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import soundfile
@@ -222,3 +225,13 @@ def spawned_workers(launcher_pid: int) -> list[int]:
         if ppid == launcher_pid and b"spawn_main" in cmd:
             pids.append(int(stat.parent.name))
     return sorted(pids)
+
+
+def side_by_side(*calls: Callable[[], Any]) -> list[Any]:
+    """Every call of ``calls`` at the same time, one thread each; their results in order (the first failing
+    call's error is raised, once all have ended). For independent ``run_world`` worlds (each with run
+    folders of its own): a one-process reference next to a pipeline world runs on the core that the
+    pipeline's bubbles and the ranks' waits on each other leave idle on a 2-core machine."""
+    with ThreadPoolExecutor(len(calls)) as pool:
+        futures = [pool.submit(call) for call in calls]
+    return [f.result() for f in futures]

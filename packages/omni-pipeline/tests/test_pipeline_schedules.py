@@ -15,6 +15,7 @@ from torch.distributed.pipelining.schedules import (
     _validate_schedule,
 )
 
+from omni_parallel.testing import run_world
 from omni_pipeline import (
     Action,
     ActionKind,
@@ -108,19 +109,18 @@ def _check_llm_projection(s) -> None:
     validate_comms({r: [Action.from_torch(a) for a in acts] for r, acts in comms.items()}, s)
 
 
-def test_random_schedules_and_flows_pass_ours_and_torch_checkers():
-    """10,000 random configurations (pp 1-8, virtual 1-4, microbatches 1-32, random encoder loads).
-
-    A schedule is a pure function of (kind, pp, virtual, microbatches), so its LLM projection is checked
-    once per distinct tuple; the encoder load, policy and data flow are drawn afresh for every one."""
-    rng = random.Random(20260)
-    # CPU seconds of this process: the bound is on the work (~9 s on one idle core), not on how busy the
-    # shared CI cores are (wall time varied 18-54 s under load)
+def _random_share(rank: int, world_size: int, n: int, seed: int):
+    """This rank's share of the ``n`` random configurations drawn from ``seed``: every rank draws them all
+    (the same sequence, cheap), checks every ``world_size``-th configuration's data flow and every
+    ``world_size``-th distinct schedule's LLM projection (in the order first drawn). Returns the
+    accepted and rejected counts, the flows checked, the schedules checked and the CPU seconds."""
+    rng = random.Random(seed)
     t0 = time.process_time()
     accepted = rejected = flows = 0
+    seen: set[tuple] = set()
     checked: set[tuple] = set()
     cache: dict = {}
-    for _ in range(10_000):
+    for i in range(n):
         try:
             s = _random_config(rng, cache)
         except ScheduleError as exc:
@@ -128,17 +128,21 @@ def test_random_schedules_and_flows_pass_ours_and_torch_checkers():
             rejected += 1
             continue
         key = (type(s).__name__, s.num_ranks, s.virtual, s.num_microbatches)
-        if key not in checked:
-            _check_llm_projection(s)
-            checked.add(key)
+        if key not in seen:
+            if len(seen) % world_size == rank:
+                _check_llm_projection(s)
+                checked.add(key)
+            seen.add(key)
         accepted += 1
         e, enc = 1, {}
         for k in range(1, s.num_microbatches + 1):
-            n = rng.randint(0, s.num_ranks + 1)  # random encoder load per LLM microbatch
-            enc[k] = list(range(e, e + n))
-            e += n
+            n_enc = rng.randint(0, s.num_ranks + 1)  # random encoder load per LLM microbatch
+            enc[k] = list(range(e, e + n_enc))
+            e += n_enc
         costs = CostModel(encoder_forward_s={x: rng.uniform(0.1, 3.0) for x in range(1, e)})
         policy = rng.randrange(3)
+        if i % world_size != rank:
+            continue
         flow = (
             prepend_first_stage(s, enc)
             if policy == 0
@@ -148,7 +152,24 @@ def test_random_schedules_and_flows_pass_ours_and_torch_checkers():
         )
         flow.validate(s)
         flows += 1
-    elapsed = time.process_time() - t0
+    return accepted, rejected, flows, checked, time.process_time() - t0
+
+
+def test_random_schedules_and_flows_pass_ours_and_torch_checkers():
+    """10,000 random configurations (pp 1-8, virtual 1-4, microbatches 1-32, random encoder loads).
+
+    A schedule is a pure function of (kind, pp, virtual, microbatches), so its LLM projection is checked
+    once per distinct tuple; the encoder load, policy and data flow are drawn afresh for every one. The
+    checks are shared by two processes (``_random_share``: one CPU-bound loop left a core idle)."""
+    # CPU seconds of the checking processes: the bound is on the work (~9 s on one idle core), not on how
+    # busy the shared CI cores are (wall time varied 18-54 s under load)
+    shares = run_world(_random_share, 2, args=(10_000, 20260), timeout_s=300)
+    (accepted, rejected, _, _, _), *others = shares
+    assert all(share[:2] == (accepted, rejected) for share in others)  # both drew the same sequence
+    flows = sum(share[2] for share in shares)
+    checked = set().union(*(share[3] for share in shares))
+    assert sum(len(share[3]) for share in shares) == len(checked)  # each schedule checked once
+    elapsed = sum(share[4] for share in shares)
     assert accepted + rejected == 10_000 and accepted > 8_000 and flows == accepted
     assert {m for _, _, _, m in checked} == set(range(1, 33)) and {p for _, p, _, _ in checked} == set(
         range(1, 9)
