@@ -57,12 +57,14 @@ Assumptions (every one ours unless cited; the workloads' own are in their files,
   :func:`omni_pipeline.step_model.step_collectives` over ``g`` replicas:
   :func:`omni_pipeline.replica_balance.price_group`, which ``omni-train tune`` searches with.
 
-Run: ``uv run python benchmarks/paper_scale.py`` (about two minutes on 2 cores); writes
-``benchmarks/results/paper_scale.json``.
+Run: ``uv run python benchmarks/paper_scale.py [--json PATH]`` (6-7 minutes alone on 2 cores); writes
+``benchmarks/results/paper_scale.json`` (or ``PATH``) and prints the tables. ``--show [PATH]`` prints the
+tables of results already written (default: the committed ones), computing nothing.
 """
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import json
 import subprocess
@@ -338,7 +340,25 @@ def _commit() -> str:
         return "unknown"
 
 
-def main() -> None:
+# what print_tables reads; a results file without one of them is refused by --show
+TABLE_KEYS = ("fig13_throughput", "fig13_best_512", "fig15_memory", "fig17_triple", "fig18_ablation",
+              "fig17_alpa", "fig17_tuned", "fig18_tuning", "fig20_reorder_group", "timing", "wall_s")  # fmt: skip
+MAX_RESULTS_BYTES = 16 << 20  # the committed file is about 0.2 MB
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument(
+        "--json", type=Path, default=OUT, help=f"where the results go (default {OUT.relative_to(ROOT)})"
+    )
+    ap.add_argument("--show", nargs="?", const=OUT, type=Path, metavar="PATH",
+                    help="print the tables of results already written (default: the committed ones); computes nothing")  # fmt: skip
+    args = ap.parse_args(argv)
+    if args.show is not None:
+        print_tables(_read_results(args.show, ap))
+        return
+    if not args.json.parent.is_dir():  # checked before minutes of simulation, not after
+        ap.error(f"--json: {args.json.parent} is not a directory")
     t0 = time.perf_counter()
     # Megatron-Dist's encoder ranks: sized once from the 5:5 step at pp 8 (kept for every ratio)
     probe = predict_step(vlm(5, 5), layout(64, "megatron_dist"), device=DEVICE, network=NETWORK)
@@ -390,8 +410,26 @@ def main() -> None:
         "timing": timing,
         "wall_s": time.perf_counter() - t0,
     }
-    OUT.write_text(json.dumps(res, indent=2))
+    args.json.write_text(json.dumps(res, indent=2))
     print_tables(res)
+
+
+def _read_results(path: Path, ap: argparse.ArgumentParser) -> dict:
+    """The results ``main`` wrote to ``path``; ``ap.error`` (exit 2, one line naming the file) when it is
+    missing, larger than ``MAX_RESULTS_BYTES``, not JSON or lacks a table's key."""
+    try:
+        size = path.stat().st_size
+        if size > MAX_RESULTS_BYTES:
+            ap.error(
+                f"--show: {path}: {size} bytes, more than the {MAX_RESULTS_BYTES} a results file may hold"
+            )
+        res = json.loads(path.read_text())
+    except (OSError, ValueError) as exc:
+        ap.error(f"--show: {path}: {exc}")
+    missing = [k for k in TABLE_KEYS if not isinstance(res, dict) or k not in res]
+    if missing:
+        ap.error(f"--show: {path}: not paper_scale results, no {', '.join(missing)}")
+    return res
 
 
 def print_tables(res: dict) -> None:
