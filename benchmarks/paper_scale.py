@@ -67,6 +67,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import subprocess
 import time
 from datetime import UTC, datetime
@@ -347,18 +348,33 @@ MAX_RESULTS_BYTES = 16 << 20  # the committed file is about 0.2 MB
 
 
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument(
-        "--json", type=Path, default=OUT, help=f"where the results go (default {OUT.relative_to(ROOT)})"
+    ap = argparse.ArgumentParser(
+        description="The paper's Figures 13, 15, 17, 18 and 20 at 64-512 GPUs by pure simulation (the "
+        "assumptions: this file's docstring).",
+        epilog=f"With no flag: computes every row (6-7 minutes alone on 2 cores), OVERWRITES "
+        f"{OUT.relative_to(ROOT)} and prints the tables.",
     )
-    ap.add_argument("--show", nargs="?", const=OUT, type=Path, metavar="PATH",
-                    help="print the tables of results already written (default: the committed ones); computes nothing")  # fmt: skip
+    where = ap.add_mutually_exclusive_group()
+    where.add_argument("--json", type=Path, default=OUT, metavar="PATH",
+                       help=f"write the results here instead (default: overwrite {OUT.relative_to(ROOT)})")  # fmt: skip
+    where.add_argument("--show", nargs="?", const=OUT, type=Path, metavar="PATH",
+                       help="print the tables of results already written (default: the committed ones); "
+                       "computes and writes nothing")  # fmt: skip
     args = ap.parse_args(argv)
     if args.show is not None:
-        print_tables(_read_results(args.show, ap))
+        res = _read_results(args.show, ap)
+        try:
+            print_tables(res)
+        except (KeyError, TypeError, AttributeError, ValueError) as exc:
+            ap.error(f"--show: {args.show}: malformed results ({type(exc).__name__}: {exc})")
         return
-    if not args.json.parent.is_dir():  # checked before minutes of simulation, not after
+    # checked before minutes of simulation, not after
+    if args.json.is_dir():
+        ap.error(f"--json: {args.json} is a directory, not a file")
+    if not args.json.parent.is_dir():
         ap.error(f"--json: {args.json.parent} is not a directory")
+    if not os.access(args.json.parent, os.W_OK) or (args.json.exists() and not os.access(args.json, os.W_OK)):
+        ap.error(f"--json: {args.json} is not writable")
     t0 = time.perf_counter()
     # Megatron-Dist's encoder ranks: sized once from the 5:5 step at pp 8 (kept for every ratio)
     probe = predict_step(vlm(5, 5), layout(64, "megatron_dist"), device=DEVICE, network=NETWORK)
@@ -416,7 +432,8 @@ def main(argv: list[str] | None = None) -> None:
 
 def _read_results(path: Path, ap: argparse.ArgumentParser) -> dict:
     """The results ``main`` wrote to ``path``; ``ap.error`` (exit 2, one line naming the file) when it is
-    missing, larger than ``MAX_RESULTS_BYTES``, not JSON or lacks a table's key."""
+    missing, larger than ``MAX_RESULTS_BYTES`` (refused before it is read), not JSON, not an object, or
+    lacks a table's key (written by an older version of this script)."""
     try:
         size = path.stat().st_size
         if size > MAX_RESULTS_BYTES:
@@ -424,11 +441,17 @@ def _read_results(path: Path, ap: argparse.ArgumentParser) -> dict:
                 f"--show: {path}: {size} bytes, more than the {MAX_RESULTS_BYTES} a results file may hold"
             )
         res = json.loads(path.read_text())
-    except (OSError, ValueError) as exc:
-        ap.error(f"--show: {path}: {exc}")
-    missing = [k for k in TABLE_KEYS if not isinstance(res, dict) or k not in res]
+    except OSError as exc:
+        ap.error(f"--show: {path}: {exc.strerror or exc}")
+    except ValueError as exc:
+        ap.error(f"--show: {path}: not JSON ({exc})")
+    if not isinstance(res, dict):
+        ap.error(f"--show: {path}: not paper_scale results (a JSON {type(res).__name__}, not an object)")
+    missing = [k for k in TABLE_KEYS if k not in res]
+    if len(missing) == len(TABLE_KEYS):
+        ap.error(f"--show: {path}: not paper_scale results (none of its keys, e.g. fig13_throughput)")
     if missing:
-        ap.error(f"--show: {path}: not paper_scale results, no {', '.join(missing)}")
+        ap.error(f"--show: {path}: written by an older paper_scale.py, no {', '.join(missing)}")
     return res
 
 

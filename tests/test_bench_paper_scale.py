@@ -1,6 +1,6 @@
 """``benchmarks/paper_scale.py``'s command line: ``--show`` prints the tables of results already written
 without computing or writing anything; bad paths and files that are not its results are one-line errors
-(exit 2) naming the file, ``--json``'s folder checked before minutes of simulation."""
+(exit 2) naming the file, ``--json``'s target checked before minutes of simulation."""
 
 import json
 import sys
@@ -15,7 +15,18 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 import paper_scale  # noqa: E402
 
 
-def test_show_prints_the_committed_tables_and_writes_nothing(capsys):
+@pytest.fixture
+def no_simulation(monkeypatch):
+    """Any simulation or tuning paper_scale starts fails the test at once (what may run is reading)."""
+
+    def refuse(*args, **kw):
+        raise AssertionError("paper_scale simulated")
+
+    for name in ("predict_step", "tune", "price_group", "rank_memory"):
+        monkeypatch.setattr(paper_scale, name, refuse)
+
+
+def test_show_prints_the_committed_tables_and_writes_nothing(no_simulation, capsys):
     before = RESULTS.read_bytes()
     paper_scale.main(["--show"])
     out = capsys.readouterr().out
@@ -28,7 +39,7 @@ def test_show_prints_the_committed_tables_and_writes_nothing(capsys):
     assert RESULTS.read_bytes() == before
 
 
-def test_show_of_another_file_prints_its_tables(tmp_path, capsys):
+def test_show_of_another_file_prints_its_tables(no_simulation, tmp_path, capsys):
     res = json.loads(RESULTS.read_text())
     res["fig18_tuning"]["tuned_over_hand"] = 9.875  # a value no committed result holds
     path = tmp_path / "r.json"
@@ -37,29 +48,48 @@ def test_show_of_another_file_prints_its_tables(tmp_path, capsys):
     assert "x9.875" in capsys.readouterr().out
 
 
+def _error(args: list[str], capsys) -> str:
+    with pytest.raises(SystemExit) as exc:
+        paper_scale.main(args)
+    assert exc.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[0].startswith("usage:") and len(err) == 2, err
+    return err[-1]
+
+
 @pytest.mark.parametrize(
     ("args", "words"),
     [
-        (["--show", "{tmp}/missing.json"], "missing.json: [Errno 2]"),
-        (["--show", "{tmp}/not.json"], "not.json: Expecting value"),
-        (["--show", "{tmp}/other.json"], "other.json: not paper_scale results, no fig13_throughput"),
+        (["--show", "{tmp}/missing.json"], "--show: {tmp}/missing.json: No such file or directory"),
+        (["--show", "{tmp}/not.json"], "--show: {tmp}/not.json: not JSON (Expecting value"),
+        (["--show", "{tmp}/list.json"], "list.json: not paper_scale results (a JSON list, not an object)"),
+        (["--show", "{tmp}/other.json"], "other.json: not paper_scale results (none of its keys"),
+        (["--show", "{tmp}/older.json"], "older.json: written by an older paper_scale.py, no fig17_tuned"),
+        (["--show", "{tmp}/shape.json"], "shape.json: malformed results (AttributeError"),
+        (["--show", "{tmp}/x.json", "--json", "{tmp}/y.json"], "--json: not allowed with argument --show"),
         (["--json", "{tmp}/no/such/folder/out.json"], "--json: {tmp}/no/such/folder is not a directory"),
+        (["--json", "{tmp}"], "--json: {tmp} is a directory, not a file"),
     ],
 )
-def test_bad_paths_and_files_are_one_line_errors(args, words, tmp_path, capsys):
+def test_bad_paths_and_files_are_one_line_errors(args, words, no_simulation, tmp_path, capsys):
+    committed = json.loads(RESULTS.read_text())
     (tmp_path / "not.json").write_text("figure 13")
+    (tmp_path / "list.json").write_text("[1, 2]")
     (tmp_path / "other.json").write_text(json.dumps({"summary": []}))
-    with pytest.raises(SystemExit) as exc:
-        paper_scale.main([a.format(tmp=tmp_path) for a in args])
-    assert exc.value.code == 2
-    err = capsys.readouterr().err.strip().splitlines()[-1]
+    (tmp_path / "older.json").write_text(
+        json.dumps({k: v for k, v in committed.items() if k != "fig17_tuned"})
+    )
+    (tmp_path / "shape.json").write_text(json.dumps({**committed, "fig13_throughput": [1]}))
+    err = _error([a.format(tmp=tmp_path) for a in args], capsys)
     assert words.format(tmp=tmp_path) in err, err
 
 
 def test_a_results_file_over_the_size_bound_is_refused_unread(monkeypatch, capsys):
     monkeypatch.setattr(paper_scale, "MAX_RESULTS_BYTES", 1000)
-    with pytest.raises(SystemExit) as exc:
-        paper_scale.main(["--show", str(RESULTS)])
-    assert exc.value.code == 2
-    err = capsys.readouterr().err.strip().splitlines()[-1]
+
+    def unread(self, *args, **kw):
+        raise AssertionError(f"{self} was read")
+
+    monkeypatch.setattr(Path, "read_text", unread)
+    err = _error(["--show", str(RESULTS)], capsys)
     assert f"{RESULTS}: {RESULTS.stat().st_size} bytes, more than the 1000" in err, err

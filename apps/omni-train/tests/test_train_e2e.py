@@ -11,6 +11,7 @@
   holds one record per rank and step after the restarts, as ``metrics.jsonl`` holds one line per step.
 """
 
+import contextlib
 import dataclasses
 import json
 import os
@@ -99,8 +100,12 @@ def _cli(*args: str, log: Path | None = None, **kw) -> subprocess.Popen:
 
 
 def _finish(p: subprocess.Popen, log: Path, timeout_s: float = 300) -> str:
-    """Wait for ``p`` (started with ``log``) and return its output."""
-    p.wait(timeout=timeout_s)
+    """Wait for ``p`` (started with ``log``) and return its output; a run still going after ``timeout_s``
+    fails the test with the end of its output."""
+    try:
+        p.wait(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"{' '.join(p.args[2:])} still running after {timeout_s} s:\n{log.read_text()[-3000:]}")
     return log.read_text()
 
 
@@ -121,10 +126,10 @@ def background():
     with their workers if the test ends before them."""
     procs: list[subprocess.Popen] = []
     yield procs
-    for p in procs:
-        if p.poll() is None:
+    for p in procs:  # the group, also when the launcher is gone: its workers may not be
+        with contextlib.suppress(ProcessLookupError):
             os.killpg(p.pid, signal.SIGKILL)
-            p.wait()
+        p.wait()
 
 
 def test_cli_run_outputs_restart_and_sigkill_resume_are_exact(tmp_path, background):
@@ -191,7 +196,8 @@ def test_cli_run_outputs_restart_and_sigkill_resume_are_exact(tmp_path, backgrou
 
     # The finished run: --resume says so and leaves it alone; a larger --max-steps trains on.
     summary = (a / "summary.json").read_text()
-    q = _cli("run", "--config", str(cfg), "--out", str(a), "--resume")
+    q = _cli("run", "--config", str(cfg), "--out", str(a), "--resume", start_new_session=True)
+    background.append(q)
     out, _ = q.communicate(timeout=300)
     assert q.returncode == 0 and "already finished: step 16 of train.steps = 16" in out, out
     assert (a / "summary.json").read_text() == summary

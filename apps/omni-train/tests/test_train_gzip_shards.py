@@ -3,6 +3,7 @@
 a run SIGKILLed mid-training and resumed with ``--resume`` repeats the uninterrupted run's losses exactly;
 a zstd shard stops the run with a message naming the file and the compression."""
 
+import contextlib
 import gzip
 import json
 import os
@@ -73,19 +74,23 @@ def test_gzip_shards_train_like_plain_ones_and_resume_exactly(tmp_path):
         )
         b = tmp_path / "b"
         p = _cli("run", "--config", str(cfg_gz), "--out", str(b), start_new_session=True)
-        latest = b / "checkpoints" / "latest"
-        deadline = time.monotonic() + 300
-        while not (latest.exists() and len(_losses(b)) >= 3):
-            assert p.poll() is None, p.communicate()[0]
-            assert time.monotonic() < deadline, "timed out waiting for step 3"
-            time.sleep(0.02)
-        os.killpg(p.pid, signal.SIGKILL)
-        p.communicate(timeout=60)
-        done = len(_losses(b))
-        assert done < steps, f"the run finished ({done} steps) before it could be killed"
-        p = _cli("run", "--config", str(cfg_gz), "--out", str(b), "--resume")
-        out, _ = p.communicate(timeout=300)
-        assert p.returncode == 0, out
+        try:
+            latest = b / "checkpoints" / "latest"
+            deadline = time.monotonic() + 300
+            while not (latest.exists() and len(_losses(b)) >= 3):
+                assert p.poll() is None, p.communicate()[0]
+                assert time.monotonic() < deadline, "timed out waiting for step 3"
+                time.sleep(0.02)
+            os.killpg(p.pid, signal.SIGKILL)
+            p.communicate(timeout=60)
+            done = len(_losses(b))
+            assert done < steps, f"the run finished ({done} steps) before it could be killed"
+            p = _cli("run", "--config", str(cfg_gz), "--out", str(b), "--resume", start_new_session=True)
+            out, _ = p.communicate(timeout=300)
+            assert p.returncode == 0, out
+        finally:  # a failed wait leaves no run going: each CLI run leads a session of its own
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(p.pid, signal.SIGKILL)
         world.result()
     assert len(_losses(a)) == steps and _losses(a) == _losses(ref)  # the same samples, bit for bit
     assert _losses(b) == _losses(a)  # step for step, bit for bit

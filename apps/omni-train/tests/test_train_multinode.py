@@ -2,8 +2,10 @@
 rendezvous on 127.0.0.1 at a free port) trains 3 steps with the losses of the single-node 2-process run
 (``omni-train run``, torch's elastic launcher), bit for bit; rank 0 prints where the outputs go."""
 
+import contextlib
 import json
 import os
+import signal
 import subprocess
 import sys
 import uuid
@@ -38,7 +40,7 @@ def test_two_node_torchrun_on_loopback_matches_single_node(tmp_path):
     with open(log, "w") as f:
         single = subprocess.Popen(
             [sys.executable, *cli, "--out", str(tmp_path / "single")],
-            stdout=f, stderr=subprocess.STDOUT, env=env,
+            stdout=f, stderr=subprocess.STDOUT, env=env, start_new_session=True,
         )  # fmt: skip
 
     rdzv = [
@@ -48,7 +50,9 @@ def test_two_node_torchrun_on_loopback_matches_single_node(tmp_path):
     ]  # fmt: skip
     cmd = [*_torchrun(), *rdzv, *cli, "--out", str(tmp_path / "multi")]
     nodes = [
-        subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+        subprocess.Popen(
+            cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, start_new_session=True
+        )
         for _ in range(2)
     ]
     outputs = []
@@ -56,14 +60,11 @@ def test_two_node_torchrun_on_loopback_matches_single_node(tmp_path):
         for node in nodes:
             outputs.append(node.communicate(timeout=300)[0])
         single.wait(timeout=300)
-    finally:
-        for node in nodes:
-            if node.poll() is None:
-                node.kill()
-                node.communicate()
-        if single.poll() is None:
-            single.kill()
-            single.wait()
+    finally:  # each launcher leads a session of its own: its workers die with it
+        for p in [*nodes, single]:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(p.pid, signal.SIGKILL)
+            p.communicate()
     assert single.returncode == 0, log.read_text()[-3000:]
     for node, out in zip(nodes, outputs):
         assert node.returncode == 0, out[-3000:]

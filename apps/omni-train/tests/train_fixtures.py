@@ -227,11 +227,30 @@ def spawned_workers(launcher_pid: int) -> list[int]:
     return sorted(pids)
 
 
-def side_by_side(*calls: Callable[[], Any]) -> list[Any]:
-    """Every call of ``calls`` at the same time, one thread each; their results in order (the first failing
-    call's error is raised, once all have ended). For independent ``run_world`` worlds (each with run
-    folders of its own): a one-process reference next to a pipeline world runs on the core that the
-    pipeline's bubbles and the ranks' waits on each other leave idle on a 2-core machine."""
-    with ThreadPoolExecutor(len(calls)) as pool:
-        futures = [pool.submit(call) for call in calls]
-    return [f.result() for f in futures]
+def side_by_side(first: Callable[[], Any], *others: Callable[[], Any]) -> list[Any]:
+    """``first`` in this thread and each of ``others`` in a thread of its own, at the same time; their
+    results in order. For independent ``run_world`` worlds (each with run folders of its own): a
+    one-process reference next to a pipeline world runs on the core that the pipeline's bubbles and the
+    ranks' waits on each other leave idle on a 2-core machine.
+
+    ``first`` runs here so that a test timeout (pytest-timeout's signal) interrupts it and its
+    ``run_world`` kills its ranks; then ``others`` are not waited for (each ends at its own ``run_world``
+    timeout). When calls fail, the first failure in argument order is raised, the others' errors added to
+    it as notes."""
+    pool = ThreadPoolExecutor(max(1, len(others)))
+    futures = [pool.submit(call) for call in others]
+    try:
+        results = [first()]
+    except BaseException as exc:
+        pool.shutdown(wait=False, cancel_futures=True)
+        for f in futures:
+            if f.done() and not f.cancelled() and f.exception() is not None:
+                exc.add_note(f"and beside it: {f.exception()!r}")
+        raise
+    pool.shutdown(wait=True)
+    errors = [f.exception() for f in futures if f.exception() is not None]
+    if errors:
+        for other in errors[1:]:
+            errors[0].add_note(f"and beside it: {other!r}")
+        raise errors[0]
+    return results + [f.result() for f in futures]
