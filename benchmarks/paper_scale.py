@@ -19,7 +19,7 @@ Assumptions (every one ours unless cited; the workloads' own are in their files,
   ranks of their own, sized from the 5:5 step and kept, the paper's "statically allocated encoder
   resources"; its throughput counts those GPUs); Optimus = ``optimus_static`` (static bubble filling);
   ours = ``isolated``, ``uniform_on_demand``, ``planned``.
-* Alpa-style AutoParallel (:func:`alpa`; Zheng et al., "Alpa", OSDI 2022), at 512 GPUs for 1:9, 5:5, 9:1
+* Alpa-style AutoParallel (:func:`alpa`; Zheng et al., "Alpa", OSDI 2022), at 512 GPUs for every image:text ratio of Figure 13
   and at 256 GPUs for the triple-modality 1:1:8 and 4:4:2: a planner that does not know the modalities
   apart. Assumptions: the encoders stay in the first stage's graph (``prepend_first_stage``); its
   inter-operator pass profiles that pipeline (even split, one simulation) and splits the layers so that
@@ -33,7 +33,7 @@ Assumptions (every one ours unless cited; the workloads' own are in their files,
   batch (32 packs x GPUs / 16). Alpa itself plans one graph with an ILP and a DP over stage slicings
   (not our enumeration), and does not run our trainer; what is kept is what matters here: a balanced
   but modality-unaware split and a searched layout.
-* Tuned plans of ours at 512 GPUs (1:9, 5:5, 9:1) and at 256 GPUs (image:audio:text 1:1:8, 4:4:2): :func:`omni_pipeline.tune.tune` with the trainer's
+* Tuned plans of ours at 512 GPUs (every ratio of Figure 13) and at 256 GPUs (image:audio:text 1:1:8, 4:4:2): :func:`omni_pipeline.tune.tune` with the trainer's
   preflight as its check (``omni_train.simulate.layout_check``), virtual stages, encoder ZeRO and
   selective recompute (``train.recompute_modules``) searched, ``max_sp = 4``, at the same global batch;
   uneven ``stage_layers`` searched for 1F1B layouts under ``uniform_on_demand`` only
@@ -389,7 +389,9 @@ def main(argv: list[str] | None = None) -> None:
     fig18 = ablation(256)
     fig20 = reorder_groups(vlm(7, 3), 256)
     tuned = tuning(64)
-    best13 = {":".join(map(str, mix)): best_plans(vlm, mix, 512) for mix in ((1, 9), (5, 5), (9, 1))}
+    best13 = {
+        ":".join(map(str, mix)): best_plans(vlm, mix, 512) for mix in RATIOS
+    }  # every ratio of Figure 13
     alpa17, tuned17 = {}, {}
     for mix in ((1, 1, 8), (4, 4, 2)):
         w = omni(*mix)
