@@ -389,9 +389,7 @@ def main(argv: list[str] | None = None) -> None:
     fig18 = ablation(256)
     fig20 = reorder_groups(vlm(7, 3), 256)
     tuned = tuning(64)
-    best13 = {
-        ":".join(map(str, mix)): best_plans(vlm, mix, 512) for mix in RATIOS
-    }  # every ratio of Figure 13
+    best13 = {":".join(map(str, mix)): best_plans(vlm, mix, 512) for mix in RATIOS}  # Figure 13's ratios
     alpa17, tuned17 = {}, {}
     for mix in ((1, 1, 8), (4, 4, 2)):
         w = omni(*mix)

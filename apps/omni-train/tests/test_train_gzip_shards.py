@@ -13,11 +13,10 @@ import signal
 import subprocess
 import sys
 import time
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
-from train_fixtures import make_dataset, write_config
+from train_fixtures import make_dataset, side_by_side, write_config
 
 from omni_parallel.testing import WorldError, run_world
 
@@ -65,14 +64,9 @@ def test_gzip_shards_train_like_plain_ones_and_resume_exactly(tmp_path):
     cfg_plain = write_config(tmp_path / "plain.toml", plain, steps=steps, every=2)
     cfg_gz = write_config(tmp_path / "gz.toml", gz, steps=steps, every=2)
     a, ref = tmp_path / "a", tmp_path / "plain"
-    # The 2-process world training on the plain and the gzip shards runs side by side with the CLI run
-    # below that is killed and resumed (other run folders): a launcher imports torch on one core, and two
-    # pipeline ranks leave a core half idle.
-    with ThreadPoolExecutor(1) as pool:
-        world = pool.submit(
-            run_world, _train, 2, timeout_s=600, args=([str(cfg_plain), str(cfg_gz)], [str(ref), str(a)])
-        )
-        b = tmp_path / "b"
+    b = tmp_path / "b"
+
+    def killed_and_resumed() -> None:
         p = _cli("run", "--config", str(cfg_gz), "--out", str(b), start_new_session=True)
         try:
             latest = b / "checkpoints" / "latest"
@@ -91,7 +85,14 @@ def test_gzip_shards_train_like_plain_ones_and_resume_exactly(tmp_path):
         finally:  # a failed wait leaves no run going: each CLI run leads a session of its own
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(p.pid, signal.SIGKILL)
-        world.result()
+
+    # The 2-process world training on the plain and the gzip shards runs side by side with the CLI run
+    # that is killed and resumed (other run folders): a launcher imports torch on one core, and two
+    # pipeline ranks leave a core half idle.
+    side_by_side(
+        killed_and_resumed,
+        lambda: run_world(_train, 2, timeout_s=600, args=([str(cfg_plain), str(cfg_gz)], [str(ref), str(a)])),
+    )
     assert len(_losses(a)) == steps and _losses(a) == _losses(ref)  # the same samples, bit for bit
     assert _losses(b) == _losses(a)  # step for step, bit for bit
 
